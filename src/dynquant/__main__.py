@@ -1,0 +1,5 @@
+import sys
+
+from dynquant.cli import main
+
+sys.exit(main())

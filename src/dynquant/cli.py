@@ -1,0 +1,143 @@
+"""The ``dynquant`` command line: a thin layer over the Python API.
+
+Errors that come from bad input are printed in one line (no traceback) and exit non-zero.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from collections.abc import Sequence
+
+from dynquant.errors import DynquantError
+from dynquant.format.jsonstyle import dumps
+
+EXIT_INVALID = 1
+EXIT_ERROR = 2
+
+
+def _cmd_plan(args: argparse.Namespace) -> int:
+    from dynquant.format.planner import plan_document
+    from dynquant.format.summary import render_summary
+    from dynquant.format.widths_file import load_widths
+    from dynquant.models.sources import resolve_model
+
+    source = resolve_model(args.model)
+    doc = plan_document(source.tensor_specs(), load_widths(args.widths), model=args.model,
+                        group_size=args.group_size, tied=source.tied, widths_from=args.widths)
+    if args.json:
+        print(dumps(doc))
+    else:
+        render_summary(doc, f"plan: {args.model} with widths from {args.widths}")
+    return 0
+
+
+def _cmd_inspect(args: argparse.Namespace) -> int:
+    from dynquant.format.summary import render_summary
+    from dynquant.format.validate import load_metadata
+
+    path = args.checkpoint
+    from pathlib import Path
+
+    meta = Path(path) / "dynquant.json" if Path(path).is_dir() else Path(path)
+    doc = load_metadata(str(meta))
+    from dynquant.format.validate import validate_metadata
+
+    problems = validate_metadata(doc, str(meta))
+    if problems:
+        raise problems[0]
+    if args.json:
+        print(json.dumps(doc, indent=2))
+    else:
+        render_summary(doc, f"checkpoint: {path}")
+    return 0
+
+
+def _cmd_validate(args: argparse.Namespace) -> int:
+    from dynquant.format.validate import validate_checkpoint
+
+    problems = validate_checkpoint(args.checkpoint)
+    for p in problems:
+        print(f"invalid: {p}", file=sys.stderr)
+    if problems:
+        return EXIT_INVALID
+    print(f"{args.checkpoint}: valid")
+    return 0
+
+
+def _cmd_quantize(args: argparse.Namespace) -> int:
+    from dynquant.format.summary import render_summary
+    from dynquant.format.widths_file import load_widths
+    from dynquant.models.sources import resolve_model
+    from dynquant.pipeline.quantize import quantize_model
+
+    source = resolve_model(args.model)
+    doc = quantize_model(source, load_widths(args.widths), args.output,
+                         group_size=args.group_size, random_init=args.random_init,
+                         seed=args.seed, overwrite=args.overwrite, widths_from=args.widths,
+                         progress=not args.quiet)
+    if not args.quiet:
+        render_summary(doc, f"quantized {args.model} -> {args.output}")
+    return 0
+
+
+def _cmd_demo(args: argparse.Namespace) -> int:
+    from dynquant.pipeline.demo import run_demo
+
+    run_demo(args.output)
+    return 0
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="dynquant", description=__doc__.splitlines()[0])
+    sub = parser.add_subparsers(dest="command", required=True)
+
+    p = sub.add_parser("plan", help="predicted layers table and accounting, touching no weight")
+    p.add_argument("model", help="model directory, config.json, or preset (seed, tiny, small)")
+    p.add_argument("--widths", required=True, help="dynquant.json or widths JSON {module: bits}")
+    p.add_argument("--group-size", type=int, default=128)
+    p.add_argument("--json", action="store_true", help="print the predicted dynquant.json")
+    p.set_defaults(func=_cmd_plan)
+
+    p = sub.add_parser("inspect", help="summarise a checkpoint or dynquant.json")
+    p.add_argument("checkpoint")
+    p.add_argument("--json", action="store_true", help="print the metadata as JSON")
+    p.set_defaults(func=_cmd_inspect)
+
+    p = sub.add_parser("validate", help="check a checkpoint (exit 1 with one line per problem)")
+    p.add_argument("checkpoint", help="checkpoint directory or a bare dynquant.json")
+    p.set_defaults(func=_cmd_validate)
+
+    p = sub.add_parser("quantize", help="quantize a model with given widths")
+    p.add_argument("model")
+    p.add_argument("--widths", required=True)
+    p.add_argument("-o", "--output", required=True)
+    p.add_argument("--group-size", type=int, default=128)
+    p.add_argument("--random-init", action="store_true",
+                   help="i.i.d. Gaussian weights, generated module by module (presets)")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--overwrite", action="store_true")
+    p.add_argument("--quiet", action="store_true")
+    p.set_defaults(func=_cmd_quantize)
+
+    p = sub.add_parser("demo", help="the main job on the bundled default")
+    p.add_argument("-o", "--output", default="out/demo")
+    p.set_defaults(func=_cmd_demo)
+    return parser
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    try:
+        return args.func(args)
+    except DynquantError as exc:
+        print(f"dynquant: error: {exc}", file=sys.stderr)
+        return EXIT_ERROR
+    except OSError as exc:
+        print(f"dynquant: error: {exc}", file=sys.stderr)
+        return EXIT_ERROR
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,1 @@
+"""The format layer: schema, layout, packing, metadata and checkpoint files. No model code here."""

@@ -1,0 +1,1 @@
+"""Models: the reference hybrid architecture, presets, and reading model sources."""

@@ -1,0 +1,57 @@
+"""Resolving a MODEL argument: a built-in preset, a model directory, or a config.json."""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+from pathlib import Path
+
+from transformers import AutoConfig, PretrainedConfig
+
+from dynquant.errors import ModelError
+from dynquant.format.planner import TensorSpec
+from dynquant.models.hybrid.configuration import DynquantHybridConfig
+from dynquant.models.hybrid.inventory import hybrid_tensor_specs
+from dynquant.models.inventory import transformers_specs
+from dynquant.models.presets import PRESETS, preset_config
+from dynquant.models.registration import register
+
+
+@dataclass
+class ModelSource:
+    """What a quantization needs to know about a model before reading any weight."""
+
+    name: str  # as the user gave it (recorded in provenance)
+    config: PretrainedConfig
+    directory: Path | None  # where weights and tokenizer files live, if anywhere
+
+    def tensor_specs(self, lm_head_quantized: bool = False) -> list[TensorSpec]:
+        if isinstance(self.config, DynquantHybridConfig):
+            return hybrid_tensor_specs(self.config)
+        return transformers_specs(self.config, lm_head_quantized)
+
+    @property
+    def tied(self) -> dict[str, str]:
+        if getattr(self.config, "tie_word_embeddings", False):
+            return {"lm_head": "model.embed_tokens"}
+        return {}
+
+
+def resolve_model(model: str) -> ModelSource:
+    """A preset name, a directory holding config.json, or a config.json file."""
+    register()
+    path = Path(model)
+    if not path.exists():
+        if model in PRESETS:
+            return ModelSource(model, preset_config(model), None)
+        raise ModelError(f"no such model directory, config.json or preset "
+                         f"(presets: {', '.join(PRESETS)})", file=model)
+    directory = path if path.is_dir() else path.parent
+    cfg_file = path / "config.json" if path.is_dir() else path
+    if not cfg_file.is_file():
+        raise ModelError("no config.json in the model directory", file=str(path))
+    try:
+        config = AutoConfig.from_pretrained(str(cfg_file) if path.is_file() else str(path))
+    except (ValueError, OSError, KeyError) as exc:
+        raise ModelError(f"cannot read the model config ({exc})", file=str(cfg_file)) from exc
+    return ModelSource(model, config, directory if os.path.isdir(directory) else None)

@@ -1,0 +1,1 @@
+"""Numerics: the group-wise asymmetric quantizer and its error measures."""

@@ -1,0 +1,1 @@
+"""The pipeline: measure, allocate, quantize, evaluate."""
