@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from transformers import AutoConfig
+from transformers import AutoConfig, AutoModelForCausalLM
 
 from dynquant.models.hybrid.configuration import DynquantHybridConfig
 
@@ -13,5 +13,8 @@ def register() -> None:
     global _done
     if _done:
         return
+    from dynquant.models.hybrid.modeling import DynquantHybridForCausalLM
+
     AutoConfig.register(DynquantHybridConfig.model_type, DynquantHybridConfig, exist_ok=True)
+    AutoModelForCausalLM.register(DynquantHybridConfig, DynquantHybridForCausalLM, exist_ok=True)
     _done = True

@@ -10,9 +10,10 @@ from transformers import AutoConfig, PretrainedConfig
 
 from dynquant.errors import ModelError
 from dynquant.format.planner import TensorSpec
+from dynquant.models.disk_layout import conversion_transforms
 from dynquant.models.hybrid.configuration import DynquantHybridConfig
 from dynquant.models.hybrid.inventory import hybrid_tensor_specs
-from dynquant.models.inventory import transformers_specs
+from dynquant.models.inventory import meta_model, transformers_specs
 from dynquant.models.presets import PRESETS, preset_config
 from dynquant.models.registration import register
 
@@ -29,6 +30,12 @@ class ModelSource:
         if isinstance(self.config, DynquantHybridConfig):
             return hybrid_tensor_specs(self.config)
         return transformers_specs(self.config, lm_head_quantized)
+
+    def conversion_transforms(self) -> list:
+        """How the stored tensors map onto the model's parameters (see models.disk_layout)."""
+        if isinstance(self.config, DynquantHybridConfig):
+            return []
+        return conversion_transforms(meta_model(self.config))
 
     @property
     def tied(self) -> dict[str, str]:

@@ -26,7 +26,7 @@ def weight_source(source: ModelSource, random_init: bool, seed: int = 0) -> Weig
         return RandomWeights(seed, std=getattr(source.config, "initializer_range", 0.02))
     if source.directory is None:
         raise DynquantError("a preset has no weights: pass --random-init", file=source.name)
-    return SafetensorsWeights(source.directory)
+    return SafetensorsWeights(source.directory, source.conversion_transforms())
 
 
 def quantize_model(

@@ -14,6 +14,7 @@ from safetensors import safe_open
 from dynquant.errors import ModelError
 from dynquant.format.planner import TensorSpec
 from dynquant.format.safetensors_header import read_header
+from dynquant.models.disk_layout import DiskLayout
 
 
 class WeightSource:
@@ -43,7 +44,7 @@ class RandomWeights(WeightSource):
 class SafetensorsWeights(WeightSource):
     """Memory-mapped tensors of a model directory (one file or shards with an index)."""
 
-    def __init__(self, directory: Path) -> None:
+    def __init__(self, directory: Path, transforms: list | None = None) -> None:
         self.directory = directory
         index = directory / "model.safetensors.index.json"
         if index.is_file():
@@ -54,24 +55,25 @@ class SafetensorsWeights(WeightSource):
             raise ModelError("no safetensors weights in the model directory",
                              file=str(directory))
         self._where = {name: f for f in files for name in read_header(str(directory / f))}
+        self.layout = DiskLayout(sorted(self._where), transforms or [])
         self._stack = ExitStack()
         self._handles: dict[str, object] = {}
 
-    def names(self) -> list[str]:
-        return sorted(self._where)
-
-    def get(self, spec: TensorSpec) -> torch.Tensor:
-        f = self._where.get(spec.name)
-        if f is None:
-            raise ModelError("tensor missing from the model's safetensors",
-                             file=str(self.directory), module=spec.name)
+    def _read(self, stored: str) -> torch.Tensor:
+        f = self._where[stored]
         if f not in self._handles:
             self._handles[f] = self._stack.enter_context(
                 safe_open(str(self.directory / f), framework="pt"))
-        tensor = self._handles[f].get_tensor(spec.name)
+        return self._handles[f].get_tensor(stored)
+
+    def get(self, spec: TensorSpec) -> torch.Tensor:
+        tensor = self.layout.assemble(spec.name, self._read)
+        if tensor is None:
+            raise ModelError("tensor missing from the model's safetensors",
+                             file=str(self.directory), module=spec.name)
         if tuple(tensor.shape) != spec.shape:
             raise ModelError(f"shape {list(tensor.shape)} but the config gives {list(spec.shape)}",
-                             file=str(self.directory / f), module=spec.name, field="shape")
+                             file=str(self.directory), module=spec.name, field="shape")
         return tensor
 
     def close(self) -> None:

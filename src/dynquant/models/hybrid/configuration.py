@@ -55,4 +55,8 @@ class DynquantHybridConfig(PretrainedConfig):
         self.rope_theta = rope_theta
         self.max_position_embeddings = max_position_embeddings
         self.initializer_range = initializer_range
+        # LFM2-style layer types: transformers' DynamicCache keeps conv state for "conv" layers.
+        self.layer_types = ["full_attention" if i in self.attention_layers else "conv"
+                            for i in range(num_hidden_layers)]
+        kwargs.pop("layer_types", None)
         super().__init__(tie_word_embeddings=tie_word_embeddings, **kwargs)

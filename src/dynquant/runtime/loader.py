@@ -1,0 +1,141 @@
+"""``dynquant.load``: a dynquant checkpoint -> a ready transformers model with packed modules."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import torch
+from torch import nn
+from transformers import AutoConfig, AutoModelForCausalLM, PretrainedConfig
+
+from dynquant.checkpoint.reader import Checkpoint, open_checkpoint
+from dynquant.errors import CheckpointError
+from dynquant.models.registration import register
+from dynquant.runtime.empty_init import parameters_on_meta
+from dynquant.runtime.packed_modules import (
+    PackedWeight,
+    QuantEmbedding,
+    QuantExpertBank,
+    QuantLinear,
+    TiedQuantHead,
+)
+
+COMPUTE_DTYPE = torch.bfloat16
+
+
+def _parent(model: nn.Module, name: str) -> tuple[nn.Module, str]:
+    parent_name, _, attr = name.rpartition(".")
+    return (model.get_submodule(parent_name) if parent_name else model), attr
+
+
+def packed_module_for(model: nn.Module, name: str, ck_layout, dtype: torch.dtype
+                      ) -> tuple[nn.Module, str, PackedWeight]:
+    """Which packed module replaces quantized module ``name``, and where it goes."""
+    parent, attr = _parent(model, name)
+    target = getattr(parent, attr, None)
+    if isinstance(target, nn.Linear):
+        bias = None if target.bias is None else torch.empty_like(target.bias, device="meta")
+        return parent, attr, QuantLinear(ck_layout, bias, dtype)
+    if isinstance(target, nn.Embedding):
+        return parent, attr, QuantEmbedding(ck_layout, dtype, target.padding_idx)
+    if isinstance(target, nn.Parameter) and target.ndim == 3:
+        return parent, attr, QuantExpertBank(ck_layout, dtype)
+    raise CheckpointError(f"the model has no Linear, Embedding or 3-D parameter here "
+                          f"(found {type(target).__name__})", module=name)
+
+
+def install_packed_modules(model: nn.Module, ck: Checkpoint, dtype: torch.dtype
+                           ) -> dict[str, PackedWeight]:
+    packed = {}
+    for name, layout in ck.layers.items():
+        parent, attr, module = packed_module_for(model, name, layout, dtype)
+        if attr in parent._parameters:
+            del parent._parameters[attr]
+        setattr(parent, attr, module)
+        packed[name] = module
+    return packed
+
+
+def _load_tensors(model: nn.Module, ck: Checkpoint, packed: dict[str, PackedWeight],
+                  dtype: torch.dtype) -> None:
+    state = {}
+    for name, module in packed.items():
+        for part in ("qweight", "scales", "offsets"):
+            state[f"{name}.{part}"] = ck.tensor(f"{name}.{part}")
+    for name in ck.dense_names():
+        t = ck.tensor(name)
+        state[name] = t.to(dtype) if t.is_floating_point() else t
+    missing, unexpected = model.load_state_dict(state, strict=False, assign=True)
+    if unexpected:
+        raise CheckpointError(f"tensors the model does not have: {unexpected[:5]}",
+                              file=str(ck.path))
+
+
+def _tie_head(model: nn.Module, ck: Checkpoint, dtype: torch.dtype) -> None:
+    if "lm_head" not in ck.tied:
+        return
+    embed = model.get_input_embeddings()
+    if isinstance(embed, QuantEmbedding):
+        model.lm_head = TiedQuantHead(embed)
+    else:
+        model.lm_head.weight = embed.weight
+
+
+def _check_materialised(model: nn.Module, ck: Checkpoint) -> None:
+    for name, t in [*model.named_parameters(), *model.named_buffers()]:
+        if t.is_meta:
+            raise CheckpointError("tensor missing from the checkpoint", file=str(ck.path),
+                                  module=name)
+
+
+def model_config(path: Path) -> PretrainedConfig:
+    register()
+    config = AutoConfig.from_pretrained(str(path))
+    # The checkpoint is loaded by dynquant itself, not by a transformers quantizer.
+    if hasattr(config, "quantization_config"):
+        del config.quantization_config
+    return config
+
+
+def load(path: str | Path, device: str = "cpu", dtype: torch.dtype = COMPUTE_DTYPE
+         ) -> nn.Module:
+    """A ready model (eval mode) whose quantizable modules are packed modules."""
+    ck = open_checkpoint(path)
+    config = model_config(Path(path))
+    with parameters_on_meta():
+        model = AutoModelForCausalLM.from_config(config, dtype=dtype)
+    if hasattr(model, "set_experts_implementation"):
+        try:  # experts index their banks one expert at a time: the eager path does that
+            model.set_experts_implementation("eager")
+        except (ValueError, AttributeError):
+            pass
+    packed = install_packed_modules(model, ck, dtype)
+    _load_tensors(model, ck, packed, dtype)
+    _tie_head(model, ck, dtype)
+    _check_materialised(model, ck)
+    for module in packed.values():
+        if isinstance(module, QuantLinear):
+            module.prepare()
+    return model.to(device).eval()
+
+
+def load_dequantized(path: str | Path, dtype: torch.dtype = COMPUTE_DTYPE) -> nn.Module:
+    """The float model holding the checkpoint's dequantized weights: the reference that the packed
+    model is held to (and how other tools' outputs are evaluated)."""
+    ck = open_checkpoint(path)
+    config = model_config(Path(path))
+    with parameters_on_meta():
+        model = AutoModelForCausalLM.from_config(config, dtype=dtype)
+    state = {}
+    for name in ck.layers:
+        parent, attr = _parent(model, name)
+        key = name if isinstance(getattr(parent, attr), nn.Parameter) else f"{name}.weight"
+        state[key] = ck.dequantize(name, dtype)
+    for name in ck.dense_names():
+        t = ck.tensor(name)
+        state[name] = t.to(dtype) if t.is_floating_point() else t
+    model.load_state_dict(state, strict=False, assign=True)
+    if "lm_head" in ck.tied:
+        model.lm_head.weight = model.get_input_embeddings().weight
+    _check_materialised(model, ck)
+    return model.eval()

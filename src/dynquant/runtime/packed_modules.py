@@ -1,0 +1,121 @@
+"""Packed modules: they hold qweight / scales / offsets and dequantize on the fly.
+
+- ``QuantLinear``: a Linear; 4-bit modules use torch's CPU int4 kernel, others dequantize.
+- ``QuantEmbedding``: dequantizes only the rows a batch looks up; ``TiedQuantHead`` runs a tied
+  lm_head from it in row chunks.
+- ``QuantExpertBank``: a 3-D expert bank; ``bank[e]`` dequantizes expert ``e`` alone.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from dynquant.format.layout import LayerLayout
+from dynquant.numerics.quantizer import dequantize, dequantize_rows
+from dynquant.runtime.int4_cpu import int4_linear, int4_supported, pack_int4
+
+HEAD_CHUNK_ROWS = 16384
+
+
+class PackedWeight(nn.Module):
+    """The three stored tensors of a quantized module, as buffers (state-dict keys M.qweight...)."""
+
+    def __init__(self, layout: LayerLayout, compute_dtype: torch.dtype = torch.bfloat16) -> None:
+        super().__init__()
+        self.layout, self.compute_dtype = layout, compute_dtype
+        self.register_buffer("qweight", torch.empty(layout.qweight_shape, dtype=torch.int32,
+                                                    device="meta"))
+        self.register_buffer("scales", torch.empty(layout.scales_shape, dtype=torch.bfloat16,
+                                                   device="meta"))
+        self.register_buffer("offsets", torch.empty(layout.scales_shape, dtype=torch.bfloat16,
+                                                    device="meta"))
+
+    def dequantize(self, dtype: torch.dtype | None = None) -> torch.Tensor:
+        return dequantize(self.qweight, self.scales, self.offsets, self.layout,
+                          dtype or self.compute_dtype)
+
+    def dequantize_rows(self, start: int, stop: int, dtype: torch.dtype | None = None
+                        ) -> torch.Tensor:
+        lay = self.layout
+        return dequantize_rows(self.qweight[start:stop], self.scales[start:stop],
+                               self.offsets[start:stop], lay.bits, lay.group_size,
+                               lay.in_features, dtype or self.compute_dtype)
+
+    def extra_repr(self) -> str:
+        lay = self.layout
+        return f"shape={list(lay.logical_shape)}, bits={lay.bits}, group_size={lay.group_size}"
+
+
+class QuantLinear(PackedWeight):
+    def __init__(self, layout: LayerLayout, bias: torch.Tensor | None = None,
+                 compute_dtype: torch.dtype = torch.bfloat16, use_int4: bool = True) -> None:
+        super().__init__(layout, compute_dtype)
+        self.out_features, self.in_features = layout.logical_shape
+        self.bias = None if bias is None else nn.Parameter(bias, requires_grad=False)
+        self.use_int4 = use_int4 and layout.bits == 4 and int4_supported(
+            self.out_features, self.in_features, layout.group_size)
+        self._int4: tuple[torch.Tensor, torch.Tensor] | None = None
+
+    def prepare(self) -> None:
+        """Convert to the int4 kernel's layout once the buffers hold real data."""
+        if self.use_int4 and self.qweight.device.type == "cpu":
+            packed, scale_zero = pack_int4(self.qweight, self.scales, self.offsets)
+            # The kernel's copy replaces ours: the codes are stored once.
+            self._int4 = (packed, scale_zero)
+            self.qweight = torch.empty(0, dtype=torch.int32)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self._int4 is not None:
+            y = int4_linear(x, *self._int4, self.layout.group_size)
+            return y if self.bias is None else y + self.bias.to(y.dtype)
+        w = self.dequantize(x.dtype)
+        return F.linear(x, w, None if self.bias is None else self.bias.to(x.dtype))
+
+
+class QuantEmbedding(PackedWeight):
+    def __init__(self, layout: LayerLayout, compute_dtype: torch.dtype = torch.bfloat16,
+                 padding_idx: int | None = None) -> None:
+        super().__init__(layout, compute_dtype)
+        self.num_embeddings, self.embedding_dim = layout.logical_shape
+        self.padding_idx = padding_idx
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        rows, inverse = torch.unique(ids, return_inverse=True)
+        lay = self.layout
+        table = dequantize_rows(self.qweight[rows], self.scales[rows], self.offsets[rows],
+                                lay.bits, lay.group_size, lay.in_features, self.compute_dtype)
+        return table[inverse]
+
+
+class TiedQuantHead(nn.Module):
+    """A tied lm_head computed from the packed embedding, ``HEAD_CHUNK_ROWS`` vocab rows at a time."""
+
+    def __init__(self, embedding: QuantEmbedding) -> None:
+        super().__init__()
+        self.embedding = [embedding]  # a list: not a submodule, so its buffers are not duplicated
+
+    def forward(self, h: torch.Tensor) -> torch.Tensor:
+        emb = self.embedding[0]
+        parts = [h @ emb.dequantize_rows(s, min(s + HEAD_CHUNK_ROWS, emb.num_embeddings),
+                                         h.dtype).T
+                 for s in range(0, emb.num_embeddings, HEAD_CHUNK_ROWS)]
+        return torch.cat(parts, dim=-1)
+
+
+class QuantExpertBank(PackedWeight):
+    """``bank[e]`` is expert ``e``'s matrix ``logical_shape[1:]`` in the compute dtype."""
+
+    def __getitem__(self, e: int | torch.Tensor) -> torch.Tensor:
+        e = int(e)
+        per = self.layout.num_rows // self.layout.logical_shape[0]
+        w = self.dequantize_rows(e * per, (e + 1) * per)
+        return w.reshape(self.layout.logical_shape[1:])
+
+    @property
+    def shape(self) -> torch.Size:
+        return torch.Size(self.layout.logical_shape)
+
+    def __len__(self) -> int:
+        return self.layout.logical_shape[0]
