@@ -59,13 +59,13 @@ def install_packed_modules(model: nn.Module, ck: Checkpoint, dtype: torch.dtype
 def _load_tensors(model: nn.Module, ck: Checkpoint, packed: dict[str, PackedWeight],
                   dtype: torch.dtype) -> None:
     state = {}
-    for name, module in packed.items():
+    for name in packed:
         for part in ("qweight", "scales", "offsets"):
             state[f"{name}.{part}"] = ck.tensor(f"{name}.{part}")
     for name in ck.dense_names():
         t = ck.tensor(name)
         state[name] = t.to(dtype) if t.is_floating_point() else t
-    missing, unexpected = model.load_state_dict(state, strict=False, assign=True)
+    _, unexpected = model.load_state_dict(state, strict=False, assign=True)
     if unexpected:
         raise CheckpointError(f"tensors the model does not have: {unexpected[:5]}",
                               file=str(ck.path))
@@ -97,18 +97,22 @@ def model_config(path: Path) -> PretrainedConfig:
     return config
 
 
+def empty_model(config: PretrainedConfig, dtype: torch.dtype) -> nn.Module:
+    """The model's skeleton: parameters on the meta device, real buffers."""
+    with parameters_on_meta():
+        model = AutoModelForCausalLM.from_config(config, dtype=dtype)
+    if getattr(model, "_can_set_experts_implementation", lambda: False)():
+        # Expert banks are indexed one expert at a time (``bank[e]``): the eager path does that.
+        model.set_experts_implementation("eager")
+    return model
+
+
 def load(path: str | Path, device: str = "cpu", dtype: torch.dtype = COMPUTE_DTYPE
          ) -> nn.Module:
     """A ready model (eval mode) whose quantizable modules are packed modules."""
     ck = open_checkpoint(path)
     config = model_config(Path(path))
-    with parameters_on_meta():
-        model = AutoModelForCausalLM.from_config(config, dtype=dtype)
-    if hasattr(model, "set_experts_implementation"):
-        try:  # experts index their banks one expert at a time: the eager path does that
-            model.set_experts_implementation("eager")
-        except (ValueError, AttributeError):
-            pass
+    model = empty_model(config, dtype)
     packed = install_packed_modules(model, ck, dtype)
     _load_tensors(model, ck, packed, dtype)
     _tie_head(model, ck, dtype)
@@ -124,8 +128,7 @@ def load_dequantized(path: str | Path, dtype: torch.dtype = COMPUTE_DTYPE) -> nn
     model is held to (and how other tools' outputs are evaluated)."""
     ck = open_checkpoint(path)
     config = model_config(Path(path))
-    with parameters_on_meta():
-        model = AutoModelForCausalLM.from_config(config, dtype=dtype)
+    model = empty_model(config, dtype)
     state = {}
     for name in ck.layers:
         parent, attr = _parent(model, name)

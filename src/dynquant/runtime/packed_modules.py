@@ -62,9 +62,24 @@ class QuantLinear(PackedWeight):
         """Convert to the int4 kernel's layout once the buffers hold real data."""
         if self.use_int4 and self.qweight.device.type == "cpu":
             packed, scale_zero = pack_int4(self.qweight, self.scales, self.offsets)
-            # The kernel's copy replaces ours: the codes are stored once.
+            # The kernel's copy replaces ours: codes and scales are held once.
             self._int4 = (packed, scale_zero)
             self.qweight = torch.empty(0, dtype=torch.int32)
+            self.scales = self.offsets = torch.empty(0, dtype=torch.bfloat16)
+
+    def dequantize(self, dtype: torch.dtype | None = None) -> torch.Tensor:
+        if self._int4 is not None:  # rebuild from the kernel's layout (for inspection only)
+            eye = torch.eye(self.in_features, dtype=torch.bfloat16)
+            w = int4_linear(eye, *self._int4, self.layout.group_size).T
+            return w.to(dtype or self.compute_dtype)
+        return super().dequantize(dtype)
+
+    def resident_nbytes(self) -> int:
+        tensors = [*self._int4] if self._int4 is not None else [self.qweight, self.scales,
+                                                                  self.offsets]
+        if self.bias is not None:
+            tensors.append(self.bias)
+        return sum(t.numel() * t.element_size() for t in tensors)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self._int4 is not None:

@@ -35,8 +35,12 @@ class Rotary(nn.Module):
 
     def __init__(self, head_dim: int, theta: float) -> None:
         super().__init__()
-        inv_freq = 1.0 / (theta ** (torch.arange(0, head_dim, 2, dtype=torch.float32) / head_dim))
-        self.register_buffer("inv_freq", inv_freq, persistent=False)
+        self.head_dim, self.theta = head_dim, theta
+        self.register_buffer("inv_freq", self.frequencies(), persistent=False)
+
+    def frequencies(self) -> torch.Tensor:
+        d = self.head_dim
+        return 1.0 / (self.theta ** (torch.arange(0, d, 2, dtype=torch.float32) / d))
 
     def forward(self, positions: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, ...]:
         freqs = positions[..., None].float() * self.inv_freq  # (B, T, d/2)
@@ -168,6 +172,8 @@ class DynquantHybridPreTrainedModel(PreTrainedModel):
                 p.normal_(0.0, std)
         elif isinstance(module, RMSNorm):
             module.weight.fill_(1.0)
+        elif isinstance(module, Rotary):  # from_pretrained builds buffers on meta: recompute
+            module.inv_freq.copy_(module.frequencies())
 
 
 class DynquantHybridModel(DynquantHybridPreTrainedModel):

@@ -1,0 +1,82 @@
+"""Every supported family: quantize a tiny random instance, load it packed, match the float model."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+from transformers import AutoModelForCausalLM
+
+from dynquant import validate_checkpoint
+from dynquant.models.sources import resolve_model
+from dynquant.pipeline.quantize import quantize_model
+from dynquant.runtime.loader import load, load_dequantized
+from dynquant.runtime.packed_modules import QuantEmbedding, QuantExpertBank, QuantLinear
+from model_zoo import family_configs, save_tiny_model
+
+FAMILIES = sorted(family_configs())
+CYCLE = (2, 3, 4, 8)
+
+
+@pytest.fixture(scope="module")
+def quantized(tmp_path_factory):
+    """family -> (source dir, checkpoint dir, metadata, specs)."""
+    out = {}
+    for family in FAMILIES:
+        root = tmp_path_factory.mktemp(family)
+        src_dir = save_tiny_model(family, root / "src")
+        source = resolve_model(str(src_dir))
+        specs = source.tensor_specs()
+        modules = sorted(s.module for s in specs if s.quantizable)
+        widths = {m: CYCLE[i % len(CYCLE)] for i, m in enumerate(modules)}
+        doc = quantize_model(source, widths, root / "q", progress=False)
+        out[family] = (src_dir, root / "q", doc, specs)
+    return out
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_checkpoint_is_valid_and_accounts_for_every_weight(quantized, family):
+    src_dir, ck_dir, doc, specs = quantized[family]
+    assert validate_checkpoint(str(ck_dir)) == []
+    original = AutoModelForCausalLM.from_pretrained(src_dir)
+    total = sum(p.numel() for p in original.parameters())  # tied weights counted once
+    dense = sum(math.prod(s.shape) for s in specs if not s.quantizable)
+    assert doc["accounting"]["quantized_elements"] + dense == total
+    banks = [s.module for s in specs if s.quantizable and len(s.shape) == 3]
+    assert doc["expert_banks"] == sorted(banks)
+    if family in ("qwen3_moe", "mixtral", "olmoe", "lfm2_moe", "dynquant_hybrid"):
+        assert banks, "an MoE family must expose its experts as banks"
+    # nothing routed as a router or norm was quantized
+    assert not any(n.endswith((".gate", ".router")) or "norm" in n for n in doc["layers"])
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_packed_model_matches_the_dequantized_float_model(quantized, family):
+    _, ck_dir, doc, _ = quantized[family]
+    packed = load(ck_dir)
+    kinds = {type(m) for m in packed.modules()}
+    assert QuantLinear in kinds and QuantEmbedding in kinds
+    assert (QuantExpertBank in kinds) == bool(doc["expert_banks"])
+    reference = load_dequantized(ck_dir)
+    ids = torch.randint(0, 384, (2, 12), generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        a = packed(ids).logits.float()
+        b = reference(ids).logits.float()
+    torch.testing.assert_close(a, b, atol=2e-2, rtol=2e-2)
+
+
+@pytest.mark.parametrize("family", ["llama", "qwen3_moe"])
+def test_dequantized_weights_are_close_to_the_source(quantized, family):
+    src_dir, ck_dir, doc, _ = quantized[family]
+    from dynquant import open_checkpoint
+    from dynquant.pipeline.weights import SafetensorsWeights
+
+    ck = open_checkpoint(ck_dir)
+    source = resolve_model(str(src_dir))
+    weights = SafetensorsWeights(src_dir, source.conversion_transforms())
+    for spec in source.tensor_specs():
+        if spec.module in doc["layers"] and doc["layers"][spec.module]["bits"] == 8:
+            w = weights.get(spec).float()
+            rel = ((ck.dequantize(spec.module).float() - w).norm() / w.norm()).item()
+            assert rel < 0.01, spec.module

@@ -1,0 +1,96 @@
+"""Packed modules against the dequantize reference; resident memory; the int4 fast path."""
+
+from __future__ import annotations
+
+import torch
+
+from dynquant import quantize_tensor
+from dynquant.format.layout import LayerLayout
+from dynquant.models.hybrid.modeling import DynquantHybridForCausalLM
+from dynquant.models.presets import preset_config
+from dynquant.models.sources import resolve_model
+from dynquant.pipeline.demo import demo_widths
+from dynquant.pipeline.quantize import quantize_model
+from dynquant.runtime.loader import load
+from dynquant.runtime.memory import resident_weight_nbytes
+from dynquant.runtime.packed_modules import (
+    QuantEmbedding,
+    QuantExpertBank,
+    QuantLinear,
+    TiedQuantHead,
+)
+
+
+def _packed(cls, w: torch.Tensor, bits: int, gs: int = 128, **kw):
+    qt = quantize_tensor(w, bits, gs)
+    module = cls(LayerLayout.create(tuple(w.shape), bits, gs), **kw)
+    module.qweight, module.scales, module.offsets = qt.qweight, qt.scales, qt.offsets
+    return module, qt
+
+
+def test_int4_kernel_matches_the_dequantize_reference():
+    g = torch.Generator().manual_seed(0)
+    w = torch.randn(192, 512, generator=g)
+    lin, qt = _packed(QuantLinear, w, 4)
+    assert lin.use_int4
+    x = torch.randn(3, 5, 512, generator=g).to(torch.bfloat16)
+    ref = x.float() @ qt.dequantize(torch.float32).T
+    lin.prepare()
+    assert lin._int4 is not None
+    y = lin(x)
+    assert y.shape == (3, 5, 192) and y.dtype == torch.bfloat16
+    # bf16 tolerance: the kernel takes bf16 zero points and accumulates bf16 activations
+    err = (y.float() - ref).abs().max() / ref.abs().max()
+    assert err < 1e-2
+    # and the kernel's weights are exactly ours, up to the bf16 zero point
+    torch.testing.assert_close(lin.dequantize(torch.float32), qt.dequantize(torch.float32),
+                               atol=0.02, rtol=0.01)
+
+
+def test_dequantize_path_for_other_widths_and_bias():
+    g = torch.Generator().manual_seed(1)
+    w = torch.randn(24, 100, generator=g)
+    bias = torch.randn(24, generator=g)
+    lin, qt = _packed(QuantLinear, w, 3, bias=bias, compute_dtype=torch.float32)
+    lin.prepare()
+    assert lin._int4 is None
+    x = torch.randn(4, 100, generator=g)
+    torch.testing.assert_close(lin(x), x @ qt.dequantize(torch.float32).T + bias)
+
+
+def test_embedding_dequantizes_only_looked_up_rows():
+    g = torch.Generator().manual_seed(2)
+    w = torch.randn(1000, 64, generator=g)
+    emb, qt = _packed(QuantEmbedding, w, 4, compute_dtype=torch.float32)
+    ids = torch.tensor([[5, 999, 5], [0, 17, 3]])
+    table = qt.dequantize(torch.float32)
+    torch.testing.assert_close(emb(ids), table[ids], atol=0, rtol=0)
+    head = TiedQuantHead(emb)
+    h = torch.randn(2, 64, generator=g)
+    torch.testing.assert_close(head(h), h @ table.T)
+
+
+def test_expert_bank_indexes_one_expert():
+    g = torch.Generator().manual_seed(3)
+    w = torch.randn(4, 64, 96, generator=g)
+    bank, qt = _packed(QuantExpertBank, w, 2, compute_dtype=torch.float32)
+    full = qt.dequantize(torch.float32)
+    for e in range(4):
+        assert torch.equal(bank[e], full[e])
+    assert len(bank) == 4 and bank.shape == (4, 64, 96)
+
+
+def test_resident_memory_within_ten_percent_of_the_checkpoint(tmp_path):
+    source = resolve_model("small")
+    modules = [s.module for s in source.tensor_specs() if s.quantizable]
+    doc = quantize_model(source, demo_widths(modules), tmp_path / "q", random_init=True,
+                         progress=False)
+    model = load(tmp_path / "q")
+    assert any(m._int4 is not None for m in model.modules() if isinstance(m, QuantLinear))
+    resident = resident_weight_nbytes(model)
+    total = doc["accounting"]["total_nbytes"]
+    assert resident <= 1.10 * total, (resident, total)
+    with torch.device("meta"):
+        dense = DynquantHybridForCausalLM(preset_config("small"))
+    dense_bf16 = sum(p.numel() for p in dense.parameters()) * 2
+    assert resident < dense_bf16 / 3
