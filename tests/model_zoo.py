@@ -58,3 +58,26 @@ def save_tiny_model(family: str, out: Path, seed: int = 0) -> Path:
                 p.normal_(0.0, 0.05)
     model.save_pretrained(out)
     return out
+
+
+TOKENIZER_TEXT = (
+    "Once upon a time there was a little fox who lived in the forest. Every morning the fox "
+    "went to the river to drink, and every evening it came home to sleep under the old oak. "
+    "One day the fox met a rabbit, and the two became friends. They played in the grass and "
+    "told each other stories about the stars, the moon and the wide, wide sea. "
+) * 4
+
+
+def save_tiny_tokenizer(out: Path, vocab_size: int = 384) -> None:
+    """A byte-level BPE tokenizer trained on a short text, saved for transformers."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+    from transformers import PreTrainedTokenizerFast
+
+    tok = Tokenizer(models.BPE())
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(vocab_size=vocab_size, special_tokens=["<|endoftext|>"],
+                                  initial_alphabet=pre_tokenizers.ByteLevel.alphabet())
+    tok.train_from_iterator([TOKENIZER_TEXT], trainer)
+    fast = PreTrainedTokenizerFast(tokenizer_object=tok, eos_token="<|endoftext|>")
+    fast.save_pretrained(out)

@@ -80,3 +80,18 @@ def test_dequantized_weights_are_close_to_the_source(quantized, family):
             w = weights.get(spec).float()
             rel = ((ck.dequantize(spec.module).float() - w).norm() / w.norm()).item()
             assert rel < 0.01, spec.module
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_auto_model_from_pretrained_loads_the_checkpoint(quantized, family):
+    import dynquant  # noqa: F401  (registers the dynquant quantizer with transformers)
+
+    _, ck_dir, doc, _ = quantized[family]
+    model = AutoModelForCausalLM.from_pretrained(ck_dir).eval()
+    assert model.config.quantization_config.to_dict() == doc["quantization_config"]
+    assert any(isinstance(m, QuantLinear) for m in model.modules())
+    ids = torch.randint(0, 384, (1, 9), generator=torch.Generator().manual_seed(1))
+    with torch.no_grad():
+        a = model(ids).logits.float()
+        b = load(ck_dir)(ids).logits.float()
+    torch.testing.assert_close(a, b, atol=2e-2, rtol=2e-2)

@@ -6,7 +6,15 @@ from dynquant.checkpoint import Checkpoint, CheckpointWriter, open_checkpoint, w
 from dynquant.errors import CheckpointError, DynquantError, ModelError, QuantizationError
 from dynquant.format.planner import TensorSpec, plan_document
 from dynquant.format.validate import validate_checkpoint, validate_metadata
+from dynquant.models.registration import register as _register_models
 from dynquant.numerics.quantizer import QuantizedTensor, quantize_tensor
+from dynquant.runtime.hf_integration import register_with_transformers as _register_hf
+from dynquant.runtime.loader import load, load_dequantized
+
+# After `import dynquant`, transformers' Auto classes know the reference architecture and
+# AutoModelForCausalLM.from_pretrained loads dynquant checkpoints.
+_register_models()
+_register_hf()
 
 __all__ = [
     "Checkpoint",
@@ -18,6 +26,8 @@ __all__ = [
     "QuantizedTensor",
     "TensorSpec",
     "__version__",
+    "load",
+    "load_dequantized",
     "open_checkpoint",
     "plan_document",
     "quantize_tensor",

@@ -59,7 +59,7 @@ def _cmd_validate(args: argparse.Namespace) -> int:
 
     problems = validate_checkpoint(args.checkpoint)
     for p in problems:
-        print(f"invalid: {p}", file=sys.stderr)
+        print(f"invalid: {one_line(str(p))}", file=sys.stderr)
     if problems:
         return EXIT_INVALID
     print(f"{args.checkpoint}: valid")
@@ -79,6 +79,13 @@ def _cmd_quantize(args: argparse.Namespace) -> int:
                          progress=not args.quiet)
     if not args.quiet:
         render_summary(doc, f"quantized {args.model} -> {args.output}")
+    return 0
+
+
+def _cmd_generate(args: argparse.Namespace) -> int:
+    from dynquant.pipeline.generate import generate_text
+
+    generate_text(args.checkpoint, args.prompt, args.max_new_tokens, args.temperature, args.seed)
     return 0
 
 
@@ -121,6 +128,14 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--quiet", action="store_true")
     p.set_defaults(func=_cmd_quantize)
 
+    p = sub.add_parser("generate", help="complete a prompt with a checkpoint (streams tokens)")
+    p.add_argument("checkpoint")
+    p.add_argument("--prompt", required=True)
+    p.add_argument("--max-new-tokens", type=int, default=64)
+    p.add_argument("--temperature", type=float, default=0.0, help="0 = greedy (default)")
+    p.add_argument("--seed", type=int, default=0)
+    p.set_defaults(func=_cmd_generate)
+
     p = sub.add_parser("demo", help="the main job on the bundled default")
     p.add_argument("-o", "--output", default="out/demo")
     p.set_defaults(func=_cmd_demo)
@@ -131,12 +146,13 @@ def main(argv: Sequence[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     try:
         return args.func(args)
-    except DynquantError as exc:
-        print(f"dynquant: error: {exc}", file=sys.stderr)
+    except (DynquantError, OSError) as exc:
+        print(f"dynquant: error: {one_line(str(exc))}", file=sys.stderr)
         return EXIT_ERROR
-    except OSError as exc:
-        print(f"dynquant: error: {exc}", file=sys.stderr)
-        return EXIT_ERROR
+
+
+def one_line(text: str) -> str:
+    return " ".join(text.split())
 
 
 if __name__ == "__main__":

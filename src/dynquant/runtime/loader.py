@@ -44,10 +44,11 @@ def packed_module_for(model: nn.Module, name: str, ck_layout, dtype: torch.dtype
                           f"(found {type(target).__name__})", module=name)
 
 
-def install_packed_modules(model: nn.Module, ck: Checkpoint, dtype: torch.dtype
+def install_packed_modules(model: nn.Module, layouts: dict, dtype: torch.dtype
                            ) -> dict[str, PackedWeight]:
+    """Replace every quantized module (name -> LayerLayout) with its packed module."""
     packed = {}
-    for name, layout in ck.layers.items():
+    for name, layout in layouts.items():
         parent, attr, module = packed_module_for(model, name, layout, dtype)
         if attr in parent._parameters:
             del parent._parameters[attr]
@@ -113,7 +114,7 @@ def load(path: str | Path, device: str = "cpu", dtype: torch.dtype = COMPUTE_DTY
     ck = open_checkpoint(path)
     config = model_config(Path(path))
     model = empty_model(config, dtype)
-    packed = install_packed_modules(model, ck, dtype)
+    packed = install_packed_modules(model, ck.layers, dtype)
     _load_tensors(model, ck, packed, dtype)
     _tie_head(model, ck, dtype)
     _check_materialised(model, ck)

@@ -1,0 +1,105 @@
+"""``AutoModelForCausalLM.from_pretrained(ckpt)`` for dynquant checkpoints, after ``import dynquant``.
+
+Registered through transformers' public API (``register_quantization_config`` /
+``register_quantizer``). Before the weights load, quantized modules become packed modules whose
+buffers (``M.qweight``, ``M.scales``, ``M.offsets``) are exactly the checkpoint's tensor names;
+after loading, a tied lm_head is pointed at the packed embedding and 4-bit Linears are converted
+to the int4 kernel's layout.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+from torch import nn
+from transformers.quantizers import HfQuantizer, register_quantization_config, register_quantizer
+from transformers.utils.quantization_config import QuantizationConfigMixin
+
+from dynquant.format import metadata as md
+from dynquant.format.layout import LayerLayout
+from dynquant.runtime.packed_modules import QuantEmbedding, QuantLinear, TiedQuantHead
+
+_registered = False
+
+
+class DynquantConfig(QuantizationConfigMixin):
+    """The ``quantization_config`` block of a dynquant checkpoint (the seed's fields)."""
+
+    def __init__(self, modules: dict | None = None, group_size: int = 128,
+                 lm_head_quantized: bool = False, modules_to_not_convert: list | None = None,
+                 checkpoint_format: str = md.CHECKPOINT_FORMAT,
+                 schema_version: int = md.SCHEMA_VERSION, version: str | None = None,
+                 symmetric: bool = False, **kwargs: Any) -> None:
+        self.quant_method = md.QUANT_METHOD
+        self.checkpoint_format = checkpoint_format
+        self.schema_version = schema_version
+        self.version = version or md.core_version()
+        self.group_size = group_size
+        self.symmetric = symmetric
+        self.lm_head_quantized = lm_head_quantized
+        self.modules_to_not_convert = list(modules_to_not_convert or [])
+        self.modules = dict(modules or {})
+
+    def to_dict(self) -> dict[str, Any]:
+        return {"quant_method": self.quant_method, "checkpoint_format": self.checkpoint_format,
+                "schema_version": self.schema_version, "version": self.version,
+                "group_size": self.group_size, "symmetric": self.symmetric,
+                "lm_head_quantized": self.lm_head_quantized,
+                "modules_to_not_convert": self.modules_to_not_convert, "modules": self.modules}
+
+
+def _layout_for(model: nn.Module, name: str, entry: dict, group_size: int) -> LayerLayout:
+    parent_name, _, attr = name.rpartition(".")
+    target = getattr(model.get_submodule(parent_name) if parent_name else model, attr)
+    shape = tuple(target.weight.shape if isinstance(target, nn.Module) else target.shape)
+    return LayerLayout.create(shape, entry["bits"], entry.get("group_size", group_size),
+                              module=name)
+
+
+class DynquantHfQuantizer(HfQuantizer):
+    """Loads pre-quantized dynquant checkpoints into packed modules (no calibration, CPU)."""
+
+    requires_calibration = True
+    quantization_config: DynquantConfig
+
+    def _process_model_before_weight_loading(self, model: nn.Module, **kwargs: Any) -> None:
+        from dynquant.runtime.loader import install_packed_modules
+
+        qc = self.quantization_config
+        layouts = {name: _layout_for(model, name, entry, qc.group_size)
+                   for name, entry in qc.modules.items()}
+        install_packed_modules(model, layouts, torch.bfloat16)
+        embed = model.get_input_embeddings()
+        if isinstance(embed, QuantEmbedding) and getattr(model.config, "tie_word_embeddings",
+                                                         False):
+            # The head is computed from the packed embedding: there is no weight to tie.
+            model.lm_head = TiedQuantHead(embed)
+            model.all_tied_weights_keys = {}
+        if getattr(model, "_can_set_experts_implementation", lambda: False)():
+            model.set_experts_implementation("eager")
+
+    def _process_model_after_weight_loading(self, model: nn.Module, **kwargs: Any) -> nn.Module:
+        for module in model.modules():
+            if isinstance(module, QuantLinear):
+                module.prepare()
+        return model
+
+    def param_needs_quantization(self, model: nn.Module, param_name: str, **kwargs: Any) -> bool:
+        return False  # the checkpoint is already packed: tensors load as they are
+
+    def is_serializable(self) -> bool:
+        return False
+
+    @property
+    def is_trainable(self) -> bool:
+        return False
+
+
+def register_with_transformers() -> None:
+    global _registered
+    if _registered:
+        return
+    register_quantization_config(md.QUANT_METHOD)(DynquantConfig)
+    register_quantizer(md.QUANT_METHOD)(DynquantHfQuantizer)
+    _registered = True
