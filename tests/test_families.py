@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import math
 
 import pytest
@@ -95,3 +96,34 @@ def test_auto_model_from_pretrained_loads_the_checkpoint(quantized, family):
         a = model(ids).logits.float()
         b = load(ck_dir)(ids).logits.float()
     torch.testing.assert_close(a, b, atol=2e-2, rtol=2e-2)
+
+
+def test_lm_head_when_asked_and_modules_kept_dense(tmp_path, capsys):
+    from dynquant.cli import main
+
+    src = save_tiny_model("llama", tmp_path / "src")  # untied lm_head
+    source = resolve_model(str(src))
+    plain = {s.module for s in source.tensor_specs() if s.quantizable}
+    assert "lm_head" not in plain
+    with_head = {s.module for s in source.tensor_specs(lm_head_quantized=True) if s.quantizable}
+    assert with_head == plain | {"lm_head"}
+    widths = {m: 4 for m in with_head}
+    (tmp_path / "w.json").write_text(json.dumps(widths))
+    assert main(["quantize", str(src), "--widths", str(tmp_path / "w.json"), "-o",
+                 str(tmp_path / "q"), "--lm-head", "--not-convert", "*.mlp.down_proj"]) == 0
+    out = capsys.readouterr().out
+    assert "elements by tensor type" in out and "mlp.down_proj" in out
+    doc = json.loads((tmp_path / "q" / "dynquant.json").read_text())
+    qc = doc["quantization_config"]
+    assert qc["lm_head_quantized"] is True and "lm_head" in doc["layers"]
+    assert qc["modules_to_not_convert"] == ["model.layers.0.mlp.down_proj",
+                                            "model.layers.1.mlp.down_proj"]
+    assert not any(n.endswith("down_proj") for n in doc["layers"])
+    model = load(tmp_path / "q")
+    assert isinstance(model.lm_head, QuantLinear)
+    assert isinstance(model.model.layers[0].mlp.down_proj, torch.nn.Linear)
+    reference = load_dequantized(tmp_path / "q")
+    ids = torch.randint(0, 384, (1, 7), generator=torch.Generator().manual_seed(2))
+    with torch.no_grad():
+        torch.testing.assert_close(model(ids).logits.float(), reference(ids).logits.float(),
+                                   atol=2e-2, rtol=2e-2)

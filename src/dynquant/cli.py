@@ -67,7 +67,7 @@ def _cmd_validate(args: argparse.Namespace) -> int:
 
 
 def _cmd_quantize(args: argparse.Namespace) -> int:
-    from dynquant.format.summary import render_summary
+    from dynquant.format.summary import render_element_counts, render_summary
     from dynquant.format.widths_file import load_widths
     from dynquant.models.sources import resolve_model
     from dynquant.pipeline.quantize import quantize_model
@@ -76,9 +76,12 @@ def _cmd_quantize(args: argparse.Namespace) -> int:
     doc = quantize_model(source, load_widths(args.widths), args.output,
                          group_size=args.group_size, random_init=args.random_init,
                          seed=args.seed, overwrite=args.overwrite, widths_from=args.widths,
+                         lm_head_quantized=args.lm_head,
+                         modules_to_not_convert=tuple(args.not_convert),
                          progress=not args.quiet)
     if not args.quiet:
         render_summary(doc, f"quantized {args.model} -> {args.output}")
+        render_element_counts(source.tensor_specs(args.lm_head), set(doc["layers"]))
     return 0
 
 
@@ -124,6 +127,10 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--random-init", action="store_true",
                    help="i.i.d. Gaussian weights, generated module by module (presets)")
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--lm-head", action="store_true",
+                   help="quantize an untied lm_head too (lm_head_quantized)")
+    p.add_argument("--not-convert", action="append", default=[], metavar="GLOB",
+                   help="keep matching modules dense (modules_to_not_convert); repeatable")
     p.add_argument("--overwrite", action="store_true")
     p.add_argument("--quiet", action="store_true")
     p.set_defaults(func=_cmd_quantize)

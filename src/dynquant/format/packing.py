@@ -4,65 +4,68 @@ The ``words_per_group = bits * group_size / 32`` words of one group form a littl
 stream: code ``i`` occupies stream bits ``[i*bits, (i+1)*bits)``, and stream bit ``k`` is bit
 ``k % 32`` (LSB first) of word ``k // 32``. 3-, 5- and 6-bit codes straddle words; no bit is wasted.
 
-Because every supported group size is a multiple of 32, a row's stream is a run of independent
-32-code chunks of exactly ``bits`` words each. The fast paths below work chunk-wise, vectorised over
-all chunks, with a short Python loop over the 32 code positions; ``*_ref`` are the plain
-bit-by-bit definitions the fast paths are tested against.
+Because every supported group size is a multiple of 32, a row's stream is the concatenation of its
+groups' streams. The fast paths work on 8-code units (exactly ``bits`` bytes), vectorised over all
+units with a loop over the 8 positions in uint8 arithmetic; ``*_ref`` are the plain bit-by-bit
+definitions the fast paths are tested against.
 """
 
 from __future__ import annotations
 
+import sys
 from collections.abc import Sequence
 from functools import cache
 
 import numpy as np
 import torch
 
+# The stream is little-endian bit by bit, so on a little-endian machine it is exactly the byte
+# sequence of the int32 words: the fast paths work on bytes.
+assert sys.byteorder == "little", "dynquant's fast packing assumes a little-endian machine"
+
 CHUNK_CODES = 32
-_MASK32 = 0xFFFFFFFF
+# 8 codes of b bits fill exactly b bytes: the unit the byte-wise paths work on.
+UNIT_CODES = 8
 
 
 @cache
-def _chunk_plan(bits: int) -> tuple[tuple[int, int, int, bool], ...]:
-    """For each code position in a 32-code chunk: (code, word, shift, straddles into word+1)."""
-    plan = []
-    for i in range(CHUNK_CODES):
-        pos = i * bits
-        word, shift = divmod(pos, 32)
-        plan.append((i, word, shift, shift + bits > 32))
-    return tuple(plan)
-
-
-def _to_int32_bits(words: torch.Tensor) -> torch.Tensor:
-    """int64 values in [0, 2^32) -> int32 tensors holding the same 32-bit patterns."""
-    return (words - ((words >> 31) << 32)).to(torch.int32)
+def _unit_plan(bits: int) -> tuple[tuple[int, int, bool], ...]:
+    """For each code of an 8-code unit: (byte, shift, spills into byte + 1)."""
+    return tuple((i * bits // 8, i * bits % 8, i * bits % 8 + bits > 8)
+                 for i in range(UNIT_CODES))
 
 
 def pack_codes(codes: torch.Tensor, bits: int) -> torch.Tensor:
     """Pack ``codes`` [rows, n] (n a multiple of 32, values < 2^bits) into int32 [rows, n*bits/32]."""
     rows, n = codes.shape
-    chunks = codes.reshape(rows, n // CHUNK_CODES, CHUNK_CODES).to(torch.int64)
-    words = torch.zeros(rows, n // CHUNK_CODES, bits, dtype=torch.int64)
-    for i, word, shift, straddles in _chunk_plan(bits):
-        code = chunks[:, :, i]
-        words[:, :, word] |= (code << shift) & _MASK32
-        if straddles:
-            words[:, :, word + 1] |= code >> (32 - shift)
-    return _to_int32_bits(words.reshape(rows, n * bits // 32))
+    units = codes.to(torch.uint8).reshape(rows, n // UNIT_CODES, UNIT_CODES)
+    out = torch.zeros(rows, n // UNIT_CODES, bits, dtype=torch.uint8)
+    for i, (byte, shift, spills) in enumerate(_unit_plan(bits)):
+        code = units[:, :, i]
+        out[:, :, byte] |= code << shift  # uint8 arithmetic drops the bits that spill over
+        if spills:
+            out[:, :, byte + 1] |= code >> (8 - shift)
+    return out.reshape(rows, n * bits // 8).view(torch.int32)
 
 
 def unpack_codes(qweight: torch.Tensor, bits: int) -> torch.Tensor:
     """Inverse of :func:`pack_codes`: int32 [rows, w] -> uint8 codes [rows, w*32/bits]."""
-    rows, nwords = qweight.shape
-    words = (qweight.to(torch.int64) & _MASK32).reshape(rows, nwords // bits, bits)
-    codes = torch.empty(rows, nwords // bits, CHUNK_CODES, dtype=torch.int64)
+    rows = qweight.shape[0]
+    stream = qweight.contiguous().view(torch.uint8)
     mask = (1 << bits) - 1
-    for i, word, shift, straddles in _chunk_plan(bits):
-        code = words[:, :, word] >> shift
-        if straddles:
-            code = code | (words[:, :, word + 1] << (32 - shift))
-        codes[:, :, i] = code & mask
-    return codes.reshape(rows, nwords * 32 // bits).to(torch.uint8)
+    if bits == 8:
+        return stream.clone()
+    if 8 % bits == 0:  # whole codes per byte: one broadcast shift
+        shifts = torch.arange(0, 8, bits, dtype=torch.uint8)
+        return ((stream.unsqueeze(-1) >> shifts) & mask).reshape(rows, -1)
+    units = stream.reshape(rows, -1, bits)
+    out = torch.empty(rows, units.shape[1], UNIT_CODES, dtype=torch.uint8)
+    for i, (byte, shift, spills) in enumerate(_unit_plan(bits)):
+        code = units[:, :, byte] >> shift
+        if spills:
+            code = code | (units[:, :, byte + 1] << (8 - shift))
+        out[:, :, i] = code & mask
+    return out.reshape(rows, -1)
 
 
 def pack_group_ref(codes: Sequence[int], bits: int) -> list[int]:

@@ -7,6 +7,7 @@ before quantizing and are left null. This is where ``predicted_nbytes`` comes fr
 
 from __future__ import annotations
 
+import fnmatch
 import math
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
@@ -55,10 +56,18 @@ def split_choice(choice: WidthChoice, default_group_size: int) -> tuple[int, int
     return choice, default_group_size
 
 
+def excluded_modules(specs: Sequence[TensorSpec], patterns: Sequence[str]) -> list[str]:
+    """The quantizable modules that ``patterns`` (names or globs) keep dense."""
+    return sorted(s.module for s in specs if s.quantizable
+                  and any(fnmatch.fnmatchcase(s.module, p) for p in patterns))
+
+
 def plan_layers(specs: Sequence[TensorSpec], widths: Mapping[str, WidthChoice],
                 group_size: int, not_convert: Sequence[str] = ()) -> tuple[dict, int]:
     """The `layers` entries of the quantized modules and the bytes of all dense tensors."""
-    quantizable = {s.module: s for s in specs if s.quantizable and s.module not in not_convert}
+    dense_modules = set(excluded_modules(specs, not_convert))
+    quantizable = {s.module: s for s in specs if s.quantizable and s.module not in dense_modules}
+    widths = {m: w for m, w in widths.items() if m not in dense_modules}
     unknown = sorted(set(widths) - set(quantizable))
     if unknown:
         raise ModelError(f"widths name modules the model does not quantize: {unknown[:5]}",
@@ -85,7 +94,8 @@ def plan_document(specs: Sequence[TensorSpec], widths: Mapping[str, WidthChoice]
                   allocator: str = "manual", widths_from: str | None = None) -> dict:
     """The dynquant.json document a quantization with these widths will write (no clip stats)."""
     layers, dense = plan_layers(specs, widths, group_size, modules_to_not_convert)
-    options = md.QuantizationOptions(group_size, lm_head_quantized, list(modules_to_not_convert))
+    excluded = excluded_modules(specs, modules_to_not_convert)
+    options = md.QuantizationOptions(group_size, lm_head_quantized, excluded)
     doc = md.build_document(layers, dense_nbytes=dense, options=options, tied=tied,
                             provenance=md.Provenance(model=model, allocator=allocator,
                                                      widths_from=widths_from))

@@ -88,3 +88,28 @@ def render_summary(doc: dict, title: str) -> None:
     tied = ", ".join(f"{k} -> {v}" for k, v in doc.get("tied", {}).items()) or "none"
     console.print(f"expert banks: {banks}; tied: {tied}; files: {', '.join(doc['files'])}")
     console.print("provenance: " + "; ".join(f"{k}={v}" for k, v in prov.items()))
+
+
+def render_element_counts(specs: list, quantized: set[str]) -> None:
+    """Quantized and dense elements per module type, so that no weight is skipped silently."""
+    import math
+    import sys
+
+    from rich.console import Console
+    from rich.table import Table
+
+    rows: dict[str, list[int]] = defaultdict(lambda: [0, 0, 0])
+    for spec in specs:
+        kind = module_type(spec.module)
+        n = math.prod(spec.shape)
+        rows[kind][0 if spec.module in quantized else 1] += n
+        rows[kind][2] += 1
+    table = Table(title="elements by tensor type", title_justify="left")
+    for col in ("tensor type", "tensors", "quantized", "dense"):
+        table.add_column(col, justify="left" if col == "tensor type" else "right", no_wrap=True)
+    for kind, (q, d, count) in sorted(rows.items()):
+        table.add_row(kind, str(count), f"{q:,}", f"{d:,}")
+    q_total = sum(r[0] for r in rows.values())
+    d_total = sum(r[1] for r in rows.values())
+    table.add_row("total", str(len(specs)), f"{q_total:,}", f"{d_total:,}")
+    Console(width=None if sys.stdout.isatty() else 120).print(table)

@@ -62,11 +62,9 @@ def dequantize(
     dtype: torch.dtype = torch.bfloat16,
 ) -> torch.Tensor:
     """``w = q * scale + offset`` in float32, cast to ``dtype``, in the module's logical shape."""
-    rows, groups, gs = layout.num_rows, layout.num_groups, layout.group_size
-    codes = unpack_codes(qweight, layout.bits).reshape(rows, groups, gs).to(torch.float32)
-    w = codes * scales.to(torch.float32).unsqueeze(-1) + offsets.to(torch.float32).unsqueeze(-1)
-    w = w.reshape(rows, groups * gs)[:, : layout.in_features]
-    return w.to(dtype).reshape(layout.logical_shape)
+    w = dequantize_rows(qweight, scales, offsets, layout.bits, layout.group_size,
+                        layout.in_features, dtype)
+    return w.reshape(layout.logical_shape)
 
 
 def dequantize_rows(
@@ -80,9 +78,13 @@ def dequantize_rows(
 ) -> torch.Tensor:
     """Dequantize a block of rows (e.g. the embedding rows a batch looks up) to [rows, in]."""
     rows, groups = scales.shape
-    codes = unpack_codes(qweight, bits).reshape(rows, groups, group_size).to(torch.float32)
-    w = codes * scales.to(torch.float32).unsqueeze(-1) + offsets.to(torch.float32).unsqueeze(-1)
-    return w.reshape(rows, groups * group_size)[:, :in_features].to(dtype)
+    w = unpack_codes(qweight, bits).view(rows, groups, group_size).to(torch.float32)
+    # multiply, then add (no fused multiply-add): the reference's exact float32 arithmetic
+    w.mul_(scales.to(torch.float32).unsqueeze(-1)).add_(offsets.to(torch.float32).unsqueeze(-1))
+    w = w.view(rows, groups * group_size)
+    if groups * group_size != in_features:
+        w = w[:, :in_features]
+    return w.to(dtype)
 
 
 def _round_bf16(x: torch.Tensor) -> torch.Tensor:

@@ -50,7 +50,8 @@ def quantize_model(
                          tied=source.tied, modules_to_not_convert=modules_to_not_convert,
                          lm_head_quantized=lm_head_quantized)
     writer = CheckpointWriter(out, options=md.QuantizationOptions(
-        group_size, lm_head_quantized, list(modules_to_not_convert)), overwrite=overwrite)
+        group_size, lm_head_quantized, plan["quantization_config"]["modules_to_not_convert"]),
+        overwrite=overwrite)
     weights = weight_source(source, random_init, seed)
     try:
         with _progress(progress) as bar:
