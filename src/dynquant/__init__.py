@@ -8,6 +8,7 @@ from dynquant.format.planner import TensorSpec, plan_document
 from dynquant.format.validate import validate_checkpoint, validate_metadata
 from dynquant.models.registration import register as _register_models
 from dynquant.numerics.quantizer import QuantizedTensor, quantize_tensor
+from dynquant.pipeline.evaluate import EvalResult, evaluate
 from dynquant.runtime.hf_integration import register_with_transformers as _register_hf
 from dynquant.runtime.loader import load, load_dequantized
 
@@ -21,11 +22,13 @@ __all__ = [
     "CheckpointError",
     "CheckpointWriter",
     "DynquantError",
+    "EvalResult",
     "ModelError",
     "QuantizationError",
     "QuantizedTensor",
     "TensorSpec",
     "__version__",
+    "evaluate",
     "load",
     "load_dequantized",
     "open_checkpoint",

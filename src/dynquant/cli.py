@@ -92,6 +92,29 @@ def _cmd_generate(args: argparse.Namespace) -> int:
     return 0
 
 
+def _cmd_eval(args: argparse.Namespace) -> int:
+    from dynquant.pipeline.evaluate import evaluate
+
+    result = evaluate(args.model, args.base, args.text, args.ctx, args.max_tokens,
+                      progress=not args.json)
+    if args.json:
+        print(result.to_json())
+    else:
+        from rich.console import Console
+        from rich.table import Table
+
+        table = Table(title=f"{args.model} vs base {args.base} ({result.tokens:,} tokens)",
+                      title_justify="left")
+        for col in ("PPL", "base PPL", "delta PPL", "KL mean", "KL median", "KL p99", "top-1"):
+            table.add_column(col, justify="right")
+        table.add_row(f"{result.ppl_model:.3f}", f"{result.ppl_base:.3f}",
+                      f"{result.delta_ppl:+.3f}", f"{result.kl_mean:.5f}",
+                      f"{result.kl_median:.5f}", f"{result.kl_p99:.5f}",
+                      f"{result.top1_agreement:.4f}")
+        Console().print(table)
+    return 0
+
+
 def _cmd_demo(args: argparse.Namespace) -> int:
     from dynquant.pipeline.demo import run_demo
 
@@ -142,6 +165,15 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--temperature", type=float, default=0.0, help="0 = greedy (default)")
     p.add_argument("--seed", type=int, default=0)
     p.set_defaults(func=_cmd_generate)
+
+    p = sub.add_parser("eval", help="perplexity and KL(base || model) on a text")
+    p.add_argument("model", help="dynquant checkpoint or transformers model folder")
+    p.add_argument("--base", required=True, help="the reference model (checkpoint or folder)")
+    p.add_argument("--text", required=True, help="a plain text file")
+    p.add_argument("--ctx", type=int, default=512)
+    p.add_argument("--max-tokens", type=int, default=None)
+    p.add_argument("--json", action="store_true")
+    p.set_defaults(func=_cmd_eval)
 
     p = sub.add_parser("demo", help="the main job on the bundled default")
     p.add_argument("-o", "--output", default="out/demo")

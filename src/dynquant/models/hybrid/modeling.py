@@ -128,6 +128,9 @@ class MoE(nn.Module):
         probs = self.gate(flat).float().softmax(-1)
         weights, experts = probs.topk(self.top_k, dim=-1)  # (N, k)
         weights = (weights / weights.sum(-1, keepdim=True)).to(x.dtype)
+        if self.training:  # switch-style load balancing: share of tokens x mean probability
+            share = F.one_hot(experts, probs.shape[-1]).float().sum((0, 1)) / experts.numel()
+            self.aux_loss = probs.shape[-1] * (share * probs.mean(0)).sum()
         out = self.sw2(F.silu(self.sw1(flat)) * self.sw3(flat))
         for e in experts.unique().tolist():  # only the experts tokens are routed to
             token, slot = torch.where(experts == e)

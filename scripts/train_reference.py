@@ -1,0 +1,168 @@
+"""Train the shipped reference models on real English text (seeded, CPU, time-boxed).
+
+    python scripts/train_reference.py corpus  --data-dir ../shared/data   # tokenizer + texts
+    python scripts/train_reference.py train --arch hybrid --minutes 25
+    python scripts/train_reference.py train --arch llama --minutes 15
+
+The corpus step writes the byte-level BPE tokenizer (``tokenizers``), the held-out evaluation
+text ``data/heldout.txt`` (never trained on) and ``data/calibration.txt`` (a slice of the
+training distribution). Models go to ``models/<name>/`` with a model card.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import random
+import time
+from pathlib import Path
+
+import torch
+from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+from transformers import AutoModelForCausalLM, LlamaConfig, PreTrainedTokenizerFast
+
+from dynquant.models.hybrid import DynquantHybridConfig
+from dynquant.models.registration import register
+
+ROOT = Path(__file__).resolve().parents[1]
+VOCAB = 4096
+SEQ = 256
+BATCH = 16
+EOT = "<|endoftext|>"
+# (file, share kept for training); the tail of TinyStories and all of WikiText-2 test are held out
+SOURCES = {"tinystories_valid.txt": 0.92, "shakespeare.txt": 1.0, "kjv_bible.txt": 1.0,
+           "wikitext2_valid.txt": 1.0}
+HELDOUT_WIKITEXT_CHARS = 40_000
+CALIBRATION_CHARS = 40_000
+
+ARCHS = {
+    "hybrid": lambda: DynquantHybridConfig(
+        vocab_size=VOCAB, hidden_size=256, num_hidden_layers=4, attention_layers=[1, 3],
+        num_attention_heads=4, num_key_value_heads=2, head_dim=64, num_experts=8,
+        num_experts_per_tok=2, moe_intermediate_size=256, shared_intermediate_size=128,
+        max_position_embeddings=1024, tie_word_embeddings=True),
+    "llama": lambda: LlamaConfig(
+        vocab_size=VOCAB, hidden_size=256, intermediate_size=512, num_hidden_layers=4,
+        num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=1024,
+        tie_word_embeddings=True, bos_token_id=None, eos_token_id=0),
+}
+NAMES = {"hybrid": "hybrid-ref", "llama": "llama-ref"}
+
+
+def build_corpus(data_dir: Path) -> None:
+    train_parts, heldout = [], []
+    for name, share in SOURCES.items():
+        text = (data_dir / name).read_text(encoding="utf-8")
+        cut = int(len(text) * share)
+        cut = text.find("\n\n", cut) if share < 1 else cut  # at a story boundary
+        train_parts.append(text[:cut])
+        if share < 1:
+            heldout.append(text[cut:].strip())
+    wiki = (data_dir / "wikitext2_test.txt").read_text(encoding="utf-8")
+    heldout.append(wiki[:wiki.find("\n", HELDOUT_WIKITEXT_CHARS)].strip())
+    (ROOT / "data").mkdir(exist_ok=True)
+    (ROOT / "data" / "heldout.txt").write_text("\n\n".join(heldout) + "\n", encoding="utf-8")
+    train = "\n\n".join(train_parts)
+    rng = random.Random(0)
+    start = rng.randrange(0, len(train) - CALIBRATION_CHARS)
+    (ROOT / "data" / "calibration.txt").write_text(train[start:start + CALIBRATION_CHARS],
+                                                   encoding="utf-8")
+    tok = Tokenizer(models.BPE())
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(vocab_size=VOCAB, special_tokens=[EOT],
+                                  initial_alphabet=pre_tokenizers.ByteLevel.alphabet())
+    tok.train_from_iterator(train_parts, trainer)
+    fast = PreTrainedTokenizerFast(tokenizer_object=tok, eos_token=EOT, pad_token=EOT)
+    fast.save_pretrained(ROOT / "build" / "tokenizer")
+    ids = fast(train)["input_ids"]
+    torch.save(torch.tensor(ids, dtype=torch.int16), ROOT / "build" / "train_ids.pt")
+    print(f"train tokens: {len(ids):,}; held-out chars: {sum(map(len, heldout)):,}")
+
+
+def batches(ids: torch.Tensor, gen: torch.Generator):
+    while True:
+        starts = torch.randint(0, len(ids) - SEQ - 1, (BATCH,), generator=gen)
+        yield torch.stack([ids[s:s + SEQ + 1] for s in starts.tolist()]).long()
+
+
+def evaluate(model, tokenizer, text: str) -> float:
+    ids = torch.tensor(tokenizer(text)["input_ids"])
+    model.eval()
+    nll, count = 0.0, 0
+    with torch.no_grad():
+        for s in range(0, len(ids) - SEQ, SEQ):
+            x = ids[s:s + SEQ + 1][None]
+            logits = model(x[:, :-1]).logits.float()
+            nll += torch.nn.functional.cross_entropy(logits[0], x[0, 1:], reduction="sum").item()
+            count += SEQ
+    model.train()
+    return math.exp(nll / count)
+
+
+def train(arch: str, minutes: float, seed: int, lr: float) -> None:
+    register()
+    torch.manual_seed(seed)
+    torch.set_num_threads(2)
+    tokenizer = PreTrainedTokenizerFast.from_pretrained(ROOT / "build" / "tokenizer")
+    ids = torch.load(ROOT / "build" / "train_ids.pt", weights_only=True).long()
+    config = ARCHS[arch]()
+    model = AutoModelForCausalLM.from_config(config).train()
+    params = sum(p.numel() for p in model.parameters())
+    opt = torch.optim.AdamW(model.parameters(), lr=lr, betas=(0.9, 0.95), weight_decay=0.1)
+    gen = torch.Generator().manual_seed(seed)
+    deadline = time.monotonic() + minutes * 60
+    est_steps = None
+    step, t0 = 0, time.monotonic()
+    for batch in batches(ids, gen):
+        if time.monotonic() > deadline:
+            break
+        if step == 20:  # fix the cosine schedule's length from the measured step time
+            est_steps = int(20 * minutes * 60 / (time.monotonic() - t0))
+        total = est_steps or 10**9
+        scale = min(1.0, (step + 1) / 50) * 0.5 * (1 + math.cos(math.pi * min(step / total, 1)))
+        for g in opt.param_groups:
+            g["lr"] = lr * max(scale, 0.05)
+        logits = model(batch[:, :-1]).logits
+        loss = torch.nn.functional.cross_entropy(logits.flatten(0, 1), batch[:, 1:].flatten())
+        aux = sum(getattr(m, "aux_loss", 0.0) for m in model.modules() if hasattr(m, "aux_loss"))
+        opt.zero_grad(set_to_none=True)
+        (loss + 0.01 * aux).backward()
+        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+        opt.step()
+        if step % 50 == 0:
+            print(f"step {step} loss {loss.item():.3f} ({time.monotonic() - t0:.0f} s)",
+                  flush=True)
+        step += 1
+    heldout = (ROOT / "data" / "heldout.txt").read_text(encoding="utf-8")
+    ppl = evaluate(model, tokenizer, heldout)
+    out = ROOT / "models" / NAMES[arch]
+    model.to(torch.bfloat16).save_pretrained(out)
+    tokenizer.save_pretrained(out)
+    card = {"arch": arch, "parameters": params, "steps": step, "batch": BATCH, "seq": SEQ,
+            "tokens_seen": step * BATCH * SEQ, "minutes": minutes, "seed": seed, "lr": lr,
+            "heldout_ppl_fp32": round(ppl, 3)}
+    (out / "training.json").write_text(json.dumps(card, indent=2) + "\n")
+    print(json.dumps(card))
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    sub = ap.add_subparsers(dest="cmd", required=True)
+    c = sub.add_parser("corpus")
+    c.add_argument("--data-dir", type=Path, default=ROOT.parent / "shared" / "data")
+    t = sub.add_parser("train")
+    t.add_argument("--arch", choices=sorted(ARCHS), required=True)
+    t.add_argument("--minutes", type=float, default=20)
+    t.add_argument("--seed", type=int, default=0)
+    t.add_argument("--lr", type=float, default=3e-3)
+    args = ap.parse_args()
+    if args.cmd == "corpus":
+        build_corpus(args.data_dir)
+    else:
+        train(args.arch, args.minutes, args.seed, args.lr)
+
+
+if __name__ == "__main__":
+    main()

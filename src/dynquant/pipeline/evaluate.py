@@ -1,0 +1,122 @@
+"""How much worse: perplexity of two models and KL(base || model) over every predicted token.
+
+Streamed: the text is cut into windows of ``ctx`` predicted tokens; each window's logits are
+reduced to per-token figures at once, so no logit matrix of the whole text is ever held.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+import torch
+from rich.progress import Progress
+from torch import nn
+
+from dynquant.errors import ModelError
+from dynquant.format.metadata import METADATA_FILE
+
+
+@dataclass
+class EvalResult:
+    """The figures of one comparison (KL in nats per token)."""
+
+    tokens: int
+    ctx: int
+    ppl_model: float
+    ppl_base: float
+    delta_ppl: float
+    kl_mean: float
+    kl_median: float
+    kl_p99: float
+    top1_agreement: float
+
+    def to_json(self) -> str:
+        return json.dumps(asdict(self), indent=2)
+
+
+def load_any(path: str | Path, dtype: torch.dtype = torch.bfloat16) -> nn.Module:
+    """A dynquant checkpoint (packed) or a transformers model folder (dense), in eval mode."""
+    from transformers import AutoModelForCausalLM
+
+    from dynquant.models.registration import register
+    from dynquant.runtime.loader import load
+
+    path = Path(path)
+    if not (path / "config.json").is_file():
+        raise ModelError("not a model folder (no config.json)", file=str(path))
+    if (path / METADATA_FILE).is_file():
+        return load(path, dtype=dtype)
+    register()
+    model = AutoModelForCausalLM.from_pretrained(str(path), dtype=dtype)
+    if getattr(model, "_can_set_experts_implementation", lambda: False)():
+        model.set_experts_implementation("eager")
+    return model.eval()
+
+
+def tokenize_text(tokenizer, text: str, ctx: int, max_tokens: int | None) -> torch.Tensor:
+    ids = torch.tensor(tokenizer(text)["input_ids"], dtype=torch.long)
+    if len(ids) < ctx + 1:
+        raise ModelError(f"the text has {len(ids)} tokens, fewer than one context of {ctx} + 1",
+                         field="text")
+    usable = (len(ids) - 1) // ctx * ctx
+    if max_tokens is not None:
+        usable = min(usable, max(ctx, max_tokens // ctx * ctx))
+    return ids[: usable + 1]
+
+
+def _window_figures(logits_m: torch.Tensor, logits_b: torch.Tensor, target: torch.Tensor
+                    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    lm = torch.log_softmax(logits_m.float(), -1)
+    lb = torch.log_softmax(logits_b.float(), -1)
+    kl = (lb.exp() * (lb - lm)).sum(-1).clamp_min(0.0)
+    nll_m = -lm.gather(-1, target[:, None])[:, 0]
+    nll_b = -lb.gather(-1, target[:, None])[:, 0]
+    agree = (lm.argmax(-1) == lb.argmax(-1)).float()
+    return kl, nll_m, nll_b, agree
+
+
+def evaluate_models(model: nn.Module, base: nn.Module, ids: torch.Tensor, ctx: int,
+                    progress: bool = True) -> EvalResult:
+    """Compare ``model`` against ``base`` on token ids (windows of ``ctx`` predictions)."""
+    kls, nll_m, nll_b, agree = [], 0.0, 0.0, 0.0
+    windows = (len(ids) - 1) // ctx
+    with torch.no_grad(), Progress(disable=not progress, transient=True) as bar:
+        task = bar.add_task("evaluating", total=windows)
+        for w in range(windows):
+            x = ids[w * ctx : (w + 1) * ctx + 1]
+            inp, target = x[None, :-1], x[1:]
+            kl, m, b, a = _window_figures(model(inp).logits[0], base(inp).logits[0], target)
+            kls.append(kl)
+            nll_m += m.double().sum().item()
+            nll_b += b.double().sum().item()
+            agree += a.sum().item()
+            bar.advance(task)
+    kl_all = torch.cat(kls)
+    n = kl_all.numel()
+    ppl_m, ppl_b = float(torch.tensor(nll_m / n).exp()), float(torch.tensor(nll_b / n).exp())
+    return EvalResult(
+        tokens=n, ctx=ctx, ppl_model=ppl_m, ppl_base=ppl_b, delta_ppl=ppl_m - ppl_b,
+        kl_mean=float(kl_all.double().mean()), kl_median=float(kl_all.median()),
+        kl_p99=float(torch.quantile(kl_all.double(), 0.99)), top1_agreement=agree / n)
+
+
+def _same_tokenizer(a, b) -> bool:
+    return a.get_vocab() == b.get_vocab()
+
+
+def evaluate(model: str | Path, base: str | Path, text: str | Path, ctx: int = 512,
+             max_tokens: int | None = None, progress: bool = True) -> EvalResult:
+    """``dynquant eval``: MODEL and BASE may each be a dynquant checkpoint or a model folder."""
+    from dynquant.pipeline.generate import load_tokenizer
+
+    text_path = Path(text)
+    if not text_path.is_file():
+        raise ModelError("no such text file", file=str(text_path))
+    tok_m, tok_b = load_tokenizer(model), load_tokenizer(base)
+    if not _same_tokenizer(tok_m, tok_b):
+        raise ModelError(f"MODEL and BASE use different tokenizers ({model} vs {base})",
+                         field="tokenizer")
+    ids = tokenize_text(tok_m, text_path.read_text(encoding="utf-8"), ctx, max_tokens)
+    return evaluate_models(load_any(model), load_any(base), ids, ctx, progress)
