@@ -9,6 +9,7 @@ import argparse
 import json
 import sys
 from collections.abc import Sequence
+from pathlib import Path
 
 from dynquant.errors import DynquantError
 from dynquant.format.jsonstyle import dumps
@@ -68,20 +69,76 @@ def _cmd_validate(args: argparse.Namespace) -> int:
 
 def _cmd_quantize(args: argparse.Namespace) -> int:
     from dynquant.format.summary import render_element_counts, render_summary
-    from dynquant.format.widths_file import load_widths
     from dynquant.models.sources import resolve_model
-    from dynquant.pipeline.quantize import quantize_model
+    from dynquant.pipeline.quantize import QuantizeRequest, run_quantize
 
     source = resolve_model(args.model)
-    doc = quantize_model(source, load_widths(args.widths), args.output,
-                         group_size=args.group_size, random_init=args.random_init,
-                         seed=args.seed, overwrite=args.overwrite, widths_from=args.widths,
-                         lm_head_quantized=args.lm_head,
-                         modules_to_not_convert=tuple(args.not_convert),
-                         progress=not args.quiet)
+    req = QuantizeRequest(
+        output=args.output, widths=args.widths, budget=args.budget, uniform=args.uniform,
+        calib=args.calib, method=args.method, group_size=args.group_size,
+        group_sizes=_ints(args.group_sizes), pins=args.pin, min_bits=args.min_bits,
+        max_bits=args.max_bits, not_convert=args.not_convert, lm_head=args.lm_head,
+        random_init=args.random_init, seed=args.seed, overwrite=args.overwrite,
+        progress=not args.quiet)
+    doc = run_quantize(source, req)
     if not args.quiet:
         render_summary(doc, f"quantized {args.model} -> {args.output}")
         render_element_counts(source.tensor_specs(args.lm_head), set(doc["layers"]))
+    return 0
+
+
+def _ints(text: str | None) -> list[int] | None:
+    return None if text is None else [int(x) for x in text.split(",") if x]
+
+
+def _cmd_measure(args: argparse.Namespace) -> int:
+    from dynquant.models.sources import resolve_model
+    from dynquant.pipeline.measure import MeasureOptions, measure
+
+    opts = MeasureOptions(widths=_ints(args.widths), group_sizes=_ints(args.group_sizes),
+                          budgets=[float(b) for b in args.budgets.split(",") if b],
+                          method=args.method, calib=args.calib, not_convert=args.not_convert)
+    doc = measure(resolve_model(args.model), opts, args.output, progress=True,
+                  random_init=args.random_init)
+    for budget, a in doc["allocations"].items():
+        if "error" in a:
+            print(f"budget {budget}: {a['error']}")
+        else:
+            print(f"budget {budget}: {a['average_bits']} bits, {a['packed_nbytes']:,} packed "
+                  f"bytes, predicted error {a['predicted_error']:.6g}")
+    print(f"maps: {args.output}")
+    return 0
+
+
+def _cmd_allocate(args: argparse.Namespace) -> int:
+    from dynquant.pipeline.allocate import (
+        Constraints,
+        allocate_widths,
+        parse_pins,
+        uniform_widths,
+        widths_mapping,
+    )
+    from dynquant.pipeline.measure import load_maps, maps_modules
+
+    maps = load_maps(args.maps)
+    modules = maps_modules(maps)
+    cons = Constraints(pins=parse_pins(args.pin), min_bits=args.min_bits,
+                       max_bits=args.max_bits, group_sizes=_ints(args.group_sizes))
+    gs = max(maps["group_sizes"])
+    if args.uniform is not None:
+        alloc = uniform_widths(modules, args.uniform, gs, cons)
+    elif args.budget is not None:
+        alloc = allocate_widths(modules, args.budget, cons)
+    else:
+        raise DynquantError("give --budget or --uniform", field="budget")
+    widths = widths_mapping(alloc, gs)
+    text = json.dumps(widths, indent=1) + "\n"
+    if args.output:
+        Path(args.output).write_text(text)
+    else:
+        sys.stdout.write(text)
+    print(f"{alloc.average_bits} bits per weight, {alloc.packed_nbytes:,} packed bytes, "
+          f"predicted error {alloc.predicted_error:.6g}", file=sys.stderr)
     return 0
 
 
@@ -142,11 +199,19 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("checkpoint", help="checkpoint directory or a bare dynquant.json")
     p.set_defaults(func=_cmd_validate)
 
-    p = sub.add_parser("quantize", help="quantize a model with given widths")
-    p.add_argument("model")
-    p.add_argument("--widths", required=True)
+    p = sub.add_parser("quantize", help="(measure ->) allocate -> quantize -> write")
+    p.add_argument("model", help="model directory, config.json, or preset")
     p.add_argument("-o", "--output", required=True)
+    p.add_argument("--widths", help="maps.json[:BUDGET] | dynquant.json | widths.json")
+    p.add_argument("--budget", type=float, help="average bits per weight (scale overhead counted)")
+    p.add_argument("--uniform", type=int, help="every module at this width (for comparison)")
+    p.add_argument("--calib", action="append", default=[], help="calibration text file(s)")
+    p.add_argument("--method", choices=("weight", "kl"))
     p.add_argument("--group-size", type=int, default=128)
+    p.add_argument("--group-sizes", help="allocate group sizes too, e.g. 32,64,128")
+    p.add_argument("--pin", action="append", default=[], metavar="GLOB=BITS")
+    p.add_argument("--min-bits", type=int)
+    p.add_argument("--max-bits", type=int)
     p.add_argument("--random-init", action="store_true",
                    help="i.i.d. Gaussian weights, generated module by module (presets)")
     p.add_argument("--seed", type=int, default=0)
@@ -157,6 +222,29 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--overwrite", action="store_true")
     p.add_argument("--quiet", action="store_true")
     p.set_defaults(func=_cmd_quantize)
+
+    p = sub.add_parser("measure", help="errors and sensitivities per module -> maps.json")
+    p.add_argument("model")
+    p.add_argument("-o", "--output", required=True)
+    p.add_argument("--calib", action="append", default=[])
+    p.add_argument("--method", choices=("weight", "kl"))
+    p.add_argument("--widths", default="2,3,4,8")
+    p.add_argument("--group-sizes", default="128")
+    p.add_argument("--budgets", default="2.5,3,3.25,3.5,4.25")
+    p.add_argument("--not-convert", action="append", default=[], metavar="GLOB")
+    p.add_argument("--random-init", action="store_true")
+    p.set_defaults(func=_cmd_measure)
+
+    p = sub.add_parser("allocate", help="widths for a budget from maps.json (exact optimum)")
+    p.add_argument("maps")
+    p.add_argument("--budget", type=float)
+    p.add_argument("--uniform", type=int)
+    p.add_argument("--group-sizes")
+    p.add_argument("--pin", action="append", default=[], metavar="GLOB=BITS")
+    p.add_argument("--min-bits", type=int)
+    p.add_argument("--max-bits", type=int)
+    p.add_argument("-o", "--output")
+    p.set_defaults(func=_cmd_allocate)
 
     p = sub.add_parser("generate", help="complete a prompt with a checkpoint (streams tokens)")
     p.add_argument("checkpoint")

@@ -1,10 +1,14 @@
-"""Quantize a model with given widths: stream tensors, pack, and write the checkpoint."""
+"""Quantize a model: (measure ->) allocate -> quantize -> write, streaming one tensor at a time."""
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+import shutil
+import tempfile
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field
 from pathlib import Path
 
+import torch
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 
 from dynquant.checkpoint.writer import SIDE_FILES, CheckpointWriter
@@ -42,6 +46,9 @@ def quantize_model(
     widths_from: str | None = None,
     lm_head_quantized: bool = False,
     modules_to_not_convert: tuple[str, ...] = (),
+    importance: Mapping[str, torch.Tensor] | None = None,
+    stats: str | None = None,
+    extra_files: Sequence[Path] = (),
     progress: bool = True,
 ) -> dict:
     """Quantize every quantizable tensor of ``source`` with ``widths``; returns the metadata."""
@@ -53,6 +60,7 @@ def quantize_model(
         group_size, lm_head_quantized, plan["quantization_config"]["modules_to_not_convert"]),
         overwrite=overwrite)
     weights = weight_source(source, random_init, seed)
+    importance = importance or {}
     try:
         with _progress(progress) as bar:
             task = bar.add_task("quantizing", total=len(specs))
@@ -60,7 +68,8 @@ def quantize_model(
                 tensor = weights.get(spec)
                 if spec.module in plan["layers"]:
                     bits, gs = split_choice(widths[spec.module], group_size)
-                    writer.add_quantized(spec.module, quantize_tensor(tensor, bits, gs))
+                    writer.add_quantized(spec.module, quantize_tensor(
+                        tensor, bits, gs, importance=importance.get(spec.module)))
                 else:
                     writer.add_dense(spec.name, tensor)
                 del tensor
@@ -70,6 +79,125 @@ def quantize_model(
     side = [] if source.directory is None else [
         source.directory / f for f in SIDE_FILES if (source.directory / f).is_file()]
     provenance = md.Provenance(model=source.name, allocator=allocator, widths_from=widths_from,
-                               predicted_nbytes=plan["accounting"]["total_nbytes"])
+                               stats=stats, predicted_nbytes=plan["accounting"]["total_nbytes"])
     return writer.finish(provenance, config=source.config.to_dict(), tied=source.tied,
-                         side_files=side)
+                         side_files=[*side, *extra_files])
+
+
+@dataclass
+class QuantizeRequest:
+    """What ``dynquant quantize`` was asked (the CLI's arguments, as data)."""
+
+    output: str
+    widths: str | None = None  # maps.json[:BUDGET] | dynquant.json | widths.json
+    budget: float | None = None
+    uniform: int | None = None
+    calib: Sequence[str] = ()
+    method: str | None = None
+    group_size: int = 128
+    group_sizes: Sequence[int] | None = None
+    pins: Sequence[str] = ()
+    min_bits: int | None = None
+    max_bits: int | None = None
+    not_convert: Sequence[str] = ()
+    lm_head: bool = False
+    random_init: bool = False
+    seed: int = 0
+    overwrite: bool = False
+    progress: bool = True
+    extra: dict = field(default_factory=dict)
+
+
+def _split_maps_arg(arg: str) -> tuple[str, float | None]:
+    path, sep, budget = arg.rpartition(":")
+    if sep and path.endswith(".json"):
+        try:
+            return path, float(budget)
+        except ValueError:
+            pass
+    return arg, None
+
+
+def _maps_for(source: ModelSource, req: QuantizeRequest, workdir: Path
+              ) -> tuple[dict, Path, float | None]:
+    """The maps document to allocate from (given, or measured now), its path, and the budget."""
+    from dynquant.pipeline.measure import MeasureOptions, load_maps, measure
+
+    if req.widths is not None:
+        path, budget = _split_maps_arg(req.widths)
+        return load_maps(path), Path(path), budget if budget is not None else req.budget
+    maps_path = workdir / "maps.json"
+    opts = MeasureOptions(calib=list(req.calib), method=req.method,
+                          group_sizes=req.group_sizes or (req.group_size,),
+                          budgets=[req.budget] if req.budget else [],
+                          not_convert=req.not_convert)
+    return measure(source, opts, maps_path, req.progress, req.random_init), maps_path, req.budget
+
+
+def _is_maps(path: str) -> bool:
+    from dynquant.format.validate import load_metadata
+    from dynquant.pipeline.measure import MAPS_SCHEMA
+
+    doc = load_metadata(_split_maps_arg(path)[0])
+    return isinstance(doc, dict) and doc.get("schema") == MAPS_SCHEMA
+
+
+@dataclass
+class Widths:
+    """The widths to quantize with and where they came from (for provenance)."""
+
+    widths: dict
+    allocator: str
+    widths_from: str
+    importance: dict | None = None
+    files: list[Path] = field(default_factory=list)  # shipped inside the checkpoint
+
+
+def resolve_widths(source: ModelSource, req: QuantizeRequest, workdir: Path) -> Widths:
+    from dynquant.format.widths_file import load_widths
+    from dynquant.pipeline.allocate import Constraints, allocate_widths, parse_pins
+    from dynquant.pipeline.allocate import uniform_widths as uniform
+    from dynquant.pipeline.measure import maps_modules
+
+    if req.widths is not None and not _is_maps(req.widths):
+        return Widths(dict(load_widths(req.widths)), "manual", req.widths)
+    if req.widths is None and req.budget is None and req.uniform is None:
+        raise DynquantError("give --widths, --budget or --uniform", field="widths")
+    maps, maps_path, budget = _maps_for(source, req, workdir)
+    cons = Constraints(pins=parse_pins(req.pins), min_bits=req.min_bits,
+                       max_bits=req.max_bits, group_sizes=req.group_sizes)
+    if req.uniform is not None:
+        alloc = uniform(maps_modules(maps), req.uniform, req.group_size, cons)
+        allocator, tag = "uniform", f"uniform {req.uniform}"
+    elif budget is None:
+        raise DynquantError("maps.json needs a budget (PATH:BUDGET or --budget)",
+                            file=str(maps_path), field="budget")
+    else:
+        alloc = allocate_widths(maps_modules(maps), budget, cons)
+        allocator, tag = "sensitivity", f"{budget}"
+    measured_now = req.widths is None
+    files = [maps_path] if measured_now else []
+    importance = None
+    if maps.get("stats"):
+        from safetensors.torch import load_file
+
+        importance = load_file(maps["stats"])
+        files += [Path(maps["stats"])] if measured_now else []
+    where = maps_path.name if measured_now else str(maps_path)
+    return Widths(dict(alloc.widths), allocator, f"{where} [{tag}]", importance, files)
+
+
+def run_quantize(source: ModelSource, req: QuantizeRequest) -> dict:
+    """``dynquant quantize``: measure (unless widths are given) -> allocate -> quantize -> write."""
+    workdir = Path(tempfile.mkdtemp(prefix="dynquant-measure-"))
+    try:
+        w = resolve_widths(source, req, workdir)
+        stats = next((f.name for f in w.files if f.name.endswith(".stats.safetensors")), None)
+        return quantize_model(
+            source, w.widths, req.output, group_size=req.group_size,
+            random_init=req.random_init, seed=req.seed, overwrite=req.overwrite,
+            allocator=w.allocator, widths_from=w.widths_from,
+            lm_head_quantized=req.lm_head, modules_to_not_convert=tuple(req.not_convert),
+            importance=w.importance, stats=stats, extra_files=w.files, progress=req.progress)
+    finally:
+        shutil.rmtree(workdir, ignore_errors=True)
