@@ -195,7 +195,7 @@ def measure(source: ModelSource, opts: MeasureOptions, out: str | Path | None = 
     finally:
         weights.close()
     doc = {"schema": MAPS_SCHEMA, "model": source.name, "method": method,
-           "stats": None if stats_path is None else str(stats_path),
+           "stats": None if stats_path is None else stats_path.name,  # beside maps.json
            "widths": list(opts.widths), "group_sizes": list(opts.group_sizes),
            "modules_to_not_convert": sorted(dense_out), "modules": modules}
     group_size = max(opts.group_sizes)

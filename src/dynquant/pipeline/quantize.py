@@ -2,7 +2,10 @@
 
 from __future__ import annotations
 
+import hashlib
+import os
 import shutil
+import signal
 import tempfile
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
@@ -11,7 +14,8 @@ from pathlib import Path
 import torch
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 
-from dynquant.checkpoint.writer import SIDE_FILES, CheckpointWriter
+from dynquant.checkpoint.resume import ResumeStore
+from dynquant.checkpoint.writer import SIDE_FILES, CheckpointWriter, dense_storage_dtype
 from dynquant.errors import DynquantError
 from dynquant.format import metadata as md
 from dynquant.format.planner import WidthChoice, plan_document, split_choice
@@ -59,29 +63,65 @@ def quantize_model(
     writer = CheckpointWriter(out, options=md.QuantizationOptions(
         group_size, lm_head_quantized, plan["quantization_config"]["modules_to_not_convert"]),
         overwrite=overwrite)
-    weights = weight_source(source, random_init, seed)
     importance = importance or {}
+    store = ResumeStore(out, {"model": source.name, "widths": sorted(widths.items()),
+                              "group_size": group_size, "lm_head": lm_head_quantized,
+                              "not_convert": sorted(modules_to_not_convert),
+                              "random_init": random_init, "seed": seed,
+                              "importance": _digest(importance), "version": md.core_version()})
+    kill_after = int(os.environ.get("DYNQUANT_KILL_AFTER", "0"))  # tests: a real kill -9
+    weights = weight_source(source, random_init, seed)
     try:
         with _progress(progress) as bar:
-            task = bar.add_task("quantizing", total=len(specs))
-            for spec in specs:
-                tensor = weights.get(spec)
-                if spec.module in plan["layers"]:
-                    bits, gs = split_choice(widths[spec.module], group_size)
-                    writer.add_quantized(spec.module, quantize_tensor(
-                        tensor, bits, gs, importance=importance.get(spec.module)))
-                else:
-                    writer.add_dense(spec.name, tensor)
-                del tensor
-                bar.advance(task)
+            task = bar.add_task("quantizing", total=len(specs), completed=store.done())
+            for index, spec in enumerate(specs):
+                _quantize_one(index, spec, store, writer, weights, plan, widths, group_size,
+                              importance)
+                bar.update(task, completed=index + 1)
+                if kill_after and index + 1 >= kill_after:
+                    os.kill(os.getpid(), signal.SIGKILL)
     finally:
         weights.close()
     side = [] if source.directory is None else [
         source.directory / f for f in SIDE_FILES if (source.directory / f).is_file()]
     provenance = md.Provenance(model=source.name, allocator=allocator, widths_from=widths_from,
                                stats=stats, predicted_nbytes=plan["accounting"]["total_nbytes"])
-    return writer.finish(provenance, config=source.config.to_dict(), tied=source.tied,
-                         side_files=[*side, *extra_files])
+    doc = writer.finish(provenance, config=source.config.to_dict(), tied=source.tied,
+                        side_files=[*side, *extra_files])
+    store.discard()
+    return doc
+
+
+def _digest(importance: Mapping[str, torch.Tensor]) -> str:
+    h = hashlib.sha256()
+    for name in sorted(importance):
+        h.update(name.encode())
+        h.update(importance[name].float().numpy().tobytes())
+    return h.hexdigest()
+
+
+def _quantize_one(index: int, spec, store: ResumeStore, writer: CheckpointWriter,
+                  weights: WeightSource, plan: dict, widths: Mapping, group_size: int,
+                  importance: Mapping[str, torch.Tensor]) -> None:
+    """One tensor: from the resume store if an earlier run finished it, else computed now."""
+    saved = store.load(index)
+    if saved is not None:
+        kind, (name, value) = saved
+        if kind == "quantized":
+            writer.add_quantized(name, value)
+        else:
+            writer.add_dense(name, value)
+        return
+    tensor = weights.get(spec)
+    if spec.module in plan["layers"]:
+        bits, gs = split_choice(widths[spec.module], group_size)
+        qt = quantize_tensor(tensor, bits, gs, importance=importance.get(spec.module))
+        store.save_quantized(index, spec.module, qt)
+        writer.add_quantized(spec.module, qt)
+    else:
+        stored = tensor.to(dense_storage_dtype(tensor.dtype))
+        store.save_dense(index, spec.name, stored)
+        writer.add_dense(spec.name, stored)
 
 
 @dataclass
@@ -181,8 +221,9 @@ def resolve_widths(source: ModelSource, req: QuantizeRequest, workdir: Path) -> 
     if maps.get("stats"):
         from safetensors.torch import load_file
 
-        importance = load_file(maps["stats"])
-        files += [Path(maps["stats"])] if measured_now else []
+        stats_path = maps_path.parent / maps["stats"]  # recorded beside maps.json
+        importance = load_file(stats_path)
+        files += [stats_path] if measured_now else []
     where = maps_path.name if measured_now else str(maps_path)
     return Widths(dict(alloc.widths), allocator, f"{where} [{tag}]", importance, files)
 

@@ -1,0 +1,123 @@
+"""measure -> allocate -> quantize, end to end on tiny models (random and with a tokenizer)."""
+
+from __future__ import annotations
+
+import json
+import math
+
+import pytest
+
+from dynquant import validate_checkpoint
+from dynquant.cli import main
+from dynquant.models.sources import resolve_model
+from dynquant.pipeline.measure import MeasureOptions, measure
+from model_zoo import TOKENIZER_TEXT, save_tiny_model, save_tiny_tokenizer
+
+
+@pytest.fixture(scope="module")
+def hybrid_dir(tmp_path_factory):
+    root = tmp_path_factory.mktemp("hyb")
+    src = save_tiny_model("dynquant_hybrid", root / "src")
+    save_tiny_tokenizer(src, vocab_size=512)
+    (root / "calib.txt").write_text(TOKENIZER_TEXT * 3)
+    return root
+
+
+def test_weight_method_maps_every_module(tmp_path):
+    source = resolve_model("tiny")
+    doc = measure(source, MeasureOptions(budgets=[1.0, 6.0]), tmp_path / "maps.json",
+                  progress=False, random_init=True)
+    quantizable = {s.module for s in source.tensor_specs() if s.quantizable}
+    assert set(doc["modules"]) == quantizable
+    for m in doc["modules"].values():
+        assert math.isfinite(m["sensitivity"]) and m["sensitivity"] > 0
+        errs = [c["error"] for c in m["candidates"]]
+        assert errs == sorted(errs, reverse=True)  # 2 > 3 > 4 > 8 bits
+    # hidden 64 < group 128: every row pads a group, so tiny widths cost more than 6 bits
+    a = doc["allocations"]["6.0"]
+    assert a["average_bits"] <= 6.0
+    assert "unreachable" in doc["allocations"]["1.0"]["error"]
+    assert json.loads((tmp_path / "maps.json").read_text())["method"] == "weight"
+
+
+def test_kl_method_measures_every_expert_bank(hybrid_dir, tmp_path):
+    source = resolve_model(str(hybrid_dir / "src"))
+    opts = MeasureOptions(calib=[str(hybrid_dir / "calib.txt")], calib_seqs=2, calib_len=64,
+                          budgets=[3.25])
+    doc = measure(source, opts, tmp_path / "maps.json", progress=False)
+    assert doc["method"] == "kl" and doc["stats"].endswith(".stats.safetensors")
+    banks = [n for n in doc["modules"] if n.endswith((".w1", ".w2", ".w3"))]
+    assert len(banks) == 12
+    for name, m in doc["modules"].items():
+        assert math.isfinite(m["sensitivity"]) and m["sensitivity"] >= 0, name
+    # the quantizer's own error at 3 bits times the sensitivity is the probe's KL: positive
+    assert sum(m["sensitivity"] for m in doc["modules"].values()) > 0
+
+
+def test_quantize_with_budget_end_to_end(hybrid_dir, tmp_path):
+    out = tmp_path / "q"
+    assert main(["quantize", str(hybrid_dir / "src"), "-o", str(out), "--budget", "5.0",
+                 "--calib", str(hybrid_dir / "calib.txt"), "--quiet"]) == 0
+    assert validate_checkpoint(str(out)) == []
+    doc = json.loads((out / "dynquant.json").read_text())
+    prov = doc["provenance"]
+    assert prov["allocator"] == "sensitivity" and prov["widths_from"] == "maps.json [5.0]"
+    assert prov["stats"] == "maps.stats.safetensors" and (out / prov["stats"]).is_file()
+    assert prov["predicted_nbytes"] == doc["accounting"]["total_nbytes"]
+    assert doc["accounting"]["average_bits"] <= 5.0
+    # the shipped maps reproduce the same widths through `allocate`
+    assert main(["allocate", str(out / "maps.json"), "--budget", "5.0", "-o",
+                 str(tmp_path / "w.json")]) == 0
+    widths = json.loads((tmp_path / "w.json").read_text())
+    assert widths == {n: e["bits"] for n, e in doc["layers"].items()}
+    # and quantizing again from those maps gives the same bytes
+    assert main(["quantize", str(hybrid_dir / "src"), "-o", str(tmp_path / "q2"), "--widths",
+                 f"{out / 'maps.json'}:5.0", "--quiet"]) == 0
+    doc2 = json.loads((tmp_path / "q2" / "dynquant.json").read_text())
+    assert doc2["accounting"] == doc["accounting"]
+
+
+def test_uniform_pins_and_unreachable_budget(tmp_path, capsys):
+    assert main(["quantize", "tiny", "--random-init", "--uniform", "3", "--pin",
+                 "model.embed_tokens=8", "-o", str(tmp_path / "u"), "--quiet"]) == 0
+    doc = json.loads((tmp_path / "u" / "dynquant.json").read_text())
+    assert doc["provenance"]["allocator"] == "uniform"
+    assert doc["layers"]["model.embed_tokens"]["bits"] == 8
+    assert {e["bits"] for n, e in doc["layers"].items() if n != "model.embed_tokens"} == {3}
+    assert main(["quantize", "tiny", "--random-init", "--budget", "1.0", "-o",
+                 str(tmp_path / "x"), "--quiet"]) == 2
+    err = capsys.readouterr().err
+    assert "reachable range is" in err and err.count("\n") == 1
+    assert not (tmp_path / "x").exists()
+
+
+def test_killed_quantize_resumes_to_identical_bytes(tmp_path):
+    import hashlib
+    import os
+    import signal
+    import subprocess
+    import sys
+
+    def run(out, kill_after=None):
+        env = dict(os.environ)
+        if kill_after:
+            env["DYNQUANT_KILL_AFTER"] = str(kill_after)
+        return subprocess.run([sys.executable, "-m", "dynquant", "quantize", "tiny",
+                               "--random-init", "--uniform", "4", "-o", str(out), "--quiet"],
+                              env=env, capture_output=True)
+
+    killed = run(tmp_path / "a", kill_after=20)
+    assert killed.returncode == -signal.SIGKILL
+    partial = tmp_path / ".a.partial"
+    assert len(list(partial.glob("*.safetensors"))) == 20  # finished tensors survived
+    assert not (tmp_path / "a").exists()  # nothing that looks like a checkpoint
+    assert run(tmp_path / "a").returncode == 0
+    assert not partial.exists()
+    assert run(tmp_path / "b").returncode == 0
+
+    def digest(d):
+        return {p.name: hashlib.sha256(p.read_bytes()).hexdigest() for p in sorted(d.iterdir())
+                if p.name != "maps.json"}
+
+    assert digest(tmp_path / "a") == digest(tmp_path / "b")
+    assert (tmp_path / "a" / "maps.json").read_bytes() == (tmp_path / "b" / "maps.json").read_bytes()
