@@ -10,7 +10,6 @@ importance-weighted) squared error measured with the stored bf16 scale/offset.
 
 from __future__ import annotations
 
-import math
 from dataclasses import dataclass
 
 import torch
@@ -21,9 +20,9 @@ from dynquant.format.packing import pack_codes, unpack_codes
 from dynquant.format.widths import DEFAULT_GROUP_SIZE, width
 
 CLIP_ALPHAS: tuple[float, ...] = tuple(round(1.0 - 0.02 * k, 2) for k in range(11))
-# Rows are processed in chunks of about this many values, so that scratch memory stays bounded
-# (~10 float32 temporaries of this size: ~320 MB) whatever the tensor's size.
-CHUNK_ELEMENTS = 1 << 23
+# Rows are processed in chunks of about this many values: scratch memory stays bounded whatever
+# the tensor's size, and the clip search's passes over a chunk run from cache (2 MB a buffer).
+CHUNK_ELEMENTS = 1 << 19
 
 
 @dataclass
@@ -91,17 +90,21 @@ def _round_bf16(x: torch.Tensor) -> torch.Tensor:
     return x.to(torch.bfloat16).to(torch.float32)
 
 
-def _codes_for(
-    w: torch.Tensor, lo: torch.Tensor, hi: torch.Tensor, max_code: int
-) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
-    """Stored scale/offset and codes of groups ``w`` [r, g, gs] for ranges ``lo``/``hi`` [r, g]."""
+def _scale_offset(lo: torch.Tensor, hi: torch.Tensor, max_code: int
+                  ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Stored (bf16-rounded) scale and offset of ranges ``lo``/``hi``, and a safe divisor.
+
+    A constant group has scale 0: its divisor is inf, so every code is 0 and w_hat = offset.
+    """
     scale = _round_bf16((hi - lo) / max_code)
     offset = _round_bf16(lo)
-    # A constant group has scale 0: every code is 0 and w_hat = offset (never a division by 0).
-    safe = torch.where(scale == 0, torch.ones_like(scale), scale)
-    q = torch.round((w - offset.unsqueeze(-1)) / safe.unsqueeze(-1)).clamp_(0, max_code)
-    w_hat = q * scale.unsqueeze(-1) + offset.unsqueeze(-1)
-    return q, scale, offset, w_hat
+    return scale, offset, torch.where(scale == 0, torch.inf, scale)
+
+
+def _positions(w: torch.Tensor, offset: torch.Tensor, divisor: torch.Tensor,
+               out: torch.Tensor | None = None) -> torch.Tensor:
+    """x = (w - offset) / scale: the real-valued code of every value (groups on the last axis)."""
+    return torch.sub(w, offset.unsqueeze(-1), out=out).div_(divisor.unsqueeze(-1))
 
 
 @dataclass
@@ -114,34 +117,59 @@ class _ChunkResult:
     minmax_error: float
 
 
-def _quantize_chunk(
-    w: torch.Tensor, valid: torch.Tensor, weight: torch.Tensor, bits: int, clip: bool
-) -> _ChunkResult:
-    """Quantize groups ``w`` [r, g, gs] (padding where ``valid`` is False; error ``weight``)."""
-    max_code = (1 << bits) - 1
-    inf = torch.tensor(math.inf)
-    mn = torch.where(valid, w, inf).amin(-1)
-    mx = torch.where(valid, w, -inf).amax(-1)
-    # Track only the best alpha per group; the codes are computed once, for the winners.
+def _search_errors(w: torch.Tensor, mn: torch.Tensor, mx: torch.Tensor, weight: torch.Tensor | None,
+                   max_code: int, alphas: tuple[float, ...]) -> tuple[torch.Tensor, ...]:
+    """Per group: the best alpha, its error and the min-max (alpha = 1) error.
+
+    The error of a group is ``scale^2 * sum (q - x)^2`` (= sum (q*scale + offset - w)^2, the
+    error with the stored scale/offset), computed in two scratch buffers reused across alphas;
+    chunks are small enough to stay in cache, which is what makes the search fast.
+    """
+    x, q = torch.empty_like(w), torch.empty_like(w)
     best_alpha = torch.ones_like(mn)
     best_err = minmax_err = None
-    for alpha in CLIP_ALPHAS if clip else (1.0,):
-        *_, w_hat = _codes_for(w, mn * alpha, mx * alpha, max_code)
-        err = ((w_hat - w).square_() * weight).sum(-1)
+    for alpha in alphas:
+        scale, offset, divisor = _scale_offset(mn * alpha, mx * alpha, max_code)
+        _positions(w, offset, divisor, out=x)
+        torch.round(x, out=q).clamp_(0, max_code).sub_(x).square_()
+        if weight is not None:
+            q.mul_(weight)
+        err = q.sum(-1).mul_(scale.square())
+        if bool((scale == 0).any()):  # constant groups: the error is the offset's rounding
+            d = (w - offset.unsqueeze(-1)).square_()
+            const = (d if weight is None else d * weight).sum(-1)
+            err = torch.where(scale == 0, const, err)
         if best_err is None:
             best_err = minmax_err = err
             continue
         better = err < best_err
         best_alpha = torch.where(better, alpha, best_alpha)
         best_err = torch.where(better, err, best_err)
-    clipped = best_alpha < 1.0
-    q, scale, offset, _ = _codes_for(w, mn * best_alpha, mx * best_alpha, max_code)
-    q = torch.where(valid, q, torch.zeros_like(q))  # padding is code 0
+    return best_alpha, best_err, minmax_err
+
+
+def _quantize_chunk(
+    w: torch.Tensor, valid: torch.Tensor | None, weight: torch.Tensor | None, bits: int,
+    clip: bool
+) -> _ChunkResult:
+    """Quantize groups ``w`` [r, g, gs] (padding where ``valid`` is False; error ``weight``)."""
+    max_code = (1 << bits) - 1
+    if valid is None:
+        mn, mx = w.amin(-1), w.amax(-1)
+    else:
+        mn = torch.where(valid, w, torch.inf).amin(-1)
+        mx = torch.where(valid, w, -torch.inf).amax(-1)
+    alphas = CLIP_ALPHAS if clip else (1.0,)
+    best_alpha, best_err, minmax_err = _search_errors(w, mn, mx, weight, max_code, alphas)
+    scale, offset, divisor = _scale_offset(mn * best_alpha, mx * best_alpha, max_code)
+    q = torch.round(_positions(w, offset, divisor)).clamp_(0, max_code)
+    if valid is not None:
+        q.masked_fill_(~valid, 0)  # padding is code 0
     return _ChunkResult(
         codes=q.to(torch.uint8).reshape(q.shape[0], -1),
         scales=scale.to(torch.bfloat16),
         offsets=offset.to(torch.bfloat16),
-        clipped_groups=int(clipped.sum()),
+        clipped_groups=int((best_alpha < 1.0).sum()),
         chosen_error=float(best_err.double().sum()),
         minmax_error=float(minmax_err.double().sum()),
     )
@@ -178,14 +206,15 @@ def quantize_tensor(
     layout = LayerLayout.create(tuple(weight.shape), bits, group_size)
     w_rows = weight.detach().reshape(layout.num_rows, layout.in_features)
     pad = layout.padded_in_features - layout.in_features
-    col_weight = torch.ones(layout.padded_in_features)
-    if importance is not None:
-        col_weight[: layout.in_features] = importance.detach().to(torch.float32)
-    col_weight[layout.in_features :] = 0.0
-    col_weight = col_weight.reshape(layout.num_groups, group_size)
-    valid = (torch.arange(layout.padded_in_features) < layout.in_features).reshape(
-        layout.num_groups, group_size
-    )
+    valid = col_weight = None
+    if pad:
+        valid = (torch.arange(layout.padded_in_features) < layout.in_features).reshape(
+            layout.num_groups, group_size)
+    if pad or importance is not None:  # per-column error weights; padding weighs nothing
+        col_weight = torch.zeros(layout.padded_in_features)
+        col_weight[: layout.in_features] = (1.0 if importance is None else
+                                             importance.detach().to(torch.float32))
+        col_weight = col_weight.reshape(layout.num_groups, group_size)
     step = max(1, CHUNK_ELEMENTS // layout.padded_in_features)
     parts: list[tuple[torch.Tensor, torch.Tensor, torch.Tensor]] = []
     clipped = 0
