@@ -1,0 +1,81 @@
+"""dynquant's quantizer vs HQQ (``hqq`` on CPU, optimize=True, group size 128, groups along the
+input dimension): time and relative weight error at 2, 3 and 4 bits, on an i.i.d. N(0,1)
+4096 x 4096 weight and on the real weights of both reference models. Needs ``pip install hqq``.
+"""
+
+from __future__ import annotations
+
+import time
+from pathlib import Path
+
+import torch
+
+from benchmarks.common import figure, machine
+from dynquant import quantize_tensor
+from dynquant.models.sources import resolve_model
+from dynquant.pipeline.weights import SafetensorsWeights
+
+ROOT = Path(__file__).parents[1]
+
+
+def hqq_quantize(w: torch.Tensor, bits: int) -> torch.Tensor:
+    from hqq.core.quantize import Quantizer
+
+    w_q, meta = Quantizer.quantize(w, nbits=bits, channel_wise=True, group_size=128,
+                                   optimize=True, round_zero=False, axis=1, bitpack=False,
+                                   compute_dtype=torch.float32, device="cpu")
+    return Quantizer.dequantize(w_q, meta).float().reshape(w.shape)
+
+
+def rel_err(w: torch.Tensor, w_hat: torch.Tensor) -> float:
+    return float((w - w_hat).double().square().sum() / w.double().square().sum())
+
+
+def timed(fn):
+    start = time.perf_counter()
+    out = fn()
+    return out, time.perf_counter() - start
+
+
+def reference_weights() -> list[torch.Tensor]:
+    """Every 2-D quantizable matrix of both reference models whose rows are multiples of 128."""
+    mats = []
+    for name in ("hybrid-ref", "llama-ref"):
+        source = resolve_model(str(ROOT / "models" / name))
+        weights = SafetensorsWeights(source.directory, source.conversion_transforms())
+        for spec in source.tensor_specs():
+            if spec.quantizable and len(spec.shape) == 2 and spec.shape[-1] % 128 == 0:
+                mats.append(weights.get(spec).float())
+        weights.close()
+    return mats
+
+
+def compare(label: str, mats: list[torch.Tensor]) -> None:
+    for bits in (2, 3, 4):
+        t_d = t_h = 0.0
+        e_d = e_h = 0.0
+        total = sum(float(m.double().square().sum()) for m in mats)
+        for w in mats:
+            qt, dt = timed(lambda w=w, b=bits: quantize_tensor(w, b))
+            w_hat, ht = timed(lambda w=w, b=bits: hqq_quantize(w, b))
+            t_d, t_h = t_d + dt, t_h + ht
+            share = float(w.double().square().sum()) / total
+            e_d += share * rel_err(w, qt.dequantize(torch.float32))
+            e_h += share * rel_err(w, w_hat)
+        figure(f"{label} {bits}-bit: dynquant relative error", e_d)
+        figure(f"{label} {bits}-bit: HQQ relative error", e_h)
+        figure(f"{label} {bits}-bit: error ratio dynquant / HQQ", e_d / e_h, "x")
+        figure(f"{label} {bits}-bit: dynquant time", t_d, "s")
+        figure(f"{label} {bits}-bit: HQQ time", t_h, "s")
+        figure(f"{label} {bits}-bit: speed-up vs HQQ", t_h / t_d, "x")
+
+
+def main() -> None:
+    print(f"# quantizer vs HQQ, group size 128, {machine()}")
+    compare("N(0,1) 4096x4096", [torch.randn(4096, 4096,
+                                             generator=torch.Generator().manual_seed(0))])
+    compare("reference models", reference_weights())
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,36 @@
+"""Both reference models on the held-out text: perplexity, and KL / delta PPL of uniform 2, 3, 4
+and 8-bit dynquant quantizations (group size 128, no calibration)."""
+
+from __future__ import annotations
+
+import tempfile
+from pathlib import Path
+
+from benchmarks.common import figure, machine
+from dynquant.models.sources import resolve_model
+from dynquant.pipeline.evaluate import evaluate
+from dynquant.pipeline.quantize import quantize_model
+
+ROOT = Path(__file__).parents[1]
+HELDOUT = ROOT / "data" / "heldout.txt"
+
+
+def main() -> None:
+    print(f"# reference models, uniform widths, held-out text, {machine()}")
+    with tempfile.TemporaryDirectory() as tmp:
+        for name in ("hybrid-ref", "llama-ref"):
+            source = resolve_model(str(ROOT / "models" / name))
+            modules = [s.module for s in source.tensor_specs() if s.quantizable]
+            for bits in (2, 3, 4, 8):
+                ck = Path(tmp) / f"{name}-{bits}"
+                quantize_model(source, {m: bits for m in modules}, ck, progress=False)
+                r = evaluate(ck, source.directory, HELDOUT, progress=False)
+                if bits == 2:
+                    figure(f"{name}: base perplexity ({r.tokens} tokens)", r.ppl_base)
+                figure(f"{name} uniform {bits}-bit: mean KL", r.kl_mean)
+                figure(f"{name} uniform {bits}-bit: delta PPL", r.delta_ppl)
+                figure(f"{name} uniform {bits}-bit: top-1 agreement", r.top1_agreement)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,109 @@
+"""The size/quality frontier: one measurement, many budgets, each against uniform widths.
+
+Measure a model once (KL sensitivities on calibration text), allocate at every budget, quantize,
+and evaluate each checkpoint against the unquantized model on held-out text; uniform widths at
+the same or the next larger size are evaluated beside it. Used by the demo and the benchmarks.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+from pathlib import Path
+
+from safetensors.torch import load_file
+
+from dynquant.format.widths import width
+from dynquant.models.sources import resolve_model
+from dynquant.pipeline.allocate import allocate_widths, uniform_widths
+from dynquant.pipeline.evaluate import EvalResult, evaluate
+from dynquant.pipeline.measure import MeasureOptions, maps_modules, measure
+from dynquant.pipeline.quantize import quantize_model
+
+BUDGETS = (2.5, 3.0, 3.25, 3.5, 4.25)
+
+
+@dataclass
+class FrontierPoint:
+    budget: float
+    checkpoint: Path
+    total_nbytes: int
+    average_bits: float
+    predicted_kl: float
+    result: EvalResult
+    uniform_bits: int
+    uniform_average_bits: float
+    uniform_total_nbytes: int
+    uniform_result: EvalResult
+
+
+def uniform_bits_for(budget: float, group_size: int = 128) -> int:
+    """The smallest uniform width at least as large as ``budget`` (scale overhead counted)."""
+    return next(b for b in (2, 3, 4, 8) if width(b, group_size).bits_per_weight >= budget)
+
+
+def size_quality_frontier(model_dir: str | Path, calib: str | Path, heldout: str | Path,
+                          out_dir: str | Path, budgets: Sequence[float] = BUDGETS,
+                          max_tokens: int | None = None, on_step=None) -> list[FrontierPoint]:
+    """Every budget's sensitivity checkpoint (kept in ``out_dir``) and its uniform comparison."""
+    out = Path(out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    source = resolve_model(str(model_dir))
+    note = on_step or (lambda _msg: None)
+    note("measuring sensitivities")
+    maps_path = out / "maps.json"
+    maps = measure(source, MeasureOptions(calib=[str(calib)], budgets=budgets), maps_path,
+                   progress=False)
+    modules = maps_modules(maps)
+    importance = load_file(maps_path.parent / maps["stats"])
+    uniform: dict[int, tuple] = {}
+    points = []
+    for budget in budgets:
+        note(f"budget {budget}: allocate, quantize, evaluate")
+        alloc = allocate_widths(modules, budget)
+        ck = out / f"budget-{budget}"
+        doc = quantize_model(source, alloc.widths, ck, importance=importance, overwrite=True,
+                             allocator="sensitivity", widths_from=f"maps.json [{budget}]",
+                             stats=maps["stats"], progress=False)
+        result = evaluate(ck, source.directory, heldout, max_tokens=max_tokens, progress=False)
+        ubits = uniform_bits_for(budget)
+        if ubits not in uniform:
+            u = uniform_widths(modules, ubits, 128)
+            uck = out / f"uniform-{ubits}"
+            udoc = quantize_model(source, u.widths, uck, importance=importance, overwrite=True,
+                                  allocator="uniform", progress=False)
+            uniform[ubits] = (udoc, evaluate(uck, source.directory, heldout,
+                                             max_tokens=max_tokens, progress=False))
+        udoc, uresult = uniform[ubits]
+        points.append(FrontierPoint(
+            budget, ck, doc["accounting"]["total_nbytes"], doc["accounting"]["average_bits"],
+            alloc.predicted_error, result, ubits, udoc["accounting"]["average_bits"],
+            udoc["accounting"]["total_nbytes"], uresult))
+    return points
+
+
+def plot_frontier(points: list[FrontierPoint], path: str | Path, title: str) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(6.4, 4.2), dpi=120)
+    ax.plot([p.total_nbytes / 2**20 for p in points], [p.result.kl_mean for p in points],
+            "o-", label="dynquant sensitivity allocation")
+    seen = {p.uniform_bits: p for p in points}
+    ax.plot([p.uniform_total_nbytes / 2**20 for p in seen.values()],
+            [p.uniform_result.kl_mean for p in seen.values()], "s--",
+            label="uniform widths")
+    for p in points:
+        ax.annotate(f"{p.budget}", (p.total_nbytes / 2**20, p.result.kl_mean),
+                    textcoords="offset points", xytext=(4, 4), fontsize=8)
+    ax.set_yscale("log")
+    ax.set_xlabel("checkpoint size (MiB)")
+    ax.set_ylabel("mean KL(base || quantized), nats/token")
+    ax.set_title(title)
+    ax.grid(alpha=0.3)
+    ax.legend()
+    fig.tight_layout()
+    fig.savefig(path)
+    plt.close(fig)
