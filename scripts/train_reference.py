@@ -101,10 +101,10 @@ def evaluate(model, tokenizer, text: str) -> float:
     return math.exp(nll / count)
 
 
-def train(arch: str, minutes: float, seed: int, lr: float) -> None:
+def train(arch: str, minutes: float, seed: int, lr: float, threads: int) -> None:
     register()
     torch.manual_seed(seed)
-    torch.set_num_threads(2)
+    torch.set_num_threads(threads)
     tokenizer = PreTrainedTokenizerFast.from_pretrained(ROOT / "build" / "tokenizer")
     ids = torch.load(ROOT / "build" / "train_ids.pt", weights_only=True).long()
     config = ARCHS[arch]()
@@ -141,7 +141,8 @@ def train(arch: str, minutes: float, seed: int, lr: float) -> None:
     model.to(torch.bfloat16).save_pretrained(out)
     tokenizer.save_pretrained(out)
     card = {"arch": arch, "parameters": params, "steps": step, "batch": BATCH, "seq": SEQ,
-            "tokens_seen": step * BATCH * SEQ, "minutes": minutes, "seed": seed, "lr": lr,
+            "tokens_seen": step * BATCH * SEQ, "minutes": minutes, "threads": threads,
+            "seed": seed, "lr": lr,
             "heldout_ppl_fp32": round(ppl, 3)}
     (out / "training.json").write_text(json.dumps(card, indent=2) + "\n")
     print(json.dumps(card))
@@ -157,11 +158,12 @@ def main() -> None:
     t.add_argument("--minutes", type=float, default=20)
     t.add_argument("--seed", type=int, default=0)
     t.add_argument("--lr", type=float, default=3e-3)
+    t.add_argument("--threads", type=int, default=2)
     args = ap.parse_args()
     if args.cmd == "corpus":
         build_corpus(args.data_dir)
     else:
-        train(args.arch, args.minutes, args.seed, args.lr)
+        train(args.arch, args.minutes, args.seed, args.lr, args.threads)
 
 
 if __name__ == "__main__":

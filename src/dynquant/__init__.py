@@ -2,6 +2,7 @@
 
 __version__ = "0.1.0"
 
+from dynquant.api import allocate, measure, quantize
 from dynquant.checkpoint import Checkpoint, CheckpointWriter, open_checkpoint, write_checkpoint
 from dynquant.errors import CheckpointError, DynquantError, ModelError, QuantizationError
 from dynquant.format.planner import TensorSpec, plan_document
@@ -28,11 +29,14 @@ __all__ = [
     "QuantizedTensor",
     "TensorSpec",
     "__version__",
+    "allocate",
     "evaluate",
     "load",
     "load_dequantized",
+    "measure",
     "open_checkpoint",
     "plan_document",
+    "quantize",
     "quantize_tensor",
     "validate_checkpoint",
     "validate_metadata",

@@ -35,23 +35,20 @@ def _cmd_plan(args: argparse.Namespace) -> int:
 
 
 def _cmd_inspect(args: argparse.Namespace) -> int:
+    from dynquant.format.metadata import METADATA_FILE
     from dynquant.format.summary import render_summary
-    from dynquant.format.validate import load_metadata
+    from dynquant.format.validate import load_metadata, validate_metadata
 
-    path = args.checkpoint
-    from pathlib import Path
-
-    meta = Path(path) / "dynquant.json" if Path(path).is_dir() else Path(path)
+    path = Path(args.checkpoint)
+    meta = path / METADATA_FILE if path.is_dir() else path
     doc = load_metadata(str(meta))
-    from dynquant.format.validate import validate_metadata
-
     problems = validate_metadata(doc, str(meta))
     if problems:
         raise problems[0]
     if args.json:
         print(json.dumps(doc, indent=2))
     else:
-        render_summary(doc, f"checkpoint: {path}")
+        render_summary(doc, f"checkpoint: {args.checkpoint}")
     return 0
 
 
@@ -75,7 +72,8 @@ def _cmd_quantize(args: argparse.Namespace) -> int:
     source = resolve_model(args.model)
     req = QuantizeRequest(
         output=args.output, widths=args.widths, budget=args.budget, uniform=args.uniform,
-        calib=args.calib, method=args.method, group_size=args.group_size,
+        calib=args.calib, calib_seqs=args.calib_seqs, calib_len=args.calib_len,
+        method=args.method, group_size=args.group_size,
         group_sizes=_ints(args.group_sizes), pins=args.pin, min_bits=args.min_bits,
         max_bits=args.max_bits, not_convert=args.not_convert, lm_head=args.lm_head,
         random_init=args.random_init, seed=args.seed, overwrite=args.overwrite,
@@ -97,7 +95,8 @@ def _cmd_measure(args: argparse.Namespace) -> int:
 
     opts = MeasureOptions(widths=_ints(args.widths), group_sizes=_ints(args.group_sizes),
                           budgets=[float(b) for b in args.budgets.split(",") if b],
-                          method=args.method, calib=args.calib, not_convert=args.not_convert)
+                          method=args.method, calib=args.calib, not_convert=args.not_convert,
+                          calib_seqs=args.calib_seqs, calib_len=args.calib_len)
     doc = measure(resolve_model(args.model), opts, args.output, progress=True,
                   random_init=args.random_init)
     for budget, a in doc["allocations"].items():
@@ -206,6 +205,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--budget", type=float, help="average bits per weight (scale overhead counted)")
     p.add_argument("--uniform", type=int, help="every module at this width (for comparison)")
     p.add_argument("--calib", action="append", default=[], help="calibration text file(s)")
+    p.add_argument("--calib-seqs", type=int, default=8, help="calibration sequences")
+    p.add_argument("--calib-len", type=int, default=256, help="tokens per sequence")
     p.add_argument("--method", choices=("weight", "kl"))
     p.add_argument("--group-size", type=int, default=128)
     p.add_argument("--group-sizes", help="allocate group sizes too, e.g. 32,64,128")
@@ -227,6 +228,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("model")
     p.add_argument("-o", "--output", required=True)
     p.add_argument("--calib", action="append", default=[])
+    p.add_argument("--calib-seqs", type=int, default=8)
+    p.add_argument("--calib-len", type=int, default=256)
     p.add_argument("--method", choices=("weight", "kl"))
     p.add_argument("--widths", default="2,3,4,8")
     p.add_argument("--group-sizes", default="128")
@@ -271,6 +274,10 @@ def build_parser() -> argparse.ArgumentParser:
 
 def main(argv: Sequence[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
+    if args.command not in ("plan", "inspect", "validate"):  # those need no transformers
+        from transformers.utils import logging as hf_logging
+
+        hf_logging.disable_progress_bar()  # our own progress bars say what is happening
     try:
         return args.func(args)
     except (DynquantError, OSError) as exc:

@@ -77,29 +77,52 @@ def _window_figures(logits_m: torch.Tensor, logits_b: torch.Tensor, target: torc
     return kl, nll_m, nll_b, agree
 
 
-def evaluate_models(model: nn.Module, base: nn.Module, ids: torch.Tensor, ctx: int,
-                    progress: bool = True) -> EvalResult:
-    """Compare ``model`` against ``base`` on token ids (windows of ``ctx`` predictions)."""
-    kls, nll_m, nll_b, agree = [], 0.0, 0.0, 0.0
+class _Tally:
+    """Running figures of one model against the base."""
+
+    def __init__(self) -> None:
+        self.kls: list[torch.Tensor] = []
+        self.nll_m = self.nll_b = self.agree = 0.0
+
+    def add(self, logits_m: torch.Tensor, logits_b: torch.Tensor, target: torch.Tensor) -> None:
+        kl, m, b, a = _window_figures(logits_m, logits_b, target)
+        self.kls.append(kl)
+        self.nll_m += m.double().sum().item()
+        self.nll_b += b.double().sum().item()
+        self.agree += a.sum().item()
+
+    def result(self, ctx: int) -> EvalResult:
+        kl = torch.cat(self.kls)
+        n = kl.numel()
+        ppl_m = float(torch.tensor(self.nll_m / n).exp())
+        ppl_b = float(torch.tensor(self.nll_b / n).exp())
+        return EvalResult(
+            tokens=n, ctx=ctx, ppl_model=ppl_m, ppl_base=ppl_b, delta_ppl=ppl_m - ppl_b,
+            kl_mean=float(kl.double().mean()), kl_median=float(kl.median()),
+            kl_p99=float(torch.quantile(kl.double(), 0.99)), top1_agreement=self.agree / n)
+
+
+def evaluate_many(models: dict[str, nn.Module], base: nn.Module, ids: torch.Tensor, ctx: int,
+                  progress: bool = True) -> dict[str, EvalResult]:
+    """Compare several models against one base; the base runs once per window."""
+    tallies = {name: _Tally() for name in models}
     windows = (len(ids) - 1) // ctx
     with torch.no_grad(), Progress(disable=not progress, transient=True) as bar:
         task = bar.add_task("evaluating", total=windows)
         for w in range(windows):
             x = ids[w * ctx : (w + 1) * ctx + 1]
             inp, target = x[None, :-1], x[1:]
-            kl, m, b, a = _window_figures(model(inp).logits[0], base(inp).logits[0], target)
-            kls.append(kl)
-            nll_m += m.double().sum().item()
-            nll_b += b.double().sum().item()
-            agree += a.sum().item()
+            logits_b = base(inp).logits[0]
+            for name, model in models.items():
+                tallies[name].add(model(inp).logits[0], logits_b, target)
             bar.advance(task)
-    kl_all = torch.cat(kls)
-    n = kl_all.numel()
-    ppl_m, ppl_b = float(torch.tensor(nll_m / n).exp()), float(torch.tensor(nll_b / n).exp())
-    return EvalResult(
-        tokens=n, ctx=ctx, ppl_model=ppl_m, ppl_base=ppl_b, delta_ppl=ppl_m - ppl_b,
-        kl_mean=float(kl_all.double().mean()), kl_median=float(kl_all.median()),
-        kl_p99=float(torch.quantile(kl_all.double(), 0.99)), top1_agreement=agree / n)
+    return {name: t.result(ctx) for name, t in tallies.items()}
+
+
+def evaluate_models(model: nn.Module, base: nn.Module, ids: torch.Tensor, ctx: int,
+                    progress: bool = True) -> EvalResult:
+    """Compare ``model`` against ``base`` on token ids (windows of ``ctx`` predictions)."""
+    return evaluate_many({"model": model}, base, ids, ctx, progress)["model"]
 
 
 def _same_tokenizer(a, b) -> bool:

@@ -16,7 +16,7 @@ from safetensors.torch import load_file
 from dynquant.format.widths import width
 from dynquant.models.sources import resolve_model
 from dynquant.pipeline.allocate import allocate_widths, uniform_widths
-from dynquant.pipeline.evaluate import EvalResult, evaluate
+from dynquant.pipeline.evaluate import EvalResult
 from dynquant.pipeline.measure import MeasureOptions, maps_modules, measure
 from dynquant.pipeline.quantize import quantize_model
 
@@ -44,7 +44,8 @@ def uniform_bits_for(budget: float, group_size: int = 128) -> int:
 
 def size_quality_frontier(model_dir: str | Path, calib: str | Path, heldout: str | Path,
                           out_dir: str | Path, budgets: Sequence[float] = BUDGETS,
-                          max_tokens: int | None = None, on_step=None) -> list[FrontierPoint]:
+                          max_tokens: int | None = None, ctx: int = 512,
+                          on_step=None) -> list[FrontierPoint]:
     """Every budget's sensitivity checkpoint (kept in ``out_dir``) and its uniform comparison."""
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
@@ -56,30 +57,43 @@ def size_quality_frontier(model_dir: str | Path, calib: str | Path, heldout: str
                    progress=False)
     modules = maps_modules(maps)
     importance = load_file(maps_path.parent / maps["stats"])
-    uniform: dict[int, tuple] = {}
+    docs, allocs = {}, {}
+    for budget in budgets:
+        note(f"budget {budget}: allocate and quantize")
+        allocs[budget] = allocate_widths(modules, budget)
+        docs[f"budget-{budget}"] = quantize_model(
+            source, allocs[budget].widths, out / f"budget-{budget}", importance=importance,
+            overwrite=True, allocator="sensitivity", widths_from=f"maps.json [{budget}]",
+            stats=maps["stats"], progress=False)
+    for ubits in sorted({uniform_bits_for(b) for b in budgets}):
+        note(f"uniform {ubits}-bit: quantize")
+        u = uniform_widths(modules, ubits, 128)
+        docs[f"uniform-{ubits}"] = quantize_model(
+            source, u.widths, out / f"uniform-{ubits}", importance=importance, overwrite=True,
+            allocator="uniform", progress=False)
+    note("evaluating every checkpoint against the base")
+    results = _evaluate_all(source.directory, out, list(docs), heldout, ctx, max_tokens)
     points = []
     for budget in budgets:
-        note(f"budget {budget}: allocate, quantize, evaluate")
-        alloc = allocate_widths(modules, budget)
-        ck = out / f"budget-{budget}"
-        doc = quantize_model(source, alloc.widths, ck, importance=importance, overwrite=True,
-                             allocator="sensitivity", widths_from=f"maps.json [{budget}]",
-                             stats=maps["stats"], progress=False)
-        result = evaluate(ck, source.directory, heldout, max_tokens=max_tokens, progress=False)
-        ubits = uniform_bits_for(budget)
-        if ubits not in uniform:
-            u = uniform_widths(modules, ubits, 128)
-            uck = out / f"uniform-{ubits}"
-            udoc = quantize_model(source, u.widths, uck, importance=importance, overwrite=True,
-                                  allocator="uniform", progress=False)
-            uniform[ubits] = (udoc, evaluate(uck, source.directory, heldout,
-                                             max_tokens=max_tokens, progress=False))
-        udoc, uresult = uniform[ubits]
+        key, ukey = f"budget-{budget}", f"uniform-{uniform_bits_for(budget)}"
+        acc, uacc = docs[key]["accounting"], docs[ukey]["accounting"]
         points.append(FrontierPoint(
-            budget, ck, doc["accounting"]["total_nbytes"], doc["accounting"]["average_bits"],
-            alloc.predicted_error, result, ubits, udoc["accounting"]["average_bits"],
-            udoc["accounting"]["total_nbytes"], uresult))
+            budget, out / key, acc["total_nbytes"], acc["average_bits"],
+            allocs[budget].predicted_error, results[key], uniform_bits_for(budget),
+            uacc["average_bits"], uacc["total_nbytes"], results[ukey]))
     return points
+
+
+def _evaluate_all(base_dir: Path, out: Path, names: list[str], heldout: str | Path, ctx: int,
+                  max_tokens: int | None) -> dict[str, EvalResult]:
+    from dynquant.pipeline.evaluate import evaluate_many, load_any, tokenize_text
+    from dynquant.pipeline.generate import load_tokenizer
+    from dynquant.runtime.loader import load
+
+    ids = tokenize_text(load_tokenizer(base_dir), Path(heldout).read_text(encoding="utf-8"),
+                        ctx, max_tokens)
+    models = {name: load(out / name) for name in names}
+    return evaluate_many(models, load_any(base_dir), ids, ctx, progress=False)
 
 
 def plot_frontier(points: list[FrontierPoint], path: str | Path, title: str) -> None:

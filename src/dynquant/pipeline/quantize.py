@@ -133,6 +133,8 @@ class QuantizeRequest:
     budget: float | None = None
     uniform: int | None = None
     calib: Sequence[str] = ()
+    calib_seqs: int = 8
+    calib_len: int = 256
     method: str | None = None
     group_size: int = 128
     group_sizes: Sequence[int] | None = None
@@ -167,7 +169,8 @@ def _maps_for(source: ModelSource, req: QuantizeRequest, workdir: Path
         path, budget = _split_maps_arg(req.widths)
         return load_maps(path), Path(path), budget if budget is not None else req.budget
     maps_path = workdir / "maps.json"
-    opts = MeasureOptions(calib=list(req.calib), method=req.method,
+    opts = MeasureOptions(calib=list(req.calib), method=req.method, calib_seqs=req.calib_seqs,
+                          calib_len=req.calib_len,
                           group_sizes=req.group_sizes or (req.group_size,),
                           budgets=[req.budget] if req.budget else [],
                           not_convert=req.not_convert)

@@ -1,0 +1,65 @@
+"""The Python API, mirroring the CLI: ``measure``, ``allocate``, ``quantize``.
+
+Each takes what the command line takes (paths, presets, numbers) and returns plain data.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from pathlib import Path
+
+from dynquant.models.sources import resolve_model
+from dynquant.pipeline.allocate import (
+    Allocation,
+    Constraints,
+    allocate_widths,
+    parse_pins,
+    uniform_widths,
+)
+from dynquant.pipeline.measure import DEFAULT_BUDGETS, DEFAULT_WIDTHS, MeasureOptions, load_maps, maps_modules
+from dynquant.pipeline.measure import measure as _measure
+from dynquant.pipeline.quantize import QuantizeRequest, run_quantize
+
+
+def measure(model: str | Path, output: str | Path | None = None, *,
+            calib: Sequence[str | Path] = (), method: str | None = None,
+            widths: Sequence[int] = DEFAULT_WIDTHS, group_sizes: Sequence[int] = (128,),
+            budgets: Sequence[float] = DEFAULT_BUDGETS, not_convert: Sequence[str] = (),
+            calib_seqs: int = 8, calib_len: int = 256, random_init: bool = False,
+            progress: bool = True) -> dict:
+    """``dynquant measure``: the maps document (written to ``output`` when given)."""
+    opts = MeasureOptions(widths=widths, group_sizes=group_sizes, budgets=budgets,
+                          method=method, calib=[str(c) for c in calib], calib_seqs=calib_seqs,
+                          calib_len=calib_len, not_convert=not_convert)
+    return _measure(resolve_model(str(model)), opts, output, progress, random_init)
+
+
+def allocate(maps: str | Path | dict, budget: float | None = None, *,
+             uniform: int | None = None, pins: Sequence[str] = (), min_bits: int | None = None,
+             max_bits: int | None = None, group_sizes: Sequence[int] | None = None
+             ) -> Allocation:
+    """``dynquant allocate``: the exact optimum at ``budget`` (or uniform widths)."""
+    doc = maps if isinstance(maps, dict) else load_maps(maps)
+    modules = maps_modules(doc)
+    cons = Constraints(parse_pins(pins), min_bits, max_bits, group_sizes)
+    if uniform is not None:
+        return uniform_widths(modules, uniform, max(doc["group_sizes"]), cons)
+    if budget is None:
+        raise ValueError("give a budget or uniform=BITS")
+    return allocate_widths(modules, budget, cons)
+
+
+def quantize(model: str | Path, output: str | Path, *, budget: float | None = None,
+             widths: str | Path | None = None, uniform: int | None = None,
+             calib: Sequence[str | Path] = (), method: str | None = None,
+             group_size: int = 128, group_sizes: Sequence[int] | None = None,
+             pins: Sequence[str] = (), not_convert: Sequence[str] = (),
+             lm_head: bool = False, random_init: bool = False, overwrite: bool = False,
+             progress: bool = True) -> dict:
+    """``dynquant quantize``: (measure ->) allocate -> quantize -> write; returns the metadata."""
+    req = QuantizeRequest(output=str(output), widths=None if widths is None else str(widths),
+                          budget=budget, uniform=uniform, calib=[str(c) for c in calib],
+                          method=method, group_size=group_size, group_sizes=group_sizes,
+                          pins=pins, not_convert=not_convert, lm_head=lm_head,
+                          random_init=random_init, overwrite=overwrite, progress=progress)
+    return run_quantize(resolve_model(str(model)), req)
