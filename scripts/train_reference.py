@@ -1,8 +1,8 @@
 """Train the shipped reference models on real English text (seeded, CPU, time-boxed).
 
     python scripts/train_reference.py corpus  --data-dir ../shared/data   # tokenizer + texts
-    python scripts/train_reference.py train --arch hybrid --minutes 25
-    python scripts/train_reference.py train --arch llama --minutes 15
+    python scripts/train_reference.py train --arch hybrid --minutes 30 --threads 1 &
+    python scripts/train_reference.py train --arch llama --minutes 30 --threads 1
 
 The corpus step writes the byte-level BPE tokenizer (``tokenizers``), the held-out evaluation
 text ``data/heldout.txt`` (never trained on) and ``data/calibration.txt`` (a slice of the
@@ -145,7 +145,50 @@ def train(arch: str, minutes: float, seed: int, lr: float, threads: int) -> None
             "seed": seed, "lr": lr,
             "heldout_ppl_fp32": round(ppl, 3)}
     (out / "training.json").write_text(json.dumps(card, indent=2) + "\n")
+    write_card(arch)
     print(json.dumps(card))
+
+
+CARD = """# {name}: dynquant reference model ({arch})
+
+A small {desc} trained from scratch by `scripts/train_reference.py` (seed {seed}) for
+dynquant's demo, tests and benchmarks. Not a useful language model: a realistic one to quantize.
+
+| | |
+|---|---|
+| architecture | {arch_line} |
+| parameters | {parameters:,} (bf16 safetensors, {mib:.1f} MiB) |
+| tokenizer | byte-level BPE, {vocab} tokens (`tokenizers`), trained on the training text |
+| training data | TinyStories excerpt (first 92%), Shakespeare, KJV Bible, WikiText-2 \
+validation: sources and licences in `data/README.md` |
+| training | {steps} steps of {batch} x {seq} tokens ({tokens:,} tokens), AdamW lr {lr}, \
+cosine, {minutes} min on {threads} CPU thread(s) |
+| held-out perplexity | {ppl} on `data/heldout.txt` (fp32; never trained on) |
+"""
+
+
+def write_card(arch: str) -> None:
+    out = ROOT / "models" / NAMES[arch]
+    info = json.loads((out / "training.json").read_text())
+    cfg = json.loads((out / "config.json").read_text())
+    if arch == "hybrid":
+        desc = "hybrid short-convolution / attention Mixture-of-Experts model"
+        arch_line = (f"dynquant_hybrid: {cfg['num_hidden_layers']} layers (attention at "
+                     f"{cfg['attention_layers']}, short conv elsewhere), hidden "
+                     f"{cfg['hidden_size']}, {cfg['num_experts']} routed experts of width "
+                     f"{cfg['moe_intermediate_size']} (top-{cfg['num_experts_per_tok']}) + a "
+                     f"shared expert of width {cfg['shared_intermediate_size']}, tied embeddings")
+    else:
+        desc = "Llama-architecture model whose matrix dimensions are multiples of 256"
+        arch_line = (f"llama: {cfg['num_hidden_layers']} layers, hidden {cfg['hidden_size']}, "
+                     f"MLP {cfg['intermediate_size']}, {cfg['num_attention_heads']} heads / "
+                     f"{cfg['num_key_value_heads']} KV heads, tied embeddings")
+    mib = (out / "model.safetensors").stat().st_size / 2**20
+    (out / "README.md").write_text(CARD.format(
+        name=NAMES[arch], arch=arch, desc=desc, arch_line=arch_line, mib=mib,
+        vocab=cfg["vocab_size"], tokens=info["tokens_seen"], ppl=info["heldout_ppl_fp32"],
+        threads=info.get("threads", 2), **{k: v for k, v in info.items()
+                                            if k not in ("arch", "tokens_seen", "threads")}))
 
 
 def main() -> None:
@@ -159,9 +202,13 @@ def main() -> None:
     t.add_argument("--seed", type=int, default=0)
     t.add_argument("--lr", type=float, default=3e-3)
     t.add_argument("--threads", type=int, default=2)
+    k = sub.add_parser("card")
+    k.add_argument("--arch", choices=sorted(ARCHS), required=True)
     args = ap.parse_args()
     if args.cmd == "corpus":
         build_corpus(args.data_dir)
+    elif args.cmd == "card":
+        write_card(args.arch)
     else:
         train(args.arch, args.minutes, args.seed, args.lr, args.threads)
 
