@@ -121,3 +121,24 @@ def test_killed_quantize_resumes_to_identical_bytes(tmp_path):
 
     assert digest(tmp_path / "a") == digest(tmp_path / "b")
     assert (tmp_path / "a" / "maps.json").read_bytes() == (tmp_path / "b" / "maps.json").read_bytes()
+
+
+def test_group_sizes_are_allocated_per_module(tmp_path):
+    import torch
+
+    from dynquant.runtime.loader import load, load_dequantized
+
+    out = tmp_path / "g"
+    assert main(["quantize", "tiny", "--random-init", "--budget", "6.0", "--group-sizes",
+                 "32,64,128", "-o", str(out), "--quiet"]) == 0
+    doc = json.loads((out / "dynquant.json").read_text())
+    sizes = {e["group_size"] for e in doc["layers"].values()}
+    assert sizes <= {32, 64, 128} and len(sizes) > 1
+    for name, entry in doc["quantization_config"]["modules"].items():
+        assert entry.get("group_size", 128) == doc["layers"][name]["group_size"]
+    assert validate_checkpoint(str(out)) == []
+    ids = torch.randint(0, 512, (1, 8), generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        torch.testing.assert_close(load(out)(ids).logits.float(),
+                                   load_dequantized(out)(ids).logits.float(), atol=2e-2,
+                                   rtol=2e-2)
