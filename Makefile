@@ -3,7 +3,7 @@ VENV := .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
 
-.PHONY: demo test lint clean
+.PHONY: demo test lint clean bench
 
 $(STAMP): pyproject.toml
 	$(PY) -m venv $(VENV)
@@ -25,3 +25,11 @@ lint: $(STAMP)
 
 clean:
 	rm -rf $(VENV) out
+
+BENCHMARKS := int4_gemv quantizer_vs_hqq seed_scale quantize_memory decode reference_models allocation_quality quality_vs_hqq
+
+.PHONY: bench
+bench: $(STAMP)
+	$(BIN)/pip install -q 'hqq>=0.2.8'
+	mkdir -p out/bench
+	for b in $(BENCHMARKS); do $(BIN)/python -m benchmarks.$$b | tee out/bench/$$b.txt; done

@@ -1,8 +1,8 @@
 """Decode tokens/s and resident weight memory: packed checkpoint vs the dense bf16 model.
 
-Models: the reference hybrid architecture (``small`` preset, random weights, until the trained
-reference models exist) and a transformers Qwen3-MoE of similar size. Widths: uniform 4-bit
-(Linears on the int4 kernel) and a mixed allocation (attention 8, expert banks 3, others 4).
+Models: both trained reference models (hybrid MoE and Llama) and a random transformers Qwen3-MoE
+of similar size. Widths: uniform 4-bit (Linears on the int4 kernel) and a mixed allocation
+(attention 8, expert banks 3, others 4).
 """
 
 from __future__ import annotations
@@ -59,7 +59,9 @@ def main() -> None:
     torch.set_grad_enabled(False)
     with tempfile.TemporaryDirectory() as tmp:
         root = Path(tmp)
-        sources = {"hybrid-small": (resolve_model("small"), True, 4096),
+        models = Path(__file__).parents[1] / "models"
+        sources = {"hybrid-ref": (resolve_model(str(models / "hybrid-ref")), False, 4096),
+                   "llama-ref": (resolve_model(str(models / "llama-ref")), False, 4096),
                    "qwen3-moe": (resolve_model(str(qwen3_moe_dir(root))), False, 4096)}
         for name, (source, random_init, vocab) in sources.items():
             modules = [s.module for s in source.tensor_specs() if s.quantizable]
