@@ -16,9 +16,31 @@ from transformers import AutoModelForCausalLM, LlamaConfig
 
 from benchmarks.common import figure, machine, run_child
 
+EMBEDDING = """
+import resource, torch
+from dynquant import quantize_tensor
+w = torch.randn(151936, 1024)
+base = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+qt = quantize_tensor(w, 4)
+print((resource.getrusage(resource.RUSAGE_SELF).ru_maxrss - base) * 1024)
+"""
+
+
+def embedding_scratch() -> None:
+    """Extra peak memory of quantizing a 151936 x 1024 embedding, beyond its float32 input."""
+    import subprocess
+    import sys
+
+    out = subprocess.run([sys.executable, "-c", EMBEDDING], check=True, capture_output=True,
+                         text=True).stdout
+    extra = int(out.strip().splitlines()[-1])
+    figure("151936x1024 4-bit: peak memory beyond the input (output included)", extra / 2**20,
+           "MiB")
+
 
 def main() -> None:
     print(f"# quantize peak RSS on a multi-shard model, {machine()}")
+    embedding_scratch()
     cfg = LlamaConfig(vocab_size=32000, hidden_size=1024, intermediate_size=2816,
                       num_hidden_layers=12, num_attention_heads=16, num_key_value_heads=8)
     with tempfile.TemporaryDirectory() as tmp:

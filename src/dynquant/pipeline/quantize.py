@@ -147,7 +147,6 @@ class QuantizeRequest:
     seed: int = 0
     overwrite: bool = False
     progress: bool = True
-    extra: dict = field(default_factory=dict)
 
 
 def _split_maps_arg(arg: str) -> tuple[str, float | None]:
