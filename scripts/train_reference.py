@@ -101,7 +101,10 @@ def evaluate(model, tokenizer, text: str) -> float:
     return math.exp(nll / count)
 
 
-def train(arch: str, minutes: float, seed: int, lr: float, threads: int) -> None:
+def train(arch: str, minutes: float, seed: int, lr: float, threads: int,
+          steps: int | None = None) -> None:
+    """Train for ``steps`` (exactly reproducible) or, without it, for ``minutes`` (time-boxed:
+    the cosine schedule's length is then estimated from the first 20 steps and recorded)."""
     register()
     torch.manual_seed(seed)
     torch.set_num_threads(threads)
@@ -112,13 +115,13 @@ def train(arch: str, minutes: float, seed: int, lr: float, threads: int) -> None
     params = sum(p.numel() for p in model.parameters())
     opt = torch.optim.AdamW(model.parameters(), lr=lr, betas=(0.9, 0.95), weight_decay=0.1)
     gen = torch.Generator().manual_seed(seed)
-    deadline = time.monotonic() + minutes * 60
-    est_steps = None
+    deadline = float("inf") if steps else time.monotonic() + minutes * 60
+    est_steps = steps
     step, t0 = 0, time.monotonic()
     for batch in batches(ids, gen):
-        if time.monotonic() > deadline:
+        if time.monotonic() > deadline or (steps is not None and step >= steps):
             break
-        if step == 20:  # fix the cosine schedule's length from the measured step time
+        if step == 20 and steps is None:  # the schedule's length from the measured step time
             est_steps = int(20 * minutes * 60 / (time.monotonic() - t0))
         total = est_steps or 10**9
         scale = min(1.0, (step + 1) / 50) * 0.5 * (1 + math.cos(math.pi * min(step / total, 1)))
@@ -142,6 +145,7 @@ def train(arch: str, minutes: float, seed: int, lr: float, threads: int) -> None
     tokenizer.save_pretrained(out)
     card = {"arch": arch, "parameters": params, "steps": step, "batch": BATCH, "seq": SEQ,
             "tokens_seen": step * BATCH * SEQ, "minutes": minutes, "threads": threads,
+            "schedule_steps": est_steps,
             "seed": seed, "lr": lr,
             "heldout_ppl_fp32": round(ppl, 3)}
     (out / "training.json").write_text(json.dumps(card, indent=2) + "\n")
@@ -187,8 +191,9 @@ def write_card(arch: str) -> None:
     (out / "README.md").write_text(CARD.format(
         name=NAMES[arch], arch=arch, desc=desc, arch_line=arch_line, mib=mib,
         vocab=cfg["vocab_size"], tokens=info["tokens_seen"], ppl=info["heldout_ppl_fp32"],
-        threads=info.get("threads", 2), **{k: v for k, v in info.items()
-                                            if k not in ("arch", "tokens_seen", "threads")}))
+        threads=info.get("threads", 2),
+        **{k: v for k, v in info.items()
+           if k not in ("arch", "tokens_seen", "threads", "schedule_steps")}))
 
 
 def main() -> None:
@@ -202,6 +207,7 @@ def main() -> None:
     t.add_argument("--seed", type=int, default=0)
     t.add_argument("--lr", type=float, default=3e-3)
     t.add_argument("--threads", type=int, default=2)
+    t.add_argument("--steps", type=int, help="train exactly this many steps (reproducible)")
     k = sub.add_parser("card")
     k.add_argument("--arch", choices=sorted(ARCHS), required=True)
     args = ap.parse_args()
@@ -210,7 +216,7 @@ def main() -> None:
     elif args.cmd == "card":
         write_card(args.arch)
     else:
-        train(args.arch, args.minutes, args.seed, args.lr, args.threads)
+        train(args.arch, args.minutes, args.seed, args.lr, args.threads, args.steps)
 
 
 if __name__ == "__main__":

@@ -142,3 +142,13 @@ def test_group_sizes_are_allocated_per_module(tmp_path):
         torch.testing.assert_close(load(out)(ids).logits.float(),
                                    load_dequantized(out)(ids).logits.float(), atol=2e-2,
                                    rtol=2e-2)
+
+
+def test_calibration_text_errors(tmp_path, capsys):
+    (tmp_path / "empty.txt").write_text("  \n")
+    for calib, needle in ((tmp_path / "missing.txt", "no such calibration file"),
+                          (tmp_path / "empty.txt", "calibration file is empty")):
+        assert main(["measure", "tiny", "--random-init", "--calib", str(calib), "-o",
+                     str(tmp_path / "m.json")]) == 2
+        err = capsys.readouterr().err
+        assert needle in err and err.count("\n") == 1

@@ -15,8 +15,8 @@ from torch import nn
 from dynquant.errors import ModelError
 
 
-def calibration_ids(tokenizer, files: list[str | Path], seqs: int, length: int) -> torch.Tensor:
-    """``seqs`` windows of ``length`` tokens, evenly spread over the text: [seqs, length]."""
+def read_calibration(files: list[str | Path]) -> list[str]:
+    """The texts of the calibration files; a missing or empty file is an error."""
     texts = []
     for f in files:
         path = Path(f)
@@ -26,6 +26,12 @@ def calibration_ids(tokenizer, files: list[str | Path], seqs: int, length: int) 
         if not text.strip():
             raise ModelError("the calibration file is empty", file=str(path))
         texts.append(text)
+    return texts
+
+
+def calibration_ids(tokenizer, files: list[str | Path], seqs: int, length: int) -> torch.Tensor:
+    """``seqs`` windows of ``length`` tokens, evenly spread over the text: [seqs, length]."""
+    texts = read_calibration(files)
     ids = torch.tensor(tokenizer("\n\n".join(texts))["input_ids"], dtype=torch.long)
     if len(ids) < length:
         raise ModelError(f"calibration text has {len(ids)} tokens, fewer than one sequence of "

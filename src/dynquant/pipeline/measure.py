@@ -161,13 +161,19 @@ def _dense_model(source: ModelSource) -> nn.Module:
 def measure(source: ModelSource, opts: MeasureOptions, out: str | Path | None = None,
             progress: bool = True, random_init: bool = False) -> dict:
     """Measure every quantizable module; returns (and writes to ``out``) the maps document."""
-    from dynquant.pipeline.calibration import calibration_ids, collect_stats, save_stats
+    from dynquant.pipeline.calibration import (
+        calibration_ids,
+        collect_stats,
+        read_calibration,
+        save_stats,
+    )
     from dynquant.pipeline.generate import load_tokenizer
     from dynquant.pipeline.quantize import weight_source
 
     method = opts.method or ("kl" if opts.calib else "weight")
     if method == "kl" and not opts.calib:
         raise DynquantError("--method kl needs calibration text (--calib FILE)", field="method")
+    read_calibration(list(opts.calib))  # fail on a missing or empty file before any work
     specs = source.tensor_specs()
     dense_out = set(excluded_modules(specs, opts.not_convert))
     quantizable = [s for s in specs if s.quantizable and s.module not in dense_out]
