@@ -2,8 +2,8 @@
 
 from __future__ import annotations
 
+import os
 import platform
-import resource
 import subprocess
 import sys
 import time
@@ -25,11 +25,16 @@ def best_time(fn: Callable[[], object], repeat: int = 5, warmup: int = 2) -> flo
 
 
 def run_child(args: list[str]) -> tuple[float, int]:
-    """(wall seconds, peak RSS bytes) of a child Python process running ``args``."""
+    """(wall seconds, peak RSS bytes) of a child Python process running ``args`` (that child's
+    own peak, from wait4: not the maximum over every child this process ever had)."""
     start = time.perf_counter()
-    subprocess.run([sys.executable, *args], check=True, stdout=subprocess.DEVNULL)
+    child = subprocess.Popen([sys.executable, *args], stdout=subprocess.DEVNULL)
+    _, status, usage = os.wait4(child.pid, 0)
+    child.returncode = os.waitstatus_to_exitcode(status)
     wall = time.perf_counter() - start
-    return wall, resource.getrusage(resource.RUSAGE_CHILDREN).ru_maxrss * 1024
+    if child.returncode != 0:
+        raise subprocess.CalledProcessError(child.returncode, args)
+    return wall, usage.ru_maxrss * 1024
 
 
 def figure(name: str, value: float, unit: str = "") -> None:
