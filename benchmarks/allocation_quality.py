@@ -34,7 +34,7 @@ def main(plots: Path | None = None) -> None:
             figure(f"{tag}: uniform {p.uniform_bits}-bit ({p.uniform_average_bits} bits), "
                    f"mean KL", u.kl_mean)
             figure(f"{tag}: KL ratio sensitivity / uniform", r.kl_mean / u.kl_mean, "x")
-            figure(f"{tag}: delta PPL sensitivity / uniform", r.delta_ppl)
+            figure(f"{tag}: delta PPL sensitivity", r.delta_ppl)
             figure(f"{tag}: delta PPL uniform", u.delta_ppl)
             figure(f"{tag}: predicted KL", p.predicted_kl)
         rho = spearmanr([p.predicted_kl for p in points],
