@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import os
 import platform
 import subprocess
 import sys
@@ -25,16 +24,19 @@ def best_time(fn: Callable[[], object], repeat: int = 5, warmup: int = 2) -> flo
 
 
 def run_child(args: list[str]) -> tuple[float, int]:
-    """(wall seconds, peak RSS bytes) of a child Python process running ``args`` (that child's
-    own peak, from wait4: not the maximum over every child this process ever had)."""
+    """(wall seconds, peak RSS bytes) of a child Python process running ``args``.
+
+    The child is started by GNU time, a tiny process: a child forked straight from this one
+    would count this process's memory (copied at fork) in its own peak.
+    """
     start = time.perf_counter()
-    child = subprocess.Popen([sys.executable, *args], stdout=subprocess.DEVNULL)
-    _, status, usage = os.wait4(child.pid, 0)
-    child.returncode = os.waitstatus_to_exitcode(status)
+    proc = subprocess.run(["/usr/bin/time", "-f", "maxrss_kb=%M", sys.executable, *args],
+                          stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
     wall = time.perf_counter() - start
-    if child.returncode != 0:
-        raise subprocess.CalledProcessError(child.returncode, args)
-    return wall, usage.ru_maxrss * 1024
+    if proc.returncode != 0:
+        raise subprocess.CalledProcessError(proc.returncode, args, stderr=proc.stderr)
+    line = [ln for ln in proc.stderr.splitlines() if ln.startswith("maxrss_kb=")][-1]
+    return wall, int(line.split("=")[1]) * 1024
 
 
 def figure(name: str, value: float, unit: str = "") -> None:

@@ -88,7 +88,7 @@ def test_crash_while_writing_leaves_nothing(tmp_path, monkeypatch):
     def boom(*args, **kwargs):
         raise RuntimeError("disk on fire")
 
-    monkeypatch.setattr(writer_mod, "save_file", boom)
+    monkeypatch.setattr(writer_mod, "write_safetensors", boom)
     modules, dense = small_model()
     with pytest.raises(RuntimeError, match="disk on fire"):
         write_checkpoint(tmp_path / "ck", modules, dense)

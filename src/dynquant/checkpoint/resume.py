@@ -12,13 +12,19 @@ import hashlib
 import json
 import os
 import shutil
+from collections.abc import Callable
 from pathlib import Path
 
 import torch
-from safetensors.torch import load_file, save_file
+from safetensors import safe_open
+from safetensors.torch import save_file
 
 from dynquant.format.layout import tensor_names
 from dynquant.numerics.quantizer import QuantizedTensor
+
+_DTYPES = {"I32": torch.int32, "BF16": torch.bfloat16, "F16": torch.float16,
+           "F32": torch.float32, "I64": torch.int64, "I16": torch.int16, "I8": torch.int8,
+           "U8": torch.uint8, "BOOL": torch.bool, "F64": torch.float64}
 
 
 class ResumeStore:
@@ -40,23 +46,39 @@ class ResumeStore:
     def done(self) -> int:
         return sum(1 for _ in self.dir.glob("*.safetensors"))
 
-    def load(self, index: int) -> tuple[str, object] | None:
-        """('quantized', (module, QuantizedTensor)) or ('dense', (name, tensor)), if saved."""
+    def loader(self, index: int, name: str) -> Callable[[], torch.Tensor]:
+        """Load tensor ``name`` of finished tensor ``index`` again, when it is needed."""
+        path = str(self._path(index))
+
+        def load() -> torch.Tensor:
+            with safe_open(path, framework="pt") as fh:
+                return fh.get_tensor(name)
+        return load
+
+    def load(self, index: int) -> tuple[str, str, object, object] | None:
+        """What an earlier run finished for tensor ``index``, without reading its data:
+        ('quantized', module, QuantizedTensor of meta tensors, loaders) or
+        ('dense', name, meta tensor, loader); None if it is not finished."""
         path = self._path(index)
         if not path.is_file():
             return None
-        tensors = load_file(str(path))
-        from safetensors import safe_open
-
         with safe_open(str(path), framework="pt") as fh:
             meta = json.loads(fh.metadata()["dynquant"])
+            shapes = {n: (fh.get_slice(n).get_dtype(), fh.get_slice(n).get_shape())
+                      for n in fh.keys()}  # noqa: SIM118 (safe_open has no __iter__)
+
+        def placeholder(n: str) -> torch.Tensor:
+            dtype, shape = shapes[n]
+            return torch.empty(shape, dtype=_DTYPES[dtype], device="meta")
+
         if meta["kind"] == "dense":
-            return "dense", (meta["name"], tensors[meta["name"]])
-        q, s, o = tensor_names(meta["module"])
-        qt = QuantizedTensor(tensors[q], tensors[s], tensors[o], tuple(meta["logical_shape"]),
+            name = meta["name"]
+            return "dense", name, placeholder(name), self.loader(index, name)
+        names = tensor_names(meta["module"])
+        qt = QuantizedTensor(*(placeholder(n) for n in names), tuple(meta["logical_shape"]),
                              meta["bits"], meta["group_size"], meta["clipped_fraction"],
                              meta["clip_improvement"])
-        return "quantized", (meta["module"], qt)
+        return "quantized", meta["module"], qt, {n: self.loader(index, n) for n in names}
 
     def _save(self, index: int, tensors: dict[str, torch.Tensor], meta: dict) -> None:
         tmp = self.dir / f".{index:06d}.tmp"

@@ -9,17 +9,17 @@ from __future__ import annotations
 
 import json
 import shutil
-from collections.abc import Iterable, Mapping
+from collections.abc import Callable, Iterable, Mapping
 from pathlib import Path
 
 import torch
-from safetensors.torch import save_file
 
 from dynquant.checkpoint.atomic import fsync_file, make_temp_dir, publish_dir
 from dynquant.errors import CheckpointError
 from dynquant.format import metadata as md
 from dynquant.format.jsonstyle import dumps
 from dynquant.format.layout import tensor_names
+from dynquant.format.safetensors_writer import PendingTensor, write_safetensors
 from dynquant.numerics.quantizer import QuantizedTensor, quantize_tensor
 
 # Copied from the source model when present, so the checkpoint runs without the source.
@@ -51,7 +51,12 @@ def _shard(names: list[str], sizes: Mapping[str, int], max_bytes: int | None) ->
 
 
 class CheckpointWriter:
-    """Collects packed modules and dense tensors, then writes the checkpoint in one atomic step."""
+    """Collects packed modules and dense tensors, then writes the checkpoint in one atomic step.
+
+    A tensor is held in memory, or, when it was already saved elsewhere (the resume store),
+    only as a way to load it again: then the writer's memory stays small whatever the model's
+    size, and the final files are streamed one tensor at a time.
+    """
 
     def __init__(self, out_dir: str | Path, *, options: md.QuantizationOptions | None = None,
                  overwrite: bool = False, max_shard_bytes: int | None = None) -> None:
@@ -60,29 +65,36 @@ class CheckpointWriter:
         self.overwrite = overwrite
         self.max_shard_bytes = max_shard_bytes
         self.layers: dict[str, dict] = {}
-        self.tensors: dict[str, torch.Tensor] = {}
+        self.tensors: dict[str, PendingTensor] = {}
 
-    def _put(self, name: str, tensor: torch.Tensor) -> None:
+    def _put(self, name: str, tensor: torch.Tensor, load: Callable[[], torch.Tensor] | None
+             ) -> None:
         if name in self.tensors:
             raise CheckpointError("tensor added twice", file=str(self.out_dir), module=name)
-        self.tensors[name] = tensor.detach().contiguous()
+        if load is None:
+            held = tensor.detach().contiguous()
+            load = lambda: held  # noqa: E731
+        self.tensors[name] = PendingTensor(name, tensor.dtype, tuple(tensor.shape), load)
 
-    def add_quantized(self, name: str, qt: QuantizedTensor) -> None:
-        q, s, o = tensor_names(name)
-        self._put(q, qt.qweight)
-        self._put(s, qt.scales)
-        self._put(o, qt.offsets)
+    def add_quantized(self, name: str, qt: QuantizedTensor,
+                      loaders: Mapping[str, Callable[[], torch.Tensor]] | None = None) -> None:
+        """Add a packed module; ``loaders`` (tensor name -> load) avoid holding its tensors."""
+        for tname, tensor in zip(tensor_names(name), (qt.qweight, qt.scales, qt.offsets),
+                                 strict=True):
+            self._put(tname, tensor, None if loaders is None else loaders[tname])
         self.layers[name] = qt.layer_entry()
 
-    def add_dense(self, name: str, tensor: torch.Tensor) -> None:
-        self._put(name, tensor.to(dense_storage_dtype(tensor.dtype)))
+    def add_dense(self, name: str, tensor: torch.Tensor,
+                  load: Callable[[], torch.Tensor] | None = None) -> None:
+        stored = tensor.to(dense_storage_dtype(tensor.dtype))
+        self._put(name, stored, load)
 
     def dense_nbytes(self) -> int:
         packed = {n for m in self.layers for n in tensor_names(m)}
-        return sum(t.numel() * t.element_size() for n, t in self.tensors.items() if n not in packed)
+        return sum(t.nbytes for n, t in self.tensors.items() if n not in packed)
 
     def _files(self) -> list[list[str]]:
-        sizes = {n: t.numel() * t.element_size() for n, t in self.tensors.items()}
+        sizes = {n: t.nbytes for n, t in self.tensors.items()}
         return _shard(sorted(self.tensors), sizes, self.max_shard_bytes)
 
     def finish(self, provenance: md.Provenance, *, config: Mapping | None = None,
@@ -122,16 +134,17 @@ class CheckpointWriter:
 
     def _write_tensors(self, tmp: Path, files: list[str], shards: list[list[str]]) -> None:
         for fname, names in zip(files, shards, strict=True):
-            save_file({n: self.tensors[n] for n in names}, str(tmp / fname),
-                      metadata={"format": "pt"})
+            write_safetensors(tmp / fname, [self.tensors[n] for n in names],
+                              metadata={"format": "pt"})
             fsync_file(tmp / fname)
         if len(files) > 1:
             weight_map = {n: f for f, names in zip(files, shards, strict=True) for n in names}
-            index = {"metadata": {"total_size": sum(
-                t.numel() * t.element_size() for t in self.tensors.values())},
-                "weight_map": weight_map}
+            index = {"metadata": {"total_size": sum(t.nbytes for t in self.tensors.values())},
+                     "weight_map": weight_map}
             (tmp / "model.safetensors.index.json").write_text(
                 json.dumps(index, indent=2, sort_keys=True) + "\n")
+
+
 
 
 def write_checkpoint(

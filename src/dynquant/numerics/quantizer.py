@@ -272,12 +272,26 @@ def quantize_tensor(
     )
 
 
-def relative_error(weight: torch.Tensor, qt: QuantizedTensor) -> float:
-    """||W - W_hat||^2 / ||W||^2 with W_hat in float32 (before the cast to the compute dtype)."""
-    w = weight.detach().to(torch.float32)
-    w_hat = qt.dequantize(torch.float32)
-    denom = float(w.double().square().sum())
-    return float((w - w_hat).double().square().sum()) / denom if denom > 0 else 0.0
+def relative_error(weight: torch.Tensor, qt: QuantizedTensor,
+                   importance: torch.Tensor | None = None) -> float:
+    """||W - W_hat||^2 / ||W||^2 (W_hat in float32), weighted per input column by
+    ``importance`` when given. Computed a block of rows at a time: never a full float copy."""
+    lay = qt.layout
+    rows = weight.detach().reshape(lay.num_rows, lay.in_features)
+    col = None if importance is None else importance.detach().to(torch.float32)
+    step = max(1, CHUNK_ELEMENTS // lay.in_features)
+    num = den = 0.0
+    for r in range(0, lay.num_rows, step):
+        w = rows[r : r + step].to(torch.float32)
+        w_hat = dequantize_rows(qt.qweight[r : r + step], qt.scales[r : r + step],
+                                qt.offsets[r : r + step], lay.bits, lay.group_size,
+                                lay.in_features, torch.float32)
+        d2, w2 = (w_hat - w).square_(), w.square()
+        if col is not None:
+            d2, w2 = d2 * col, w2 * col
+        num += float(d2.sum(dtype=torch.float64))
+        den += float(w2.sum(dtype=torch.float64))
+    return num / den if den > 0 else 0.0
 
 
 __all__ = ["CLIP_ALPHAS", "QuantizedTensor", "dequantize", "quantize_tensor", "relative_error",

@@ -27,7 +27,7 @@ from dynquant.errors import DynquantError
 from dynquant.format.layout import LayerLayout
 from dynquant.format.planner import TensorSpec, excluded_modules
 from dynquant.models.sources import ModelSource
-from dynquant.numerics.quantizer import quantize_tensor
+from dynquant.numerics.quantizer import quantize_tensor, relative_error
 from dynquant.pipeline.allocate import (
     AllocationError,
     Candidate,
@@ -55,23 +55,13 @@ class MeasureOptions:
     not_convert: Sequence[str] = ()
 
 
-def relative_error(w: torch.Tensor, w_hat: torch.Tensor, importance: torch.Tensor | None
-                   ) -> float:
-    """||W - W_hat||^2 / ||W||^2, weighted per input column when importance is given."""
-    w32, d = w.float(), (w.float() - w_hat.float())
-    if importance is not None:
-        d, w32 = d * importance.sqrt(), w32 * importance.sqrt()
-    denom = float(w32.double().square().sum())
-    return float(d.double().square().sum()) / denom if denom > 0 else 0.0
-
-
 def module_candidates(weight: torch.Tensor, widths: Sequence[int], group_sizes: Sequence[int],
                       importance: torch.Tensor | None) -> list[Candidate]:
     out = []
     for gs in group_sizes:
         for bits in widths:
             qt = quantize_tensor(weight, bits, gs, importance=importance)
-            err = relative_error(weight, qt.dequantize(torch.float32), importance)
+            err = relative_error(weight, qt, importance)
             out.append(Candidate(bits, gs, qt.nbytes, err))
     return out
 

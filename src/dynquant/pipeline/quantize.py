@@ -103,25 +103,24 @@ def _digest(importance: Mapping[str, torch.Tensor]) -> str:
 def _quantize_one(index: int, spec, store: ResumeStore, writer: CheckpointWriter,
                   weights: WeightSource, plan: dict, widths: Mapping, group_size: int,
                   importance: Mapping[str, torch.Tensor]) -> None:
-    """One tensor: from the resume store if an earlier run finished it, else computed now."""
+    """One tensor: from the resume store if an earlier run finished it, else computed now.
+    Either way the writer keeps only a way to load it from the store, not the data."""
     saved = store.load(index)
-    if saved is not None:
-        kind, (name, value) = saved
-        if kind == "quantized":
-            writer.add_quantized(name, value)
+    if saved is None:
+        tensor = weights.get(spec)
+        if spec.module in plan["layers"]:
+            bits, gs = split_choice(widths[spec.module], group_size)
+            qt = quantize_tensor(tensor, bits, gs, importance=importance.get(spec.module))
+            store.save_quantized(index, spec.module, qt)
         else:
-            writer.add_dense(name, value)
-        return
-    tensor = weights.get(spec)
-    if spec.module in plan["layers"]:
-        bits, gs = split_choice(widths[spec.module], group_size)
-        qt = quantize_tensor(tensor, bits, gs, importance=importance.get(spec.module))
-        store.save_quantized(index, spec.module, qt)
-        writer.add_quantized(spec.module, qt)
+            store.save_dense(index, spec.name, tensor.to(dense_storage_dtype(tensor.dtype)))
+        del tensor
+        saved = store.load(index)
+    kind, name, value, load = saved
+    if kind == "quantized":
+        writer.add_quantized(name, value, load)
     else:
-        stored = tensor.to(dense_storage_dtype(tensor.dtype))
-        store.save_dense(index, spec.name, stored)
-        writer.add_dense(spec.name, stored)
+        writer.add_dense(name, value, load)
 
 
 @dataclass

@@ -5,16 +5,20 @@ from __future__ import annotations
 import hashlib
 import json
 from collections.abc import Iterator
-from contextlib import ExitStack
 from pathlib import Path
 
 import torch
-from safetensors import safe_open
 
 from dynquant.errors import ModelError
 from dynquant.format.planner import TensorSpec
 from dynquant.format.safetensors_header import read_header
 from dynquant.models.disk_layout import DiskLayout
+
+TORCH_DTYPES = {
+    "F64": torch.float64, "F32": torch.float32, "F16": torch.float16, "BF16": torch.bfloat16,
+    "I64": torch.int64, "I32": torch.int32, "I16": torch.int16, "I8": torch.int8,
+    "U8": torch.uint8, "BOOL": torch.bool,
+}
 
 
 class WeightSource:
@@ -42,7 +46,7 @@ class RandomWeights(WeightSource):
 
 
 class SafetensorsWeights(WeightSource):
-    """Memory-mapped tensors of a model directory (one file or shards with an index)."""
+    """The tensors of a model directory (one file or shards with an index), one at a time."""
 
     def __init__(self, directory: Path, transforms: list | None = None) -> None:
         self.directory = directory
@@ -54,17 +58,27 @@ class SafetensorsWeights(WeightSource):
         if not files:
             raise ModelError("no safetensors weights in the model directory",
                              file=str(directory))
-        self._where = {name: f for f in files for name in read_header(str(directory / f))}
-        self.layout = DiskLayout(sorted(self._where), transforms or [])
-        self._stack = ExitStack()
-        self._handles: dict[str, object] = {}
+        self._info = {name: info for f in files
+                      for name, info in read_header(str(directory / f)).items()}
+        self.layout = DiskLayout(sorted(self._info), transforms or [])
 
     def _read(self, stored: str) -> torch.Tensor:
-        f = self._where[stored]
-        if f not in self._handles:
-            self._handles[f] = self._stack.enter_context(
-                safe_open(str(self.directory / f), framework="pt"))
-        return self._handles[f].get_tensor(stored)
+        """One tensor, read with a positioned read rather than through a memory map: mapped
+        pages would stay resident (and count in RSS) for the whole run; these are freed as soon
+        as the tensor is."""
+        info = self._info[stored]
+        if info.dtype not in TORCH_DTYPES:
+            raise ModelError(f"unsupported dtype {info.dtype}", file=info.file, module=stored,
+                             field="dtype")
+        buf = bytearray(info.nbytes)
+        with open(info.file, "rb") as fh:
+            fh.seek(info.start)
+            if fh.readinto(buf) != info.nbytes:
+                raise ModelError("file ends before the tensor does", file=info.file,
+                                 module=stored)
+        if not buf:
+            return torch.empty(info.shape, dtype=TORCH_DTYPES[info.dtype])
+        return torch.frombuffer(buf, dtype=TORCH_DTYPES[info.dtype]).reshape(info.shape)
 
     def get(self, spec: TensorSpec) -> torch.Tensor:
         tensor = self.layout.assemble(spec.name, self._read)
@@ -76,8 +90,6 @@ class SafetensorsWeights(WeightSource):
                              file=str(self.directory), module=spec.name, field="shape")
         return tensor
 
-    def close(self) -> None:
-        self._stack.close()
 
 
 def iter_tensors(source: WeightSource, specs: list[TensorSpec]) -> Iterator[tuple[TensorSpec,
