@@ -272,6 +272,13 @@ def quantize_tensor(
     )
 
 
+def squared_norm(weight: torch.Tensor) -> float:
+    """||W||^2 in float64, a block at a time (no full-size float64 copy of a large tensor)."""
+    flat = weight.detach().reshape(-1)
+    return sum(float(flat[i : i + CHUNK_ELEMENTS].to(torch.float32).square().sum(
+        dtype=torch.float64)) for i in range(0, flat.numel(), CHUNK_ELEMENTS))
+
+
 def relative_error(weight: torch.Tensor, qt: QuantizedTensor,
                    importance: torch.Tensor | None = None) -> float:
     """||W - W_hat||^2 / ||W||^2 (W_hat in float32), weighted per input column by

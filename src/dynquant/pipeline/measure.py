@@ -27,7 +27,7 @@ from dynquant.errors import DynquantError
 from dynquant.format.layout import LayerLayout
 from dynquant.format.planner import TensorSpec, excluded_modules
 from dynquant.models.sources import ModelSource
-from dynquant.numerics.quantizer import quantize_tensor, relative_error
+from dynquant.numerics.quantizer import quantize_tensor, relative_error, squared_norm
 from dynquant.pipeline.allocate import (
     AllocationError,
     Candidate,
@@ -215,7 +215,7 @@ def _measure_module(spec: TensorSpec, weight: torch.Tensor, source: ModelSource,
         sensitivity = probe.kl_with(spec.module, qt.dequantize(torch.float32)) / max(
             probe_err, 1e-12)
     else:
-        sensitivity = weight_usage(spec, source) * float(weight.double().square().sum())
+        sensitivity = weight_usage(spec, source) * squared_norm(weight)
     if not math.isfinite(sensitivity):
         raise DynquantError("non-finite sensitivity", module=spec.module, field="sensitivity")
     return {"logical_shape": list(spec.shape),
