@@ -8,6 +8,7 @@ against the base and against uniform widths; print the table, save a size-vs-KL 
 from __future__ import annotations
 
 import shutil
+import sys
 import time
 from pathlib import Path
 
@@ -56,7 +57,7 @@ def _table(points: list[FrontierPoint]) -> Table:
 def run_demo(output: str | Path) -> None:
     from dynquant.pipeline.generate import generate_text
 
-    console = Console()
+    console = Console(width=None if sys.stdout.isatty() else 120)
     out = Path(output).resolve()
     work = out / "work"
     start = time.perf_counter()
