@@ -20,11 +20,8 @@ from safetensors import safe_open
 from safetensors.torch import save_file
 
 from dynquant.format.layout import tensor_names
+from dynquant.format.safetensors_writer import TORCH_DTYPES
 from dynquant.numerics.quantizer import QuantizedTensor
-
-_DTYPES = {"I32": torch.int32, "BF16": torch.bfloat16, "F16": torch.float16,
-           "F32": torch.float32, "I64": torch.int64, "I16": torch.int16, "I8": torch.int8,
-           "U8": torch.uint8, "BOOL": torch.bool, "F64": torch.float64}
 
 
 class ResumeStore:
@@ -69,7 +66,7 @@ class ResumeStore:
 
         def placeholder(n: str) -> torch.Tensor:
             dtype, shape = shapes[n]
-            return torch.empty(shape, dtype=_DTYPES[dtype], device="meta")
+            return torch.empty(shape, dtype=TORCH_DTYPES[dtype], device="meta")
 
         if meta["kind"] == "dense":
             name = meta["name"]

@@ -23,7 +23,6 @@ import torch
 # sequence of the int32 words: the fast paths work on bytes.
 assert sys.byteorder == "little", "dynquant's fast packing assumes a little-endian machine"
 
-CHUNK_CODES = 32
 # 8 codes of b bits fill exactly b bytes: the unit the byte-wise paths work on.
 UNIT_CODES = 8
 

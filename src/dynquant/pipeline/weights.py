@@ -12,13 +12,8 @@ import torch
 from dynquant.errors import ModelError
 from dynquant.format.planner import TensorSpec
 from dynquant.format.safetensors_header import read_header
+from dynquant.format.safetensors_writer import TORCH_DTYPES
 from dynquant.models.disk_layout import DiskLayout
-
-TORCH_DTYPES = {
-    "F64": torch.float64, "F32": torch.float32, "F16": torch.float16, "BF16": torch.bfloat16,
-    "I64": torch.int64, "I32": torch.int32, "I16": torch.int16, "I8": torch.int8,
-    "U8": torch.uint8, "BOOL": torch.bool,
-}
 
 
 class WeightSource:
