@@ -23,9 +23,6 @@ CLIP_ALPHAS: tuple[float, ...] = tuple(round(1.0 - 0.02 * k, 2) for k in range(1
 # Rows are processed in chunks of about this many values: scratch memory stays bounded whatever
 # the tensor's size, and the clip search's passes over a chunk run from cache (2 MB a buffer).
 CHUNK_ELEMENTS = 1 << 19
-# Below this many (values x alphas), all alphas are searched in one batched pass: small matrices
-# are dominated by per-operation overhead, not by memory traffic.
-BATCHED_SEARCH_ELEMENTS = 1 << 21
 
 
 @dataclass
@@ -120,29 +117,6 @@ class _ChunkResult:
     minmax_error: float
 
 
-def _search_errors_batched(w: torch.Tensor, mn: torch.Tensor, mx: torch.Tensor,
-                           weight: torch.Tensor | None, max_code: int,
-                           alphas: tuple[float, ...]) -> tuple[torch.Tensor, ...]:
-    """:func:`_search_errors` with every alpha at once (small tensors: fewer, larger ops).
-
-    Same arithmetic per alpha; ``argmin`` keeps the first (largest) alpha among equal errors,
-    as the sequential search's strict ``<`` does.
-    """
-    a = torch.tensor(alphas, dtype=torch.float32).view(-1, 1, 1)
-    scale, offset, divisor = _scale_offset(mn * a, mx * a, max_code)  # [A, r, g]
-    x = _positions(w.unsqueeze(0), offset, divisor)  # [A, r, g, gs]
-    d = torch.round(x).clamp_(0, max_code).sub_(x).square_()
-    if weight is not None:
-        d.mul_(weight)
-    err = d.sum(-1).mul_(scale.square())
-    if bool((scale == 0).any()):  # constant groups: the error is the offset's rounding
-        c = (w.unsqueeze(0) - offset.unsqueeze(-1)).square_()
-        err = torch.where(scale == 0, (c if weight is None else c * weight).sum(-1), err)
-    best = err.argmin(0)
-    best_alpha = a.view(-1)[best]
-    return best_alpha, err.gather(0, best.unsqueeze(0))[0], err[0]
-
-
 def _search_errors(w: torch.Tensor, mn: torch.Tensor, mx: torch.Tensor, weight: torch.Tensor | None,
                    max_code: int, alphas: tuple[float, ...]) -> tuple[torch.Tensor, ...]:
     """Per group: the best alpha, its error and the min-max (alpha = 1) error.
@@ -186,9 +160,7 @@ def _quantize_chunk(
         mn = torch.where(valid, w, torch.inf).amin(-1)
         mx = torch.where(valid, w, -torch.inf).amax(-1)
     alphas = CLIP_ALPHAS if clip else (1.0,)
-    search = _search_errors_batched if w.numel() * len(alphas) <= BATCHED_SEARCH_ELEMENTS \
-        else _search_errors
-    best_alpha, best_err, minmax_err = search(w, mn, mx, weight, max_code, alphas)
+    best_alpha, best_err, minmax_err = _search_errors(w, mn, mx, weight, max_code, alphas)
     scale, offset, divisor = _scale_offset(mn * best_alpha, mx * best_alpha, max_code)
     q = torch.round(_positions(w, offset, divisor)).clamp_(0, max_code)
     if valid is not None:
