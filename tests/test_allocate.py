@@ -5,7 +5,7 @@ from __future__ import annotations
 import random
 
 import pytest
-from hypothesis import given, settings
+from hypothesis import example, given, settings
 from hypothesis import strategies as st
 
 from dynquant.format.layout import LayerLayout
@@ -36,6 +36,8 @@ def module(name: str, shape: tuple[int, ...], sens: float, group_sizes=(128,)) -
 @settings(max_examples=30, deadline=None)
 @given(st.integers(0, 10_000), st.integers(2, 5), st.floats(2.3, 8.2),
        st.booleans())
+# a budget a hair below an exactly reachable size: the solver's tolerance once admitted it
+@example(seed=1, n=2, budget=3.1999999999999975, group_choice=True)
 def test_milp_equals_brute_force(seed, n, budget, group_choice):
     rng = random.Random(seed)
     gss = (32, 64, 128) if group_choice else (128,)

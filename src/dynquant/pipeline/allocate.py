@@ -9,6 +9,7 @@ budget * sum_m elements_m`` (the budget counts scale/offset overhead exactly lik
 from __future__ import annotations
 
 import fnmatch
+import math
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 
@@ -108,7 +109,9 @@ def allocate_widths(modules: Sequence[ModuleChoices], budget: float,
     options = _filtered(modules, cons)
     lo, hi = reachable_range(modules, cons)
     elements = sum(m.elements for m in modules)
-    capacity = budget * elements / 8  # bytes
+    # Sizes are whole bytes: the budget allows at most floor(budget * elements / 8) of them.
+    # Half a byte of slack keeps the solver's feasibility tolerance from admitting one more.
+    capacity = math.floor(budget * elements / 8) + 0.5
     if min(sum(min(c.nbytes for c in o) for o in options), float("inf")) > capacity:
         raise AllocationError(f"budget {budget} bits is unreachable: the reachable range is "
                               f"{lo:.6f} to {hi:.6f} bits per weight", field="budget")
@@ -136,7 +139,11 @@ def allocate_widths(modules: Sequence[ModuleChoices], budget: float,
     for o in options:
         picks.append(o[int(np.argmax(x[col:col + len(o)]))])
         col += len(o)
-    return _result(modules, picks)
+    result = _result(modules, picks)
+    if result.packed_nbytes * 8 > budget * elements:  # never trust a tolerance with a budget
+        raise AllocationError(f"solver returned {result.average_bits} bits for budget {budget}",
+                              field="budget")
+    return result
 
 
 def uniform_widths(modules: Sequence[ModuleChoices], bits: int, group_size: int,
