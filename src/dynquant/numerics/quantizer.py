@@ -122,30 +122,27 @@ def _search_errors(w: torch.Tensor, mn: torch.Tensor, mx: torch.Tensor, weight: 
     """Per group: the best alpha, its error and the min-max (alpha = 1) error.
 
     The error of a group is ``scale^2 * sum (q - x)^2`` (= sum (q*scale + offset - w)^2, the
-    error with the stored scale/offset), computed in two scratch buffers reused across alphas;
-    chunks are small enough to stay in cache, which is what makes the search fast.
+    error with the stored scale/offset). The per-group scales of every alpha are computed at
+    once; the loop over alphas only makes the passes over the values, in two scratch buffers
+    small enough to stay in cache. ``argmin`` keeps the first (largest) alpha among equal errors.
     """
+    a = torch.tensor(alphas, dtype=torch.float32).view(-1, 1, 1)
+    scale, offset, divisor = _scale_offset(mn * a, mx * a, max_code)  # [A, r, g]
+    errs = torch.empty_like(scale)
     x, q = torch.empty_like(w), torch.empty_like(w)
-    best_alpha = torch.ones_like(mn)
-    best_err = minmax_err = None
-    for alpha in alphas:
-        scale, offset, divisor = _scale_offset(mn * alpha, mx * alpha, max_code)
-        _positions(w, offset, divisor, out=x)
+    for i in range(len(alphas)):
+        _positions(w, offset[i], divisor[i], out=x)
         torch.round(x, out=q).clamp_(0, max_code).sub_(x).square_()
         if weight is not None:
             q.mul_(weight)
-        err = q.sum(-1).mul_(scale.square())
-        if bool((scale == 0).any()):  # constant groups: the error is the offset's rounding
-            d = (w - offset.unsqueeze(-1)).square_()
-            const = (d if weight is None else d * weight).sum(-1)
-            err = torch.where(scale == 0, const, err)
-        if best_err is None:
-            best_err = minmax_err = err
-            continue
-        better = err < best_err
-        best_alpha = torch.where(better, alpha, best_alpha)
-        best_err = torch.where(better, err, best_err)
-    return best_alpha, best_err, minmax_err
+        torch.sum(q, -1, out=errs[i])
+    errs.mul_(scale.square())
+    constant = scale == 0
+    if bool(constant.any()):  # constant groups: the error is the offset's rounding
+        d = (w.unsqueeze(0) - offset.unsqueeze(-1)).square_()
+        errs = torch.where(constant, (d if weight is None else d * weight).sum(-1), errs)
+    best = errs.argmin(0)
+    return a.view(-1)[best], errs.gather(0, best.unsqueeze(0))[0], errs[0]
 
 
 def _quantize_chunk(
