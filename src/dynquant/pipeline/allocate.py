@@ -124,9 +124,14 @@ def allocate_widths(modules: Sequence[ModuleChoices], budget: float,
     for i, o in enumerate(options):
         choose[i, col:col + len(o)] = 1
         col += len(o)
-    # Scale the objective so HiGHS' tolerances act on numbers of order 1.
-    scale = max(float(np.abs(cost).max()), 1e-30)
-    res = milp(cost / scale, integrality=np.ones(n),
+    # HiGHS stops within an absolute objective gap of 1e-6: scale the objective so that its
+    # lower bound (every module at its cheapest error) is 1e6, making that gap negligible.
+    lower, col = 0.0, 0
+    for o in options:
+        lower += float(cost[col:col + len(o)].min())
+        col += len(o)
+    scale = 1e6 / lower if lower > 0 else 1.0
+    res = milp(cost * scale, integrality=np.ones(n),
                bounds=Bounds(0, 1),
                constraints=[LinearConstraint(choose, 1, 1),
                             LinearConstraint(size[None, :], -np.inf, capacity)],
