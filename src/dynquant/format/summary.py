@@ -56,9 +56,17 @@ def _mib(n: int) -> str:
     return f"{n / 2**20:,.2f}"
 
 
+def console():
+    """A rich console; 120 columns when the output is not a terminal (logs, pipes)."""
+    import sys
+
+    from rich.console import Console
+
+    return Console(width=None if sys.stdout.isatty() else 120)
+
+
 def render_summary(doc: dict, title: str) -> None:
     """Print the summary with rich."""
-    from rich.console import Console
     from rich.table import Table
 
     rows = type_rows(doc)
@@ -74,28 +82,24 @@ def render_summary(doc: dict, title: str) -> None:
         table.add_row(t, str(r.modules), *[str(r.by_bits.get(b, "")) for b in widths],
                       f"{r.elements / 1e6:,.2f}M", _mib(r.nbytes), f"{r.average_bits:.3f}",
                       _mean(r.clip_cf), _mean(r.clip_ci))
-    import sys
-
-    console = Console(width=None if sys.stdout.isatty() else 120)
-    console.print(table)
+    out = console()
+    out.print(table)
     acc, prov = doc["accounting"], doc.get("provenance") or {}
-    console.print(
+    out.print(
         f"packed {acc['packed_nbytes']:,} B + dense {acc['dense_nbytes']:,} B = "
         f"total {acc['total_nbytes']:,} B ({_mib(acc['total_nbytes'])} MiB); "
         f"{acc['quantized_elements']:,} quantized weights at {acc['average_bits']} bits"
     )
     banks = len(doc.get("expert_banks", []))
     tied = ", ".join(f"{k} -> {v}" for k, v in doc.get("tied", {}).items()) or "none"
-    console.print(f"expert banks: {banks}; tied: {tied}; files: {', '.join(doc['files'])}")
-    console.print("provenance: " + "; ".join(f"{k}={v}" for k, v in prov.items()))
+    out.print(f"expert banks: {banks}; tied: {tied}; files: {', '.join(doc['files'])}")
+    out.print("provenance: " + "; ".join(f"{k}={v}" for k, v in prov.items()))
 
 
 def render_element_counts(specs: list, quantized: set[str]) -> None:
     """Quantized and dense elements per module type, so that no weight is skipped silently."""
     import math
-    import sys
 
-    from rich.console import Console
     from rich.table import Table
 
     rows: dict[str, list[int]] = defaultdict(lambda: [0, 0, 0])
@@ -112,4 +116,4 @@ def render_element_counts(specs: list, quantized: set[str]) -> None:
     q_total = sum(r[0] for r in rows.values())
     d_total = sum(r[1] for r in rows.values())
     table.add_row("total", str(len(specs)), f"{q_total:,}", f"{d_total:,}")
-    Console(width=None if sys.stdout.isatty() else 120).print(table)
+    console().print(table)

@@ -8,14 +8,13 @@ against the base and against uniform widths; print the table, save a size-vs-KL 
 from __future__ import annotations
 
 import shutil
-import sys
 import time
 from pathlib import Path
 
-from rich.console import Console
 from rich.table import Table
 
 from dynquant.format.planner import WidthChoice
+from dynquant.format.summary import console as summary_console
 from dynquant.format.summary import module_type
 from dynquant.pipeline.frontier import FrontierPoint, plot_frontier, size_quality_frontier
 
@@ -57,7 +56,7 @@ def _table(points: list[FrontierPoint]) -> Table:
 def run_demo(output: str | Path) -> None:
     from dynquant.pipeline.generate import generate_text
 
-    console = Console(width=None if sys.stdout.isatty() else 120)
+    console = summary_console()
     out = Path(output).resolve()
     work = out / "work"
     start = time.perf_counter()

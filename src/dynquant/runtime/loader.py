@@ -63,13 +63,17 @@ def _load_tensors(model: nn.Module, ck: Checkpoint, packed: dict[str, PackedWeig
     for name in packed:
         for part in ("qweight", "scales", "offsets"):
             state[f"{name}.{part}"] = ck.tensor(f"{name}.{part}")
-    for name in ck.dense_names():
-        t = ck.tensor(name)
-        state[name] = t.to(dtype) if t.is_floating_point() else t
+    state.update(_dense_state(ck, dtype))
     _, unexpected = model.load_state_dict(state, strict=False, assign=True)
     if unexpected:
         raise CheckpointError(f"tensors the model does not have: {unexpected[:5]}",
                               file=str(ck.path))
+
+
+def _dense_state(ck: Checkpoint, dtype: torch.dtype) -> dict[str, torch.Tensor]:
+    """The checkpoint's dense tensors, floats in the compute dtype."""
+    return {name: t.to(dtype) if t.is_floating_point() else t
+            for name, t in ((n, ck.tensor(n)) for n in ck.dense_names())}
 
 
 def _tie_head(model: nn.Module, ck: Checkpoint, dtype: torch.dtype) -> None:
@@ -135,9 +139,7 @@ def load_dequantized(path: str | Path, dtype: torch.dtype = COMPUTE_DTYPE) -> nn
         parent, attr = _parent(model, name)
         key = name if isinstance(getattr(parent, attr), nn.Parameter) else f"{name}.weight"
         state[key] = ck.dequantize(name, dtype)
-    for name in ck.dense_names():
-        t = ck.tensor(name)
-        state[name] = t.to(dtype) if t.is_floating_point() else t
+    state.update(_dense_state(ck, dtype))
     model.load_state_dict(state, strict=False, assign=True)
     if "lm_head" in ck.tied:
         model.lm_head.weight = model.get_input_embeddings().weight
