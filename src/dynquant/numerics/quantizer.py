@@ -6,11 +6,16 @@ codes are computed, ``q = clamp(round((w - offset) / scale), 0, 2^bits - 1)`` an
 ``w_hat = q * scale + offset`` (float32). The clip search tries ``[lo, hi] = alpha * [min, max]`` for
 alpha = 1.00, 0.98, ..., 0.80 and keeps, per group, the alpha with the least (optionally
 importance-weighted) squared error measured with the stored bf16 scale/offset.
+
+Two implementations compute exactly this: the native kernel (``native.py``, C, used when a C
+compiler is available) and the torch path below, which is the fallback and the readable statement
+of the arithmetic. Both are held to the numpy reference (``reference.py``) and to each other.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
+from functools import cache
 
 import torch
 
@@ -18,6 +23,7 @@ from dynquant.errors import QuantizationError
 from dynquant.format.layout import LayerLayout
 from dynquant.format.packing import pack_codes, unpack_codes
 from dynquant.format.widths import DEFAULT_GROUP_SIZE, width
+from dynquant.numerics import native
 
 CLIP_ALPHAS: tuple[float, ...] = tuple(round(1.0 - 0.02 * k, 2) for k in range(11))
 # Rows are processed in chunks of about this many values: scratch memory stays bounded whatever
@@ -109,7 +115,7 @@ def _positions(w: torch.Tensor, offset: torch.Tensor, divisor: torch.Tensor,
 
 @dataclass
 class _ChunkResult:
-    codes: torch.Tensor
+    qweight: torch.Tensor
     scales: torch.Tensor
     offsets: torch.Tensor
     clipped_groups: int
@@ -147,7 +153,7 @@ def _search_errors(w: torch.Tensor, mn: torch.Tensor, mx: torch.Tensor, weight: 
 
 def _quantize_chunk(
     w: torch.Tensor, valid: torch.Tensor | None, weight: torch.Tensor | None, bits: int,
-    clip: bool
+    alphas: tuple[float, ...]
 ) -> _ChunkResult:
     """Quantize groups ``w`` [r, g, gs] (padding where ``valid`` is False; error ``weight``)."""
     max_code = (1 << bits) - 1
@@ -156,20 +162,63 @@ def _quantize_chunk(
     else:
         mn = torch.where(valid, w, torch.inf).amin(-1)
         mx = torch.where(valid, w, -torch.inf).amax(-1)
-    alphas = CLIP_ALPHAS if clip else (1.0,)
     best_alpha, best_err, minmax_err = _search_errors(w, mn, mx, weight, max_code, alphas)
     scale, offset, divisor = _scale_offset(mn * best_alpha, mx * best_alpha, max_code)
     q = torch.round(_positions(w, offset, divisor)).clamp_(0, max_code)
     if valid is not None:
         q.masked_fill_(~valid, 0)  # padding is code 0
     return _ChunkResult(
-        codes=q.to(torch.uint8).reshape(q.shape[0], -1),
+        qweight=pack_codes(q.to(torch.uint8).reshape(q.shape[0], -1), bits),
         scales=scale.to(torch.bfloat16),
         offsets=offset.to(torch.bfloat16),
         clipped_groups=int((best_alpha < 1.0).sum()),
         chosen_error=float(best_err.double().sum()),
         minmax_error=float(minmax_err.double().sum()),
     )
+
+
+def _quantize_rows_torch(rows: torch.Tensor, layout: LayerLayout, alphas: tuple[float, ...],
+                         importance: torch.Tensor | None) -> _ChunkResult:
+    """The torch path: float32 rows [r, in_features] padded to whole groups, then searched."""
+    if not bool(torch.isfinite(rows).all()):
+        raise QuantizationError("weight holds NaN or Inf values", field="weight")
+    pad = layout.padded_in_features - layout.in_features
+    valid = weight = None
+    if pad:
+        rows = torch.nn.functional.pad(rows, (0, pad))
+        valid = (torch.arange(layout.padded_in_features) < layout.in_features).reshape(
+            layout.num_groups, layout.group_size)
+    if pad or importance is not None:  # per-column error weights; padding weighs nothing
+        weight = torch.zeros(layout.padded_in_features)
+        weight[: layout.in_features] = 1.0 if importance is None else importance
+        weight = weight.reshape(layout.num_groups, layout.group_size)
+    groups = rows.reshape(rows.shape[0], layout.num_groups, layout.group_size)
+    return _quantize_chunk(groups, valid, weight, layout.bits, alphas)
+
+
+def _quantize_rows_native(rows: torch.Tensor, bits: int, group_size: int,
+                          alphas: tuple[float, ...], importance: torch.Tensor | None
+                          ) -> _ChunkResult | None:
+    """The same computation in the native kernel; None when it is unavailable."""
+    try:
+        res = native.quantize_rows(rows, bits, group_size, _alpha_tensor(alphas), importance)
+    except ValueError:
+        raise QuantizationError("weight holds NaN or Inf values", field="weight") from None
+    if res is None:
+        return None
+    return _ChunkResult(
+        qweight=res.qweight,
+        scales=res.scales,
+        offsets=res.offsets,
+        clipped_groups=int(res.chosen.count_nonzero()),  # alphas[0] == 1.0: no clip
+        chosen_error=float(res.chosen_error.sum(dtype=torch.float64)),
+        minmax_error=float(res.first_error.sum(dtype=torch.float64)),
+    )
+
+
+@cache
+def _alpha_tensor(alphas: tuple[float, ...]) -> torch.Tensor:
+    return torch.tensor(alphas, dtype=torch.float32)
 
 
 def _check_weight(weight: torch.Tensor, importance: torch.Tensor | None) -> None:
@@ -202,41 +251,32 @@ def quantize_tensor(
     _check_weight(weight, importance)
     layout = LayerLayout.create(tuple(weight.shape), bits, group_size)
     w_rows = weight.detach().reshape(layout.num_rows, layout.in_features)
-    pad = layout.padded_in_features - layout.in_features
-    valid = col_weight = None
-    if pad:
-        valid = (torch.arange(layout.padded_in_features) < layout.in_features).reshape(
-            layout.num_groups, group_size)
-    if pad or importance is not None:  # per-column error weights; padding weighs nothing
-        col_weight = torch.zeros(layout.padded_in_features)
-        col_weight[: layout.in_features] = (1.0 if importance is None else
-                                             importance.detach().to(torch.float32))
-        col_weight = col_weight.reshape(layout.num_groups, group_size)
-    step = max(1, CHUNK_ELEMENTS // layout.padded_in_features)
-    parts: list[tuple[torch.Tensor, torch.Tensor, torch.Tensor]] = []
-    clipped = 0
-    chosen = minmax = 0.0
+    if importance is not None:
+        importance = importance.detach().to(torch.float32)
+    alphas = CLIP_ALPHAS if clip and bits < 8 else (1.0,)
+    # The native kernel reads float32/bf16 rows in place (one call, split across threads); the
+    # torch path and other dtypes take cache-sized blocks converted to float32.
+    whole = native.available() and w_rows.dtype in native.INPUT_DTYPES
+    step = layout.num_rows if whole else max(1, CHUNK_ELEMENTS // layout.padded_in_features)
+    parts: list[_ChunkResult] = []
     for start in range(0, layout.num_rows, step):
-        chunk = w_rows[start : start + step].to(torch.float32)
-        if not bool(torch.isfinite(chunk).all()):
-            raise QuantizationError("weight holds NaN or Inf values", field="weight")
-        if pad:
-            chunk = torch.nn.functional.pad(chunk, (0, pad))
-        groups = chunk.reshape(chunk.shape[0], layout.num_groups, group_size)
-        res = _quantize_chunk(groups, valid, col_weight, bits, clip and bits < 8)
-        parts.append((pack_codes(res.codes, bits), res.scales, res.offsets))
-        clipped += res.clipped_groups
-        chosen += res.chosen_error
-        minmax += res.minmax_error
+        block = w_rows[start : start + step]
+        if block.dtype not in native.INPUT_DTYPES:
+            block = block.to(torch.float32)
+        res = _quantize_rows_native(block, bits, group_size, alphas, importance)
+        parts.append(res if res is not None else
+                     _quantize_rows_torch(block.to(torch.float32), layout, alphas, importance))
     total_groups = layout.num_rows * layout.num_groups
+    chosen = sum(p.chosen_error for p in parts)
+    minmax = sum(p.minmax_error for p in parts)
     return QuantizedTensor(
-        qweight=torch.cat([p[0] for p in parts]),
-        scales=torch.cat([p[1] for p in parts]),
-        offsets=torch.cat([p[2] for p in parts]),
+        qweight=torch.cat([p.qweight for p in parts]),
+        scales=torch.cat([p.scales for p in parts]),
+        offsets=torch.cat([p.offsets for p in parts]),
         logical_shape=layout.logical_shape,
         bits=bits,
         group_size=group_size,
-        clipped_fraction=clipped / total_groups,
+        clipped_fraction=sum(p.clipped_groups for p in parts) / total_groups,
         clip_improvement=(1.0 - chosen / minmax) if minmax > 0 else 0.0,
     )
 

@@ -1,0 +1,196 @@
+"""The native (C) quantizer kernel: compiled once per machine on first use, loaded with ctypes.
+
+``native/quantize_rows.c`` computes exactly what the torch path of ``quantizer.py`` computes (same
+float32 operations, IEEE semantics, no fused multiply-adds); it exists because the torch path pays
+per-operation overhead 11 times per chunk (once per clip alpha), which dominates on the small
+matrices of small models. The shared library is built with the system C compiler (``$CC``, else
+``cc``) into ``$DYNQUANT_CACHE_DIR`` (default ``$XDG_CACHE_HOME/dynquant`` or ``~/.cache/dynquant``),
+keyed by the source, the flags, the compiler and the CPU, and written atomically so concurrent
+first uses cannot load a half-written file. Without a compiler, or with ``DYNQUANT_NATIVE=0``, the
+torch path runs instead (same results, slower) and a warning says why once.
+
+``-march=native`` lets the compiler use the vector units of the machine the library is built on;
+AMX is switched off explicitly (some machines trap it, and nothing here needs it).
+"""
+
+from __future__ import annotations
+
+import ctypes
+import hashlib
+import os
+import platform
+import subprocess
+import tempfile
+import warnings
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
+from functools import cache
+from itertools import pairwise
+from pathlib import Path
+
+import torch
+
+SOURCE = Path(__file__).parent / "native" / "quantize_rows.c"
+LIBRARY_NAME = "libdynquant_quantize_rows.so"
+# IEEE semantics are part of the contract: never -ffast-math; no contraction into FMA.
+BASE_FLAGS = ("-O3", "-std=c11", "-ffp-contract=off", "-fPIC", "-shared")
+# Tried in order: the first set the compiler accepts is used.
+ARCH_FLAGS: tuple[tuple[str, ...], ...] = (
+    ("-march=native", "-mno-amx-tile", "-mno-amx-int8", "-mno-amx-bf16"),
+    ("-march=native",),
+    (),
+)
+# Below this many values a call is not split across threads (thread hand-off costs more).
+PARALLEL_MIN_ELEMENTS = 1 << 15
+
+
+def _cache_dir() -> Path:
+    if os.environ.get("DYNQUANT_CACHE_DIR"):
+        return Path(os.environ["DYNQUANT_CACHE_DIR"])
+    base = os.environ.get("XDG_CACHE_HOME") or str(Path.home() / ".cache")
+    return Path(base) / "dynquant"
+
+
+def _cpu_fingerprint() -> str:
+    """The CPU's feature flags (a cache shared between machines must not mix -march=native)."""
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith(("flags", "Features")):
+                return line
+    except OSError:
+        pass
+    return platform.processor()
+
+
+def _compiler_version(cc: str) -> str:
+    try:
+        out = subprocess.run([cc, "--version"], capture_output=True, text=True, timeout=30)
+    except (OSError, subprocess.TimeoutExpired):
+        return ""
+    return out.stdout.splitlines()[0] if out.returncode == 0 and out.stdout else ""
+
+
+def _build(cc: str, directory: Path) -> tuple[Path | None, str]:
+    """Compile the kernel into ``directory`` (atomically); (library, "") or (None, why)."""
+    directory.mkdir(parents=True, exist_ok=True)
+    target = directory / LIBRARY_NAME
+    why = ""
+    for arch in ARCH_FLAGS:
+        fd, tmp = tempfile.mkstemp(suffix=".so", dir=directory)
+        os.close(fd)
+        cmd = [cc, *BASE_FLAGS, *arch, "-o", tmp, str(SOURCE), "-lm"]
+        try:
+            out = subprocess.run(cmd, capture_output=True, text=True, timeout=120)
+        except (OSError, subprocess.TimeoutExpired) as exc:
+            os.unlink(tmp)
+            return None, f"{cc}: {exc}"
+        if out.returncode == 0:
+            os.replace(tmp, target)
+            return target, ""
+        os.unlink(tmp)
+        why = (out.stderr.strip().splitlines() or ["compiler failed"])[-1]
+    return None, why
+
+
+def _library_path() -> tuple[Path | None, str]:
+    cc = os.environ.get("CC", "cc")
+    version = _compiler_version(cc)
+    if not version:
+        return None, f"no working C compiler ({cc!r})"
+    key = hashlib.sha256("\n".join([SOURCE.read_text(), " ".join(BASE_FLAGS), repr(ARCH_FLAGS),
+                                    version, platform.machine(), _cpu_fingerprint()])
+                         .encode()).hexdigest()[:16]
+    for root in (_cache_dir(), Path(tempfile.gettempdir()) / "dynquant-cache"):
+        directory = root / "native" / key
+        if (directory / LIBRARY_NAME).is_file():
+            return directory / LIBRARY_NAME, ""
+        try:
+            return _build(cc, directory)
+        except OSError as exc:  # cache directory not writable: try the next one
+            why = str(exc)
+    return None, why
+
+
+def _kernel() -> ctypes._CFuncPtr | None:
+    """The kernel, or None when switched off (``DYNQUANT_NATIVE=0``, read at every call) or
+    unavailable."""
+    return None if os.environ.get("DYNQUANT_NATIVE", "1") == "0" else _load()
+
+
+@cache
+def _load() -> ctypes._CFuncPtr | None:
+    path, why = _library_path()
+    if path is None:
+        warnings.warn(f"dynquant: native quantizer unavailable ({why}); using the torch path "
+                      "(same results, several times slower)", RuntimeWarning, stacklevel=3)
+        return None
+    fn = ctypes.CDLL(str(path)).dq_quantize_rows
+    ptr, i64, c_int = ctypes.c_void_p, ctypes.c_int64, ctypes.c_int
+    fn.argtypes = [ptr, c_int, i64, i64, i64, c_int, ptr, c_int, ptr, ptr, ptr, ptr, ptr, ptr, ptr]
+    fn.restype = c_int
+    return fn
+
+
+def available() -> bool:
+    """Whether the native kernel is built and loaded (building it on first call)."""
+    return _kernel() is not None
+
+
+@cache
+def _pool(workers: int) -> ThreadPoolExecutor:
+    return ThreadPoolExecutor(workers, thread_name_prefix="dynquant-quantize")
+
+
+@dataclass
+class RowsResult:
+    """What the kernel writes for a block of rows."""
+
+    qweight: torch.Tensor  # int32 [rows, groups * words_per_group], packed as format/packing.py
+    scales: torch.Tensor  # bfloat16 [rows, groups]
+    offsets: torch.Tensor  # bfloat16 [rows, groups]
+    chosen: torch.Tensor  # uint8 [rows, groups]: index of the chosen alpha
+    chosen_error: torch.Tensor  # float32 [rows, groups]
+    first_error: torch.Tensor  # float32 [rows, groups]: error of alphas[0]
+
+
+# The kernel reads these input dtypes directly; others are converted to float32 by the caller.
+INPUT_DTYPES = {torch.float32: 0, torch.bfloat16: 1}
+MAX_GROUP_SIZE = 1024
+
+
+def quantize_rows(w: torch.Tensor, bits: int, group_size: int, alphas: torch.Tensor,
+                  importance: torch.Tensor | None) -> RowsResult | None:
+    """Run the kernel on rows ``w`` [rows, n] (float32 or bfloat16); None if it is unavailable.
+
+    Raises ValueError if ``w`` holds a non-finite value. Large blocks are split by rows across
+    ``torch.get_num_threads()`` threads (ctypes releases the GIL during the call); the calling
+    thread takes the first part.
+    """
+    fn = _kernel()
+    if fn is None or w.dtype not in INPUT_DTYPES or group_size > MAX_GROUP_SIZE:
+        return None
+    w = w.contiguous()
+    rows, n = w.shape
+    groups = -(-n // group_size)
+    res = RowsResult(torch.empty(rows, groups * bits * group_size // 32, dtype=torch.int32),
+                     *(torch.empty(rows, groups, dtype=torch.bfloat16) for _ in range(2)),
+                     torch.empty(rows, groups, dtype=torch.uint8),
+                     *(torch.empty(rows, groups) for _ in range(2)))
+    imp = None if importance is None else importance.to(torch.float32).contiguous()
+    outs = (res.qweight, res.scales, res.offsets, res.chosen, res.chosen_error, res.first_error)
+
+    def run(lo: int, hi: int) -> int:
+        return fn(w[lo].data_ptr(), INPUT_DTYPES[w.dtype], hi - lo, n, group_size, bits,
+                  alphas.data_ptr(), alphas.numel(), None if imp is None else imp.data_ptr(),
+                  *(t[lo].data_ptr() for t in outs))
+
+    threads = min(torch.get_num_threads(), rows) if w.numel() >= PARALLEL_MIN_ELEMENTS else 1
+    bounds = list(pairwise(rows * i // threads for i in range(threads + 1)))
+    others = [_pool(threads).submit(run, lo, hi) for lo, hi in bounds[1:]]
+    status = [run(*bounds[0])] + [f.result() for f in others]
+    if any(status):
+        raise ValueError("non-finite value")
+    return res
+
+
+__all__ = ["RowsResult", "available", "quantize_rows"]

@@ -1,0 +1,119 @@
+"""The native quantizer kernel: built here, equal to the torch path bit for bit, safe fallback.
+
+(Both paths are also held to the numpy reference in test_quantizer.py.)
+"""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+
+import pytest
+import torch
+
+from dynquant import quantize_tensor
+from dynquant.numerics import native
+from quantizer_backends import backend
+
+
+def _both(w: torch.Tensor, bits: int, gs: int = 128, importance: torch.Tensor | None = None):
+    with backend("native"):
+        fast = quantize_tensor(w, bits, gs, importance=importance)
+    with backend("torch"):
+        slow = quantize_tensor(w, bits, gs, importance=importance)
+    return fast, slow
+
+
+def _assert_same(fast, slow) -> None:
+    assert torch.equal(fast.qweight, slow.qweight)
+    assert torch.equal(fast.scales, slow.scales)
+    assert torch.equal(fast.offsets, slow.offsets)
+    assert fast.clipped_fraction == slow.clipped_fraction
+    # the error sums run in another order: equal to float32 rounding
+    assert fast.clip_improvement == pytest.approx(slow.clip_improvement, rel=1e-5, abs=1e-7)
+
+
+def test_the_native_kernel_is_built_on_this_machine():
+    with backend("native"):
+        assert native.available()
+    with backend("torch"):
+        assert not native.available()
+
+
+@pytest.mark.parametrize("bits", [2, 3, 4, 5, 6, 8])
+@pytest.mark.parametrize("gs", [32, 64, 128])
+def test_native_equals_torch_path(bits, gs):
+    g = torch.Generator().manual_seed(bits * 1000 + gs)
+    w = torch.randn(67, 1000, generator=g) * torch.rand(67, 1, generator=g) * 3
+    _assert_same(*_both(w, bits, gs))
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float64])
+def test_native_equals_torch_path_for_every_input_dtype(dtype):
+    # bf16 is read by the kernel in place; float16/float64 are converted to float32 first
+    w = torch.randn(2, 5, 333, generator=torch.Generator().manual_seed(5)).to(dtype)
+    fast, slow = _both(w, 3, 64)
+    _assert_same(fast, slow)
+    _assert_same(fast, quantize_tensor(w.to(torch.float32), 3, 64))
+
+
+def test_native_equals_torch_path_with_importance_and_outliers():
+    g = torch.Generator().manual_seed(9)
+    w = torch.randn(96, 512, generator=g)
+    w[::7, ::13] *= 40  # outliers: the clip search has to choose
+    w[5, :128] = 0.25  # a constant group
+    imp = torch.rand(512, generator=g) ** 4 * 100
+    for bits in (2, 4):
+        _assert_same(*_both(w, bits, importance=imp))
+
+
+def test_native_equals_torch_path_on_a_large_matrix():
+    w = torch.randn(1024, 4096, generator=torch.Generator().manual_seed(0))
+    for bits in (2, 3, 4):
+        _assert_same(*_both(w, bits))
+
+
+def test_rows_split_across_threads_equal_one_call(monkeypatch):
+    w = torch.randn(301, 384, generator=torch.Generator().manual_seed(4))  # odd row count
+    with backend("native"):
+        monkeypatch.setattr(native, "PARALLEL_MIN_ELEMENTS", 1 << 40)
+        one = quantize_tensor(w, 3)
+        monkeypatch.setattr(native, "PARALLEL_MIN_ELEMENTS", 0)
+        split = quantize_tensor(w, 3)
+    _assert_same(one, split)
+    assert one.clip_improvement == split.clip_improvement
+
+
+_PROBE = """
+import hashlib, warnings, torch
+from dynquant import quantize_tensor
+from dynquant.numerics import native
+with warnings.catch_warnings(record=True) as caught:
+    warnings.simplefilter("always")
+    ok = native.available()
+qt = quantize_tensor(torch.randn(64, 300, generator=torch.Generator().manual_seed(1)), 3)
+print(ok, hashlib.sha256(qt.qweight.numpy().tobytes() + qt.scales.view(torch.int16).numpy()
+      .tobytes()).hexdigest(), "|".join(str(w.message) for w in caught), sep=";")
+"""
+
+
+def _probe(tmp_path, **env) -> list[str]:
+    full = {**os.environ, "DYNQUANT_CACHE_DIR": str(tmp_path / "cache"), **env}
+    full.pop("DYNQUANT_NATIVE", None)
+    out = subprocess.run([sys.executable, "-c", _PROBE], env=full, capture_output=True,
+                         text=True, check=True)
+    return out.stdout.strip().split(";", 2)
+
+
+def test_fresh_cache_builds_and_no_compiler_falls_back_with_the_same_result(tmp_path):
+    ok, digest, warned = _probe(tmp_path)
+    assert ok == "True" and warned == ""
+    built = list((tmp_path / "cache" / "native").glob("*/" + native.LIBRARY_NAME))
+    assert len(built) == 1
+    assert list(built[0].parent.iterdir()) == built  # no temporary files left behind
+    again = _probe(tmp_path)  # loads the cached library
+    assert again == [ok, digest, warned]
+    ok2, digest2, warned2 = _probe(tmp_path / "other", CC="/nonexistent/cc")
+    assert ok2 == "False" and "native quantizer unavailable" in warned2
+    assert digest2 == digest
