@@ -5,7 +5,9 @@ input dimension): time and relative weight error at 2, 3 and 4 bits, on an i.i.d
 
 from __future__ import annotations
 
+import os
 import time
+from contextlib import contextmanager
 from pathlib import Path
 
 import torch
@@ -37,6 +39,15 @@ def rel_err(w: torch.Tensor, w_hat: torch.Tensor) -> float:
     return float((w - w_hat).double().square().sum() / w.double().square().sum())
 
 
+@contextmanager
+def torch_path():
+    os.environ["DYNQUANT_NATIVE"] = "0"
+    try:
+        yield
+    finally:
+        del os.environ["DYNQUANT_NATIVE"]
+
+
 def timed(fn):
     start = time.perf_counter()
     out = fn()
@@ -57,29 +68,37 @@ def reference_weights() -> list[torch.Tensor]:
 
 
 def compare(label: str, mats: list[torch.Tensor]) -> None:
+    """Each tool quantizes the whole set in a pass of its own (no interleaving: one tool's thread
+    pool must not run while the other is timed)."""
+    total = sum(float(m.double().square().sum()) for m in mats)
+    share = [float(w.double().square().sum()) / total for w in mats]
     for bits in (2, 3, 4):
-        t_d = t_h = 0.0
-        e_d = e_h = 0.0
-        total = sum(float(m.double().square().sum()) for m in mats)
-        for w in mats:
-            qt, dt = timed(lambda w=w, b=bits: quantize_tensor(w, b))
-            hq, ht = timed(lambda w=w, b=bits: hqq_quantize(w, b))  # quantize only, not packed
-            w_hat = hqq_dequantize(hq, w.shape)
-            t_d, t_h = t_d + dt, t_h + ht
-            share = float(w.double().square().sum()) / total
-            e_d += share * rel_err(w, qt.dequantize(torch.float32))
-            e_h += share * rel_err(w, w_hat)
+        ours, t_d = timed(lambda b=bits: [quantize_tensor(w, b) for w in mats])
+        theirs, t_h = timed(lambda b=bits: [hqq_quantize(w, b) for w in mats])  # not packed
+        with torch_path():  # the fallback without a C compiler: same codes, slower
+            _, t_t = timed(lambda b=bits: [quantize_tensor(w, b) for w in mats])
+        e_d = sum(s * rel_err(w, qt.dequantize(torch.float32))
+                  for s, w, qt in zip(share, mats, ours, strict=True))
+        e_h = sum(s * rel_err(w, hqq_dequantize(hq, w.shape))
+                  for s, w, hq in zip(share, mats, theirs, strict=True))
         figure(f"{label} {bits}-bit: dynquant relative error", e_d)
         figure(f"{label} {bits}-bit: HQQ relative error", e_h)
         figure(f"{label} {bits}-bit: error ratio dynquant / HQQ", e_d / e_h, "x")
         figure(f"{label} {bits}-bit: dynquant time", t_d, "s")
         figure(f"{label} {bits}-bit: HQQ time", t_h, "s")
         figure(f"{label} {bits}-bit: speed-up vs HQQ", t_h / t_d, "x")
+        figure(f"{label} {bits}-bit: dynquant torch-path (fallback) time", t_t, "s")
+        figure(f"{label} {bits}-bit: torch-path speed-up vs HQQ", t_h / t_t, "x")
 
 
 def main() -> None:
+    start = time.perf_counter()
     kernel = "native kernel" if native.available() else "torch path (no C compiler)"
+    loaded = time.perf_counter() - start
     print(f"# quantizer vs HQQ, group size 128, dynquant {kernel}, {machine()}")
+    figure("native kernel build or load (once per machine, not in the times below)", loaded, "s")
+    quantize_tensor(torch.randn(256, 256), 4)  # warm both tools up
+    hqq_quantize(torch.randn(256, 256), 4)
     compare("N(0,1) 4096x4096", [torch.randn(4096, 4096,
                                              generator=torch.Generator().manual_seed(0))])
     compare("reference models", reference_weights())
