@@ -1,8 +1,8 @@
 """Decode tokens/s and resident weight memory: packed checkpoint vs the dense bf16 model.
 
 Models: both trained reference models (hybrid MoE and Llama) and a random transformers Qwen3-MoE
-of similar size. Widths: uniform 4-bit (Linears on the int4 kernel) and a mixed allocation
-(attention 8, expert banks 3, others 4).
+of similar size. Widths: uniform 4-bit (Linears on the int4 kernel), uniform 3-bit (Linears on
+the packed matvec kernel) and a mixed allocation (attention 8, expert banks 3, others 4).
 """
 
 from __future__ import annotations
@@ -66,6 +66,7 @@ def main() -> None:
         for name, (source, random_init, vocab) in sources.items():
             modules = [s.module for s in source.tensor_specs() if s.quantizable]
             for label, widths in (("uniform-4", {m: 4 for m in modules}),
+                                  ("uniform-3", {m: 3 for m in modules}),
                                   ("mixed", demo_widths(modules))):
                 ck = root / f"{name}-{label}"
                 quantize_model(source, widths, ck, random_init=random_init, progress=False)

@@ -115,5 +115,5 @@ def test_fresh_cache_builds_and_no_compiler_falls_back_with_the_same_result(tmp_
     again = _probe(tmp_path)  # loads the cached library
     assert again == [ok, digest, warned]
     ok2, digest2, warned2 = _probe(tmp_path / "other", CC="/nonexistent/cc")
-    assert ok2 == "False" and "native quantizer unavailable" in warned2
+    assert ok2 == "False" and "native kernels unavailable" in warned2
     assert digest2 == digest

@@ -1,13 +1,16 @@
-"""The native (C) quantizer kernel: compiled once per machine on first use, loaded with ctypes.
+"""The native (C) kernels: compiled once per machine on first use, loaded with ctypes.
 
 ``native/quantize_rows.c`` computes exactly what the torch path of ``quantizer.py`` computes (same
 float32 operations, IEEE semantics, no fused multiply-adds); it exists because the torch path pays
 per-operation overhead 11 times per chunk (once per clip alpha), which dominates on the small
-matrices of small models. The shared library is built with the system C compiler (``$CC``, else
-``cc``) into ``$DYNQUANT_CACHE_DIR`` (default ``$XDG_CACHE_HOME/dynquant`` or ``~/.cache/dynquant``),
-keyed by the source, the flags, the compiler and the CPU, and written atomically so concurrent
-first uses cannot load a half-written file. Without a compiler, or with ``DYNQUANT_NATIVE=0``, the
-torch path runs instead (same results, slower) and a warning says why once.
+matrices of small models. ``native/packed_matvec.c`` multiplies a few token vectors by a packed
+matrix without dequantizing it (``packed_matvec.py``).
+
+The shared library is built with the system C compiler (``$CC``, else ``cc``) into
+``$DYNQUANT_CACHE_DIR`` (default ``$XDG_CACHE_HOME/dynquant`` or ``~/.cache/dynquant``), keyed by
+the sources, the flags, the compiler and the CPU, and written atomically so that concurrent first
+uses cannot load a half-written file. Without a compiler, or with ``DYNQUANT_NATIVE=0``, the torch
+paths run instead (same results, slower) and a warning says why once.
 
 ``-march=native`` lets the compiler use the vector units of the machine the library is built on;
 AMX is switched off explicitly (some machines trap it, and nothing here needs it).
@@ -22,6 +25,7 @@ import platform
 import subprocess
 import tempfile
 import warnings
+from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from functools import cache
@@ -30,8 +34,9 @@ from pathlib import Path
 
 import torch
 
-SOURCE = Path(__file__).parent / "native" / "quantize_rows.c"
-LIBRARY_NAME = "libdynquant_quantize_rows.so"
+SOURCES = tuple(sorted((Path(__file__).parent / "native").glob("*.c")))
+HEADERS = tuple(sorted((Path(__file__).parent / "native").glob("*.h")))
+LIBRARY_NAME = "libdynquant_native.so"
 # IEEE semantics are part of the contract: never -ffast-math; no contraction into FMA.
 BASE_FLAGS = ("-O3", "-std=c11", "-ffp-contract=off", "-fPIC", "-shared")
 # Tried in order: the first set the compiler accepts is used.
@@ -78,7 +83,7 @@ def _build(cc: str, directory: Path) -> tuple[Path | None, str]:
     for arch in ARCH_FLAGS:
         fd, tmp = tempfile.mkstemp(suffix=".so", dir=directory)
         os.close(fd)
-        cmd = [cc, *BASE_FLAGS, *arch, "-o", tmp, str(SOURCE), "-lm"]
+        cmd = [cc, *BASE_FLAGS, *arch, "-o", tmp, *map(str, SOURCES), "-lm"]
         try:
             out = subprocess.run(cmd, capture_output=True, text=True, timeout=120)
         except (OSError, subprocess.TimeoutExpired) as exc:
@@ -97,7 +102,8 @@ def _library_path() -> tuple[Path | None, str]:
     version = _compiler_version(cc)
     if not version:
         return None, f"no working C compiler ({cc!r})"
-    key = hashlib.sha256("\n".join([SOURCE.read_text(), " ".join(BASE_FLAGS), repr(ARCH_FLAGS),
+    key = hashlib.sha256("\n".join([*(f.read_text() for f in SOURCES + HEADERS), " ".join(BASE_FLAGS),
+                                    repr(ARCH_FLAGS),
                                     version, platform.machine(), _cpu_fingerprint()])
                          .encode()).hexdigest()[:16]
     for root in (_cache_dir(), Path(tempfile.gettempdir()) / "dynquant-cache"):
@@ -111,29 +117,44 @@ def _library_path() -> tuple[Path | None, str]:
     return None, why
 
 
-def _kernel() -> ctypes._CFuncPtr | None:
-    """The kernel, or None when switched off (``DYNQUANT_NATIVE=0``, read at every call) or
-    unavailable."""
+def library() -> ctypes.CDLL | None:
+    """The loaded kernels, or None when switched off (``DYNQUANT_NATIVE=0``, read at every call)
+    or unavailable."""
     return None if os.environ.get("DYNQUANT_NATIVE", "1") == "0" else _load()
 
 
 @cache
-def _load() -> ctypes._CFuncPtr | None:
+def _load() -> ctypes.CDLL | None:
     path, why = _library_path()
     if path is None:
-        warnings.warn(f"dynquant: native quantizer unavailable ({why}); using the torch path "
+        warnings.warn(f"dynquant: native kernels unavailable ({why}); using the torch paths "
                       "(same results, several times slower)", RuntimeWarning, stacklevel=3)
         return None
-    fn = ctypes.CDLL(str(path)).dq_quantize_rows
+    lib = ctypes.CDLL(str(path))
     ptr, i64, c_int = ctypes.c_void_p, ctypes.c_int64, ctypes.c_int
-    fn.argtypes = [ptr, c_int, i64, i64, i64, c_int, ptr, c_int, ptr, ptr, ptr, ptr, ptr, ptr, ptr]
-    fn.restype = c_int
-    return fn
+    lib.dq_quantize_rows.argtypes = [ptr, c_int, i64, i64, i64, c_int, ptr, c_int, ptr, ptr, ptr,
+                                     ptr, ptr, ptr, ptr]
+    lib.dq_matvec.argtypes = [ptr, ptr, ptr, i64, i64, i64, c_int, ptr, i64, ptr, i64, c_int]
+    lib.dq_dequantize_rows.argtypes = [ptr, ptr, ptr, i64, i64, i64, c_int, ptr, c_int, c_int]
+    for fn in (lib.dq_quantize_rows, lib.dq_matvec, lib.dq_matvec_has_simd, lib.dq_dequantize_rows):
+        fn.restype = c_int
+    return lib
 
 
 def available() -> bool:
-    """Whether the native kernel is built and loaded (building it on first call)."""
-    return _kernel() is not None
+    """Whether the native kernels are built and loaded (building them on first call)."""
+    return library() is not None
+
+
+def split_rows(run: Callable[[int, int], int], rows: int, elements: int, min_elements: int
+               ) -> list[int]:
+    """``run(lo, hi)`` over row ranges covering ``rows``, on ``torch.get_num_threads()`` threads
+    when the work has at least ``min_elements`` values (ctypes releases the GIL during a call);
+    the calling thread takes the first range. Returns each call's status."""
+    threads = min(torch.get_num_threads(), rows) if elements >= min_elements else 1
+    bounds = list(pairwise(rows * i // threads for i in range(threads + 1)))
+    others = [_pool(threads).submit(run, lo, hi) for lo, hi in bounds[1:]]
+    return [run(*bounds[0])] + [f.result() for f in others]
 
 
 @cache
@@ -166,8 +187,8 @@ def quantize_rows(w: torch.Tensor, bits: int, group_size: int, alphas: torch.Ten
     ``torch.get_num_threads()`` threads (ctypes releases the GIL during the call); the calling
     thread takes the first part.
     """
-    fn = _kernel()
-    if fn is None or w.dtype not in INPUT_DTYPES or group_size > MAX_GROUP_SIZE:
+    lib = library()
+    if lib is None or w.dtype not in INPUT_DTYPES or group_size > MAX_GROUP_SIZE:
         return None
     w = w.contiguous()
     rows, n = w.shape
@@ -180,17 +201,42 @@ def quantize_rows(w: torch.Tensor, bits: int, group_size: int, alphas: torch.Ten
     outs = (res.qweight, res.scales, res.offsets, res.chosen, res.chosen_error, res.first_error)
 
     def run(lo: int, hi: int) -> int:
-        return fn(w[lo].data_ptr(), INPUT_DTYPES[w.dtype], hi - lo, n, group_size, bits,
-                  alphas.data_ptr(), alphas.numel(), None if imp is None else imp.data_ptr(),
-                  *(t[lo].data_ptr() for t in outs))
+        return lib.dq_quantize_rows(
+            w[lo].data_ptr(), INPUT_DTYPES[w.dtype], hi - lo, n, group_size, bits,
+            alphas.data_ptr(), alphas.numel(), None if imp is None else imp.data_ptr(),
+            *(t[lo].data_ptr() for t in outs))
 
-    threads = min(torch.get_num_threads(), rows) if w.numel() >= PARALLEL_MIN_ELEMENTS else 1
-    bounds = list(pairwise(rows * i // threads for i in range(threads + 1)))
-    others = [_pool(threads).submit(run, lo, hi) for lo, hi in bounds[1:]]
-    status = [run(*bounds[0])] + [f.result() for f in others]
-    if any(status):
+    if any(split_rows(run, rows, w.numel(), PARALLEL_MIN_ELEMENTS)):
         raise ValueError("non-finite value")
     return res
 
 
-__all__ = ["RowsResult", "available", "quantize_rows"]
+# Below this many values a dequantization runs on one thread.
+DEQUANT_PARALLEL_MIN_ELEMENTS = 1 << 20
+
+
+def dequantize_rows(qweight: torch.Tensor, scales: torch.Tensor, offsets: torch.Tensor, bits: int,
+                    group_size: int, in_features: int, dtype: torch.dtype,
+                    portable: bool = False) -> torch.Tensor | None:
+    """[rows, in_features] in ``dtype`` (float32 or bfloat16), bit-identical to the torch path of
+    ``quantizer.dequantize_rows``; None when the kernel is unavailable or the dtype is another."""
+    lib = library()
+    if lib is None or dtype not in INPUT_DTYPES or group_size > MAX_GROUP_SIZE:
+        return None
+    qweight, scales, offsets = qweight.contiguous(), scales.contiguous(), offsets.contiguous()
+    rows = scales.shape[0]
+    out = torch.empty(rows, in_features, dtype=dtype)
+    if rows == 0:
+        return out
+
+    def run(lo: int, hi: int) -> int:
+        return lib.dq_dequantize_rows(qweight[lo].data_ptr(), scales[lo].data_ptr(),
+                                      offsets[lo].data_ptr(), hi - lo, in_features, group_size,
+                                      bits, out[lo].data_ptr(), INPUT_DTYPES[dtype], int(portable))
+
+    if any(split_rows(run, rows, out.numel(), DEQUANT_PARALLEL_MIN_ELEMENTS)):
+        raise RuntimeError("dq_dequantize_rows failed (unsupported group size)")
+    return out
+
+
+__all__ = ["RowsResult", "available", "dequantize_rows", "library", "quantize_rows", "split_rows"]

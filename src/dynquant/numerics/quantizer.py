@@ -81,7 +81,25 @@ def dequantize_rows(
     in_features: int,
     dtype: torch.dtype = torch.bfloat16,
 ) -> torch.Tensor:
-    """Dequantize a block of rows (e.g. the embedding rows a batch looks up) to [rows, in]."""
+    """Dequantize a block of rows (e.g. the embedding rows a batch looks up) to [rows, in].
+
+    The native kernel answers when it can (float32/bf16 outputs), bit-identical to the torch
+    path below."""
+    fast = native.dequantize_rows(qweight, scales, offsets, bits, group_size, in_features, dtype)
+    return fast if fast is not None else dequantize_rows_torch(
+        qweight, scales, offsets, bits, group_size, in_features, dtype)
+
+
+def dequantize_rows_torch(
+    qweight: torch.Tensor,
+    scales: torch.Tensor,
+    offsets: torch.Tensor,
+    bits: int,
+    group_size: int,
+    in_features: int,
+    dtype: torch.dtype = torch.bfloat16,
+) -> torch.Tensor:
+    """The torch path of :func:`dequantize_rows`: ``w = q * scale + offset`` in float32."""
     rows, groups = scales.shape
     w = unpack_codes(qweight, bits).view(rows, groups, group_size).to(torch.float32)
     # multiply, then add (no fused multiply-add): the reference's exact float32 arithmetic

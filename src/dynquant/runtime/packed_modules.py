@@ -1,8 +1,10 @@
 """Packed modules: they hold qweight / scales / offsets and dequantize on the fly.
 
-- ``QuantLinear``: a Linear; 4-bit modules use torch's CPU int4 kernel, others dequantize.
+- ``QuantLinear``: a Linear; 4-bit modules use torch's CPU int4 kernel; the others multiply a few
+  tokens (decode) straight from the packed codes (``numerics/packed_matvec.py``) and dequantize
+  row blocks for more tokens (prefill).
 - ``QuantEmbedding``: dequantizes only the rows a batch looks up; ``TiedQuantHead`` runs a tied
-  lm_head from it in row chunks.
+  lm_head from it (packed product for a few tokens, row chunks otherwise).
 - ``QuantExpertBank``: a 3-D expert bank; ``bank[e]`` dequantizes expert ``e`` alone.
 """
 
@@ -13,6 +15,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from dynquant.format.layout import LayerLayout
+from dynquant.numerics.packed_matvec import MAX_TOKENS, packed_matvec
 from dynquant.numerics.quantizer import dequantize, dequantize_rows
 from dynquant.runtime.int4_cpu import int4_linear, int4_supported, pack_int4
 
@@ -43,6 +46,15 @@ class PackedWeight(nn.Module):
         return dequantize_rows(self.qweight[start:stop], self.scales[start:stop],
                                self.offsets[start:stop], lay.bits, lay.group_size,
                                lay.in_features, dtype or self.compute_dtype)
+
+    def matvec(self, x: torch.Tensor) -> torch.Tensor | None:
+        """``x @ W^T`` in x's dtype from the packed codes, for at most MAX_TOKENS tokens; None
+        when there are more tokens or the native kernel is unavailable."""
+        flat = x.reshape(-1, x.shape[-1])
+        if flat.shape[0] > MAX_TOKENS:
+            return None
+        y = packed_matvec(flat, self.qweight, self.scales, self.offsets, self.layout)
+        return None if y is None else y.reshape(*x.shape[:-1], -1).to(x.dtype)
 
     def extra_repr(self) -> str:
         lay = self.layout
@@ -86,6 +98,9 @@ class QuantLinear(PackedWeight):
         if self._int4 is not None:
             y = int4_linear(x, *self._int4, self.layout.group_size)
             return y if self.bias is None else y + self.bias.to(y.dtype)
+        y = self.matvec(x)
+        if y is not None:
+            return y if self.bias is None else y + self.bias.to(y.dtype)
         # Dequantize a block of rows at a time: the block stays in cache while it is used,
         # which is ~3-10x faster than materialising the whole matrix for a decode step.
         step = max(1, DEQUANT_BLOCK_ELEMENTS // self.in_features)
@@ -119,6 +134,9 @@ class TiedQuantHead(nn.Module):
 
     def forward(self, h: torch.Tensor) -> torch.Tensor:
         emb = self.embedding[0]
+        y = emb.matvec(h)
+        if y is not None:
+            return y
         parts = [h @ emb.dequantize_rows(s, min(s + HEAD_CHUNK_ROWS, emb.num_embeddings),
                                          h.dtype).T
                  for s in range(0, emb.num_embeddings, HEAD_CHUNK_ROWS)]

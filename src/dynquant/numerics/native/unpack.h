@@ -1,0 +1,137 @@
+/* Shared by the kernels that read packed codes: bf16 values, the fixed summation tree, and the
+ * unpacking of a group's codes (portable, and with AVX-512 VBMI where the CPU has it).
+ * Codes: code j of a group occupies stream bits [j*bits, (j+1)*bits), LSB first in little-endian
+ * 32-bit words (format/packing.py); 8 codes fill exactly `bits` bytes. */
+#ifndef DQ_UNPACK_H
+#define DQ_UNPACK_H
+#include <stdint.h>
+#include <stdlib.h>
+#include <string.h>
+#if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512VBMI__)
+#include <immintrin.h>
+#define DQ_HAVE_VBMI 1
+#endif
+
+#define LANES 16
+#define MAX_GROUP 1024
+
+static inline float bf16_value(uint16_t h) {
+    uint32_t u = (uint32_t)h << 16;
+    float f;
+    memcpy(&f, &u, sizeof f);
+    return f;
+}
+
+static inline float lane_sum(const float *acc) {
+    float s8[8], s4[4];
+    for (int l = 0; l < 8; l++) s8[l] = acc[l] + acc[l + 8];
+    for (int l = 0; l < 4; l++) s4[l] = s8[l] + s8[l + 4];
+    return (s4[0] + s4[2]) + (s4[1] + s4[3]);
+}
+
+/* 8 codes fill `bits` bytes: unpack unit by unit with constant shifts. */
+static inline void unpack_units(const uint8_t *bytes, int64_t gs, int bits, float *q) {
+    const uint64_t mask = (1u << bits) - 1;
+    for (int64_t k = 0; k < gs / 8; k++) {
+        uint64_t u = 0;
+        memcpy(&u, bytes + k * bits, (size_t)bits);
+        for (int i = 0; i < 8; i++) q[8 * k + i] = (float)((u >> (i * bits)) & mask);
+    }
+}
+
+static void unpack_group(const uint8_t *bytes, int64_t gs, int bits, float *q) {
+    switch (bits) {
+    case 2: unpack_units(bytes, gs, 2, q); break;
+    case 3: unpack_units(bytes, gs, 3, q); break;
+    case 4: unpack_units(bytes, gs, 4, q); break;
+    case 5: unpack_units(bytes, gs, 5, q); break;
+    case 6: unpack_units(bytes, gs, 6, q); break;
+    case 8: for (int64_t j = 0; j < gs; j++) q[j] = (float)bytes[j]; break;
+    default: unpack_units(bytes, gs, bits, q);
+    }
+}
+
+#ifdef DQ_HAVE_VBMI
+typedef struct {
+    __m512i perm, shifts, mask;
+} unpacker;
+
+static unpacker make_unpacker(int bits) {
+    uint8_t perm[64], shifts[64];
+    for (int k = 0; k < 8; k++)
+        for (int b = 0; b < 8; b++) {
+            perm[8 * k + b] = (uint8_t)(k * bits + (b < bits ? b : 0)); /* unit k -> qword k */
+            shifts[8 * k + b] = (uint8_t)(b * bits);                    /* code b's first bit */
+        }
+    unpacker u = {_mm512_loadu_si512(perm), _mm512_loadu_si512(shifts),
+                  _mm512_set1_epi8((char)((1 << bits) - 1))};
+    return u;
+}
+
+/* `count` (32 or 64) codes at p -> bytes of a zmm (a masked load never reads past the codes). */
+static inline __m512i unpack_codes64(const uint8_t *p, int bits, int count, const unpacker *u) {
+    const __mmask64 load = (__mmask64)(count * bits == 512 ? ~0ULL : (1ULL << (count * bits / 8)) - 1);
+    const __m512i units = _mm512_permutexvar_epi8(u->perm, _mm512_maskz_loadu_epi8(load, p));
+    return _mm512_and_si512(_mm512_multishift_epi64_epi8(u->shifts, units), u->mask);
+}
+
+static inline __m512 codes_as_floats(__m512i c, int part) {
+    __m128i c16;
+    switch (part) {
+    case 0: c16 = _mm512_extracti32x4_epi32(c, 0); break;
+    case 1: c16 = _mm512_extracti32x4_epi32(c, 1); break;
+    case 2: c16 = _mm512_extracti32x4_epi32(c, 2); break;
+    default: c16 = _mm512_extracti32x4_epi32(c, 3);
+    }
+    return _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(c16));
+}
+
+/* A group's codes as floats, 64 (or, for gs = 32, 32) at a time. */
+static inline void unpack_group_vbmi(const uint8_t *bytes, int64_t gs, int bits,
+                                     const unpacker *u, float *q) {
+    for (int64_t j = 0; j < gs; j += 64) {
+        const int count = gs - j >= 64 ? 64 : 32;
+        const __m512i c = unpack_codes64(bytes + j * bits / 8, bits, count, u);
+        for (int part = 0; part < count / 16; part++)
+            _mm512_storeu_ps(q + j + 16 * part, codes_as_floats(c, part));
+    }
+}
+#endif /* DQ_HAVE_VBMI */
+
+/* Unpacks groups of one width: with VBMI unless `portable` (or the CPU lacks it). */
+typedef struct {
+    int bits, portable;
+#ifdef DQ_HAVE_VBMI
+    unpacker simd;
+#endif
+} group_unpacker;
+
+static inline group_unpacker make_group_unpacker(int bits, int portable) {
+    group_unpacker g;
+    g.bits = bits;
+    g.portable = portable;
+#ifdef DQ_HAVE_VBMI
+    g.simd = make_unpacker(bits);
+#endif
+    return g;
+}
+
+static inline void unpack_codes_as_floats(const group_unpacker *g, const uint8_t *bytes,
+                                          int64_t gs, float *q) {
+#ifdef DQ_HAVE_VBMI
+    if (!g->portable) {
+        unpack_group_vbmi(bytes, gs, g->bits, &g->simd, q);
+        return;
+    }
+#endif
+    unpack_group(bytes, gs, g->bits, q);
+}
+
+static inline int dq_has_simd(void) {
+#ifdef DQ_HAVE_VBMI
+    return 1;
+#else
+    return 0;
+#endif
+}
+#endif /* DQ_UNPACK_H */

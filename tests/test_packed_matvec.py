@@ -1,0 +1,103 @@
+"""The kernels that read packed codes: the matvec held to the dequantize reference, the native
+dequantization bit-identical to the torch path; their SIMD paths == their portable paths."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import torch
+
+from dynquant import quantize_tensor
+from dynquant.format.layout import LayerLayout
+from dynquant.numerics import native
+from dynquant.numerics.packed_matvec import (
+    MAX_TOKENS,
+    has_simd_path,
+    packed_matvec,
+    packed_matvec_ref,
+)
+from dynquant.numerics.quantizer import dequantize_rows, dequantize_rows_torch
+from dynquant.runtime.packed_modules import QuantLinear
+from quantizer_backends import backend
+
+
+def _cpu_has_vbmi() -> bool:
+    text = Path("/proc/cpuinfo").read_text() if Path("/proc/cpuinfo").exists() else ""
+    flags = next((ln.split() for ln in text.splitlines() if ln.startswith("flags")), [])
+    return {"avx512f", "avx512bw", "avx512vbmi"} <= set(flags)
+
+
+def test_the_simd_path_is_built_where_the_cpu_has_it():
+    assert has_simd_path() == _cpu_has_vbmi()
+
+
+@pytest.mark.parametrize("bits", [2, 3, 4, 5, 6, 8])
+@pytest.mark.parametrize("gs", [32, 64, 128])
+def test_matvec_matches_the_reference_and_the_portable_path(bits, gs):
+    g = torch.Generator().manual_seed(bits * 100 + gs)
+    w = torch.randn(45, 300, generator=g)  # 300: the last group is padded
+    qt = quantize_tensor(w, bits, gs)
+    for m in (1, 3, MAX_TOKENS):
+        x = torch.randn(m, 300, generator=g)
+        ref = packed_matvec_ref(x, qt.qweight, qt.scales, qt.offsets, qt.layout)
+        fast = packed_matvec(x, qt.qweight, qt.scales, qt.offsets, qt.layout)
+        portable = packed_matvec(x, qt.qweight, qt.scales, qt.offsets, qt.layout, portable=True)
+        torch.testing.assert_close(fast, ref, rtol=1e-5, atol=1e-4)
+        assert torch.equal(fast, portable)  # same lanes, same tree: bit-identical
+
+
+def test_matvec_on_a_row_block_and_across_threads():
+    w = torch.randn(1037, 1024, generator=torch.Generator().manual_seed(1))  # > 1M weights
+    qt = quantize_tensor(w, 3)
+    x = torch.randn(2, 1024, generator=torch.Generator().manual_seed(2))
+    whole = packed_matvec(x, qt.qweight, qt.scales, qt.offsets, qt.layout)
+    torch.testing.assert_close(whole, packed_matvec_ref(x, qt.qweight, qt.scales, qt.offsets,
+                                                        qt.layout), rtol=1e-5, atol=1e-3)
+    block = packed_matvec(x, qt.qweight[500:600], qt.scales[500:600], qt.offsets[500:600],
+                          qt.layout)
+    assert torch.equal(block, whole[:, 500:600])  # rows are independent of the split
+
+
+def _linear(bits: int, out: int = 96, inp: int = 200) -> tuple[QuantLinear, torch.Tensor]:
+    w = torch.randn(out, inp, generator=torch.Generator().manual_seed(bits))
+    qt = quantize_tensor(w, bits)
+    lin = QuantLinear(LayerLayout.create((out, inp), bits, 128), bias=torch.randn(out))
+    lin.qweight, lin.scales, lin.offsets = qt.qweight, qt.scales, qt.offsets
+    lin.prepare()
+    return lin, qt.dequantize(torch.float32)
+
+
+@pytest.mark.parametrize("bits", [2, 3, 8])
+def test_quant_linear_uses_the_packed_product_for_decode_and_blocks_for_prefill(bits):
+    lin, w = _linear(bits)
+    decode = torch.randn(1, 1, 200)
+    prefill = torch.randn(1, MAX_TOKENS + 1, 200)
+    for x in (decode, prefill):
+        expect = x @ w.T + lin.bias
+        torch.testing.assert_close(lin(x), expect, rtol=1e-5, atol=1e-4)  # float32 in, out
+    assert lin.matvec(decode) is not None and lin.matvec(prefill) is None
+    with backend("torch"):  # no native kernels: the dequantize path answers the same
+        assert lin.matvec(decode) is None
+        torch.testing.assert_close(lin(decode), decode @ w.T + lin.bias, rtol=1e-5, atol=1e-4)
+    y = lin(decode.to(torch.bfloat16))
+    assert y.dtype == torch.bfloat16 and y.shape == (1, 1, 96)
+
+
+@pytest.mark.parametrize("bits", [2, 3, 4, 5, 6, 8])
+@pytest.mark.parametrize("gs", [32, 64, 128])
+def test_native_dequantize_is_bit_identical_to_the_torch_path(bits, gs):
+    w = torch.randn(33, 300, generator=torch.Generator().manual_seed(bits + gs)) * 7
+    qt = quantize_tensor(w, bits, gs)
+    args = (qt.qweight, qt.scales, qt.offsets, bits, gs, 300)
+    for dtype in (torch.float32, torch.bfloat16):
+        slow = dequantize_rows_torch(*args, dtype)
+        fast = native.dequantize_rows(*args, dtype)
+        portable = native.dequantize_rows(*args, dtype, portable=True)
+        assert fast.dtype == dtype and torch.equal(fast, slow) and torch.equal(portable, slow)
+        assert torch.equal(dequantize_rows(*args, dtype), slow)  # the public entry uses it
+    assert native.dequantize_rows(*args, torch.float16) is None  # other dtypes: torch path
+    big = quantize_tensor(torch.randn(1100, 1024), bits, gs)  # split across threads
+    args = (big.qweight, big.scales, big.offsets, bits, gs, 1024)
+    assert torch.equal(native.dequantize_rows(*args, torch.bfloat16),
+                       dequantize_rows_torch(*args, torch.bfloat16))
