@@ -16,6 +16,8 @@ from dynquant.numerics.packed_matvec import (
     has_simd_path,
     packed_matvec,
     packed_matvec_ref,
+    packed_vecmat,
+    packed_vecmat_ref,
 )
 from dynquant.numerics.quantizer import dequantize_rows, dequantize_rows_torch
 from dynquant.runtime.packed_modules import QuantLinear
@@ -101,3 +103,24 @@ def test_native_dequantize_is_bit_identical_to_the_torch_path(bits, gs):
     args = (big.qweight, big.scales, big.offsets, bits, gs, 1024)
     assert torch.equal(native.dequantize_rows(*args, torch.bfloat16),
                        dequantize_rows_torch(*args, torch.bfloat16))
+
+
+@pytest.mark.parametrize("bits", [2, 3, 4, 5, 6, 8])
+@pytest.mark.parametrize("gs", [32, 128])
+def test_vecmat_matches_the_reference_and_the_portable_path(bits, gs):
+    g = torch.Generator().manual_seed(bits * 10 + gs)
+    w = torch.randn(70, 300, generator=g)  # x @ W: contracts the 70 rows, groups along 300
+    qt = quantize_tensor(w, bits, gs)
+    for m in (1, MAX_TOKENS):
+        x = torch.randn(m, 70, generator=g)
+        ref = packed_vecmat_ref(x, qt.qweight, qt.scales, qt.offsets, qt.layout)
+        fast = packed_vecmat(x, qt.qweight, qt.scales, qt.offsets, qt.layout)
+        portable = packed_vecmat(x, qt.qweight, qt.scales, qt.offsets, qt.layout, portable=True)
+        assert fast.shape == (m, 300)
+        torch.testing.assert_close(fast, ref, rtol=1e-5, atol=1e-4)
+        assert torch.equal(fast, portable)
+    big = quantize_tensor(torch.randn(1024, 1100, generator=g), bits, gs)  # groups on 2 threads
+    x = torch.randn(2, 1024, generator=g)
+    torch.testing.assert_close(packed_vecmat(x, big.qweight, big.scales, big.offsets, big.layout),
+                               packed_vecmat_ref(x, big.qweight, big.scales, big.offsets,
+                                                 big.layout), rtol=1e-5, atol=1e-3)

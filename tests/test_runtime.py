@@ -2,13 +2,16 @@
 
 from __future__ import annotations
 
+import pytest
 import torch
+import torch.nn.functional as F
 
 from dynquant import quantize_tensor
 from dynquant.format.layout import LayerLayout
 from dynquant.models.hybrid.modeling import DynquantHybridForCausalLM
 from dynquant.models.presets import preset_config
 from dynquant.models.sources import resolve_model
+from dynquant.numerics.packed_matvec import MAX_TOKENS
 from dynquant.pipeline.demo import demo_widths
 from dynquant.pipeline.quantize import quantize_model
 from dynquant.runtime.loader import load
@@ -94,3 +97,29 @@ def test_resident_memory_within_ten_percent_of_the_checkpoint(tmp_path):
         dense = DynquantHybridForCausalLM(preset_config("small"))
     dense_bf16 = sum(p.numel() for p in dense.parameters()) * 2
     assert resident < dense_bf16 / 3
+
+
+@pytest.mark.parametrize("tokens", [1, 5, 9])
+def test_expert_products_run_from_the_packed_codes(tokens):
+    g = torch.Generator().manual_seed(4)
+    w = torch.randn(3, 64, 200, generator=g)  # groups along the last axis (200: padded)
+    bank, qt = _packed(QuantExpertBank, w, 3, compute_dtype=torch.float32)
+    full = qt.dequantize(torch.float32)
+    x_in = torch.randn(tokens, 200, generator=g)  # F.linear(x, W[e]) contracts the last axis
+    x_out = torch.randn(2, tokens, 64, generator=g)  # x @ W[e] contracts the first
+    bias = torch.randn(64, generator=g)
+    close = {"rtol": 1e-5, "atol": 1e-4}  # float32 sums in another order
+    for e in range(3):
+        expert = bank[e]
+        torch.testing.assert_close(F.linear(x_in, expert), x_in @ full[e].T, **close)
+        torch.testing.assert_close(F.linear(x_in, expert, bias), x_in @ full[e].T + bias, **close)
+        torch.testing.assert_close(x_out @ expert, x_out @ full[e], **close)
+        torch.testing.assert_close(torch.matmul(x_out[0], expert), x_out[0] @ full[e], **close)
+        packed = tokens <= MAX_TOKENS  # more tokens: the dequantized matrix and BLAS
+        assert (expert.linear(x_in) is not None) == packed
+        assert (expert.rmatmul(x_out) is not None) == (2 * tokens <= MAX_TOKENS)
+    y = F.linear(x_in.to(torch.bfloat16), bank[1])
+    assert y.dtype == torch.bfloat16
+    # anything else sees the dequantized matrix
+    assert bank[2].shape == (64, 200) and torch.equal(bank[2].T, full[2].T)
+    assert torch.equal(torch.cat([bank[0], bank[1]]), torch.cat([full[0], full[1]]))

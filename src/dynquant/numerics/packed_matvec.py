@@ -1,10 +1,12 @@
-"""``y = x @ W^T`` straight from a packed weight, for a few tokens at a time (decode).
+"""``y = x @ W^T`` and ``y = x @ W`` straight from a packed weight, for a few tokens (decode).
 
-The native kernel (``native/packed_matvec.c``) reads the packed codes and never materialises W: a
-step of decode reads ``bits/16`` of the bytes a bf16 matrix would. It accumulates in float32, so
-it is closer to the exact product than dequantizing to bf16 first. ``packed_matvec_ref`` is the
-plain definition the kernel is held to. Beyond ``MAX_TOKENS`` tokens (prefill) dequantizing a
-block and calling the BLAS matmul is faster, and callers do that instead.
+``packed_matvec`` contracts over the axis the groups run along (a Linear, ``F.linear(x, W)``);
+``packed_vecmat`` over the other one (an expert bank used as ``x @ W[e]``). The native kernels
+(``native/packed_matvec.c``, ``native/packed_vecmat.c``) read the packed codes and never
+materialise W: a step of decode reads ``bits/16`` of the bytes a bf16 matrix would. They
+accumulate in float32, closer to the exact product than dequantizing to bf16 first. The ``*_ref``
+functions are the plain definitions the kernels are held to. Beyond ``MAX_TOKENS`` tokens
+(prefill) dequantizing a block and calling the BLAS matmul is faster, and callers do that instead.
 """
 
 from __future__ import annotations
@@ -47,13 +49,50 @@ def packed_matvec(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor,
     y = torch.empty(xf.shape[0], rows)
 
     def run(lo: int, hi: int) -> int:
-        return lib.dq_matvec(qweight[lo].data_ptr(), scales[lo].data_ptr(), offsets[lo].data_ptr(),
-                             hi - lo, layout.padded_in_features, layout.group_size, layout.bits,
-                             xf.data_ptr(), xf.shape[0], y[0, lo].data_ptr(), rows, int(portable))
+        return lib.dq_matvec(_ptr(qweight, lo), _ptr(scales, lo), _ptr(offsets, lo), hi - lo,
+                             layout.padded_in_features, layout.group_size, layout.bits,
+                             xf.data_ptr(), xf.shape[0], _ptr(y, 0) + 4 * lo, rows,
+                             int(portable))
 
     if any(native.split_rows(run, rows, rows * layout.padded_in_features, PARALLEL_MIN_ELEMENTS)):
         raise RuntimeError("dq_matvec failed (out of memory or unsupported group size)")
     return y
+
+
+def _ptr(t: torch.Tensor, row: int) -> int:
+    """Address of ``t[row]`` (contiguous ``t``) without making a view (views cost ~2 us each)."""
+    return t.data_ptr() + row * t.stride(0) * t.element_size()
+
+
+def packed_vecmat_ref(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor,
+                      offsets: torch.Tensor, layout: LayerLayout) -> torch.Tensor:
+    """float32 [m, in_features]: ``x`` [m, rows] times the dequantized float32 rows."""
+    w = dequantize_rows(qweight, scales, offsets, layout.bits, layout.group_size,
+                        layout.in_features, torch.float32)
+    return x.to(torch.float32) @ w
+
+
+def packed_vecmat(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor,
+                  offsets: torch.Tensor, layout: LayerLayout, portable: bool = False
+                  ) -> torch.Tensor | None:
+    """float32 [m, in_features] = ``x`` [m, rows] @ W for a block of the layout's rows, from the
+    native kernel (groups split across threads); None when it is unavailable."""
+    lib = native.library()
+    if lib is None:
+        return None
+    xf = x.to(torch.float32).contiguous()
+    qweight, scales, offsets = qweight.contiguous(), scales.contiguous(), offsets.contiguous()
+    rows, groups, n = qweight.shape[0], layout.num_groups, layout.padded_in_features
+    y = torch.empty(xf.shape[0], n)
+
+    def run(g0: int, g1: int) -> int:
+        return lib.dq_vecmat(qweight.data_ptr(), scales.data_ptr(), offsets.data_ptr(), rows, n,
+                             layout.group_size, layout.bits, xf.data_ptr(), xf.shape[0], g0, g1,
+                             y.data_ptr(), int(portable))
+
+    if any(native.split_rows(run, groups, rows * n, PARALLEL_MIN_ELEMENTS)):
+        raise RuntimeError("dq_vecmat failed (unsupported group size)")
+    return y[:, : layout.in_features]
 
 
 def has_simd_path() -> bool:
@@ -62,4 +101,5 @@ def has_simd_path() -> bool:
     return lib is not None and bool(lib.dq_matvec_has_simd())
 
 
-__all__ = ["MAX_TOKENS", "has_simd_path", "packed_matvec", "packed_matvec_ref"]
+__all__ = ["MAX_TOKENS", "has_simd_path", "packed_matvec", "packed_matvec_ref", "packed_vecmat",
+           "packed_vecmat_ref"]

@@ -5,7 +5,8 @@
   row blocks for more tokens (prefill).
 - ``QuantEmbedding``: dequantizes only the rows a batch looks up; ``TiedQuantHead`` runs a tied
   lm_head from it (packed product for a few tokens, row chunks otherwise).
-- ``QuantExpertBank``: a 3-D expert bank; ``bank[e]`` dequantizes expert ``e`` alone.
+- ``QuantExpertBank``: a 3-D expert bank; ``bank[e]`` is expert ``e`` (``PackedExpert``): products
+  with a few tokens run from the packed codes, anything else dequantizes expert ``e`` alone.
 """
 
 from __future__ import annotations
@@ -13,9 +14,10 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 from torch import nn
+from torch.utils._pytree import tree_map
 
 from dynquant.format.layout import LayerLayout
-from dynquant.numerics.packed_matvec import MAX_TOKENS, packed_matvec
+from dynquant.numerics.packed_matvec import MAX_TOKENS, packed_matvec, packed_vecmat
 from dynquant.numerics.quantizer import dequantize, dequantize_rows
 from dynquant.runtime.int4_cpu import int4_linear, int4_supported, pack_int4
 
@@ -144,13 +146,10 @@ class TiedQuantHead(nn.Module):
 
 
 class QuantExpertBank(PackedWeight):
-    """``bank[e]`` is expert ``e``'s matrix ``logical_shape[1:]`` in the compute dtype."""
+    """``bank[e]`` is expert ``e``'s matrix ``logical_shape[1:]``, still packed (``PackedExpert``)."""
 
-    def __getitem__(self, e: int | torch.Tensor) -> torch.Tensor:
-        e = int(e)
-        per = self.layout.num_rows // self.layout.logical_shape[0]
-        w = self.dequantize_rows(e * per, (e + 1) * per)
-        return w.reshape(self.layout.logical_shape[1:])
+    def __getitem__(self, e: int | torch.Tensor) -> PackedExpert:
+        return PackedExpert(self, int(e))
 
     @property
     def shape(self) -> torch.Size:
@@ -158,3 +157,71 @@ class QuantExpertBank(PackedWeight):
 
     def __len__(self) -> int:
         return self.layout.logical_shape[0]
+
+
+class PackedExpert:
+    """One expert of a bank, not dequantized until something needs it.
+
+    ``F.linear(x, W)`` and ``x @ W`` (how transformers' MoE blocks and the reference architecture
+    use an expert) run from the packed codes for a few tokens (``numerics/packed_matvec.py``);
+    every other torch function, every other attribute and more tokens see the dequantized tensor
+    (``dense()``), so it behaves like the matrix it stands for.
+    """
+
+    def __init__(self, bank: QuantExpertBank, e: int) -> None:
+        per = bank.layout.num_rows // bank.layout.logical_shape[0]
+        self.bank, self.rows = bank, slice(e * per, (e + 1) * per)
+
+    @property
+    def shape(self) -> torch.Size:
+        return torch.Size(self.bank.layout.logical_shape[1:])
+
+    def dense(self, dtype: torch.dtype | None = None) -> torch.Tensor:
+        w = self.bank.dequantize_rows(self.rows.start, self.rows.stop, dtype)
+        return w.reshape(self.shape)
+
+    def _packed(self) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        b = self.bank
+        return b.qweight[self.rows], b.scales[self.rows], b.offsets[self.rows]
+
+    def linear(self, x: torch.Tensor) -> torch.Tensor | None:
+        """``F.linear(x, self)`` from the packed codes, or None (too many tokens, no kernel)."""
+        flat = x.reshape(-1, x.shape[-1])
+        if flat.shape[0] > MAX_TOKENS:
+            return None
+        y = packed_matvec(flat, *self._packed(), self.bank.layout)
+        return None if y is None else y.reshape(*x.shape[:-1], -1).to(x.dtype)
+
+    def rmatmul(self, x: torch.Tensor) -> torch.Tensor | None:
+        """``x @ self`` from the packed codes, or None (too many tokens, no kernel)."""
+        flat = x.reshape(-1, x.shape[-1])
+        if flat.shape[0] > MAX_TOKENS:
+            return None
+        y = packed_vecmat(flat, *self._packed(), self.bank.layout)
+        return None if y is None else y.reshape(*x.shape[:-1], -1).to(x.dtype)
+
+    @classmethod
+    def __torch_function__(cls, func, types, args=(), kwargs=None):  # the torch protocol
+        kwargs = kwargs or {}
+        x, w = (*args, None, None)[:2]
+        if isinstance(w, PackedExpert) and isinstance(x, torch.Tensor):
+            y = None
+            if func is F.linear:
+                y = w.linear(x)
+                bias = args[2] if len(args) > 2 else kwargs.get("bias")
+                if y is not None and bias is not None:
+                    y = y + bias.to(y.dtype)
+            elif func in (torch.matmul, torch.Tensor.__matmul__):
+                y = w.rmatmul(x)
+            if y is not None:
+                return y
+        # dequantized in the dtype of the tensor it meets (else the bank's compute dtype)
+        dtype = x.dtype if isinstance(x, torch.Tensor) and x.is_floating_point() else None
+
+        def densify(a: object) -> object:
+            return a.dense(dtype) if isinstance(a, PackedExpert) else a
+
+        return func(*tree_map(densify, args), **tree_map(densify, kwargs))
+
+    def __getattr__(self, name: str) -> object:
+        return getattr(self.dense(), name)
