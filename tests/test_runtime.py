@@ -17,6 +17,7 @@ from dynquant.pipeline.quantize import quantize_model
 from dynquant.runtime.loader import load
 from dynquant.runtime.memory import resident_weight_nbytes
 from dynquant.runtime.packed_modules import (
+    PackedExpert,
     QuantEmbedding,
     QuantExpertBank,
     QuantLinear,
@@ -100,7 +101,7 @@ def test_resident_memory_within_ten_percent_of_the_checkpoint(tmp_path):
 
 
 @pytest.mark.parametrize("tokens", [1, 5, 9])
-def test_expert_products_run_from_the_packed_codes(tokens):
+def test_expert_products_run_from_the_packed_codes(tokens, monkeypatch):
     g = torch.Generator().manual_seed(4)
     w = torch.randn(3, 64, 200, generator=g)  # groups along the last axis (200: padded)
     bank, qt = _packed(QuantExpertBank, w, 3, compute_dtype=torch.float32)
@@ -118,6 +119,13 @@ def test_expert_products_run_from_the_packed_codes(tokens):
         packed = tokens <= MAX_TOKENS  # more tokens: the dequantized matrix and BLAS
         assert (expert.linear(x_in) is not None) == packed
         assert (expert.rmatmul(x_out) is not None) == (2 * tokens <= MAX_TOKENS)
+    if tokens <= MAX_TOKENS:  # the operators themselves take the packed path: never dequantize
+        with monkeypatch.context() as m:
+            m.setattr(PackedExpert, "dense", lambda *a: pytest.fail("dequantized"))
+            F.linear(x_in, bank[0])
+            x_in[:, :64] @ bank[0]
+            x_in[:, :64].matmul(bank[0])
+            torch.matmul(x_in[:, :64], bank[0])
     y = F.linear(x_in.to(torch.bfloat16), bank[1])
     assert y.dtype == torch.bfloat16
     # anything else sees the dequantized matrix

@@ -211,7 +211,7 @@ class PackedExpert:
                 bias = args[2] if len(args) > 2 else kwargs.get("bias")
                 if y is not None and bias is not None:
                     y = y + bias.to(y.dtype)
-            elif func in (torch.matmul, torch.Tensor.__matmul__):
+            elif func in (torch.matmul, torch.Tensor.matmul, torch.Tensor.__matmul__):
                 y = w.rmatmul(x)
             if y is not None:
                 return y
