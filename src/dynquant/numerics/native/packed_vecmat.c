@@ -1,33 +1,65 @@
 /* dynquant's packed vector-matrix product: y = x @ W for a matrix W [rows, padded_n] stored in
  * groups along its rows, i.e. along the *output* dimension (the expert banks of the reference
  * hybrid architecture, used as x @ W[e]), for a few tokens at a time, without materialising W:
- *   y[t, j] = sum_h (x[t, h] * scale[h, g(j)]) * q[h, j] + x[t, h] * offset[h, g(j)]
- * in float32, rows h in order. Codes are unpacked by unpack.h (AVX-512 VBMI where the CPU has
- * it, else the portable path; both give the same floats, so the results are bit-identical).
+ *   y[t, j] = sum_h (x[t, h] * scale[h, g(j)]) * q[h, j]  +  sum_h x[t, h] * offset[h, g(j)]
+ * in float32, rows h in order; the offsets' part is one number per group, added at the end. The
+ * AVX-512 VBMI path (where the CPU has it) keeps the unpacked codes in registers; the portable
+ * path unpacks to memory. Both do the same float operations in the same order: bit-identical.
  */
 #include "unpack.h"
+
+/* The codes part of rows [0, rows) for groups [g0, g1) into y (zeroed first). */
+static void codes_part(const uint32_t *qweight, const uint16_t *scales, int64_t rows,
+                       int64_t groups, int64_t gs, int bits, const float *x, int64_t m,
+                       int64_t g0, int64_t g1, float *y, int64_t y_stride, int portable) {
+    const int64_t words = bits * gs / 32;
+    const group_unpacker unpack = make_group_unpacker(bits, portable);
+    float q[MAX_GROUP];
+    for (int64_t h = 0; h < rows; h++) {
+        for (int64_t g = g0; g < g1; g++) {
+            const uint8_t *bytes = (const uint8_t *)(qweight + (h * groups + g) * words);
+            const float s = bf16_value(scales[h * groups + g]);
+#ifdef DQ_HAVE_VBMI
+            if (!portable) {
+                for (int64_t j = 0; j < gs; j += 64) {
+                    const int count = gs - j >= 64 ? 64 : 32;
+                    const __m512i c = unpack_codes64(bytes + j * bits / 8, bits, count, &unpack.simd);
+                    for (int part = 0; part < count / 16; part++) {
+                        const __m512 qf = codes_as_floats(c, part);
+                        for (int64_t t = 0; t < m; t++) {
+                            float *yt = y + t * y_stride + g * gs + j + 16 * part;
+                            const __m512 xs = _mm512_set1_ps(x[t * rows + h] * s);
+                            _mm512_storeu_ps(yt, _mm512_add_ps(_mm512_loadu_ps(yt), _mm512_mul_ps(xs, qf)));
+                        }
+                    }
+                }
+                continue;
+            }
+#endif
+            unpack_codes_as_floats(&unpack, bytes, gs, q);
+            for (int64_t t = 0; t < m; t++) {
+                const float xs = x[t * rows + h] * s;
+                float *yt = y + t * y_stride + g * gs;
+                for (int64_t j = 0; j < gs; j++) yt[j] = yt[j] + xs * q[j];
+            }
+        }
+    }
+}
 
 int dq_vecmat(const uint32_t *qweight, const uint16_t *scales, const uint16_t *offsets,
               int64_t rows, int64_t padded_n, int64_t gs, int bits, const float *x, int64_t m,
               int64_t g0, int64_t g1, float *y, int portable) {
-    const int64_t groups = padded_n / gs, words = bits * gs / 32;
+    const int64_t groups = padded_n / gs;
     if (gs > MAX_GROUP || gs % 32 != 0) return -1;
-    const group_unpacker unpack = make_group_unpacker(bits, portable);
-    float q[MAX_GROUP];
     for (int64_t t = 0; t < m; t++)
         for (int64_t j = g0 * gs; j < g1 * gs; j++) y[t * padded_n + j] = 0.0f;
-    for (int64_t h = 0; h < rows; h++) {
+    codes_part(qweight, scales, rows, groups, gs, bits, x, m, g0, g1, y, padded_n, portable);
+    for (int64_t t = 0; t < m; t++)
         for (int64_t g = g0; g < g1; g++) {
-            unpack_codes_as_floats(&unpack, (const uint8_t *)(qweight + (h * groups + g) * words),
-                                   gs, q);
-            const float s = bf16_value(scales[h * groups + g]);
-            const float o = bf16_value(offsets[h * groups + g]);
-            for (int64_t t = 0; t < m; t++) {
-                const float xs = x[t * rows + h] * s, xo = x[t * rows + h] * o;
-                float *yt = y + t * padded_n + g * gs;
-                for (int64_t j = 0; j < gs; j++) yt[j] += xs * q[j] + xo;
-            }
+            float off = 0.0f; /* sum_h x[t, h] * offset[h, g], rows in order */
+            for (int64_t h = 0; h < rows; h++) off += x[t * rows + h] * bf16_value(offsets[h * groups + g]);
+            float *yt = y + t * padded_n + g * gs;
+            for (int64_t j = 0; j < gs; j++) yt[j] += off;
         }
-    }
     return 0;
 }
