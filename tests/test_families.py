@@ -55,16 +55,20 @@ def test_checkpoint_is_valid_and_accounts_for_every_weight(quantized, family):
 @pytest.mark.parametrize("family", FAMILIES)
 def test_packed_model_matches_the_dequantized_float_model(quantized, family):
     _, ck_dir, doc, _ = quantized[family]
-    packed = load(ck_dir)
+    # float32: the packed kernels accumulate in float32, and a bf16 reference's rounding could
+    # flip a near-tie in MoE routing of these tiny random models
+    packed = load(ck_dir, dtype=torch.float32)
     kinds = {type(m) for m in packed.modules()}
     assert QuantLinear in kinds and QuantEmbedding in kinds
     assert (QuantExpertBank in kinds) == bool(doc["expert_banks"])
-    reference = load_dequantized(ck_dir)
+    reference = load_dequantized(ck_dir, torch.float32)
     ids = torch.randint(0, 384, (2, 12), generator=torch.Generator().manual_seed(0))
-    with torch.no_grad():
-        a = packed(ids).logits.float()
-        b = reference(ids).logits.float()
-    torch.testing.assert_close(a, b, atol=2e-2, rtol=2e-2)
+    # 24 tokens: Linears dequantize blocks (prefill); 2 tokens: the packed matvec kernels (decode)
+    for batch in (ids, ids[:, :1]):
+        with torch.no_grad():
+            a = packed(batch).logits.float()
+            b = reference(batch).logits.float()
+        torch.testing.assert_close(a, b, atol=1e-4, rtol=1e-4)
 
 
 @pytest.mark.parametrize("family", ["llama", "qwen3_moe"])
