@@ -20,6 +20,19 @@ static void codes_part(const uint32_t *qweight, const uint16_t *scales, int64_t 
             const uint8_t *bytes = (const uint8_t *)(qweight + (h * groups + g) * words);
             const float s = bf16_value(scales[h * groups + g]);
 #ifdef DQ_HAVE_VBMI
+            if (!portable && m == 1 && gs % 64 == 0) { /* decode: one token, parts unrolled */
+                const __m512 xs = _mm512_set1_ps(x[h] * s);
+                float *yg = y + g * gs;
+                for (int64_t j = 0; j < gs; j += 64) {
+                    const __m512i c = unpack_codes64(bytes + j * bits / 8, bits, 64, &unpack.simd);
+                    float *yj = yg + j;
+                    _mm512_storeu_ps(yj, _mm512_add_ps(_mm512_loadu_ps(yj), _mm512_mul_ps(xs, DQ_PART(c, 0))));
+                    _mm512_storeu_ps(yj + 16, _mm512_add_ps(_mm512_loadu_ps(yj + 16), _mm512_mul_ps(xs, DQ_PART(c, 1))));
+                    _mm512_storeu_ps(yj + 32, _mm512_add_ps(_mm512_loadu_ps(yj + 32), _mm512_mul_ps(xs, DQ_PART(c, 2))));
+                    _mm512_storeu_ps(yj + 48, _mm512_add_ps(_mm512_loadu_ps(yj + 48), _mm512_mul_ps(xs, DQ_PART(c, 3))));
+                }
+                continue;
+            }
             if (!portable) {
                 for (int64_t j = 0; j < gs; j += 64) {
                     const int count = gs - j >= 64 ? 64 : 32;

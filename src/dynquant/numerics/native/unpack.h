@@ -86,6 +86,18 @@ static inline __m512 codes_as_floats(__m512i c, int part) {
     return _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(c16));
 }
 
+/* lane_sum of a zmm, in registers: the same tree, so the same float. */
+static inline float lane_sum_zmm(__m512 acc) {
+    const __m256 hi8 = _mm256_castpd_ps(_mm512_extractf64x4_pd(_mm512_castps_pd(acc), 1));
+    const __m256 s8 = _mm256_add_ps(_mm512_castps512_ps256(acc), hi8);         /* l + (l + 8) */
+    const __m128 s4 = _mm_add_ps(_mm256_castps256_ps128(s8), _mm256_extractf128_ps(s8, 1));
+    const __m128 t = _mm_add_ps(s4, _mm_movehl_ps(s4, s4));       /* s4[0]+s4[2], s4[1]+s4[3] */
+    return _mm_cvtss_f32(_mm_add_ss(t, _mm_shuffle_ps(t, t, 1)));
+}
+
+/* The 16 codes of part p (0..3) of an unpacked zmm as floats; p a constant after inlining. */
+#define DQ_PART(c, p) _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(_mm512_extracti32x4_epi32((c), (p))))
+
 /* A group's codes as floats, 64 (or, for gs = 32, 32) at a time. */
 static inline void unpack_group_vbmi(const uint8_t *bytes, int64_t gs, int bits,
                                      const unpacker *u, float *q) {
