@@ -11,6 +11,7 @@ import torch
 from dynquant import quantize_tensor
 from dynquant.format.layout import LayerLayout
 from dynquant.numerics import native
+from dynquant.numerics import packed_matvec as packed_matvec_module
 from dynquant.numerics.packed_matvec import (
     MAX_TOKENS,
     has_simd_path,
@@ -49,8 +50,9 @@ def test_matvec_matches_the_reference_and_the_portable_path(bits, gs):
         assert torch.equal(fast, portable)  # same lanes, same tree: bit-identical
 
 
-def test_matvec_on_a_row_block_and_across_threads():
-    w = torch.randn(1037, 1024, generator=torch.Generator().manual_seed(1))  # > 1M weights
+def test_matvec_on_a_row_block_and_across_threads(monkeypatch):
+    monkeypatch.setattr(packed_matvec_module, "PARALLEL_MIN_ELEMENTS", 0)  # every call split
+    w = torch.randn(1037, 1024, generator=torch.Generator().manual_seed(1))
     qt = quantize_tensor(w, 3)
     x = torch.randn(2, 1024, generator=torch.Generator().manual_seed(2))
     whole = packed_matvec(x, qt.qweight, qt.scales, qt.offsets, qt.layout)
@@ -107,7 +109,7 @@ def test_native_dequantize_is_bit_identical_to_the_torch_path(bits, gs):
 
 @pytest.mark.parametrize("bits", [2, 3, 4, 5, 6, 8])
 @pytest.mark.parametrize("gs", [32, 128])
-def test_vecmat_matches_the_reference_and_the_portable_path(bits, gs):
+def test_vecmat_matches_the_reference_and_the_portable_path(bits, gs, monkeypatch):
     g = torch.Generator().manual_seed(bits * 10 + gs)
     w = torch.randn(70, 300, generator=g)  # x @ W: contracts the 70 rows, groups along 300
     qt = quantize_tensor(w, bits, gs)
@@ -119,7 +121,8 @@ def test_vecmat_matches_the_reference_and_the_portable_path(bits, gs):
         assert fast.shape == (m, 300)
         torch.testing.assert_close(fast, ref, rtol=1e-5, atol=1e-4)
         assert torch.equal(fast, portable)
-    big = quantize_tensor(torch.randn(1024, 1100, generator=g), bits, gs)  # groups on 2 threads
+    monkeypatch.setattr(packed_matvec_module, "VECMAT_PARALLEL_MIN_ELEMENTS", 0)  # groups split
+    big = quantize_tensor(torch.randn(1024, 1100, generator=g), bits, gs)
     x = torch.randn(2, 1024, generator=g)
     torch.testing.assert_close(packed_vecmat(x, big.qweight, big.scales, big.offsets, big.layout),
                                packed_vecmat_ref(x, big.qweight, big.scales, big.offsets,
