@@ -117,3 +117,23 @@ def test_fresh_cache_builds_and_no_compiler_falls_back_with_the_same_result(tmp_
     ok2, digest2, warned2 = _probe(tmp_path / "other", CC="/nonexistent/cc")
     assert ok2 == "False" and "native kernels unavailable" in warned2
     assert digest2 == digest
+
+
+_FORK = """
+import os, torch
+from dynquant import quantize_tensor
+from dynquant.numerics import native
+native.PARALLEL_MIN_ELEMENTS = 0  # every call uses the thread pool
+w = torch.randn(512, 512, generator=torch.Generator().manual_seed(0))
+a = quantize_tensor(w, 3)
+pid = os.fork()
+if pid == 0:  # the child inherits the parent's pool object, not its threads
+    os._exit(0 if torch.equal(a.qweight, quantize_tensor(w, 3).qweight) else 1)
+print(os.waitpid(pid, 0)[1])
+"""
+
+
+def test_a_forked_child_gets_its_own_thread_pool():
+    out = subprocess.run([sys.executable, "-c", _FORK], capture_output=True, text=True,
+                         timeout=120, check=True)  # it hung forever with the parent's pool
+    assert out.stdout.strip() == "0"

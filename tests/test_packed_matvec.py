@@ -127,3 +127,21 @@ def test_vecmat_matches_the_reference_and_the_portable_path(bits, gs, monkeypatc
     torch.testing.assert_close(packed_vecmat(x, big.qweight, big.scales, big.offsets, big.layout),
                                packed_vecmat_ref(x, big.qweight, big.scales, big.offsets,
                                                  big.layout), rtol=1e-5, atol=1e-3)
+
+
+def test_the_kernels_refuse_blocks_that_do_not_fit_their_layout():
+    qt = quantize_tensor(torch.randn(16, 256), 3)
+    lay = qt.layout
+    bad = [(qt.qweight[:, :-1], qt.scales, qt.offsets), (qt.qweight, qt.scales.float(), qt.offsets),
+           (qt.qweight, qt.scales, qt.offsets[:8]), (qt.qweight.view(torch.uint8), qt.scales,
+                                                      qt.offsets)]
+    x = torch.randn(1, 256)
+    for block in bad:
+        with pytest.raises(ValueError, match="not a packed block"):
+            packed_matvec(x, *block, lay)
+        with pytest.raises(ValueError, match="not a packed block"):
+            native.dequantize_rows(*block, 3, 128, 256, torch.float32)
+    with pytest.raises(ValueError, match=r"\[tokens, 256\]"):
+        packed_matvec(torch.randn(1, 255), qt.qweight, qt.scales, qt.offsets, lay)
+    with pytest.raises(ValueError, match=r"\[tokens, 16\]"):
+        packed_vecmat(torch.randn(1, 256), qt.qweight, qt.scales, qt.offsets, lay)

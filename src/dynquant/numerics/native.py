@@ -155,13 +155,15 @@ def split_rows(run: Callable[[int, int], int], rows: int, elements: int, min_ele
     the calling thread takes the first range. Returns each call's status."""
     threads = min(torch.get_num_threads(), rows) if elements >= min_elements else 1
     bounds = list(pairwise(rows * i // threads for i in range(threads + 1)))
-    others = [_pool(threads).submit(run, lo, hi) for lo, hi in bounds[1:]]
+    others = [_pool(threads, os.getpid()).submit(run, lo, hi) for lo, hi in bounds[1:]]
     return [run(*bounds[0])] + [f.result() for f in others]
 
 
 @cache
-def _pool(workers: int) -> ThreadPoolExecutor:
-    return ThreadPoolExecutor(workers, thread_name_prefix="dynquant-quantize")
+def _pool(workers: int, pid: int) -> ThreadPoolExecutor:
+    """One pool per process: a forked child (a DataLoader worker...) inherits the parent's pool
+    object but not its threads, and would wait for them forever."""
+    return ThreadPoolExecutor(workers, thread_name_prefix=f"dynquant-{pid}")
 
 
 @dataclass
@@ -213,6 +215,22 @@ def quantize_rows(w: torch.Tensor, bits: int, group_size: int, alphas: torch.Ten
     return res
 
 
+def check_packed_block(qweight: torch.Tensor, scales: torch.Tensor, offsets: torch.Tensor,
+                       bits: int, group_size: int, in_features: int) -> None:
+    """Raise ValueError unless the three tensors are a block of rows of that layout: the kernels
+    trust the shapes they are given (a wrong one would read out of bounds)."""
+    rows, groups = scales.shape if scales.ndim == 2 else (-1, -1)
+    words = groups * bits * group_size // 32
+    if not (qweight.dtype == torch.int32 and scales.dtype == offsets.dtype == torch.bfloat16
+            and tuple(qweight.shape) == (rows, words) and offsets.shape == scales.shape
+            and (groups - 1) * group_size < in_features <= groups * group_size
+            and bits * group_size % 32 == 0):
+        raise ValueError(
+            f"not a packed block of {bits}-bit groups of {group_size} over {in_features} "
+            f"columns: qweight {qweight.dtype} {list(qweight.shape)}, scales {scales.dtype} "
+            f"{list(scales.shape)}, offsets {offsets.dtype} {list(offsets.shape)}")
+
+
 # Below this many values a dequantization runs on one thread.
 DEQUANT_PARALLEL_MIN_ELEMENTS = 1 << 20
 
@@ -225,6 +243,7 @@ def dequantize_rows(qweight: torch.Tensor, scales: torch.Tensor, offsets: torch.
     lib = library()
     if lib is None or dtype not in INPUT_DTYPES or group_size > MAX_GROUP_SIZE:
         return None
+    check_packed_block(qweight, scales, offsets, bits, group_size, in_features)
     qweight, scales, offsets = qweight.contiguous(), scales.contiguous(), offsets.contiguous()
     rows = scales.shape[0]
     out = torch.empty(rows, in_features, dtype=dtype)
@@ -241,4 +260,5 @@ def dequantize_rows(qweight: torch.Tensor, scales: torch.Tensor, offsets: torch.
     return out
 
 
-__all__ = ["RowsResult", "available", "dequantize_rows", "library", "quantize_rows", "split_rows"]
+__all__ = ["RowsResult", "available", "check_packed_block", "dequantize_rows", "library",
+           "quantize_rows", "split_rows"]

@@ -45,6 +45,7 @@ def packed_matvec(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor,
     lib = native.library()
     if lib is None:
         return None
+    _check(x, qweight, scales, offsets, layout, layout.in_features)
     rows, pad = qweight.shape[0], layout.padded_in_features - layout.in_features
     xf = x.to(torch.float32)
     xf = (F.pad(xf, (0, pad)) if pad else xf).contiguous()
@@ -60,6 +61,15 @@ def packed_matvec(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor,
     if any(native.split_rows(run, rows, rows * layout.padded_in_features, PARALLEL_MIN_ELEMENTS)):
         raise RuntimeError("dq_matvec failed (out of memory or unsupported group size)")
     return y
+
+
+def _check(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor, offsets: torch.Tensor,
+           layout: LayerLayout, contracted: int) -> None:
+    native.check_packed_block(qweight, scales, offsets, layout.bits, layout.group_size,
+                              layout.in_features)
+    if x.ndim != 2 or x.shape[1] != contracted or not x.is_floating_point():
+        raise ValueError(f"x must be a float [tokens, {contracted}] matrix, got "
+                         f"{x.dtype} {list(x.shape)}")
 
 
 def _ptr(t: torch.Tensor, row: int) -> int:
@@ -83,6 +93,7 @@ def packed_vecmat(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor,
     lib = native.library()
     if lib is None:
         return None
+    _check(x, qweight, scales, offsets, layout, qweight.shape[0])
     xf = x.to(torch.float32).contiguous()
     qweight, scales, offsets = qweight.contiguous(), scales.contiguous(), offsets.contiguous()
     rows, groups, n = qweight.shape[0], layout.num_groups, layout.padded_in_features
