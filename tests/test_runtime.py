@@ -6,7 +6,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from dynquant import quantize_tensor
+from dynquant import CheckpointError, quantize_tensor, write_checkpoint
 from dynquant.format.layout import LayerLayout
 from dynquant.models.hybrid.modeling import DynquantHybridForCausalLM
 from dynquant.models.presets import preset_config
@@ -14,7 +14,7 @@ from dynquant.models.sources import resolve_model
 from dynquant.numerics.packed_matvec import MAX_TOKENS
 from dynquant.pipeline.demo import demo_widths
 from dynquant.pipeline.quantize import quantize_model
-from dynquant.runtime.loader import load
+from dynquant.runtime.loader import load, load_dequantized
 from dynquant.runtime.memory import resident_weight_nbytes
 from dynquant.runtime.packed_modules import (
     PackedExpert,
@@ -131,3 +131,16 @@ def test_expert_products_run_from_the_packed_codes(tokens, monkeypatch):
     # anything else sees the dequantized matrix
     assert bank[2].shape == (64, 200) and torch.equal(bank[2].T, full[2].T)
     assert torch.equal(torch.cat([bank[0], bank[1]]), torch.cat([full[0], full[1]]))
+
+
+def test_both_loaders_reject_a_tensor_the_model_does_not_have(tmp_path):
+    model = DynquantHybridForCausalLM(preset_config("tiny")).eval()
+    quantizable = {s.name: s.module for s in resolve_model("tiny").tensor_specs() if s.quantizable}
+    params = dict(model.named_parameters())  # the tied head appears once, as the embedding
+    modules = {quantizable[n]: (p.detach(), 4) for n, p in params.items() if n in quantizable}
+    dense = {n: p.detach() for n, p in params.items() if n not in quantizable}
+    dense["model.bogus.weight"] = torch.ones(3)
+    write_checkpoint(tmp_path / "ck", modules, dense, config=model.config.to_dict())
+    for loader in (load, load_dequantized):
+        with pytest.raises(CheckpointError, match=r"does not have: \['model.bogus.weight'\]"):
+            loader(tmp_path / "ck")

@@ -64,6 +64,11 @@ def _load_tensors(model: nn.Module, ck: Checkpoint, packed: dict[str, PackedWeig
         for part in ("qweight", "scales", "offsets"):
             state[f"{name}.{part}"] = ck.tensor(f"{name}.{part}")
     state.update(_dense_state(ck, dtype))
+    _assign_state(model, ck, state)
+
+
+def _assign_state(model: nn.Module, ck: Checkpoint, state: dict[str, torch.Tensor]) -> None:
+    """Assign ``state`` to the model; a tensor the model does not have is an error."""
     _, unexpected = model.load_state_dict(state, strict=False, assign=True)
     if unexpected:
         raise CheckpointError(f"tensors the model does not have: {unexpected[:5]}",
@@ -140,7 +145,7 @@ def load_dequantized(path: str | Path, dtype: torch.dtype = COMPUTE_DTYPE) -> nn
         key = name if isinstance(getattr(parent, attr), nn.Parameter) else f"{name}.weight"
         state[key] = ck.dequantize(name, dtype)
     state.update(_dense_state(ck, dtype))
-    model.load_state_dict(state, strict=False, assign=True)
+    _assign_state(model, ck, state)
     if "lm_head" in ck.tied:
         model.lm_head.weight = model.get_input_embeddings().weight
     _check_materialised(model, ck)
