@@ -131,3 +131,22 @@ def test_lm_head_when_asked_and_modules_kept_dense(tmp_path, capsys):
     with torch.no_grad():
         torch.testing.assert_close(model(ids).logits.float(), reference(ids).logits.float(),
                                    atol=2e-2, rtol=2e-2)
+
+
+def test_from_pretrained_validates_the_checkpoint_first(quantized, tmp_path):
+    import shutil
+
+    from safetensors.torch import load_file, save_file
+
+    import dynquant  # noqa: F401  (registers the dynquant quantizer with transformers)
+    from dynquant import CheckpointError
+
+    _, ck_dir, doc, _ = quantized["llama"]
+    broken = tmp_path / "broken"
+    shutil.copytree(ck_dir, broken)
+    tensors = load_file(broken / "model.safetensors")
+    name = next(iter(doc["layers"]))
+    tensors[f"{name}.scales"][0, 0] = float("nan")
+    save_file(tensors, broken / "model.safetensors")
+    with pytest.raises(CheckpointError, match="NaN"):
+        AutoModelForCausalLM.from_pretrained(broken)

@@ -4,11 +4,13 @@ Registered through transformers' public API (``register_quantization_config`` /
 ``register_quantizer``). Before the weights load, quantized modules become packed modules whose
 buffers (``M.qweight``, ``M.scales``, ``M.offsets``) are exactly the checkpoint's tensor names;
 after loading, a tied lm_head is pointed at the packed embedding and 4-bit Linears are converted
-to the int4 kernel's layout.
+to the int4 kernel's layout. The checkpoint folder is validated first, as ``dynquant.load`` does:
+a broken checkpoint is a ``CheckpointError``, never a half-loaded model.
 """
 
 from __future__ import annotations
 
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -18,6 +20,7 @@ from transformers.utils.quantization_config import QuantizationConfigMixin
 
 from dynquant.format import metadata as md
 from dynquant.format.layout import LayerLayout
+from dynquant.format.validate import validate_checkpoint
 from dynquant.runtime.packed_modules import QuantEmbedding, QuantLinear, TiedQuantHead
 
 _registered = False
@@ -66,6 +69,11 @@ class DynquantHfQuantizer(HfQuantizer):
     def _process_model_before_weight_loading(self, model: nn.Module, **kwargs: Any) -> None:
         from dynquant.runtime.loader import install_packed_modules
 
+        files = kwargs.get("checkpoint_files") or []
+        for folder in sorted({str(Path(f).parent) for f in files}):
+            problems = validate_checkpoint(folder)
+            if problems:
+                raise problems[0]
         qc = self.quantization_config
         layouts = {name: _layout_for(model, name, entry, qc.group_size)
                    for name, entry in qc.modules.items()}
