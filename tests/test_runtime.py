@@ -144,3 +144,18 @@ def test_both_loaders_reject_a_tensor_the_model_does_not_have(tmp_path):
     for loader in (load, load_dequantized):
         with pytest.raises(CheckpointError, match=r"does not have: \['model.bogus.weight'\]"):
             loader(tmp_path / "ck")
+
+
+def test_prefill_blocks_reuse_one_scratch_buffer(monkeypatch):
+    import dynquant.runtime.packed_modules as pm
+
+    monkeypatch.setattr(pm, "DEQUANT_BLOCK_ELEMENTS", 64 * 200)  # 64-row blocks: 4 of them
+    monkeypatch.setattr(pm._scratch_buffers, "buf", None, raising=False)  # whatever ran before
+    w = torch.randn(250, 200, generator=torch.Generator().manual_seed(5))
+    lin, qt = _packed(QuantLinear, w, 3, compute_dtype=torch.float32)
+    x = torch.randn(MAX_TOKENS + 3, 200)
+    expect = x @ qt.dequantize(torch.float32).T
+    torch.testing.assert_close(lin(x), expect, rtol=1e-5, atol=1e-4)
+    buf = pm._scratch_buffers.buf
+    torch.testing.assert_close(lin(x), expect, rtol=1e-5, atol=1e-4)  # same buffer, same answer
+    assert pm._scratch_buffers.buf is buf and buf.numel() == 64 * 200

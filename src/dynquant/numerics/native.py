@@ -215,6 +215,11 @@ def quantize_rows(w: torch.Tensor, bits: int, group_size: int, alphas: torch.Ten
     return res
 
 
+def row_ptr(t: torch.Tensor, row: int) -> int:
+    """Address of ``t[row]`` (contiguous ``t``) without making a view (views cost ~2 us each)."""
+    return t.data_ptr() + row * t.stride(0) * t.element_size()
+
+
 def check_packed_block(qweight: torch.Tensor, scales: torch.Tensor, offsets: torch.Tensor,
                        bits: int, group_size: int, in_features: int) -> None:
     """Raise ValueError unless the three tensors are a block of rows of that layout: the kernels
@@ -237,28 +242,42 @@ DEQUANT_PARALLEL_MIN_ELEMENTS = 1 << 20
 
 def dequantize_rows(qweight: torch.Tensor, scales: torch.Tensor, offsets: torch.Tensor, bits: int,
                     group_size: int, in_features: int, dtype: torch.dtype,
-                    portable: bool = False) -> torch.Tensor | None:
+                    portable: bool = False, out: torch.Tensor | None = None
+                    ) -> torch.Tensor | None:
     """[rows, in_features] in ``dtype`` (float32 or bfloat16), bit-identical to the torch path of
-    ``quantizer.dequantize_rows``; None when the kernel is unavailable or the dtype is another."""
+    ``quantizer.dequantize_rows``; None when the kernel is unavailable or the dtype is another.
+    ``out`` (contiguous, that shape and dtype) is written instead of a new tensor: a fresh
+    large tensor costs more in page faults than the kernel takes to fill it."""
     lib = library()
     if lib is None or dtype not in INPUT_DTYPES or group_size > MAX_GROUP_SIZE:
         return None
     check_packed_block(qweight, scales, offsets, bits, group_size, in_features)
     qweight, scales, offsets = qweight.contiguous(), scales.contiguous(), offsets.contiguous()
     rows = scales.shape[0]
-    out = torch.empty(rows, in_features, dtype=dtype)
+    if out is None:
+        out = torch.empty(rows, in_features, dtype=dtype)
+    elif out.shape != (rows, in_features) or out.dtype != dtype or not out.is_contiguous():
+        raise ValueError(f"out must be a contiguous {dtype} [{rows}, {in_features}] tensor")
     if rows == 0:
         return out
 
     def run(lo: int, hi: int) -> int:
-        return lib.dq_dequantize_rows(qweight[lo].data_ptr(), scales[lo].data_ptr(),
-                                      offsets[lo].data_ptr(), hi - lo, in_features, group_size,
-                                      bits, out[lo].data_ptr(), INPUT_DTYPES[dtype], int(portable))
+        return lib.dq_dequantize_rows(row_ptr(qweight, lo), row_ptr(scales, lo),
+                                      row_ptr(offsets, lo), hi - lo, in_features, group_size,
+                                      bits, row_ptr(out, lo), INPUT_DTYPES[dtype], int(portable))
 
     if any(split_rows(run, rows, out.numel(), DEQUANT_PARALLEL_MIN_ELEMENTS)):
         raise RuntimeError("dq_dequantize_rows failed (unsupported group size)")
     return out
 
 
-__all__ = ["RowsResult", "available", "check_packed_block", "dequantize_rows", "library",
-           "quantize_rows", "split_rows"]
+__all__ = [
+    "RowsResult",
+    "available",
+    "check_packed_block",
+    "dequantize_rows",
+    "library",
+    "quantize_rows",
+    "row_ptr",
+    "split_rows",
+]

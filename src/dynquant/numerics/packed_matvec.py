@@ -53,9 +53,10 @@ def packed_matvec(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor,
     y = torch.empty(xf.shape[0], rows)
 
     def run(lo: int, hi: int) -> int:
-        return lib.dq_matvec(_ptr(qweight, lo), _ptr(scales, lo), _ptr(offsets, lo), hi - lo,
+        return lib.dq_matvec(native.row_ptr(qweight, lo), native.row_ptr(scales, lo),
+                             native.row_ptr(offsets, lo), hi - lo,
                              layout.padded_in_features, layout.group_size, layout.bits,
-                             xf.data_ptr(), xf.shape[0], _ptr(y, 0) + 4 * lo, rows,
+                             xf.data_ptr(), xf.shape[0], native.row_ptr(y, 0) + 4 * lo, rows,
                              int(portable))
 
     if any(native.split_rows(run, rows, rows * layout.padded_in_features, PARALLEL_MIN_ELEMENTS)):
@@ -70,11 +71,6 @@ def _check(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor, offsets
     if x.ndim != 2 or x.shape[1] != contracted or not x.is_floating_point():
         raise ValueError(f"x must be a float [tokens, {contracted}] matrix, got "
                          f"{x.dtype} {list(x.shape)}")
-
-
-def _ptr(t: torch.Tensor, row: int) -> int:
-    """Address of ``t[row]`` (contiguous ``t``) without making a view (views cost ~2 us each)."""
-    return t.data_ptr() + row * t.stride(0) * t.element_size()
 
 
 def packed_vecmat_ref(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor,

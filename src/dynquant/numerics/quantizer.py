@@ -80,14 +80,19 @@ def dequantize_rows(
     group_size: int,
     in_features: int,
     dtype: torch.dtype = torch.bfloat16,
+    out: torch.Tensor | None = None,
 ) -> torch.Tensor:
-    """Dequantize a block of rows (e.g. the embedding rows a batch looks up) to [rows, in].
+    """Dequantize a block of rows (e.g. the embedding rows a batch looks up) to [rows, in],
+    into ``out`` if given (a reused buffer spares the page faults of a fresh tensor).
 
     The native kernel answers when it can (float32/bf16 outputs), bit-identical to the torch
     path below."""
-    fast = native.dequantize_rows(qweight, scales, offsets, bits, group_size, in_features, dtype)
-    return fast if fast is not None else dequantize_rows_torch(
-        qweight, scales, offsets, bits, group_size, in_features, dtype)
+    fast = native.dequantize_rows(qweight, scales, offsets, bits, group_size, in_features, dtype,
+                                  out=out)
+    if fast is not None:
+        return fast
+    w = dequantize_rows_torch(qweight, scales, offsets, bits, group_size, in_features, dtype)
+    return w if out is None else out.copy_(w)
 
 
 def dequantize_rows_torch(

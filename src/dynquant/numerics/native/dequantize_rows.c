@@ -12,6 +12,33 @@ static inline uint16_t bf16_round(float x) {
     return (uint16_t)((u + 0x7FFFu + ((u >> 16) & 1u)) >> 16);
 }
 
+#ifdef DQ_HAVE_VBMI
+/* bf16_round of 16 floats at once, with the same integer arithmetic (so the same bits). */
+static inline __m256i bf16_round16(__m512 v) {
+    const __m512i u = _mm512_castps_si512(v);
+    const __m512i lsb = _mm512_and_si512(_mm512_srli_epi32(u, 16), _mm512_set1_epi32(1));
+    const __m512i rounded = _mm512_srli_epi32(
+        _mm512_add_epi32(_mm512_add_epi32(u, _mm512_set1_epi32(0x7FFF)), lsb), 16);
+    const __mmask16 nan = _mm512_cmpgt_epu32_mask(_mm512_and_si512(u, _mm512_set1_epi32(0x7FFFFFFF)),
+                                                  _mm512_set1_epi32(0x7F800000));
+    const __m512i quiet = _mm512_or_si512(_mm512_srli_epi32(u, 16), _mm512_set1_epi32(0x40));
+    return _mm512_cvtepi32_epi16(_mm512_mask_blend_epi32(nan, rounded, quiet));
+}
+
+/* One whole group (gs a multiple of 64) to bf16: codes stay in registers. */
+static inline void group_to_bf16_vbmi(const uint8_t *bytes, int64_t gs, int bits,
+                                      const unpacker *u, float s, float o, uint16_t *dst) {
+    const __m512 vs = _mm512_set1_ps(s), vo = _mm512_set1_ps(o);
+    for (int64_t j = 0; j < gs; j += 64) {
+        const __m512i c = unpack_codes64(bytes + j * bits / 8, bits, 64, u);
+        _mm256_storeu_si256((__m256i *)(dst + j), bf16_round16(_mm512_add_ps(_mm512_mul_ps(DQ_PART(c, 0), vs), vo)));
+        _mm256_storeu_si256((__m256i *)(dst + j + 16), bf16_round16(_mm512_add_ps(_mm512_mul_ps(DQ_PART(c, 1), vs), vo)));
+        _mm256_storeu_si256((__m256i *)(dst + j + 32), bf16_round16(_mm512_add_ps(_mm512_mul_ps(DQ_PART(c, 2), vs), vo)));
+        _mm256_storeu_si256((__m256i *)(dst + j + 48), bf16_round16(_mm512_add_ps(_mm512_mul_ps(DQ_PART(c, 3), vs), vo)));
+    }
+}
+#endif
+
 /* out [rows, n] (float32 if out_bf16 == 0, else bfloat16) from rows of groups of gs codes. */
 int dq_dequantize_rows(const uint32_t *qweight, const uint16_t *scales, const uint16_t *offsets,
                        int64_t rows, int64_t n, int64_t gs, int bits, void *out, int out_bf16,
@@ -22,11 +49,17 @@ int dq_dequantize_rows(const uint32_t *qweight, const uint16_t *scales, const ui
     float q[MAX_GROUP];
     for (int64_t r = 0; r < rows; r++) {
         for (int64_t g = 0; g < groups; g++) {
-            unpack_codes_as_floats(&unpack, (const uint8_t *)(qweight + (r * groups + g) * words),
-                                   gs, q);
+            const uint8_t *bytes = (const uint8_t *)(qweight + (r * groups + g) * words);
             const float s = bf16_value(scales[r * groups + g]);
             const float o = bf16_value(offsets[r * groups + g]);
             const int64_t len = (g + 1) * gs <= n ? gs : n - g * gs;
+#ifdef DQ_HAVE_VBMI
+            if (out_bf16 && !portable && len == gs && gs % 64 == 0) {
+                group_to_bf16_vbmi(bytes, gs, bits, &unpack.simd, s, o, (uint16_t *)out + r * n + g * gs);
+                continue;
+            }
+#endif
+            unpack_codes_as_floats(&unpack, bytes, gs, q);
             if (out_bf16) {
                 uint16_t *dst = (uint16_t *)out + r * n + g * gs;
                 for (int64_t j = 0; j < len; j++) dst[j] = bf16_round(q[j] * s + o);
