@@ -29,9 +29,11 @@ def main(n: int = 4096) -> None:
         t_dense = best_time(lambda: F.linear(x, dense), repeat=50)
         t_int4 = best_time(lambda: lin(x), repeat=50)
         t_deq = best_time(lambda: deq(rows), repeat=5)
+        t_dense_rows = best_time(lambda: F.linear(rows, dense), repeat=5)
     figure("dense bf16 GEMV", t_dense * 1e3, "ms")
     figure("int4 kernel GEMV", t_int4 * 1e3, "ms")
     figure(f"dequantize-then-GEMM ({MAX_TOKENS + 1} tokens, the prefill path)", t_deq * 1e3, "ms")
+    figure(f"dense bf16 GEMM ({MAX_TOKENS + 1} tokens)", t_dense_rows * 1e3, "ms")
     figure("int4 speed-up vs dense bf16", t_dense / t_int4, "x")
     for bits in (2, 3, 4, 8):
         qb = quantize_tensor(w, bits)
