@@ -13,7 +13,7 @@ import pytest
 import torch
 
 from dynquant import quantize_tensor
-from dynquant.numerics import native
+from dynquant.numerics import native, row_kernels
 from quantizer_backends import backend
 
 
@@ -77,9 +77,9 @@ def test_native_equals_torch_path_on_a_large_matrix():
 def test_rows_split_across_threads_equal_one_call(monkeypatch):
     w = torch.randn(301, 384, generator=torch.Generator().manual_seed(4))  # odd row count
     with backend("native"):
-        monkeypatch.setattr(native, "PARALLEL_MIN_ELEMENTS", 1 << 40)
+        monkeypatch.setattr(row_kernels, "PARALLEL_MIN_ELEMENTS", 1 << 40)
         one = quantize_tensor(w, 3)
-        monkeypatch.setattr(native, "PARALLEL_MIN_ELEMENTS", 0)
+        monkeypatch.setattr(row_kernels, "PARALLEL_MIN_ELEMENTS", 0)
         split = quantize_tensor(w, 3)
     _assert_same(one, split)
     assert one.clip_improvement == split.clip_improvement
@@ -122,8 +122,8 @@ def test_fresh_cache_builds_and_no_compiler_falls_back_with_the_same_result(tmp_
 _FORK = """
 import os, torch
 from dynquant import quantize_tensor
-from dynquant.numerics import native
-native.PARALLEL_MIN_ELEMENTS = 0  # every call uses the thread pool
+from dynquant.numerics import row_kernels
+row_kernels.PARALLEL_MIN_ELEMENTS = 0  # every call uses the thread pool
 w = torch.randn(512, 512, generator=torch.Generator().manual_seed(0))
 a = quantize_tensor(w, 3)
 pid = os.fork()

@@ -10,8 +10,8 @@ import torch
 
 from dynquant import quantize_tensor
 from dynquant.format.layout import LayerLayout
-from dynquant.numerics import native
 from dynquant.numerics import packed_matvec as packed_matvec_module
+from dynquant.numerics import row_kernels
 from dynquant.numerics.packed_matvec import (
     MAX_TOKENS,
     has_simd_path,
@@ -96,14 +96,14 @@ def test_native_dequantize_is_bit_identical_to_the_torch_path(bits, gs):
     args = (qt.qweight, qt.scales, qt.offsets, bits, gs, 300)
     for dtype in (torch.float32, torch.bfloat16):
         slow = dequantize_rows_torch(*args, dtype)
-        fast = native.dequantize_rows(*args, dtype)
-        portable = native.dequantize_rows(*args, dtype, portable=True)
+        fast = row_kernels.dequantize_rows(*args, dtype)
+        portable = row_kernels.dequantize_rows(*args, dtype, portable=True)
         assert fast.dtype == dtype and torch.equal(fast, slow) and torch.equal(portable, slow)
         assert torch.equal(dequantize_rows(*args, dtype), slow)  # the public entry uses it
-    assert native.dequantize_rows(*args, torch.float16) is None  # other dtypes: torch path
+    assert row_kernels.dequantize_rows(*args, torch.float16) is None  # other dtypes: torch path
     big = quantize_tensor(torch.randn(1100, 1024), bits, gs)  # split across threads
     args = (big.qweight, big.scales, big.offsets, bits, gs, 1024)
-    assert torch.equal(native.dequantize_rows(*args, torch.bfloat16),
+    assert torch.equal(row_kernels.dequantize_rows(*args, torch.bfloat16),
                        dequantize_rows_torch(*args, torch.bfloat16))
 
 
@@ -140,7 +140,7 @@ def test_the_kernels_refuse_blocks_that_do_not_fit_their_layout():
         with pytest.raises(ValueError, match="not a packed block"):
             packed_matvec(x, *block, lay)
         with pytest.raises(ValueError, match="not a packed block"):
-            native.dequantize_rows(*block, 3, 128, 256, torch.float32)
+            row_kernels.dequantize_rows(*block, 3, 128, 256, torch.float32)
     with pytest.raises(ValueError, match=r"\[tokens, 256\]"):
         packed_matvec(torch.randn(1, 255), qt.qweight, qt.scales, qt.offsets, lay)
     with pytest.raises(ValueError, match=r"\[tokens, 16\]"):

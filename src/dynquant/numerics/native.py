@@ -1,10 +1,14 @@
-"""The native (C) kernels: compiled once per machine on first use, loaded with ctypes.
+"""The native (C) kernels' library: compiled once per machine on first use, loaded with ctypes.
 
-``native/quantize_rows.c`` computes exactly what the torch path of ``quantizer.py`` computes (same
-float32 operations, IEEE semantics, no fused multiply-adds); it exists because the torch path pays
-per-operation overhead 11 times per chunk (once per clip alpha), which dominates on the small
-matrices of small models. ``native/packed_matvec.c`` multiplies a few token vectors by a packed
-matrix without dequantizing it (``packed_matvec.py``).
+The kernels (``native/*.c``) and their Python sides:
+- ``quantize_rows.c`` (``row_kernels.py``): the quantizer's clip search, codes and packing; it
+  computes exactly what the torch path of ``quantizer.py`` computes (same float32 operations, IEEE
+  semantics, no fused multiply-adds) without that path's per-operation overhead, paid 11 times
+  per block (once per clip alpha);
+- ``dequantize_rows.c`` (``row_kernels.py``): dequantization, bit-identical to the torch path;
+- ``packed_matvec.c``, ``packed_vecmat.c`` (``packed_matvec.py``): a few tokens times a packed
+  matrix, without dequantizing it (decode);
+- ``unpack.h``: reading packed codes, with AVX-512 VBMI where the CPU has it.
 
 The shared library is built with the system C compiler (``$CC``, else ``cc``) into
 ``$DYNQUANT_CACHE_DIR`` (default ``$XDG_CACHE_HOME/dynquant`` or ``~/.cache/dynquant``), keyed by
@@ -27,7 +31,6 @@ import tempfile
 import warnings
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass
 from functools import cache
 from itertools import pairwise
 from pathlib import Path
@@ -45,8 +48,9 @@ ARCH_FLAGS: tuple[tuple[str, ...], ...] = (
     ("-march=native",),
     (),
 )
-# Below this many values a call is not split across threads (thread hand-off costs more).
-PARALLEL_MIN_ELEMENTS = 1 << 15
+# The kernels read these dtypes directly (the code passed to them); others are converted first.
+INPUT_DTYPES = {torch.float32: 0, torch.bfloat16: 1}
+MAX_GROUP_SIZE = 1024  # the kernels' per-group scratch
 
 
 def _cache_dir() -> Path:
@@ -102,10 +106,9 @@ def _library_path() -> tuple[Path | None, str]:
     version = _compiler_version(cc)
     if not version:
         return None, f"no working C compiler ({cc!r})"
-    key = hashlib.sha256("\n".join([*(f.read_text() for f in SOURCES + HEADERS), " ".join(BASE_FLAGS),
-                                    repr(ARCH_FLAGS),
-                                    version, platform.machine(), _cpu_fingerprint()])
-                         .encode()).hexdigest()[:16]
+    parts = [*(f.read_text() for f in SOURCES + HEADERS), " ".join(BASE_FLAGS), repr(ARCH_FLAGS),
+             version, platform.machine(), _cpu_fingerprint()]
+    key = hashlib.sha256("\n".join(parts).encode()).hexdigest()[:16]
     for root in (_cache_dir(), Path(tempfile.gettempdir()) / "dynquant-cache"):
         directory = root / "native" / key
         if (directory / LIBRARY_NAME).is_file():
@@ -166,55 +169,6 @@ def _pool(workers: int, pid: int) -> ThreadPoolExecutor:
     return ThreadPoolExecutor(workers, thread_name_prefix=f"dynquant-{pid}")
 
 
-@dataclass
-class RowsResult:
-    """What the kernel writes for a block of rows."""
-
-    qweight: torch.Tensor  # int32 [rows, groups * words_per_group], packed as format/packing.py
-    scales: torch.Tensor  # bfloat16 [rows, groups]
-    offsets: torch.Tensor  # bfloat16 [rows, groups]
-    chosen: torch.Tensor  # uint8 [rows, groups]: index of the chosen alpha
-    chosen_error: torch.Tensor  # float32 [rows, groups]
-    first_error: torch.Tensor  # float32 [rows, groups]: error of alphas[0]
-
-
-# The kernel reads these input dtypes directly; others are converted to float32 by the caller.
-INPUT_DTYPES = {torch.float32: 0, torch.bfloat16: 1}
-MAX_GROUP_SIZE = 1024
-
-
-def quantize_rows(w: torch.Tensor, bits: int, group_size: int, alphas: torch.Tensor,
-                  importance: torch.Tensor | None) -> RowsResult | None:
-    """Run the kernel on rows ``w`` [rows, n] (float32 or bfloat16); None if it is unavailable.
-
-    Raises ValueError if ``w`` holds a non-finite value. Large blocks are split by rows across
-    ``torch.get_num_threads()`` threads (ctypes releases the GIL during the call); the calling
-    thread takes the first part.
-    """
-    lib = library()
-    if lib is None or w.dtype not in INPUT_DTYPES or group_size > MAX_GROUP_SIZE:
-        return None
-    w = w.contiguous()
-    rows, n = w.shape
-    groups = -(-n // group_size)
-    res = RowsResult(torch.empty(rows, groups * bits * group_size // 32, dtype=torch.int32),
-                     *(torch.empty(rows, groups, dtype=torch.bfloat16) for _ in range(2)),
-                     torch.empty(rows, groups, dtype=torch.uint8),
-                     *(torch.empty(rows, groups) for _ in range(2)))
-    imp = None if importance is None else importance.to(torch.float32).contiguous()
-    outs = (res.qweight, res.scales, res.offsets, res.chosen, res.chosen_error, res.first_error)
-
-    def run(lo: int, hi: int) -> int:
-        return lib.dq_quantize_rows(
-            w[lo].data_ptr(), INPUT_DTYPES[w.dtype], hi - lo, n, group_size, bits,
-            alphas.data_ptr(), alphas.numel(), None if imp is None else imp.data_ptr(),
-            *(t[lo].data_ptr() for t in outs))
-
-    if any(split_rows(run, rows, w.numel(), PARALLEL_MIN_ELEMENTS)):
-        raise ValueError("non-finite value")
-    return res
-
-
 def row_ptr(t: torch.Tensor, row: int) -> int:
     """Address of ``t[row]`` (contiguous ``t``) without making a view (views cost ~2 us each)."""
     return t.data_ptr() + row * t.stride(0) * t.element_size()
@@ -236,48 +190,5 @@ def check_packed_block(qweight: torch.Tensor, scales: torch.Tensor, offsets: tor
             f"{list(scales.shape)}, offsets {offsets.dtype} {list(offsets.shape)}")
 
 
-# Below this many values a dequantization runs on one thread.
-DEQUANT_PARALLEL_MIN_ELEMENTS = 1 << 20
-
-
-def dequantize_rows(qweight: torch.Tensor, scales: torch.Tensor, offsets: torch.Tensor, bits: int,
-                    group_size: int, in_features: int, dtype: torch.dtype,
-                    portable: bool = False, out: torch.Tensor | None = None
-                    ) -> torch.Tensor | None:
-    """[rows, in_features] in ``dtype`` (float32 or bfloat16), bit-identical to the torch path of
-    ``quantizer.dequantize_rows``; None when the kernel is unavailable or the dtype is another.
-    ``out`` (contiguous, that shape and dtype) is written instead of a new tensor: a fresh
-    large tensor costs more in page faults than the kernel takes to fill it."""
-    lib = library()
-    if lib is None or dtype not in INPUT_DTYPES or group_size > MAX_GROUP_SIZE:
-        return None
-    check_packed_block(qweight, scales, offsets, bits, group_size, in_features)
-    qweight, scales, offsets = qweight.contiguous(), scales.contiguous(), offsets.contiguous()
-    rows = scales.shape[0]
-    if out is None:
-        out = torch.empty(rows, in_features, dtype=dtype)
-    elif out.shape != (rows, in_features) or out.dtype != dtype or not out.is_contiguous():
-        raise ValueError(f"out must be a contiguous {dtype} [{rows}, {in_features}] tensor")
-    if rows == 0:
-        return out
-
-    def run(lo: int, hi: int) -> int:
-        return lib.dq_dequantize_rows(row_ptr(qweight, lo), row_ptr(scales, lo),
-                                      row_ptr(offsets, lo), hi - lo, in_features, group_size,
-                                      bits, row_ptr(out, lo), INPUT_DTYPES[dtype], int(portable))
-
-    if any(split_rows(run, rows, out.numel(), DEQUANT_PARALLEL_MIN_ELEMENTS)):
-        raise RuntimeError("dq_dequantize_rows failed (unsupported group size)")
-    return out
-
-
-__all__ = [
-    "RowsResult",
-    "available",
-    "check_packed_block",
-    "dequantize_rows",
-    "library",
-    "quantize_rows",
-    "row_ptr",
-    "split_rows",
-]
+__all__ = ["INPUT_DTYPES", "MAX_GROUP_SIZE", "available", "check_packed_block", "library",
+           "row_ptr", "split_rows"]

@@ -23,7 +23,7 @@ from dynquant.errors import QuantizationError
 from dynquant.format.layout import LayerLayout
 from dynquant.format.packing import pack_codes, unpack_codes
 from dynquant.format.widths import DEFAULT_GROUP_SIZE, width
-from dynquant.numerics import native
+from dynquant.numerics import native, row_kernels
 
 CLIP_ALPHAS: tuple[float, ...] = tuple(round(1.0 - 0.02 * k, 2) for k in range(11))
 # Rows are processed in chunks of about this many values: scratch memory stays bounded whatever
@@ -87,7 +87,7 @@ def dequantize_rows(
 
     The native kernel answers when it can (float32/bf16 outputs), bit-identical to the torch
     path below."""
-    fast = native.dequantize_rows(qweight, scales, offsets, bits, group_size, in_features, dtype,
+    fast = row_kernels.dequantize_rows(qweight, scales, offsets, bits, group_size, in_features, dtype,
                                   out=out)
     if fast is not None:
         return fast
@@ -224,7 +224,7 @@ def _quantize_rows_native(rows: torch.Tensor, bits: int, group_size: int,
                           ) -> _ChunkResult | None:
     """The same computation in the native kernel; None when it is unavailable."""
     try:
-        res = native.quantize_rows(rows, bits, group_size, _alpha_tensor(alphas), importance)
+        res = row_kernels.quantize_rows(rows, bits, group_size, _alpha_tensor(alphas), importance)
     except ValueError:
         raise QuantizationError("weight holds NaN or Inf values", field="weight") from None
     if res is None:
