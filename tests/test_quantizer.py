@@ -148,3 +148,11 @@ def test_nbytes_and_layout_entry():
     assert entry["num_rows"] == 48 and entry["words_per_group"] == 12
     assert entry["bits_per_weight"] == 3.25
     assert np.isfinite(entry["clip_improvement"])
+
+
+@pytest.mark.parametrize("name", BACKENDS)
+def test_matches_reference_on_near_ties(name):
+    w = torch.randint(-4, 5, (24, 256), generator=torch.Generator().manual_seed(7)).float() / 4
+    with backend(name):
+        for bits in (2, 3):
+            _ref_check(w, bits, 128)

@@ -146,12 +146,30 @@ class _ChunkResult:
     minmax_error: float
 
 
+LANES = 16
+
+
+def lane_sum(x: torch.Tensor) -> torch.Tensor:
+    """Sum over the last axis (a multiple of 16 long) in the order the format fixes: value j goes
+    to lane j % 16, each lane adds its values in order, and the lanes are combined as
+    ``((l0+l8) + (l4+l12)) + ((l2+l10) + (l6+l14))`` + ... i.e. halves added lane-wise
+    (16 -> 8 -> 4), then ``(s0 + s2) + (s1 + s3)``. Every implementation sums this way, so the
+    clip search's near-ties resolve the same in all of them (float32 sums depend on order)."""
+    blocks = x.unflatten(-1, (-1, LANES))
+    acc = blocks[..., 0, :].clone()
+    for k in range(1, blocks.shape[-2]):
+        acc += blocks[..., k, :]
+    s8 = acc[..., :8] + acc[..., 8:]
+    s4 = s8[..., :4] + s8[..., 4:]
+    return (s4[..., 0] + s4[..., 2]) + (s4[..., 1] + s4[..., 3])
+
+
 def _search_errors(w: torch.Tensor, mn: torch.Tensor, mx: torch.Tensor, weight: torch.Tensor | None,
                    max_code: int, alphas: tuple[float, ...]) -> tuple[torch.Tensor, ...]:
     """Per group: the best alpha, its error and the min-max (alpha = 1) error.
 
-    The error of a group is ``scale^2 * sum (q - x)^2`` (= sum (q*scale + offset - w)^2, the
-    error with the stored scale/offset). The per-group scales of every alpha are computed at
+    The error of a group is ``scale^2 * lane_sum((q - x)^2)`` (= sum (q*scale + offset - w)^2,
+    the error with the stored scale/offset). The per-group scales of every alpha are computed at
     once; the loop over alphas only makes the passes over the values, in two scratch buffers
     small enough to stay in cache. ``argmin`` keeps the first (largest) alpha among equal errors.
     """
@@ -164,12 +182,12 @@ def _search_errors(w: torch.Tensor, mn: torch.Tensor, mx: torch.Tensor, weight: 
         torch.round(x, out=q).clamp_(0, max_code).sub_(x).square_()
         if weight is not None:
             q.mul_(weight)
-        torch.sum(q, -1, out=errs[i])
+        errs[i] = lane_sum(q)
     errs.mul_(scale.square())
     constant = scale == 0
     if bool(constant.any()):  # constant groups: the error is the offset's rounding
         d = (w.unsqueeze(0) - offset.unsqueeze(-1)).square_()
-        errs = torch.where(constant, (d if weight is None else d * weight).sum(-1), errs)
+        errs = torch.where(constant, lane_sum(d if weight is None else d * weight), errs)
     best = errs.argmin(0)
     return a.view(-1)[best], errs.gather(0, best.unsqueeze(0))[0], errs[0]
 

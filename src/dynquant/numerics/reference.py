@@ -18,9 +18,24 @@ def round_bf16_ref(x: np.ndarray) -> np.ndarray:
     return u.astype(np.uint32).view(np.float32)
 
 
+def lane_sum_ref(values: np.ndarray) -> np.float32:
+    """The format's float32 summation order: value j into lane j % 16, each lane in order, then
+    lanes l and l + 8 added, then l and l + 4, then (s0 + s2) + (s1 + s3)."""
+    lanes = [np.float32(0.0)] * 16
+    for j, v in enumerate(np.asarray(values, dtype=np.float32)):
+        lanes[j % 16] = np.float32(lanes[j % 16] + v)
+    s8 = [np.float32(lanes[k] + lanes[k + 8]) for k in range(8)]
+    s4 = [np.float32(s8[k] + s8[k + 4]) for k in range(4)]
+    return np.float32(np.float32(s4[0] + s4[2]) + np.float32(s4[1] + s4[3]))
+
+
 def quantize_group_ref(values: np.ndarray, bits: int, weight: np.ndarray | None = None,
                        clip: bool = True) -> tuple[list[int], np.float32, np.float32]:
-    """Codes, scale and offset of one group of real values (no padding), as the spec says."""
+    """Codes, scale and offset of one group of real values (no padding), as the spec says.
+
+    The error of a candidate is ``scale^2 * sum imp * (q - x)^2`` with ``x = (w - offset) /
+    scale`` (``sum imp * (w - offset)^2`` for a constant group), float32, summed by
+    :func:`lane_sum_ref`; the first alpha with the least error wins."""
     w = np.asarray(values, dtype=np.float32)
     imp = np.ones_like(w) if weight is None else np.asarray(weight, dtype=np.float32)
     max_code = (1 << bits) - 1
@@ -30,8 +45,13 @@ def quantize_group_ref(values: np.ndarray, bits: int, weight: np.ndarray | None 
         lo, hi = w.min() * a, w.max() * a
         scale = round_bf16_ref(np.float32((hi - lo) / np.float32(max_code)))[()]
         offset = round_bf16_ref(lo)[()]
-        q = np.zeros_like(w) if scale == 0 else np.clip(np.round((w - offset) / scale), 0, max_code)
-        err = float(np.sum(((q * scale + offset) - w) ** 2 * imp, dtype=np.float32))
+        if scale == 0:
+            q = np.zeros_like(w)
+            err = lane_sum_ref((w - offset) ** 2 * imp)
+        else:
+            x = (w - offset) / scale
+            q = np.clip(np.round(x), 0, max_code)
+            err = np.float32(lane_sum_ref((q - x) ** 2 * imp) * np.float32(scale * scale))
         if best is None or err < best[0]:
             best = (err, q, scale, offset)
     _, q, scale, offset = best
@@ -54,4 +74,5 @@ def dequantize_ref(qweight: np.ndarray, scales: np.ndarray, offsets: np.ndarray,
     return out[:, :in_features]
 
 
-__all__ = ["dequantize_ref", "pack_group_ref", "quantize_group_ref", "round_bf16_ref"]
+__all__ = ["dequantize_ref", "lane_sum_ref", "pack_group_ref", "quantize_group_ref",
+           "round_bf16_ref"]
