@@ -11,14 +11,14 @@
  *   scale and offset are written.
  * Build flags must keep IEEE semantics: no -ffast-math, and -ffp-contract=off (no fused
  * multiply-adds), so that every value is the float32 result of the operations as written. The sums
- * run in LANES independent partial sums combined in a fixed order: the result does not depend on
+ * run in LANES independent partial sums combined by lane_sum, the order the format fixes (docs/
+ * format.md), so the torch path and the reference resolve near-ties alike; it does not depend on
  * the vector width the compiler picks.
  */
 #include <math.h>
-#include <stdint.h>
-#include <string.h>
 
-#define LANES 16
+#include "unpack.h" /* LANES, MAX_GROUP and lane_sum: the format's summation order */
+
 /* (v + 1.5 * 2^23) - 1.5 * 2^23 rounds v to the nearest integer, ties to even, for |v| < 2^22. */
 #define ROUND_MAGIC 12582912.0f
 
@@ -37,14 +37,6 @@ static inline float clamp_round(float x, float max_code) {
     float c = x > 0.0f ? x : 0.0f;
     c = c < max_code ? c : max_code;
     return (c + ROUND_MAGIC) - ROUND_MAGIC;
-}
-
-/* acc[0] + ... + acc[LANES-1] as a fixed tree (halves added lane-wise, so it vectorises). */
-static inline float combine(const float *acc) {
-    float s8[8], s4[4];
-    for (int l = 0; l < 8; l++) s8[l] = acc[l] + acc[l + 8];
-    for (int l = 0; l < 4; l++) s4[l] = s8[l] + s8[l + 4];
-    return (s4[0] + s4[2]) + (s4[1] + s4[3]);
 }
 
 /* sum over j of (clamp(round(x)) - x)^2 [* imp[j]], x = (w[j] - offset) / scale, into acc:
@@ -75,14 +67,14 @@ static float group_error(const float *w, const float *imp, int64_t len, float sc
             float d = w[j] - offset;
             acc[j % LANES] += imp ? (d * d) * imp[j] : d * d;
         }
-        return combine(acc);
+        return lane_sum(acc);
     }
     /* two copies of the loop, so that neither tests imp per value */
     if (imp)
         code_error_sums(w, imp, len, scale, offset, max_code, acc);
     else
         code_error_sums(w, NULL, len, scale, offset, max_code, acc);
-    return combine(acc) * (scale * scale);
+    return lane_sum(acc) * (scale * scale);
 }
 
 /* code j of a group occupies stream bits [j*bits, (j+1)*bits), LSB first in little-endian
@@ -160,7 +152,6 @@ static void load_group(const void *rows, int is_bf16, int64_t at, int64_t len, f
  * MAX_GROUP along each row. Writes, per row, the packed codes qweight [groups * bits * gs / 32]
  * (padding codes 0), and per group the bf16 scale and offset, the index of the chosen alpha, its
  * error and the error of alphas[0]. Returns 0, or -1 if a value is not finite. */
-#define MAX_GROUP 1024
 int dq_quantize_rows(const void *w, int is_bf16, int64_t rows, int64_t n, int64_t gs, int bits,
                      const float *alphas, int n_alphas, const float *importance, uint32_t *qweight,
                      uint16_t *scales, uint16_t *offsets, uint8_t *chosen, float *chosen_err,
