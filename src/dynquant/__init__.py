@@ -1,22 +1,56 @@
-"""dynquant: sensitivity-driven mixed-precision group-wise quantization for language models."""
+"""dynquant: sensitivity-driven mixed-precision group-wise quantization for language models.
+
+The public names below are imported on first use (PEP 562), so that ``import dynquant`` and the
+commands that need no model (``dynquant validate``, ``inspect``) do not import torch and
+transformers. Registration with transformers' Auto classes happens when transformers is imported
+(``autoregister.py``): after ``import dynquant``, ``AutoModelForCausalLM.from_pretrained`` loads
+dynquant checkpoints.
+"""
+
+from __future__ import annotations
+
+import importlib
+from typing import Any
+
+from dynquant.autoregister import register_when_transformers_loads
+from dynquant.errors import CheckpointError, DynquantError, ModelError, QuantizationError
 
 __version__ = "0.1.0"
 
-from dynquant.api import allocate, measure, quantize
-from dynquant.checkpoint import Checkpoint, CheckpointWriter, open_checkpoint, write_checkpoint
-from dynquant.errors import CheckpointError, DynquantError, ModelError, QuantizationError
-from dynquant.format.planner import TensorSpec, plan_document
-from dynquant.format.validate import validate_checkpoint, validate_metadata
-from dynquant.models.registration import register as _register_models
-from dynquant.numerics.quantizer import QuantizedTensor, quantize_tensor
-from dynquant.pipeline.evaluate import EvalResult, evaluate
-from dynquant.runtime.hf_integration import register_with_transformers as _register_hf
-from dynquant.runtime.loader import load, load_dequantized
+_LAZY = {
+    "allocate": "dynquant.api",
+    "measure": "dynquant.api",
+    "quantize": "dynquant.api",
+    "Checkpoint": "dynquant.checkpoint",
+    "CheckpointWriter": "dynquant.checkpoint",
+    "open_checkpoint": "dynquant.checkpoint",
+    "write_checkpoint": "dynquant.checkpoint",
+    "TensorSpec": "dynquant.format.planner",
+    "plan_document": "dynquant.format.planner",
+    "validate_checkpoint": "dynquant.format.validate",
+    "validate_metadata": "dynquant.format.validate",
+    "QuantizedTensor": "dynquant.numerics.quantizer",
+    "quantize_tensor": "dynquant.numerics.quantizer",
+    "EvalResult": "dynquant.pipeline.evaluate",
+    "evaluate": "dynquant.pipeline.evaluate",
+    "load": "dynquant.runtime.loader",
+    "load_dequantized": "dynquant.runtime.loader",
+}
 
-# After `import dynquant`, transformers' Auto classes know the reference architecture and
-# AutoModelForCausalLM.from_pretrained loads dynquant checkpoints.
-_register_models()
-_register_hf()
+
+def __getattr__(name: str) -> Any:
+    if name not in _LAZY:
+        raise AttributeError(f"module 'dynquant' has no attribute {name!r}")
+    value = getattr(importlib.import_module(_LAZY[name]), name)
+    globals()[name] = value
+    return value
+
+
+def __dir__() -> list[str]:
+    return sorted([*globals(), *_LAZY])
+
+
+register_when_transformers_loads()
 
 __all__ = [
     "Checkpoint",

@@ -1,0 +1,56 @@
+"""``import dynquant`` is light; transformers learns about dynquant whenever it is imported."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+
+import pytest
+
+_LIGHT = """
+import sys
+from dynquant.cli import main
+assert main(["validate", sys.argv[1]]) == 0
+assert main(["inspect", sys.argv[1]]) == 0
+heavy = sorted(m for m in ("torch", "transformers") if m in sys.modules)
+print("heavy:", heavy)
+"""
+
+_REGISTERS = """
+import sys
+order = sys.argv[2]
+if order == "transformers first":
+    import transformers  # noqa: F401
+import dynquant  # noqa: F401
+from transformers import AutoConfig, AutoModelForCausalLM
+assert AutoConfig.for_model("dynquant_hybrid").model_type == "dynquant_hybrid"
+model = AutoModelForCausalLM.from_pretrained(sys.argv[1])
+print(type(model).__name__, type(model.lm_head).__name__)
+"""
+
+
+def _run(script: str, *args: str) -> str:
+    return subprocess.run([sys.executable, "-c", script, *args], capture_output=True, text=True,
+                          check=True, timeout=300).stdout
+
+
+@pytest.fixture(scope="module")
+def checkpoint(tmp_path_factory):
+    from dynquant.models.sources import resolve_model
+    from dynquant.pipeline.quantize import quantize_model
+
+    source = resolve_model("tiny")
+    out = tmp_path_factory.mktemp("ck") / "tiny"
+    widths = {s.module: 3 for s in source.tensor_specs() if s.quantizable}
+    quantize_model(source, widths, out, random_init=True, progress=False)
+    return out
+
+
+def test_validate_and_inspect_import_neither_torch_nor_transformers(checkpoint):
+    assert _run(_LIGHT, str(checkpoint)).splitlines()[-1] == "heavy: []"
+
+
+@pytest.mark.parametrize("order", ["dynquant first", "transformers first"])
+def test_transformers_knows_dynquant_whichever_is_imported_first(checkpoint, order):
+    out = _run(_REGISTERS, str(checkpoint), order)
+    assert out.splitlines()[-1] == "DynquantHybridForCausalLM TiedQuantHead"
