@@ -21,6 +21,8 @@ import sys
 order = sys.argv[2]
 if order == "transformers first":
     import transformers  # noqa: F401
+if order == "a dynquant module imports transformers":  # registering must wait for it to finish
+    from dynquant.models.hybrid.configuration import DynquantHybridConfig  # noqa: F401
 import dynquant  # noqa: F401
 from transformers import AutoConfig, AutoModelForCausalLM
 assert AutoConfig.for_model("dynquant_hybrid").model_type == "dynquant_hybrid"
@@ -30,8 +32,11 @@ print(type(model).__name__, type(model.lm_head).__name__)
 
 
 def _run(script: str, *args: str) -> str:
-    return subprocess.run([sys.executable, "-c", script, *args], capture_output=True, text=True,
-                          check=True, timeout=300).stdout
+    out = subprocess.run([sys.executable, "-W", "error::RuntimeWarning:dynquant.autoregister", "-c",
+                          script, *args], capture_output=True, text=True, timeout=300)
+    assert out.returncode == 0, out.stderr[-2000:]
+    assert "could not register" not in out.stderr
+    return out.stdout
 
 
 @pytest.fixture(scope="module")
@@ -50,7 +55,8 @@ def test_validate_and_inspect_import_neither_torch_nor_transformers(checkpoint):
     assert _run(_LIGHT, str(checkpoint)).splitlines()[-1] == "heavy: []"
 
 
-@pytest.mark.parametrize("order", ["dynquant first", "transformers first"])
+@pytest.mark.parametrize("order", ["dynquant first", "transformers first",
+                                   "a dynquant module imports transformers"])
 def test_transformers_knows_dynquant_whichever_is_imported_first(checkpoint, order):
     out = _run(_REGISTERS, str(checkpoint), order)
     assert out.splitlines()[-1] == "DynquantHybridForCausalLM TiedQuantHead"

@@ -4,18 +4,26 @@ After ``import dynquant``, transformers' Auto classes must know the reference ar
 ``AutoModelForCausalLM.from_pretrained`` must load dynquant checkpoints. Registering needs
 transformers (and torch) imported, 3-5 s that commands such as ``dynquant validate`` (numpy
 only) should not pay. So ``import dynquant`` registers at once if transformers is already
-imported, and otherwise installs a one-shot import hook that registers right after transformers'
-own ``__init__`` has run, before the importing code gets the module back.
+imported, and otherwise installs an import hook:
+
+- transformers imported by the user: the hook registers right after transformers' ``__init__``
+  has run, before the importing code gets the module back;
+- transformers imported by one of dynquant's own modules (its first ``from transformers import``):
+  registering then would import dynquant modules while that one is half-initialised, so the
+  hook waits until the outermost dynquant import in progress has finished.
 """
 
 from __future__ import annotations
 
+import importlib
 import importlib.abc
 import importlib.machinery
-import importlib.util
 import sys
 import warnings
 from types import ModuleType
+
+# Importing these registers nothing by itself; register_now() calls their register functions.
+_state = {"depth": 0, "pending": False, "done": False}
 
 
 def register_now() -> None:
@@ -24,43 +32,65 @@ def register_now() -> None:
 
     register_models()
     register_with_transformers()
+    _state["done"] = True
 
 
-class _RegisteringLoader(importlib.abc.Loader):
-    """transformers' own loader, followed by our registration."""
+def _register_safely() -> None:
+    _state["pending"] = False
+    try:
+        register_now()
+    except Exception as exc:  # the import that triggered this must not fail because of it
+        warnings.warn(f"dynquant: could not register with transformers: {exc}", RuntimeWarning,
+                      stacklevel=3)
 
-    def __init__(self, loader: importlib.abc.Loader) -> None:
-        self.loader = loader
+
+class _WatchingLoader(importlib.abc.Loader):
+    """The real loader of a dynquant module or of transformers, plus the bookkeeping above."""
+
+    def __init__(self, loader: importlib.abc.Loader, is_transformers: bool) -> None:
+        self.loader, self.is_transformers = loader, is_transformers
+
+    def __getattr__(self, name: str) -> object:  # get_source, is_package, resource readers...
+        return getattr(self.loader, name)
 
     def create_module(self, spec: importlib.machinery.ModuleSpec) -> ModuleType | None:
         return self.loader.create_module(spec)
 
     def exec_module(self, module: ModuleType) -> None:
-        self.loader.exec_module(module)
-        try:
-            register_now()
-        except Exception as exc:  # transformers must import even if our registration fails
-            warnings.warn(f"dynquant: could not register with transformers: {exc}",
-                          RuntimeWarning, stacklevel=2)
+        if self.is_transformers:
+            self.loader.exec_module(module)
+            _state["pending"] = not _state["done"]
+        else:
+            _state["depth"] += 1
+            try:
+                self.loader.exec_module(module)
+            finally:
+                _state["depth"] -= 1
+        if _state["pending"] and _state["depth"] == 0:
+            _register_safely()
 
 
-class _TransformersHook(importlib.abc.MetaPathFinder):
+class _ImportHook(importlib.abc.MetaPathFinder):
     def find_spec(self, fullname: str, path: object = None, target: object = None
                   ) -> importlib.machinery.ModuleSpec | None:
-        if fullname != "transformers":
+        if _state["done"] or not (fullname == "transformers" or fullname.startswith("dynquant.")):
             return None
-        sys.meta_path.remove(self)  # one shot; and the real finders must not see us again
-        spec = importlib.util.find_spec(fullname)
-        if spec is not None and spec.loader is not None:
-            spec.loader = _RegisteringLoader(spec.loader)
-        return spec
+        for finder in sys.meta_path:  # the spec the other finders would give
+            if finder is self or not hasattr(finder, "find_spec"):
+                continue
+            spec = finder.find_spec(fullname, path, target)
+            if spec is not None:
+                if spec.loader is not None and hasattr(spec.loader, "exec_module"):
+                    spec.loader = _WatchingLoader(spec.loader, fullname == "transformers")
+                return spec
+        return None
 
 
 def register_when_transformers_loads() -> None:
     if "transformers" in sys.modules:
         register_now()
-    elif not any(isinstance(f, _TransformersHook) for f in sys.meta_path):
-        sys.meta_path.insert(0, _TransformersHook())
+    elif not any(isinstance(f, _ImportHook) for f in sys.meta_path):
+        sys.meta_path.insert(0, _ImportHook())
 
 
 __all__ = ["register_now", "register_when_transformers_loads"]

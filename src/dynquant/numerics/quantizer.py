@@ -87,8 +87,8 @@ def dequantize_rows(
 
     The native kernel answers when it can (float32/bf16 outputs), bit-identical to the torch
     path below."""
-    fast = row_kernels.dequantize_rows(qweight, scales, offsets, bits, group_size, in_features, dtype,
-                                  out=out)
+    fast = row_kernels.dequantize_rows(qweight, scales, offsets, bits, group_size, in_features,
+                                       dtype, out=out)
     if fast is not None:
         return fast
     w = dequantize_rows_torch(qweight, scales, offsets, bits, group_size, in_features, dtype)

@@ -12,6 +12,7 @@
 from __future__ import annotations
 
 import threading
+from collections.abc import Callable
 
 import torch
 import torch.nn.functional as F
@@ -43,6 +44,19 @@ def _scratch(shape: tuple[int, int], dtype: torch.dtype) -> torch.Tensor:
     return buf[:numel].view(shape)
 
 
+def _decode_product(product: Callable[..., torch.Tensor | None], x: torch.Tensor,
+                    qweight: torch.Tensor, scales: torch.Tensor, offsets: torch.Tensor,
+                    layout: LayerLayout) -> torch.Tensor | None:
+    """``product`` (packed_matvec or packed_vecmat) of x's tokens, in x's shape and dtype; None
+    when there are more than MAX_TOKENS tokens (prefill) or the native kernels are unavailable:
+    the caller then dequantizes."""
+    flat = x.reshape(-1, x.shape[-1])
+    if flat.shape[0] > MAX_TOKENS:
+        return None
+    y = product(flat, qweight, scales, offsets, layout)
+    return None if y is None else y.reshape(*x.shape[:-1], -1).to(x.dtype)
+
+
 class PackedWeight(nn.Module):
     """The three stored tensors of a quantized module, as buffers (state-dict keys M.qweight...)."""
 
@@ -72,13 +86,9 @@ class PackedWeight(nn.Module):
                                lay.in_features, dtype, out=out)
 
     def matvec(self, x: torch.Tensor) -> torch.Tensor | None:
-        """``x @ W^T`` in x's dtype from the packed codes, for at most MAX_TOKENS tokens; None
-        when there are more tokens or the native kernel is unavailable."""
-        flat = x.reshape(-1, x.shape[-1])
-        if flat.shape[0] > MAX_TOKENS:
-            return None
-        y = packed_matvec(flat, self.qweight, self.scales, self.offsets, self.layout)
-        return None if y is None else y.reshape(*x.shape[:-1], -1).to(x.dtype)
+        """``x @ W^T`` from the packed codes (see :func:`_decode_product`)."""
+        return _decode_product(packed_matvec, x, self.qweight, self.scales, self.offsets,
+                               self.layout)
 
     def extra_repr(self) -> str:
         lay = self.layout
@@ -208,20 +218,12 @@ class PackedExpert:
         return b.qweight[self.rows], b.scales[self.rows], b.offsets[self.rows]
 
     def linear(self, x: torch.Tensor) -> torch.Tensor | None:
-        """``F.linear(x, self)`` from the packed codes, or None (too many tokens, no kernel)."""
-        flat = x.reshape(-1, x.shape[-1])
-        if flat.shape[0] > MAX_TOKENS:
-            return None
-        y = packed_matvec(flat, *self._packed(), self.bank.layout)
-        return None if y is None else y.reshape(*x.shape[:-1], -1).to(x.dtype)
+        """``F.linear(x, self)`` from the packed codes (see :func:`_decode_product`)."""
+        return _decode_product(packed_matvec, x, *self._packed(), self.bank.layout)
 
     def rmatmul(self, x: torch.Tensor) -> torch.Tensor | None:
-        """``x @ self`` from the packed codes, or None (too many tokens, no kernel)."""
-        flat = x.reshape(-1, x.shape[-1])
-        if flat.shape[0] > MAX_TOKENS:
-            return None
-        y = packed_vecmat(flat, *self._packed(), self.bank.layout)
-        return None if y is None else y.reshape(*x.shape[:-1], -1).to(x.dtype)
+        """``x @ self`` from the packed codes (see :func:`_decode_product`)."""
+        return _decode_product(packed_vecmat, x, *self._packed(), self.bank.layout)
 
     @classmethod
     def __torch_function__(cls, func, types, args=(), kwargs=None):  # the torch protocol
