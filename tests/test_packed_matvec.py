@@ -3,6 +3,10 @@ dequantization bit-identical to the torch path; their SIMD paths == their portab
 
 from __future__ import annotations
 
+import os
+import platform
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -14,25 +18,68 @@ from dynquant.numerics import packed_matvec as packed_matvec_module
 from dynquant.numerics import row_kernels
 from dynquant.numerics.packed_matvec import (
     MAX_TOKENS,
-    has_simd_path,
     packed_matvec,
     packed_matvec_ref,
     packed_vecmat,
     packed_vecmat_ref,
+    simd_path,
 )
 from dynquant.numerics.quantizer import dequantize_rows, dequantize_rows_torch
 from dynquant.runtime.packed_modules import QuantLinear
 from quantizer_backends import backend
 
 
-def _cpu_has_vbmi() -> bool:
+def _cpu_flags() -> set[str]:
     text = Path("/proc/cpuinfo").read_text() if Path("/proc/cpuinfo").exists() else ""
-    flags = next((ln.split() for ln in text.splitlines() if ln.startswith("flags")), [])
-    return {"avx512f", "avx512bw", "avx512vbmi"} <= set(flags)
+    return set(next((ln.split() for ln in text.splitlines() if ln.startswith("flags")), []))
 
 
 def test_the_simd_path_is_built_where_the_cpu_has_it():
-    assert has_simd_path() == _cpu_has_vbmi()
+    flags = _cpu_flags()
+    expect = ("avx512vbmi" if {"avx512f", "avx512bw", "avx512vbmi"} <= flags else
+              "avx2" if "avx2" in flags else "portable")
+    assert simd_path() == expect
+
+
+_KERNEL_OUTPUTS = """
+import hashlib, torch
+from dynquant import quantize_tensor
+from dynquant.numerics import row_kernels
+from dynquant.numerics.packed_matvec import packed_matvec, packed_vecmat, simd_path
+h = hashlib.sha256()
+g = torch.Generator().manual_seed(0)
+for bits in (2, 3, 4, 5, 6, 8):
+    for gs in (32, 128):
+        w = (torch.randn(40, 300, generator=g) * 8).round() / 8
+        qt = quantize_tensor(w, bits, gs)
+        parts = [qt.qweight, qt.scales.view(torch.int16), qt.offsets.view(torch.int16)]
+        for m in (1, 3):
+            parts.append(packed_matvec(torch.randn(m, 300, generator=g), qt.qweight, qt.scales,
+                                       qt.offsets, qt.layout))
+            parts.append(packed_vecmat(torch.randn(m, 40, generator=g), qt.qweight, qt.scales,
+                                       qt.offsets, qt.layout))
+        parts.append(row_kernels.dequantize_rows(qt.qweight, qt.scales, qt.offsets, bits, gs, 300,
+                                                 torch.bfloat16).view(torch.int16))
+        for t in parts:
+            h.update(t.contiguous().numpy().tobytes())
+print(simd_path(), h.hexdigest())
+"""
+
+
+@pytest.mark.skipif(platform.machine() != "x86_64", reason="x86-64 targets (-march=x86-64-v3)")
+def test_every_unpack_path_gives_the_same_bits(tmp_path):
+    """The AVX2 and portable builds (not this machine's own) against the default build."""
+    outputs = {}
+    for arch in ("", "x86-64-v3", "x86-64"):
+        env = {**os.environ, "DYNQUANT_CACHE_DIR": str(tmp_path / (arch or "default")),
+               "DYNQUANT_NATIVE_ARCH": arch}
+        env.pop("DYNQUANT_NATIVE", None)
+        out = subprocess.run([sys.executable, "-c", _KERNEL_OUTPUTS], env=env, check=True,
+                             capture_output=True, text=True, timeout=300)
+        path, digest = out.stdout.split()
+        outputs[path] = digest
+    assert {"avx2", "portable"} <= set(outputs)
+    assert len(set(outputs.values())) == 1, outputs
 
 
 @pytest.mark.parametrize("bits", [2, 3, 4, 5, 6, 8])

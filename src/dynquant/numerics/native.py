@@ -48,6 +48,13 @@ ARCH_FLAGS: tuple[tuple[str, ...], ...] = (
     ("-march=native",),
     (),
 )
+
+
+def _arch_flags() -> tuple[tuple[str, ...], ...]:
+    """``$DYNQUANT_NATIVE_ARCH`` (e.g. ``x86-64-v3``) builds for that target instead of this
+    machine: a cache shared by different CPUs, or testing the AVX2 and portable paths here."""
+    arch = os.environ.get("DYNQUANT_NATIVE_ARCH")
+    return ((f"-march={arch}",),) if arch else ARCH_FLAGS
 # The kernels read these dtypes directly (the code passed to them); others are converted first.
 INPUT_DTYPES = {torch.float32: 0, torch.bfloat16: 1}
 MAX_GROUP_SIZE = 1024  # the kernels' per-group scratch
@@ -84,7 +91,7 @@ def _build(cc: str, directory: Path) -> tuple[Path | None, str]:
     directory.mkdir(parents=True, exist_ok=True)
     target = directory / LIBRARY_NAME
     why = ""
-    for arch in ARCH_FLAGS:
+    for arch in _arch_flags():
         fd, tmp = tempfile.mkstemp(suffix=".so", dir=directory)
         os.close(fd)
         cmd = [cc, *BASE_FLAGS, *arch, "-o", tmp, *map(str, SOURCES), "-lm"]
@@ -106,7 +113,7 @@ def _library_path() -> tuple[Path | None, str]:
     version = _compiler_version(cc)
     if not version:
         return None, f"no working C compiler ({cc!r})"
-    parts = [*(f.read_text() for f in SOURCES + HEADERS), " ".join(BASE_FLAGS), repr(ARCH_FLAGS),
+    parts = [*(f.read_text() for f in SOURCES + HEADERS), " ".join(BASE_FLAGS), repr(_arch_flags()),
              version, platform.machine(), _cpu_fingerprint()]
     key = hashlib.sha256("\n".join(parts).encode()).hexdigest()[:16]
     for root in (_cache_dir(), Path(tempfile.gettempdir()) / "dynquant-cache"):

@@ -105,11 +105,20 @@ def packed_vecmat(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor,
     return y[:, : layout.in_features]
 
 
-def has_simd_path() -> bool:
-    """Whether the kernel was built with its AVX-512 VBMI path (else it runs the portable one)."""
+SIMD_PATHS = {2: "avx512vbmi", 1: "avx2", 0: "portable"}
+
+
+def simd_path() -> str | None:
+    """How the kernels unpack codes: ``avx512vbmi``, ``avx2`` or ``portable`` (None: no kernels)."""
     lib = native.library()
-    return lib is not None and bool(lib.dq_matvec_has_simd())
+    return None if lib is None else SIMD_PATHS[lib.dq_matvec_has_simd()]
 
 
-__all__ = ["MAX_TOKENS", "has_simd_path", "packed_matvec", "packed_matvec_ref", "packed_vecmat",
-           "packed_vecmat_ref"]
+__all__ = [
+    "MAX_TOKENS",
+    "packed_matvec",
+    "packed_matvec_ref",
+    "packed_vecmat",
+    "packed_vecmat_ref",
+    "simd_path",
+]

@@ -1,5 +1,5 @@
 /* Shared by the kernels that read packed codes: bf16 values, the fixed summation tree, and the
- * unpacking of a group's codes (portable, and with AVX-512 VBMI where the CPU has it).
+ * unpacking of a group's codes (portable; with AVX-512 VBMI where the CPU has it, else AVX2).
  * Codes: code j of a group occupies stream bits [j*bits, (j+1)*bits), LSB first in little-endian
  * 32-bit words (format/packing.py); 8 codes fill exactly `bits` bytes. */
 #ifndef DQ_UNPACK_H
@@ -10,6 +10,9 @@
 #if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512VBMI__)
 #include <immintrin.h>
 #define DQ_HAVE_VBMI 1
+#elif defined(__AVX2__)
+#include <immintrin.h>
+#define DQ_HAVE_AVX2 1
 #endif
 
 #define LANES 16
@@ -29,12 +32,18 @@ static inline float lane_sum(const float *acc) {
     return (s4[0] + s4[2]) + (s4[1] + s4[3]);
 }
 
-/* 8 codes fill `bits` bytes: unpack unit by unit with constant shifts. */
+/* 8 codes fill `bits` bytes: unpack unit by unit with constant shifts. A unit is read with one
+ * 8-byte load where that stays inside the group (bytes past the unit are masked off), else byte
+ * by byte (a narrower copy into a wider variable would stall on store-to-load forwarding). */
 static inline void unpack_units(const uint8_t *bytes, int64_t gs, int bits, float *q) {
     const uint64_t mask = (1u << bits) - 1;
+    const int64_t group_bytes = gs * bits / 8;
     for (int64_t k = 0; k < gs / 8; k++) {
         uint64_t u = 0;
-        memcpy(&u, bytes + k * bits, (size_t)bits);
+        if (k * bits + 8 <= group_bytes)
+            memcpy(&u, bytes + k * bits, sizeof u);
+        else
+            for (int b = 0; b < bits; b++) u |= (uint64_t)bytes[k * bits + b] << (8 * b);
         for (int i = 0; i < 8; i++) q[8 * k + i] = (float)((u >> (i * bits)) & mask);
     }
 }
@@ -110,7 +119,63 @@ static inline void unpack_group_vbmi(const uint8_t *bytes, int64_t gs, int bits,
 }
 #endif /* DQ_HAVE_VBMI */
 
-/* Unpacks groups of one width: with VBMI unless `portable` (or the CPU lacks it). */
+#ifdef DQ_HAVE_AVX2
+/* One 8-code unit -> 8 floats: code i's two bytes into dword i (pshufb), shifted to its first bit
+ * (vpsrlvd) and masked. `u` holds the unit's bytes from its first (bytes past them are masked). */
+static inline __m256 unit_as_floats_avx2(uint64_t u, __m256i shuffle, __m256i shifts,
+                                         __m256i mask) {
+    const __m256i v = _mm256_set1_epi64x((long long)u);
+    const __m256i w = _mm256_srlv_epi32(_mm256_shuffle_epi8(v, shuffle), shifts);
+    return _mm256_cvtepi32_ps(_mm256_and_si256(w, mask));
+}
+
+static inline void unpack_units_avx2(const uint8_t *bytes, int64_t gs, int bits, float *q) {
+    int8_t shuffle[32];
+    int32_t shifts[8];
+    for (int i = 0; i < 8; i++) { /* dword i <- bytes b, b + 1 of the unit (pshufb indexes within
+                                      each 128-bit lane; every lane holds the unit's 8 bytes) */
+        const int b = i * bits / 8;
+        shifts[i] = i * bits % 8;
+        shuffle[4 * i] = (int8_t)b;
+        shuffle[4 * i + 1] = (int8_t)(b + 1);
+        shuffle[4 * i + 2] = shuffle[4 * i + 3] = (int8_t)0x80;
+    }
+    const __m256i shuf = _mm256_loadu_si256((const __m256i *)shuffle);
+    const __m256i sh = _mm256_loadu_si256((const __m256i *)shifts);
+    const __m256i mask = _mm256_set1_epi32((1 << bits) - 1);
+    const int64_t units = gs / 8, group_bytes = gs * bits / 8;
+    int64_t k = 0;
+    for (; k * bits + 8 <= group_bytes; k++) { /* a whole 8-byte load stays inside the group */
+        uint64_t u;
+        memcpy(&u, bytes + k * bits, sizeof u);
+        _mm256_storeu_ps(q + 8 * k, unit_as_floats_avx2(u, shuf, sh, mask));
+    }
+    for (; k < units; k++) { /* the last units: their own bytes only, never past the group */
+        uint64_t u = 0;
+        for (int b = 0; b < bits; b++) u |= (uint64_t)bytes[k * bits + b] << (8 * b);
+        _mm256_storeu_ps(q + 8 * k, unit_as_floats_avx2(u, shuf, sh, mask));
+    }
+}
+
+static void unpack_group_avx2(const uint8_t *bytes, int64_t gs, int bits, float *q) {
+    switch (bits) { /* constant widths: the byte copy becomes one load */
+    case 2: unpack_units_avx2(bytes, gs, 2, q); break;
+    case 3: unpack_units_avx2(bytes, gs, 3, q); break;
+    case 4: unpack_units_avx2(bytes, gs, 4, q); break;
+    case 5: unpack_units_avx2(bytes, gs, 5, q); break;
+    case 6: unpack_units_avx2(bytes, gs, 6, q); break;
+    case 8:
+        for (int64_t j = 0; j < gs; j += 8) {
+            const __m128i b8 = _mm_loadl_epi64((const __m128i *)(bytes + j));
+            _mm256_storeu_ps(q + j, _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(b8)));
+        }
+        break;
+    default: unpack_group(bytes, gs, bits, q);
+    }
+}
+#endif
+
+/* Unpacks groups of one width: with VBMI (else AVX2) unless `portable` or the CPU lacks both. */
 typedef struct {
     int bits, portable;
 #ifdef DQ_HAVE_VBMI
@@ -135,12 +200,20 @@ static inline void unpack_codes_as_floats(const group_unpacker *g, const uint8_t
         unpack_group_vbmi(bytes, gs, g->bits, &g->simd, q);
         return;
     }
+#elif defined(DQ_HAVE_AVX2)
+    if (!g->portable) {
+        unpack_group_avx2(bytes, gs, g->bits, q);
+        return;
+    }
 #endif
     unpack_group(bytes, gs, g->bits, q);
 }
 
+/* 2: AVX-512 VBMI unpacking, 1: AVX2, 0: portable only. */
 static inline int dq_has_simd(void) {
 #ifdef DQ_HAVE_VBMI
+    return 2;
+#elif defined(DQ_HAVE_AVX2)
     return 1;
 #else
     return 0;
