@@ -159,3 +159,20 @@ def test_prefill_blocks_reuse_one_scratch_buffer(monkeypatch):
     buf = pm._scratch_buffers.buf
     torch.testing.assert_close(lin(x), expect, rtol=1e-5, atol=1e-4)  # same buffer, same answer
     assert pm._scratch_buffers.buf is buf and buf.numel() == 64 * 200
+
+
+def test_gradients_flow_through_packed_modules_to_their_inputs():
+    # the native kernels have no backward: an input that needs a gradient takes the torch path
+    w = torch.randn(96, 200, generator=torch.Generator().manual_seed(6))
+    lin, qt = _packed(QuantLinear, w, 3, compute_dtype=torch.float32)
+    dense = qt.dequantize(torch.float32)
+    for tokens in (1, MAX_TOKENS + 4):  # decode and prefill sizes
+        x = torch.randn(tokens, 200, requires_grad=True)
+        (lin(x) * torch.arange(96.0)).sum().backward()
+        torch.testing.assert_close(x.grad, (torch.arange(96.0) @ dense).expand(tokens, 200),
+                                   rtol=1e-5, atol=1e-4)
+    bank, qb = _packed(QuantExpertBank, torch.randn(2, 64, 128), 4, compute_dtype=torch.float32)
+    x = torch.randn(1, 64, requires_grad=True)
+    (x @ bank[1]).sum().backward()
+    torch.testing.assert_close(x.grad[0], qb.dequantize(torch.float32)[1].sum(1),
+                               rtol=1e-5, atol=1e-4)

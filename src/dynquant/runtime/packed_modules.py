@@ -34,9 +34,10 @@ _scratch_buffers = threading.local()
 
 
 def _scratch(shape: tuple[int, int], dtype: torch.dtype) -> torch.Tensor:
-    """A [rows, cols] view of this thread's scratch buffer, grown as needed. Prefill dequantizes
-    block after block; a fresh multi-MB tensor per block costs more in page faults than the
-    dequantization itself (8 ms vs 2 ms for 4096 x 4096)."""
+    """A [rows, cols] view of this thread's scratch buffer, grown as needed and kept for the
+    thread's life (one block: 8-32 MB). Prefill dequantizes block after block; a fresh multi-MB
+    tensor per block costs more in page faults than the dequantization itself (8 ms vs 2 ms for
+    4096 x 4096). Never used when autograd may keep the block for a backward pass."""
     numel = shape[0] * shape[1]
     buf = getattr(_scratch_buffers, "buf", None)
     if buf is None or buf.dtype != dtype or buf.numel() < numel:
@@ -44,14 +45,18 @@ def _scratch(shape: tuple[int, int], dtype: torch.dtype) -> torch.Tensor:
     return buf[:numel].view(shape)
 
 
+def _needs_grad(x: torch.Tensor) -> bool:
+    return torch.is_grad_enabled() and x.requires_grad
+
+
 def _decode_product(product: Callable[..., torch.Tensor | None], x: torch.Tensor,
                     qweight: torch.Tensor, scales: torch.Tensor, offsets: torch.Tensor,
                     layout: LayerLayout) -> torch.Tensor | None:
     """``product`` (packed_matvec or packed_vecmat) of x's tokens, in x's shape and dtype; None
-    when there are more than MAX_TOKENS tokens (prefill) or the native kernels are unavailable:
-    the caller then dequantizes."""
+    when there are more than MAX_TOKENS tokens (prefill), when x needs a gradient (the kernels
+    have no backward) or when the native kernels are unavailable: the caller then dequantizes."""
     flat = x.reshape(-1, x.shape[-1])
-    if flat.shape[0] > MAX_TOKENS:
+    if flat.shape[0] > MAX_TOKENS or _needs_grad(x):
         return None
     y = product(flat, qweight, scales, offsets, layout)
     return None if y is None else y.reshape(*x.shape[:-1], -1).to(x.dtype)
@@ -138,8 +143,9 @@ class QuantLinear(PackedWeight):
         # More tokens (prefill): dequantize a block of rows at a time into the reused scratch
         # buffer (it stays in cache while it is used) and let the BLAS multiply it.
         step = max(1, DEQUANT_BLOCK_ELEMENTS // self.in_features)
+        scratch = not _needs_grad(x)
         parts = [F.linear(x, self.dequantize_rows(r, min(r + step, self.out_features), x.dtype,
-                                                  scratch=True))
+                                                  scratch=scratch))
                  for r in range(0, self.out_features, step)]
         y = torch.cat(parts, dim=-1)
         return y if self.bias is None else y + self.bias.to(y.dtype)
@@ -173,7 +179,7 @@ class TiedQuantHead(nn.Module):
         if y is not None:
             return y
         parts = [h @ emb.dequantize_rows(s, min(s + HEAD_CHUNK_ROWS, emb.num_embeddings),
-                                         h.dtype, scratch=True).T
+                                         h.dtype, scratch=not _needs_grad(h)).T
                  for s in range(0, emb.num_embeddings, HEAD_CHUNK_ROWS)]
         return torch.cat(parts, dim=-1)
 
