@@ -120,7 +120,7 @@ class QuantLinear(PackedWeight):
             self.scales = self.offsets = torch.empty(0, dtype=torch.bfloat16)
 
     def dequantize(self, dtype: torch.dtype | None = None) -> torch.Tensor:
-        if self._int4 is not None:  # rebuild from the kernel's layout (for inspection only)
+        if self._int4 is not None:  # rebuild from the kernel's layout (inspection, gradients)
             eye = torch.eye(self.in_features, dtype=torch.bfloat16)
             w = int4_linear(eye, *self._int4, self.layout.group_size).T
             return w.to(dtype or self.compute_dtype)
@@ -135,7 +135,8 @@ class QuantLinear(PackedWeight):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self._int4 is not None:
-            y = int4_linear(x, *self._int4, self.layout.group_size)
+            y = (F.linear(x, self.dequantize(x.dtype)) if _needs_grad(x)  # int4 has no backward
+                 else int4_linear(x, *self._int4, self.layout.group_size))
             return y if self.bias is None else y + self.bias.to(y.dtype)
         y = self.matvec(x)
         if y is not None:
