@@ -7,9 +7,10 @@ codes are computed, ``q = clamp(round((w - offset) / scale), 0, 2^bits - 1)`` an
 alpha = 1.00, 0.98, ..., 0.80 and keeps, per group, the alpha with the least (optionally
 importance-weighted) squared error measured with the stored bf16 scale/offset.
 
-Two implementations compute exactly this: the native kernel (``native.py``, C, used when a C
-compiler is available) and the torch path below, which is the fallback and the readable statement
-of the arithmetic. Both are held to the numpy reference (``reference.py``) and to each other.
+Two implementations compute exactly this: the native kernel (``native/quantize_rows.c`` through
+``row_kernels.py``, used when a C compiler is available) and the torch path below, which is the
+fallback and the readable statement of the arithmetic. Both are held to the numpy reference
+(``reference.py``) and to each other.
 """
 
 from __future__ import annotations
@@ -173,7 +174,7 @@ def _search_errors(w: torch.Tensor, mn: torch.Tensor, mx: torch.Tensor, weight: 
     once; the loop over alphas only makes the passes over the values, in two scratch buffers
     small enough to stay in cache. ``argmin`` keeps the first (largest) alpha among equal errors.
     """
-    a = torch.tensor(alphas, dtype=torch.float32).view(-1, 1, 1)
+    a = _alpha_tensor(alphas).view(-1, 1, 1)
     scale, offset, divisor = _scale_offset(mn * a, mx * a, max_code)  # [A, r, g]
     errs = torch.empty_like(scale)
     x, q = torch.empty_like(w), torch.empty_like(w)

@@ -5,13 +5,6 @@
  */
 #include "unpack.h"
 
-static inline uint16_t bf16_round(float x) {
-    uint32_t u;
-    memcpy(&u, &x, sizeof u);
-    if ((u & 0x7FFFFFFFu) > 0x7F800000u) return (uint16_t)((u >> 16) | 0x40u); /* NaN stays NaN */
-    return (uint16_t)((u + 0x7FFFu + ((u >> 16) & 1u)) >> 16);
-}
-
 #ifdef DQ_HAVE_VBMI
 /* bf16_round of 16 floats at once, with the same integer arithmetic (so the same bits). */
 static inline __m256i bf16_round16(__m512 v) {

@@ -4,9 +4,9 @@
  * W is [rows, padded_n] in groups of gs along each row, w = q * scale + offset with bf16
  * scale/offset:
  *   y[t, r] = sum_g scale[r, g] * (q[r, g, :] . x[t, g, :]) + offset[r, g] * sum(x[t, g, :])
- * in float32. A group is unpacked once (unpack.h: AVX-512 VBMI where the CPU has it, else the
- * portable path) and its dot products with every token summed in 16 lane-wise partial sums
- * combined as a fixed tree: both unpack paths give bit-identical results.
+ * in float32. A group is unpacked once (unpack.h: AVX-512 VBMI, AVX2 or portable) and its dot
+ * products with every token summed in 16 lane-wise partial sums combined as a fixed tree: every
+ * unpack path gives bit-identical results.
  */
 #include "unpack.h"
 

@@ -2,9 +2,9 @@
  * groups along its rows, i.e. along the *output* dimension (the expert banks of the reference
  * hybrid architecture, used as x @ W[e]), for a few tokens at a time, without materialising W:
  *   y[t, j] = sum_h (x[t, h] * scale[h, g(j)]) * q[h, j]  +  sum_h x[t, h] * offset[h, g(j)]
- * in float32, rows h in order; the offsets' part is one number per group, added at the end. The
- * AVX-512 VBMI path (where the CPU has it) keeps the unpacked codes in registers; the portable
- * path unpacks to memory. Both do the same float operations in the same order: bit-identical.
+ * in float32, rows h in order; the offsets' part is one number per group, added at the end. Codes
+ * are unpacked by unpack.h (VBMI, AVX2 or portable); for one token on VBMI they stay in
+ * registers. Every path does the same float operations in the same order: bit-identical.
  */
 #include "unpack.h"
 
@@ -30,21 +30,6 @@ static void codes_part(const uint32_t *qweight, const uint16_t *scales, int64_t 
                     _mm512_storeu_ps(yj + 16, _mm512_add_ps(_mm512_loadu_ps(yj + 16), _mm512_mul_ps(xs, DQ_PART(c, 1))));
                     _mm512_storeu_ps(yj + 32, _mm512_add_ps(_mm512_loadu_ps(yj + 32), _mm512_mul_ps(xs, DQ_PART(c, 2))));
                     _mm512_storeu_ps(yj + 48, _mm512_add_ps(_mm512_loadu_ps(yj + 48), _mm512_mul_ps(xs, DQ_PART(c, 3))));
-                }
-                continue;
-            }
-            if (!portable) {
-                for (int64_t j = 0; j < gs; j += 64) {
-                    const int count = gs - j >= 64 ? 64 : 32;
-                    const __m512i c = unpack_codes64(bytes + j * bits / 8, bits, count, &unpack.simd);
-                    for (int part = 0; part < count / 16; part++) {
-                        const __m512 qf = codes_as_floats(c, part);
-                        for (int64_t t = 0; t < m; t++) {
-                            float *yt = y + t * y_stride + g * gs + j + 16 * part;
-                            const __m512 xs = _mm512_set1_ps(x[t * rows + h] * s);
-                            _mm512_storeu_ps(yt, _mm512_add_ps(_mm512_loadu_ps(yt), _mm512_mul_ps(xs, qf)));
-                        }
-                    }
                 }
                 continue;
             }

@@ -17,18 +17,12 @@
  */
 #include <math.h>
 
-#include "unpack.h" /* LANES, MAX_GROUP and lane_sum: the format's summation order */
+#include "unpack.h" /* LANES, MAX_GROUP, bf16 conversions, lane_sum: the format's summation order */
 
 /* (v + 1.5 * 2^23) - 1.5 * 2^23 rounds v to the nearest integer, ties to even, for |v| < 2^22. */
 #define ROUND_MAGIC 12582912.0f
 
-static inline float round_bf16(float x) {
-    uint32_t u;
-    memcpy(&u, &x, sizeof u);
-    u = (u + 0x7FFFu + ((u >> 16) & 1u)) & 0xFFFF0000u;
-    memcpy(&x, &u, sizeof x);
-    return x;
-}
+static inline float round_bf16(float x) { return bf16_value(bf16_round(x)); }
 
 static inline float clamp_round(float x, float max_code) {
     /* round(clamp(x, 0, M)) == clamp(round(x), 0, M) for integer bounds; clamping first keeps
@@ -130,19 +124,10 @@ static int min_max(const float *g, int64_t len, float *mn_out, float *mx_out) {
     return check == 0.0f;
 }
 
-static inline uint16_t bf16_bits(float x) {
-    uint32_t u;
-    memcpy(&u, &x, sizeof u);
-    return (uint16_t)(u >> 16); /* x is already a bf16 value */
-}
-
 static void load_group(const void *rows, int is_bf16, int64_t at, int64_t len, float *g) {
     if (is_bf16) {
         const uint16_t *src = (const uint16_t *)rows + at;
-        for (int64_t j = 0; j < len; j++) {
-            uint32_t u = (uint32_t)src[j] << 16;
-            memcpy(g + j, &u, sizeof u);
-        }
+        for (int64_t j = 0; j < len; j++) g[j] = bf16_value(src[j]);
     } else {
         memcpy(g, (const float *)rows + at, (size_t)len * sizeof(float));
     }
@@ -189,8 +174,8 @@ int dq_quantize_rows(const void *w, int is_bf16, int64_t rows, int64_t n, int64_
             }
             for (int64_t j = len; j < gs; j++) codes[j] = 0;
             pack_group(codes, gs, bits, qweight + at * words);
-            scales[at] = bf16_bits(best_scale);
-            offsets[at] = bf16_bits(best_offset);
+            scales[at] = bf16_round(best_scale); /* exact: already bf16 values */
+            offsets[at] = bf16_round(best_offset);
             chosen[at] = (uint8_t)best;
             chosen_err[at] = best_err;
         }

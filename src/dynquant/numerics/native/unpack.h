@@ -1,5 +1,6 @@
-/* Shared by the kernels that read packed codes: bf16 values, the fixed summation tree, and the
- * unpacking of a group's codes (portable; with AVX-512 VBMI where the CPU has it, else AVX2).
+/* Shared by the kernels: bf16 conversions, the fixed summation tree (the format's order for the
+ * clip search's errors), and the unpacking of a group's codes (portable; with AVX-512 VBMI where
+ * the CPU has it, else AVX2).
  * Codes: code j of a group occupies stream bits [j*bits, (j+1)*bits), LSB first in little-endian
  * 32-bit words (format/packing.py); 8 codes fill exactly `bits` bytes. */
 #ifndef DQ_UNPACK_H
@@ -25,6 +26,14 @@ static inline float bf16_value(uint16_t h) {
     return f;
 }
 
+/* float -> bfloat16 bits, nearest, ties to even (as torch converts); NaN stays a (quiet) NaN. */
+static inline uint16_t bf16_round(float x) {
+    uint32_t u;
+    memcpy(&u, &x, sizeof u);
+    if ((u & 0x7FFFFFFFu) > 0x7F800000u) return (uint16_t)((u >> 16) | 0x40u);
+    return (uint16_t)((u + 0x7FFFu + ((u >> 16) & 1u)) >> 16);
+}
+
 static inline float lane_sum(const float *acc) {
     float s8[8], s4[4];
     for (int l = 0; l < 8; l++) s8[l] = acc[l] + acc[l + 8];
@@ -32,18 +41,23 @@ static inline float lane_sum(const float *acc) {
     return (s4[0] + s4[2]) + (s4[1] + s4[3]);
 }
 
-/* 8 codes fill `bits` bytes: unpack unit by unit with constant shifts. A unit is read with one
- * 8-byte load where that stays inside the group (bytes past the unit are masked off), else byte
- * by byte (a narrower copy into a wider variable would stall on store-to-load forwarding). */
+/* 8 codes fill `bits` bytes. Unit k of a group, from its first byte: one 8-byte load where that
+ * stays inside the group (the bytes past the unit are masked off by the callers), else byte by
+ * byte (a narrower copy into a wider variable would stall on store-to-load forwarding). */
+static inline uint64_t load_unit(const uint8_t *bytes, int64_t k, int bits, int64_t group_bytes) {
+    uint64_t u = 0;
+    if (k * bits + 8 <= group_bytes)
+        memcpy(&u, bytes + k * bits, sizeof u);
+    else
+        for (int b = 0; b < bits; b++) u |= (uint64_t)bytes[k * bits + b] << (8 * b);
+    return u;
+}
+
+/* Unpack unit by unit with constant shifts. */
 static inline void unpack_units(const uint8_t *bytes, int64_t gs, int bits, float *q) {
     const uint64_t mask = (1u << bits) - 1;
-    const int64_t group_bytes = gs * bits / 8;
     for (int64_t k = 0; k < gs / 8; k++) {
-        uint64_t u = 0;
-        if (k * bits + 8 <= group_bytes)
-            memcpy(&u, bytes + k * bits, sizeof u);
-        else
-            for (int b = 0; b < bits; b++) u |= (uint64_t)bytes[k * bits + b] << (8 * b);
+        const uint64_t u = load_unit(bytes, k, bits, gs * bits / 8);
         for (int i = 0; i < 8; i++) q[8 * k + i] = (float)((u >> (i * bits)) & mask);
     }
 }
@@ -84,15 +98,17 @@ static inline __m512i unpack_codes64(const uint8_t *p, int bits, int count, cons
     return _mm512_and_si512(_mm512_multishift_epi64_epi8(u->shifts, units), u->mask);
 }
 
+/* The 16 codes of part p (0..3) of an unpacked zmm as floats; p a constant after inlining. */
+#define DQ_PART(c, p) _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(_mm512_extracti32x4_epi32((c), (p))))
+
+/* The same for a part known only at run time (the instruction takes an immediate). */
 static inline __m512 codes_as_floats(__m512i c, int part) {
-    __m128i c16;
     switch (part) {
-    case 0: c16 = _mm512_extracti32x4_epi32(c, 0); break;
-    case 1: c16 = _mm512_extracti32x4_epi32(c, 1); break;
-    case 2: c16 = _mm512_extracti32x4_epi32(c, 2); break;
-    default: c16 = _mm512_extracti32x4_epi32(c, 3);
+    case 0: return DQ_PART(c, 0);
+    case 1: return DQ_PART(c, 1);
+    case 2: return DQ_PART(c, 2);
+    default: return DQ_PART(c, 3);
     }
-    return _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(c16));
 }
 
 /* lane_sum of a zmm, in registers: the same tree, so the same float. */
@@ -103,9 +119,6 @@ static inline float lane_sum_zmm(__m512 acc) {
     const __m128 t = _mm_add_ps(s4, _mm_movehl_ps(s4, s4));       /* s4[0]+s4[2], s4[1]+s4[3] */
     return _mm_cvtss_f32(_mm_add_ss(t, _mm_shuffle_ps(t, t, 1)));
 }
-
-/* The 16 codes of part p (0..3) of an unpacked zmm as floats; p a constant after inlining. */
-#define DQ_PART(c, p) _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(_mm512_extracti32x4_epi32((c), (p))))
 
 /* A group's codes as floats, 64 (or, for gs = 32, 32) at a time. */
 static inline void unpack_group_vbmi(const uint8_t *bytes, int64_t gs, int bits,
@@ -143,18 +156,9 @@ static inline void unpack_units_avx2(const uint8_t *bytes, int64_t gs, int bits,
     const __m256i shuf = _mm256_loadu_si256((const __m256i *)shuffle);
     const __m256i sh = _mm256_loadu_si256((const __m256i *)shifts);
     const __m256i mask = _mm256_set1_epi32((1 << bits) - 1);
-    const int64_t units = gs / 8, group_bytes = gs * bits / 8;
-    int64_t k = 0;
-    for (; k * bits + 8 <= group_bytes; k++) { /* a whole 8-byte load stays inside the group */
-        uint64_t u;
-        memcpy(&u, bytes + k * bits, sizeof u);
-        _mm256_storeu_ps(q + 8 * k, unit_as_floats_avx2(u, shuf, sh, mask));
-    }
-    for (; k < units; k++) { /* the last units: their own bytes only, never past the group */
-        uint64_t u = 0;
-        for (int b = 0; b < bits; b++) u |= (uint64_t)bytes[k * bits + b] << (8 * b);
-        _mm256_storeu_ps(q + 8 * k, unit_as_floats_avx2(u, shuf, sh, mask));
-    }
+    for (int64_t k = 0; k < gs / 8; k++)
+        _mm256_storeu_ps(q + 8 * k, unit_as_floats_avx2(load_unit(bytes, k, bits, gs * bits / 8),
+                                                        shuf, sh, mask));
 }
 
 static void unpack_group_avx2(const uint8_t *bytes, int64_t gs, int bits, float *q) {
