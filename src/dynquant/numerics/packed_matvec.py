@@ -56,7 +56,7 @@ def packed_matvec(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor,
         return lib.dq_matvec(native.row_ptr(qweight, lo), native.row_ptr(scales, lo),
                              native.row_ptr(offsets, lo), hi - lo,
                              layout.padded_in_features, layout.group_size, layout.bits,
-                             xf.data_ptr(), xf.shape[0], native.row_ptr(y, 0) + 4 * lo, rows,
+                             xf.data_ptr(), xf.shape[0], y.data_ptr() + lo * y.element_size(), rows,
                              int(portable))
 
     if any(native.split_rows(run, rows, rows * layout.padded_in_features, PARALLEL_MIN_ELEMENTS)):
