@@ -18,6 +18,7 @@ from dynquant.numerics import packed_matvec as packed_matvec_module
 from dynquant.numerics import row_kernels
 from dynquant.numerics.packed_matvec import (
     MAX_TOKENS,
+    packed_gemm,
     packed_matvec,
     packed_matvec_ref,
     packed_vecmat,
@@ -45,8 +46,10 @@ _KERNEL_OUTPUTS = """
 import hashlib, torch
 from dynquant import quantize_tensor
 from dynquant.numerics import row_kernels
-from dynquant.numerics.packed_matvec import packed_matvec, packed_vecmat, simd_path
+from dynquant.numerics.packed_matvec import packed_gemm, packed_matvec, packed_matvec_ref
+from dynquant.numerics.packed_matvec import packed_vecmat, simd_path
 h = hashlib.sha256()
+gemm_error = 0.0
 g = torch.Generator().manual_seed(0)
 for bits in (2, 3, 4, 5, 6, 8):
     for gs in (32, 128):
@@ -62,7 +65,11 @@ for bits in (2, 3, 4, 5, 6, 8):
                                                  torch.bfloat16).view(torch.int16))
         for t in parts:
             h.update(t.contiguous().numpy().tobytes())
-print(simd_path(), h.hexdigest())
+        x = torch.randn(21, 300, generator=g)  # the GEMM's tile differs by build: a tolerance
+        ref = packed_matvec_ref(x, qt.qweight, qt.scales, qt.offsets, qt.layout)
+        y = packed_gemm(x, qt.qweight, qt.scales, qt.offsets, qt.layout)
+        gemm_error = max(gemm_error, ((y - ref).abs().max() / ref.abs().max()).item())
+print(simd_path(), h.hexdigest(), gemm_error)
 """
 
 
@@ -76,8 +83,9 @@ def test_every_unpack_path_gives_the_same_bits(tmp_path):
         env.pop("DYNQUANT_NATIVE", None)
         out = subprocess.run([sys.executable, "-c", _KERNEL_OUTPUTS], env=env, check=True,
                              capture_output=True, text=True, timeout=300)
-        path, digest = out.stdout.split()
+        path, digest, gemm_error = out.stdout.split()
         outputs[path] = digest
+        assert float(gemm_error) < 1e-6, (path, gemm_error)
     assert {"avx2", "portable"} <= set(outputs)
     assert len(set(outputs.values())) == 1, outputs
 
@@ -121,13 +129,20 @@ def _linear(bits: int, out: int = 96, inp: int = 200) -> tuple[QuantLinear, torc
 
 @pytest.mark.parametrize("bits", [2, 3, 8])
 def test_quant_linear_uses_the_packed_product_for_decode_and_blocks_for_prefill(bits):
+    from dynquant.runtime.packed_modules import BF16_GEMM_MAX_TOKENS
+
     lin, w = _linear(bits)
     decode = torch.randn(1, 1, 200)
     prefill = torch.randn(1, MAX_TOKENS + 1, 200)
     for x in (decode, prefill):
         expect = x @ w.T + lin.bias
         torch.testing.assert_close(lin(x), expect, rtol=1e-5, atol=1e-4)  # float32 in, out
-    assert lin.matvec(decode) is not None and lin.matvec(prefill) is None
+    # float32: the matvec, and the packed GEMM past MAX_TOKENS; long bf16 prefills: row blocks
+    assert lin.matvec(decode) is not None and lin.matvec(prefill) is not None
+    long_bf16 = torch.randn(1, BF16_GEMM_MAX_TOKENS + 1, 200).to(torch.bfloat16)
+    assert lin.matvec(long_bf16) is None
+    torch.testing.assert_close(lin(long_bf16).float(), long_bf16.float() @ w.T + lin.bias,
+                               rtol=0.02, atol=0.3)
     with backend("torch"):  # no native kernels: the dequantize path answers the same
         assert lin.matvec(decode) is None
         torch.testing.assert_close(lin(decode), decode @ w.T + lin.bias, rtol=1e-5, atol=1e-4)
@@ -192,3 +207,37 @@ def test_the_kernels_refuse_blocks_that_do_not_fit_their_layout():
         packed_matvec(torch.randn(1, 255), qt.qweight, qt.scales, qt.offsets, lay)
     with pytest.raises(ValueError, match=r"\[tokens, 16\]"):
         packed_vecmat(torch.randn(1, 256), qt.qweight, qt.scales, qt.offsets, lay)
+
+
+@pytest.mark.parametrize("bits", [2, 3, 4, 8])
+@pytest.mark.parametrize("gs", [32, 128])
+def test_packed_gemm_matches_the_reference(bits, gs, monkeypatch):
+    """Many tokens (prefill) times a packed matrix: float32 sums in another order than the
+    BLAS, so held to the reference within float32 rounding; the SIMD and portable unpacking
+    give the same bits, and any split of rows across threads too."""
+    g = torch.Generator().manual_seed(bits * 7 + gs)
+    w = torch.randn(77, 300, generator=g)  # rows not a multiple of the tile, padded columns
+    qt = quantize_tensor(w, bits, gs)
+    for m in (MAX_TOKENS + 1, 13, 64):  # tokens not a multiple of the tile either
+        x = torch.randn(m, 300, generator=g)
+        ref = packed_matvec_ref(x, qt.qweight, qt.scales, qt.offsets, qt.layout)
+        fast = packed_gemm(x, qt.qweight, qt.scales, qt.offsets, qt.layout)
+        assert fast.shape == (m, 77)
+        torch.testing.assert_close(fast, ref, rtol=1e-5, atol=1e-4)
+        portable = packed_gemm(x, qt.qweight, qt.scales, qt.offsets, qt.layout, portable=True)
+        assert torch.equal(fast, portable)
+    monkeypatch.setattr(packed_matvec_module, "PARALLEL_MIN_ELEMENTS", 0)  # every call split
+    whole = packed_gemm(x, qt.qweight, qt.scales, qt.offsets, qt.layout)
+    block = packed_gemm(x, qt.qweight[30:50], qt.scales[30:50], qt.offsets[30:50], qt.layout)
+    assert torch.equal(block, whole[:, 30:50]) and torch.equal(whole, fast)
+
+
+def test_packed_gemm_on_a_large_matrix_stays_within_float32_rounding():
+    """Panels of rows (the kernel takes a few rows at a time) and long rows: relative error of
+    the whole product against float64 stays at float32 rounding."""
+    g = torch.Generator().manual_seed(11)
+    qt = quantize_tensor(torch.randn(600, 2048, generator=g), 3)
+    x = torch.randn(40, 2048, generator=g)
+    exact = x.double() @ qt.dequantize(torch.float32).double().T
+    y = packed_gemm(x, qt.qweight, qt.scales, qt.offsets, qt.layout).double()
+    assert ((y - exact).abs().max() / exact.abs().max()).item() < 1e-6

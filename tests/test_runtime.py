@@ -116,13 +116,15 @@ def test_expert_products_run_from_the_packed_codes(tokens, monkeypatch):
         torch.testing.assert_close(F.linear(x_in, expert, bias), x_in @ full[e].T + bias, **close)
         torch.testing.assert_close(x_out @ expert, x_out @ full[e], **close)
         torch.testing.assert_close(torch.matmul(x_out[0], expert), x_out[0] @ full[e], **close)
-        packed = tokens <= MAX_TOKENS  # more tokens: the dequantized matrix and BLAS
-        assert (expert.linear(x_in) is not None) == packed
+        assert expert.linear(x_in) is not None  # float32: matvec, or the packed GEMM past 8
+        # x @ W[e] with more tokens: the dequantized matrix and BLAS
         assert (expert.rmatmul(x_out) is not None) == (2 * tokens <= MAX_TOKENS)
-    if tokens <= MAX_TOKENS:  # the operators themselves take the packed path: never dequantize
+    with monkeypatch.context() as m:  # the operators themselves take the packed path
+        m.setattr(PackedExpert, "dense", lambda *a: pytest.fail("dequantized"))
+        F.linear(x_in, bank[0])
+    if tokens <= MAX_TOKENS:
         with monkeypatch.context() as m:
             m.setattr(PackedExpert, "dense", lambda *a: pytest.fail("dequantized"))
-            F.linear(x_in, bank[0])
             x_in[:, :64] @ bank[0]
             x_in[:, :64].matmul(bank[0])
             torch.matmul(x_in[:, :64], bank[0])
@@ -149,15 +151,16 @@ def test_both_loaders_reject_a_tensor_the_model_does_not_have(tmp_path):
 def test_prefill_blocks_reuse_one_scratch_buffer(monkeypatch):
     import dynquant.runtime.packed_modules as pm
 
+    # long bf16 prefills dequantize row blocks for the bf16 GEMM (float32 takes the packed GEMM)
     monkeypatch.setattr(pm, "DEQUANT_BLOCK_ELEMENTS", 64 * 200)  # 64-row blocks: 4 of them
     monkeypatch.setattr(pm._scratch_buffers, "buf", None, raising=False)  # whatever ran before
     w = torch.randn(250, 200, generator=torch.Generator().manual_seed(5))
-    lin, qt = _packed(QuantLinear, w, 3, compute_dtype=torch.float32)
-    x = torch.randn(MAX_TOKENS + 3, 200)
-    expect = x @ qt.dequantize(torch.float32).T
-    torch.testing.assert_close(lin(x), expect, rtol=1e-5, atol=1e-4)
+    lin, qt = _packed(QuantLinear, w, 3, compute_dtype=torch.bfloat16)
+    x = torch.randn(pm.BF16_GEMM_MAX_TOKENS + 3, 200).to(torch.bfloat16)
+    expect = x @ qt.dequantize(torch.bfloat16).T
+    torch.testing.assert_close(lin(x), expect)
     buf = pm._scratch_buffers.buf
-    torch.testing.assert_close(lin(x), expect, rtol=1e-5, atol=1e-4)  # same buffer, same answer
+    torch.testing.assert_close(lin(x), expect)  # same buffer, same answer
     assert pm._scratch_buffers.buf is buf and buf.numel() == 64 * 200
 
 
@@ -165,8 +168,9 @@ def test_gradients_flow_through_packed_modules_to_their_inputs():
     # the native kernels and torch's int4 kernel have no backward: an input that needs a
     # gradient takes the torch path
     w = torch.randn(96, 256, generator=torch.Generator().manual_seed(6))
-    for bits in (3, 4):
-        lin, qt = _packed(QuantLinear, w, bits, compute_dtype=torch.float32)
+    for bits in (3, 4):  # 4-bit in bf16 compute: torch's int4 kernel
+        lin, qt = _packed(QuantLinear, w, bits,
+                          compute_dtype=torch.bfloat16 if bits == 4 else torch.float32)
         lin.prepare()
         assert (lin._int4 is not None) == (bits == 4)
         dense = lin.dequantize(torch.float32)  # the weights the forward uses (int4: its layout)

@@ -8,6 +8,8 @@ The kernels (``native/*.c``) and their Python sides:
 - ``dequantize_rows.c`` (``row_kernels.py``): dequantization, bit-identical to the torch path;
 - ``packed_matvec.c``, ``packed_vecmat.c`` (``packed_matvec.py``): a few tokens times a packed
   matrix, without dequantizing it (decode);
+- ``packed_gemm.c`` (``packed_matvec.py``): many tokens times a packed matrix (prefill), panels of
+  rows dequantized into a per-thread float32 buffer that stays in cache;
 - ``unpack.h``: reading packed codes, with AVX-512 VBMI where the CPU has it.
 
 The shared library is built with the system C compiler (``$CC``, else ``cc``) into
@@ -147,8 +149,9 @@ def _load() -> ctypes.CDLL | None:
     lib.dq_matvec.argtypes = [ptr, ptr, ptr, i64, i64, i64, c_int, ptr, i64, ptr, i64, c_int]
     lib.dq_dequantize_rows.argtypes = [ptr, ptr, ptr, i64, i64, i64, c_int, ptr, c_int, c_int]
     lib.dq_vecmat.argtypes = [ptr, ptr, ptr, i64, i64, i64, c_int, ptr, i64, i64, i64, ptr, c_int]
+    lib.dq_gemm.argtypes = [ptr, ptr, ptr, i64, i64, i64, c_int, ptr, i64, ptr, i64, c_int]
     for fn in (lib.dq_quantize_rows, lib.dq_matvec, lib.dq_matvec_has_simd, lib.dq_dequantize_rows,
-               lib.dq_vecmat):
+               lib.dq_vecmat, lib.dq_gemm, lib.dq_gemm_tile):
         fn.restype = c_int
     return lib
 

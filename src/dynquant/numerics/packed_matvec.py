@@ -64,6 +64,36 @@ def packed_matvec(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor,
     return y
 
 
+def packed_gemm(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor,
+                offsets: torch.Tensor, layout: LayerLayout, portable: bool = False
+                ) -> torch.Tensor | None:
+    """float32 [m, rows] = ``x`` [m, in_features] @ W^T for any number of tokens (prefill), from
+    the native GEMM (``native/packed_gemm.c``: a panel of rows dequantized into a per-thread
+    float32 buffer, then register tiles with fused multiply-adds), rows split across threads;
+    None when the kernels are unavailable. Equal to :func:`packed_matvec_ref` up to float32
+    rounding (another summation order)."""
+    lib = native.library()
+    if lib is None:
+        return None
+    _check(x, qweight, scales, offsets, layout, layout.in_features)
+    rows, pad = qweight.shape[0], layout.padded_in_features - layout.in_features
+    xf = x.to(torch.float32)
+    xf = (F.pad(xf, (0, pad)) if pad else xf).contiguous()
+    qweight, scales, offsets = qweight.contiguous(), scales.contiguous(), offsets.contiguous()
+    y = torch.empty(xf.shape[0], rows)
+
+    def run(lo: int, hi: int) -> int:
+        return lib.dq_gemm(native.row_ptr(qweight, lo), native.row_ptr(scales, lo),
+                           native.row_ptr(offsets, lo), hi - lo, layout.padded_in_features,
+                           layout.group_size, layout.bits, xf.data_ptr(), xf.shape[0],
+                           y.data_ptr() + lo * y.element_size(), rows, int(portable))
+
+    work = rows * layout.padded_in_features * max(1, xf.shape[0] // 8)
+    if any(native.split_rows(run, rows, work, PARALLEL_MIN_ELEMENTS)):
+        raise RuntimeError("dq_gemm failed (out of memory or unsupported group size)")
+    return y
+
+
 def _check(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor, offsets: torch.Tensor,
            layout: LayerLayout, contracted: int) -> None:
     native.check_packed_block(qweight, scales, offsets, layout.bits, layout.group_size,
@@ -117,6 +147,7 @@ def simd_path() -> str | None:
 __all__ = [
     "MAX_TOKENS",
     "packed_matvec",
+    "packed_gemm",
     "packed_matvec_ref",
     "packed_vecmat",
     "packed_vecmat_ref",

@@ -11,6 +11,7 @@ from transformers import AutoConfig, AutoModelForCausalLM, PretrainedConfig
 from dynquant.checkpoint.reader import Checkpoint, open_checkpoint
 from dynquant.errors import CheckpointError
 from dynquant.models.registration import register
+from dynquant.numerics.compute_dtype import resolve_dtype
 from dynquant.runtime.empty_init import parameters_on_meta
 from dynquant.runtime.packed_modules import (
     PackedWeight,
@@ -19,8 +20,6 @@ from dynquant.runtime.packed_modules import (
     QuantLinear,
     TiedQuantHead,
 )
-
-COMPUTE_DTYPE = torch.bfloat16
 
 
 def _parent(model: nn.Module, name: str) -> tuple[nn.Module, str]:
@@ -117,9 +116,14 @@ def empty_model(config: PretrainedConfig, dtype: torch.dtype) -> nn.Module:
     return model
 
 
-def load(path: str | Path, device: str = "cpu", dtype: torch.dtype = COMPUTE_DTYPE
+def load(path: str | Path, device: str = "cpu", dtype: str | torch.dtype | None = None
          ) -> nn.Module:
-    """A ready model (eval mode) whose quantizable modules are packed modules."""
+    """A ready model (eval mode) whose quantizable modules are packed modules.
+
+    ``dtype``: the compute dtype (``"bfloat16"``, ``"float32"``, a torch dtype); ``None`` or
+    ``"auto"`` picks bfloat16 only where the CPU has native bf16 dot products
+    (``numerics/compute_dtype.py``)."""
+    dtype = resolve_dtype(dtype)
     ck = open_checkpoint(path)
     config = model_config(Path(path))
     model = empty_model(config, dtype)
@@ -133,9 +137,10 @@ def load(path: str | Path, device: str = "cpu", dtype: torch.dtype = COMPUTE_DTY
     return model.to(device).eval()
 
 
-def load_dequantized(path: str | Path, dtype: torch.dtype = COMPUTE_DTYPE) -> nn.Module:
+def load_dequantized(path: str | Path, dtype: str | torch.dtype | None = None) -> nn.Module:
     """The float model holding the checkpoint's dequantized weights: the reference that the packed
-    model is held to (and how other tools' outputs are evaluated)."""
+    model is held to (and how other tools' outputs are evaluated). ``dtype`` as for :func:`load`."""
+    dtype = resolve_dtype(dtype)
     ck = open_checkpoint(path)
     config = model_config(Path(path))
     model = empty_model(config, dtype)

@@ -1,8 +1,9 @@
 """Packed modules: they hold qweight / scales / offsets and dequantize on the fly.
 
-- ``QuantLinear``: a Linear; 4-bit modules use torch's CPU int4 kernel; the others multiply a few
-  tokens (decode) straight from the packed codes (``numerics/packed_matvec.py``) and dequantize
-  row blocks for more tokens (prefill).
+- ``QuantLinear``: a Linear, computed straight from the packed codes (``numerics/packed_matvec.py``):
+  a few tokens (decode) by the matvec kernel, more (prefill) by the packed GEMM in float32; in
+  bfloat16 on CPUs with native bf16, 4-bit modules use torch's int4 kernel and long prefills
+  dequantize row blocks for the bf16 GEMM, which is faster there.
 - ``QuantEmbedding``: dequantizes only the rows a batch looks up; ``TiedQuantHead`` runs a tied
   lm_head from it (packed product for a few tokens, row chunks otherwise).
 - ``QuantExpertBank``: a 3-D expert bank; ``bank[e]`` is expert ``e`` (``PackedExpert``): products
@@ -20,7 +21,7 @@ from torch import nn
 from torch.utils._pytree import tree_map
 
 from dynquant.format.layout import LayerLayout
-from dynquant.numerics.packed_matvec import MAX_TOKENS, packed_matvec, packed_vecmat
+from dynquant.numerics.packed_matvec import MAX_TOKENS, packed_gemm, packed_matvec, packed_vecmat
 from dynquant.numerics.quantizer import dequantize, dequantize_rows
 from dynquant.runtime.int4_cpu import int4_linear, int4_supported, pack_int4
 
@@ -28,6 +29,10 @@ HEAD_CHUNK_ROWS = 2048
 # Rows dequantized at a time for prefill: large enough that the native dequantization runs on
 # all threads (it splits from 1 M values), small enough to stay in L3 while it is used.
 DEQUANT_BLOCK_ELEMENTS = 1 << 22
+# bfloat16 inputs up to this many tokens take the packed GEMM (float32 inside); beyond it, a CPU
+# with native bf16 multiplies dequantized bf16 blocks faster (4096^2 with VBMI + AVX512_BF16:
+# 9 tokens 2.5 vs 5.9 ms, 64 tokens 10 vs ~6 ms). float32 inputs always take the packed GEMM.
+BF16_GEMM_MAX_TOKENS = 32
 
 
 _scratch_buffers = threading.local()
@@ -51,13 +56,21 @@ def _needs_grad(x: torch.Tensor) -> bool:
 
 def _decode_product(product: Callable[..., torch.Tensor | None], x: torch.Tensor,
                     qweight: torch.Tensor, scales: torch.Tensor, offsets: torch.Tensor,
-                    layout: LayerLayout) -> torch.Tensor | None:
-    """``product`` (packed_matvec or packed_vecmat) of x's tokens, in x's shape and dtype; None
-    when there are more than MAX_TOKENS tokens (prefill), when x needs a gradient (the kernels
-    have no backward) or when the native kernels are unavailable: the caller then dequantizes."""
+                    layout: LayerLayout, gemm: Callable[..., torch.Tensor | None] | None = None
+                    ) -> torch.Tensor | None:
+    """``product`` (packed_matvec or packed_vecmat) of x's tokens, in x's shape and dtype; with
+    more than MAX_TOKENS tokens ``gemm`` (packed_gemm) where given and worthwhile (float32, or
+    bfloat16 up to BF16_GEMM_MAX_TOKENS). None when none applies, when x needs a gradient (the
+    kernels have no backward) or when the native kernels are unavailable: the caller then
+    dequantizes."""
     flat = x.reshape(-1, x.shape[-1])
-    if flat.shape[0] > MAX_TOKENS or _needs_grad(x):
+    m = flat.shape[0]
+    if _needs_grad(x):
         return None
+    if m > MAX_TOKENS:
+        if gemm is None or (x.dtype != torch.float32 and m > BF16_GEMM_MAX_TOKENS):
+            return None
+        product = gemm
     y = product(flat, qweight, scales, offsets, layout)
     return None if y is None else y.reshape(*x.shape[:-1], -1).to(x.dtype)
 
@@ -91,9 +104,9 @@ class PackedWeight(nn.Module):
                                lay.in_features, dtype, out=out)
 
     def matvec(self, x: torch.Tensor) -> torch.Tensor | None:
-        """``x @ W^T`` from the packed codes (see :func:`_decode_product`)."""
+        """``x @ W^T`` from the packed codes, any number of tokens (see :func:`_decode_product`)."""
         return _decode_product(packed_matvec, x, self.qweight, self.scales, self.offsets,
-                               self.layout)
+                               self.layout, gemm=packed_gemm)
 
     def extra_repr(self) -> str:
         lay = self.layout
@@ -106,8 +119,11 @@ class QuantLinear(PackedWeight):
         super().__init__(layout, compute_dtype)
         self.out_features, self.in_features = layout.logical_shape
         self.bias = None if bias is None else nn.Parameter(bias, requires_grad=False)
-        self.use_int4 = use_int4 and layout.bits == 4 and int4_supported(
-            self.out_features, self.in_features, layout.group_size)
+        # torch's int4 kernel wins only with bf16 activations (float32 ones: 12 ms vs our matvec's
+        # 0.5-1.1 ms at 4096^2, one token), so it serves bf16 compute alone.
+        self.use_int4 = (use_int4 and layout.bits == 4 and compute_dtype == torch.bfloat16
+                         and int4_supported(self.out_features, self.in_features,
+                                            layout.group_size))
         self._int4: tuple[torch.Tensor, torch.Tensor] | None = None
 
     def prepare(self) -> None:
@@ -141,8 +157,8 @@ class QuantLinear(PackedWeight):
         y = self.matvec(x)
         if y is not None:
             return y if self.bias is None else y + self.bias.to(y.dtype)
-        # More tokens (prefill): dequantize a block of rows at a time into the reused scratch
-        # buffer (it stays in cache while it is used) and let the BLAS multiply it.
+        # Long bf16 prefills (and gradients): dequantize a block of rows at a time into the reused
+        # scratch buffer (it stays in cache while it is used) and let the BLAS multiply it.
         step = max(1, DEQUANT_BLOCK_ELEMENTS // self.in_features)
         scratch = not _needs_grad(x)
         parts = [F.linear(x, self.dequantize_rows(r, min(r + step, self.out_features), x.dtype,
@@ -226,7 +242,8 @@ class PackedExpert:
 
     def linear(self, x: torch.Tensor) -> torch.Tensor | None:
         """``F.linear(x, self)`` from the packed codes (see :func:`_decode_product`)."""
-        return _decode_product(packed_matvec, x, *self._packed(), self.bank.layout)
+        return _decode_product(packed_matvec, x, *self._packed(), self.bank.layout,
+                               gemm=packed_gemm)
 
     def rmatmul(self, x: torch.Tensor) -> torch.Tensor | None:
         """``x @ self`` from the packed codes (see :func:`_decode_product`)."""

@@ -36,6 +36,63 @@ static inline float dot_codes_vbmi(const uint8_t *bytes, int64_t gs, int bits, c
 }
 #endif
 
+#ifdef DQ_HAVE_AVX2
+/* The same for AVX2: unit k (8 codes) goes to lanes 8 * (k % 2) .. + 7 of the 16, so two ymm
+ * accumulators hold exactly dot()'s partial sums; combined as lane_sum does. */
+typedef struct {
+    __m256i shuffle, shifts, mask;
+} avx2_unpacker;
+
+static avx2_unpacker make_avx2_unpacker(int bits) {
+    int8_t shuffle[32];
+    int32_t shifts[8];
+    for (int i = 0; i < 8; i++) { /* as unpack_units_avx2: dword i <- the unit's bytes b, b + 1 */
+        const int b = i * bits / 8;
+        shifts[i] = i * bits % 8;
+        shuffle[4 * i] = (int8_t)b;
+        shuffle[4 * i + 1] = (int8_t)(b + 1);
+        shuffle[4 * i + 2] = shuffle[4 * i + 3] = (int8_t)0x80;
+    }
+    avx2_unpacker u = {_mm256_loadu_si256((const __m256i *)shuffle),
+                       _mm256_loadu_si256((const __m256i *)shifts),
+                       _mm256_set1_epi32((1 << bits) - 1)};
+    return u;
+}
+
+static inline float dot_codes_avx2(const uint8_t *bytes, int64_t gs, int bits,
+                                   const avx2_unpacker *u, const float *x) {
+    __m256 acc0 = _mm256_setzero_ps(), acc1 = _mm256_setzero_ps();
+    for (int64_t k = 0; k < gs / 8; k += 2) {
+        __m256 q0, q1;
+        if (bits == 8) {
+            q0 = _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_loadl_epi64((const __m128i *)(bytes + 8 * k))));
+            q1 = _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_loadl_epi64((const __m128i *)(bytes + 8 * k + 8))));
+        } else {
+            const int64_t gb = gs * bits / 8;
+            q0 = unit_as_floats_avx2(load_unit(bytes, k, bits, gb), u->shuffle, u->shifts, u->mask);
+            q1 = unit_as_floats_avx2(load_unit(bytes, k + 1, bits, gb), u->shuffle, u->shifts, u->mask);
+        }
+        acc0 = _mm256_add_ps(acc0, _mm256_mul_ps(q0, _mm256_loadu_ps(x + 8 * k)));
+        acc1 = _mm256_add_ps(acc1, _mm256_mul_ps(q1, _mm256_loadu_ps(x + 8 * k + 8)));
+    }
+    const __m256 s8 = _mm256_add_ps(acc0, acc1);                           /* l + (l + 8) */
+    const __m128 s4 = _mm_add_ps(_mm256_castps256_ps128(s8), _mm256_extractf128_ps(s8, 1));
+    const __m128 t = _mm_add_ps(s4, _mm_movehl_ps(s4, s4));       /* s4[0]+s4[2], s4[1]+s4[3] */
+    return _mm_cvtss_f32(_mm_add_ss(t, _mm_shuffle_ps(t, t, 1)));
+}
+
+static inline float dot_codes_avx2_bits(const uint8_t *bytes, int64_t gs, int bits,
+                                        const avx2_unpacker *u, const float *x) {
+    switch (bits) { /* constant widths: the unit loads become single loads */
+    case 2: return dot_codes_avx2(bytes, gs, 2, u, x);
+    case 3: return dot_codes_avx2(bytes, gs, 3, u, x);
+    case 4: return dot_codes_avx2(bytes, gs, 4, u, x);
+    case 8: return dot_codes_avx2(bytes, gs, 8, u, x);
+    default: return dot_codes_avx2(bytes, gs, bits, u, x);
+    }
+}
+#endif
+
 /* y [m, rows] (row stride y_stride) for the given block of rows; x [m, padded_n] float32 (zero
  * in the padding). portable != 0 forces the portable unpacking. Returns 0, or -1 if out of
  * memory or gs is unsupported. */
@@ -51,6 +108,9 @@ int dq_matvec(const uint32_t *qweight, const uint16_t *scales, const uint16_t *o
     for (int64_t t = 0; t < m; t++)
         for (int64_t g = 0; g < groups; g++) xsum[t * groups + g] = dot(ones, x + t * padded_n + g * gs, gs);
     const group_unpacker unpack = make_group_unpacker(bits, portable);
+#ifdef DQ_HAVE_AVX2
+    const avx2_unpacker avx2 = make_avx2_unpacker(bits);
+#endif
     for (int64_t r = 0; r < rows; r++) {
         for (int64_t t = 0; t < m; t++) y[t * y_stride + r] = 0.0f;
         for (int64_t g = 0; g < groups; g++) {
@@ -60,6 +120,11 @@ int dq_matvec(const uint32_t *qweight, const uint16_t *scales, const uint16_t *o
 #ifdef DQ_HAVE_VBMI
             if (!portable && m == 1 && gs % 64 == 0) { /* decode: one token */
                 y[r] += s * dot_codes_vbmi(bytes, gs, bits, &unpack.simd, x + g * gs) + o * xsum[g];
+                continue;
+            }
+#elif defined(DQ_HAVE_AVX2)
+            if (!portable && m == 1) { /* decode: one token */
+                y[r] += s * dot_codes_avx2_bits(bytes, gs, bits, &avx2, x + g * gs) + o * xsum[g];
                 continue;
             }
 #endif
