@@ -26,11 +26,12 @@ def measure(model: str | Path, output: str | Path | None = None, *,
             widths: Sequence[int] = DEFAULT_WIDTHS, group_sizes: Sequence[int] = (128,),
             budgets: Sequence[float] = DEFAULT_BUDGETS, not_convert: Sequence[str] = (),
             calib_seqs: int = 8, calib_len: int = 256, random_init: bool = False,
-            progress: bool = True) -> dict:
-    """``dynquant measure``: the maps document (written to ``output`` when given)."""
+            progress: bool = True, dtype: str = "float32") -> dict:
+    """``dynquant measure``: the maps document (written to ``output`` when given). ``dtype``: the
+    kl probe's compute dtype (float32 by default on every CPU)."""
     opts = MeasureOptions(widths=widths, group_sizes=group_sizes, budgets=budgets,
                           method=method, calib=[str(c) for c in calib], calib_seqs=calib_seqs,
-                          calib_len=calib_len, not_convert=not_convert)
+                          calib_len=calib_len, not_convert=not_convert, dtype=dtype)
     return _measure(resolve_model(str(model)), opts, output, progress, random_init)
 
 

@@ -77,7 +77,7 @@ def _cmd_quantize(args: argparse.Namespace) -> int:
         group_sizes=_ints(args.group_sizes), pins=args.pin, min_bits=args.min_bits,
         max_bits=args.max_bits, not_convert=args.not_convert, lm_head=args.lm_head,
         random_init=args.random_init, seed=args.seed, overwrite=args.overwrite,
-        progress=not args.quiet)
+        progress=not args.quiet, dtype=args.dtype)
     doc = run_quantize(source, req)
     if not args.quiet:
         render_summary(doc, f"quantized {args.model} -> {args.output}")
@@ -96,7 +96,8 @@ def _cmd_measure(args: argparse.Namespace) -> int:
     opts = MeasureOptions(widths=_ints(args.widths), group_sizes=_ints(args.group_sizes),
                           budgets=[float(b) for b in args.budgets.split(",") if b],
                           method=args.method, calib=args.calib, not_convert=args.not_convert,
-                          calib_seqs=args.calib_seqs, calib_len=args.calib_len)
+                          calib_seqs=args.calib_seqs, calib_len=args.calib_len,
+                          dtype=args.dtype)
     doc = measure(resolve_model(args.model), opts, args.output, progress=True,
                   random_init=args.random_init)
     for budget, a in doc["allocations"].items():
@@ -144,15 +145,19 @@ def _cmd_allocate(args: argparse.Namespace) -> int:
 def _cmd_generate(args: argparse.Namespace) -> int:
     from dynquant.pipeline.generate import generate_text
 
-    generate_text(args.checkpoint, args.prompt, args.max_new_tokens, args.temperature, args.seed)
+    generate_text(args.checkpoint, args.prompt, args.max_new_tokens, args.temperature, args.seed,
+                  dtype=args.dtype)
     return 0
 
 
 def _cmd_eval(args: argparse.Namespace) -> int:
+    from dynquant.numerics.compute_dtype import describe, resolve_dtype
     from dynquant.pipeline.evaluate import evaluate
 
+    dtype = resolve_dtype(args.dtype)
+    print(f"[{describe(dtype)}]", file=sys.stderr if args.json else sys.stdout)
     result = evaluate(args.model, args.base, args.text, args.ctx, args.max_tokens,
-                      progress=not args.json)
+                      progress=not args.json, dtype=dtype)
     if args.json:
         print(result.to_json())
     else:
@@ -174,8 +179,18 @@ def _cmd_eval(args: argparse.Namespace) -> int:
 def _cmd_demo(args: argparse.Namespace) -> int:
     from dynquant.pipeline.demo import run_demo
 
-    run_demo(args.output)
+    run_demo(args.output, dtype=args.dtype)
     return 0
+
+
+DTYPE_CHOICES = ("auto", "bfloat16", "float32")
+
+
+def _dtype_option(p: argparse.ArgumentParser, default: str, what: str) -> None:
+    p.add_argument("--dtype", choices=DTYPE_CHOICES, default=default,
+                   help=f"compute dtype of {what} (default {default}; auto: bfloat16 only where "
+                   "the CPU has native bf16 dot products, else float32; $DYNQUANT_DTYPE sets auto's "
+                   "answer)")
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -222,6 +237,8 @@ def build_parser() -> argparse.ArgumentParser:
                    help="keep matching modules dense (modules_to_not_convert); repeatable")
     p.add_argument("--overwrite", action="store_true")
     p.add_argument("--quiet", action="store_true")
+    _dtype_option(p, "float32", "the kl sensitivity probe (float32: bf16 noise is of the size "
+                  "of the sensitivities)")
     p.set_defaults(func=_cmd_quantize)
 
     p = sub.add_parser("measure", help="errors and sensitivities per module -> maps.json")
@@ -236,6 +253,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--budgets", default="2.5,3,3.25,3.5,4.25")
     p.add_argument("--not-convert", action="append", default=[], metavar="GLOB")
     p.add_argument("--random-init", action="store_true")
+    _dtype_option(p, "float32", "the kl sensitivity probe (float32: bf16 noise is of the size "
+                  "of the sensitivities)")
     p.set_defaults(func=_cmd_measure)
 
     p = sub.add_parser("allocate", help="widths for a budget from maps.json (exact optimum)")
@@ -255,6 +274,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--max-new-tokens", type=int, default=64)
     p.add_argument("--temperature", type=float, default=0.0, help="0 = greedy (default)")
     p.add_argument("--seed", type=int, default=0)
+    _dtype_option(p, "auto", "the model")
     p.set_defaults(func=_cmd_generate)
 
     p = sub.add_parser("eval", help="perplexity and KL(base || model) on a text")
@@ -264,10 +284,12 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--ctx", type=int, default=512)
     p.add_argument("--max-tokens", type=int, default=None)
     p.add_argument("--json", action="store_true")
+    _dtype_option(p, "auto", "both models")
     p.set_defaults(func=_cmd_eval)
 
     p = sub.add_parser("demo", help="the main job on the bundled default")
     p.add_argument("-o", "--output", default="out/demo")
+    _dtype_option(p, "auto", "the evaluations and the sample")
     p.set_defaults(func=_cmd_demo)
     return parser
 

@@ -146,8 +146,8 @@ def simd_path() -> str | None:
 
 __all__ = [
     "MAX_TOKENS",
-    "packed_matvec",
     "packed_gemm",
+    "packed_matvec",
     "packed_matvec_ref",
     "packed_vecmat",
     "packed_vecmat_ref",

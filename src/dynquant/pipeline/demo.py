@@ -53,16 +53,20 @@ def _table(points: list[FrontierPoint]) -> Table:
     return t
 
 
-def run_demo(output: str | Path) -> None:
+def run_demo(output: str | Path, dtype: str | None = None) -> None:
+    from dynquant.numerics.compute_dtype import describe, resolve_dtype
     from dynquant.pipeline.generate import generate_text
 
     console = summary_console()
+    resolved = resolve_dtype(dtype)
+    console.print(describe(resolved))
     out = Path(output).resolve()
     work = out / "work"
     start = time.perf_counter()
     with console.status("starting") as status:
         points = size_quality_frontier(DEMO_MODEL, CALIB, HELDOUT, work,
-                                       max_tokens=EVAL_TOKENS, on_step=status.update)
+                                       max_tokens=EVAL_TOKENS, on_step=status.update,
+                                       dtype=resolved)
     console.print(_table(points))
     plot = out / "size_vs_kl.png"
     plot_frontier(points, plot, "hybrid-ref: size vs KL")
@@ -72,6 +76,6 @@ def run_demo(output: str | Path) -> None:
     shutil.copytree(next(p.checkpoint for p in points if p.budget == 3.25), keep)
     shutil.rmtree(work)
     console.print(f"\nsample from the 3.25-bit model ({keep.name}):", style="bold")
-    generate_text(keep, SAMPLE_PROMPT, max_new_tokens=40)
+    generate_text(keep, SAMPLE_PROMPT, max_new_tokens=40, dtype=resolved)
     console.print(f"\ndone in {time.perf_counter() - start:.0f} s. outputs: {out} "
                   f"(table above, {plot.name}, {keep.name}/)")

@@ -36,12 +36,16 @@ class EvalResult:
         return json.dumps(asdict(self), indent=2)
 
 
-def load_any(path: str | Path, dtype: torch.dtype = torch.bfloat16) -> nn.Module:
-    """A dynquant checkpoint (packed) or a transformers model folder (dense), in eval mode."""
+def load_any(path: str | Path, dtype: str | torch.dtype | None = None) -> nn.Module:
+    """A dynquant checkpoint (packed) or a transformers model folder (dense), in eval mode, in the
+    compute dtype ``dtype`` (None/"auto": the CPU's, ``numerics/compute_dtype.py``)."""
     from transformers import AutoModelForCausalLM
 
     from dynquant.models.registration import register
+    from dynquant.numerics.compute_dtype import resolve_dtype
     from dynquant.runtime.loader import load
+
+    dtype = resolve_dtype(dtype)
 
     path = Path(path)
     if not (path / "config.json").is_file():
@@ -130,8 +134,10 @@ def _same_tokenizer(a, b) -> bool:
 
 
 def evaluate(model: str | Path, base: str | Path, text: str | Path, ctx: int = 512,
-             max_tokens: int | None = None, progress: bool = True) -> EvalResult:
-    """``dynquant eval``: MODEL and BASE may each be a dynquant checkpoint or a model folder."""
+             max_tokens: int | None = None, progress: bool = True,
+             dtype: str | torch.dtype | None = None) -> EvalResult:
+    """``dynquant eval``: MODEL and BASE may each be a dynquant checkpoint or a model folder; both
+    run in the compute dtype ``dtype`` (None/"auto": the CPU's)."""
     from dynquant.pipeline.generate import load_tokenizer
 
     text_path = Path(text)
@@ -142,4 +148,4 @@ def evaluate(model: str | Path, base: str | Path, text: str | Path, ctx: int = 5
         raise ModelError(f"MODEL and BASE use different tokenizers ({model} vs {base})",
                          field="tokenizer")
     ids = tokenize_text(tok_m, text_path.read_text(encoding="utf-8"), ctx, max_tokens)
-    return evaluate_models(load_any(model), load_any(base), ids, ctx, progress)
+    return evaluate_models(load_any(model, dtype), load_any(base, dtype), ids, ctx, progress)

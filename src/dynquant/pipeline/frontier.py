@@ -45,8 +45,9 @@ def uniform_bits_for(budget: float, group_size: int = 128) -> int:
 def size_quality_frontier(model_dir: str | Path, calib: str | Path, heldout: str | Path,
                           out_dir: str | Path, budgets: Sequence[float] = BUDGETS,
                           max_tokens: int | None = None, ctx: int = 512,
-                          on_step=None) -> list[FrontierPoint]:
-    """Every budget's sensitivity checkpoint (kept in ``out_dir``) and its uniform comparison."""
+                          on_step=None, dtype: str | None = None) -> list[FrontierPoint]:
+    """Every budget's sensitivity checkpoint (kept in ``out_dir``) and its uniform comparison,
+    evaluated in the compute dtype ``dtype`` (None/"auto": the CPU's)."""
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
     source = resolve_model(str(model_dir))
@@ -72,7 +73,7 @@ def size_quality_frontier(model_dir: str | Path, calib: str | Path, heldout: str
             source, u.widths, out / f"uniform-{ubits}", importance=importance, overwrite=True,
             allocator="uniform", progress=False)
     note("evaluating every checkpoint against the base")
-    results = _evaluate_all(source.directory, out, list(docs), heldout, ctx, max_tokens)
+    results = _evaluate_all(source.directory, out, list(docs), heldout, ctx, max_tokens, dtype)
     points = []
     for budget in budgets:
         key, ukey = f"budget-{budget}", f"uniform-{uniform_bits_for(budget)}"
@@ -85,15 +86,15 @@ def size_quality_frontier(model_dir: str | Path, calib: str | Path, heldout: str
 
 
 def _evaluate_all(base_dir: Path, out: Path, names: list[str], heldout: str | Path, ctx: int,
-                  max_tokens: int | None) -> dict[str, EvalResult]:
+                  max_tokens: int | None, dtype: str | None) -> dict[str, EvalResult]:
     from dynquant.pipeline.evaluate import evaluate_many, load_any, tokenize_text
     from dynquant.pipeline.generate import load_tokenizer
     from dynquant.runtime.loader import load
 
     ids = tokenize_text(load_tokenizer(base_dir), Path(heldout).read_text(encoding="utf-8"),
                         ctx, max_tokens)
-    models = {name: load(out / name) for name in names}
-    return evaluate_many(models, load_any(base_dir), ids, ctx, progress=False)
+    models = {name: load(out / name, dtype=dtype) for name in names}
+    return evaluate_many(models, load_any(base_dir, dtype), ids, ctx, progress=False)
 
 
 def plot_frontier(points: list[FrontierPoint], path: str | Path, title: str) -> None:

@@ -23,16 +23,22 @@ def load_tokenizer(path: str | Path):
 
 
 def generate_text(path: str | Path, prompt: str, max_new_tokens: int = 64,
-                  temperature: float = 0.0, seed: int = 0, stream: bool = True) -> str:
-    """The completion of ``prompt`` (greedy when temperature is 0), printed as it is generated."""
+                  temperature: float = 0.0, seed: int = 0, stream: bool = True,
+                  dtype: str | torch.dtype | None = None) -> str:
+    """The completion of ``prompt`` (greedy when temperature is 0), printed as it is generated,
+    in the compute dtype ``dtype`` (None/"auto": the CPU's; said in one line when streaming)."""
     from transformers import TextStreamer
 
+    from dynquant.numerics.compute_dtype import describe, resolve_dtype
     from dynquant.runtime.loader import load
 
     if not prompt:
         raise ModelError("the prompt is empty", field="prompt")
     tokenizer = load_tokenizer(path)
-    model = load(path)
+    dtype = resolve_dtype(dtype)
+    model = load(path, dtype=dtype)
+    if stream:
+        print(f"[{describe(dtype)}]", flush=True)
     ids = tokenizer(prompt, return_tensors="pt").input_ids
     torch.manual_seed(seed)
     streamer = TextStreamer(tokenizer, skip_prompt=False) if stream else None

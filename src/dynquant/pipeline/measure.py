@@ -53,6 +53,9 @@ class MeasureOptions:
     calib_seqs: int = 8
     calib_len: int = 256
     not_convert: Sequence[str] = ()
+    # The kl probe's compute dtype. float32 by default on every CPU: sensitivities are
+    # differences of small KLs, and bf16 rounding of activations would be noise of their size.
+    dtype: str = "float32"
 
 
 def module_candidates(weight: torch.Tensor, widths: Sequence[int], group_sizes: Sequence[int],
@@ -139,13 +142,13 @@ def load_maps(path: str | Path) -> dict:
     return doc
 
 
-def _dense_model(source: ModelSource) -> nn.Module:
+def _dense_model(source: ModelSource, dtype: str) -> nn.Module:
     from dynquant.pipeline.evaluate import load_any
 
     if source.directory is None:
         raise DynquantError("the kl method needs model weights (a model directory)",
                             file=source.name)
-    return load_any(source.directory, dtype=torch.float32)
+    return load_any(source.directory, dtype=dtype)
 
 
 def measure(source: ModelSource, opts: MeasureOptions, out: str | Path | None = None,
@@ -171,7 +174,7 @@ def measure(source: ModelSource, opts: MeasureOptions, out: str | Path | None = 
     stats_path = None
     probe = None
     if opts.calib:
-        model = _dense_model(source)
+        model = _dense_model(source, opts.dtype)
         ids = calibration_ids(load_tokenizer(source.directory), list(opts.calib),
                               opts.calib_seqs, opts.calib_len)
         stats = collect_stats(model, ids, {s.module for s in quantizable})

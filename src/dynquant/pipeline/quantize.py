@@ -135,6 +135,7 @@ class QuantizeRequest:
     calib_seqs: int = 8
     calib_len: int = 256
     method: str | None = None
+    dtype: str = "float32"  # the kl probe's compute dtype (MeasureOptions.dtype)
     group_size: int = 128
     group_sizes: Sequence[int] | None = None
     pins: Sequence[str] = ()
@@ -171,7 +172,7 @@ def _maps_for(source: ModelSource, req: QuantizeRequest, workdir: Path
                           calib_len=req.calib_len,
                           group_sizes=req.group_sizes or (req.group_size,),
                           budgets=[req.budget] if req.budget else [],
-                          not_convert=req.not_convert)
+                          not_convert=req.not_convert, dtype=req.dtype)
     return measure(source, opts, maps_path, req.progress, req.random_init), maps_path, req.budget
 
 

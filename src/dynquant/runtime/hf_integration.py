@@ -6,10 +6,15 @@ buffers (``M.qweight``, ``M.scales``, ``M.offsets``) are exactly the checkpoint'
 after loading, a tied lm_head is pointed at the packed embedding and 4-bit Linears are converted
 to the int4 kernel's layout. The checkpoint folder is validated first, as ``dynquant.load`` does:
 a broken checkpoint is a ``CheckpointError``, never a half-loaded model.
+
+The compute dtype: ``dtype="auto"`` (or no dtype) picks bfloat16 only where the CPU has native bf16
+dot products, float32 elsewhere (``numerics/compute_dtype.py``); an explicit ``torch.bfloat16`` or
+``torch.float32`` is used as given.
 """
 
 from __future__ import annotations
 
+import inspect
 from pathlib import Path
 from typing import Any
 
@@ -21,6 +26,7 @@ from transformers.utils.quantization_config import QuantizationConfigMixin
 from dynquant.format import metadata as md
 from dynquant.format.layout import LayerLayout
 from dynquant.format.validate import validate_checkpoint
+from dynquant.numerics.compute_dtype import resolve_dtype
 from dynquant.runtime.packed_modules import QuantEmbedding, QuantLinear, TiedQuantHead
 
 _registered = False
@@ -60,11 +66,33 @@ def _layout_for(model: nn.Module, name: str, entry: dict, group_size: int) -> La
                               module=name)
 
 
+def _requested_dtype() -> object:
+    """What the caller of ``from_pretrained`` asked for. transformers hands the quantizer only its
+    resolution of the request, where ``"auto"`` has already become the config's dtype, so the
+    request itself is read from ``from_pretrained``'s frame (``dtype``, else ``torch_dtype``);
+    "auto" when that frame is not found."""
+    frame = inspect.currentframe()
+    while frame is not None:
+        local = frame.f_locals
+        if frame.f_code.co_name == "from_pretrained" and "dtype" in local and "torch_dtype" in local:
+            return local["dtype"] if local["dtype"] is not None else local["torch_dtype"]
+        frame = frame.f_back
+    return "auto"
+
+
 class DynquantHfQuantizer(HfQuantizer):
     """Loads pre-quantized dynquant checkpoints into packed modules (no calibration, CPU)."""
 
     requires_calibration = True
     quantization_config: DynquantConfig
+    compute_dtype: torch.dtype | None = None
+
+    def update_dtype(self, dtype: torch.dtype) -> torch.dtype:
+        """None or "auto" -> the CPU's compute dtype; bfloat16 / float32 as asked."""
+        requested = _requested_dtype()
+        explicit = requested not in (None, "auto") and not isinstance(requested, dict)
+        self.compute_dtype = resolve_dtype(dtype if explicit else None)
+        return self.compute_dtype
 
     def _process_model_before_weight_loading(self, model: nn.Module, **kwargs: Any) -> None:
         from dynquant.runtime.loader import install_packed_modules
@@ -77,7 +105,7 @@ class DynquantHfQuantizer(HfQuantizer):
         qc = self.quantization_config
         layouts = {name: _layout_for(model, name, entry, qc.group_size)
                    for name, entry in qc.modules.items()}
-        install_packed_modules(model, layouts, torch.bfloat16)
+        install_packed_modules(model, layouts, self.compute_dtype or resolve_dtype(None))
         embed = model.get_input_embeddings()
         if isinstance(embed, QuantEmbedding) and getattr(model.config, "tie_word_embeddings",
                                                          False):
