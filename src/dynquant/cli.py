@@ -155,7 +155,7 @@ def _cmd_eval(args: argparse.Namespace) -> int:
     from dynquant.pipeline.evaluate import evaluate
 
     dtype = resolve_dtype(args.dtype)
-    print(f"[{describe(dtype)}]", file=sys.stderr if args.json else sys.stdout)
+    print(f"[{describe(dtype)}]", file=sys.stderr)
     result = evaluate(args.model, args.base, args.text, args.ctx, args.max_tokens,
                       progress=not args.json, dtype=dtype)
     if args.json:

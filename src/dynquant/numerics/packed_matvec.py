@@ -135,6 +135,79 @@ def packed_vecmat(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor,
     return y[:, : layout.in_features]
 
 
+def _expert_rows(layout: LayerLayout) -> int:
+    return layout.num_rows // layout.logical_shape[0]
+
+
+def _check_experts(experts: torch.Tensor, x: torch.Tensor, layout: LayerLayout) -> torch.Tensor:
+    if experts.ndim != 1 or experts.shape[0] != x.shape[0]:
+        raise ValueError(f"one expert per row of x: experts {list(experts.shape)}, "
+                         f"x {list(x.shape)}")
+    ids = experts.to(torch.int64).contiguous()
+    if ids.numel() and not (int(ids.min()) >= 0 and int(ids.max()) < layout.logical_shape[0]):
+        raise ValueError(f"expert index out of range [0, {layout.logical_shape[0]})")
+    return ids
+
+
+def packed_matvec_experts(x: torch.Tensor, experts: torch.Tensor, qweight: torch.Tensor,
+                          scales: torch.Tensor, offsets: torch.Tensor, layout: LayerLayout
+                          ) -> torch.Tensor | None:
+    """float32 [pairs, R]: row p is ``F.linear(x[p], W[experts[p]])`` for a bank ``W`` [E, R, N]
+    (groups along N), all pairs in one native call (rows split across threads); each row is
+    bit-identical to :func:`packed_matvec` of that expert alone. None without the kernels."""
+    lib = native.library()
+    if lib is None:
+        return None
+    per = _expert_rows(layout)
+    _check(x, qweight[:per], scales[:per], offsets[:per], layout, layout.in_features)
+    ids = _check_experts(experts, x, layout)
+    pad = layout.padded_in_features - layout.in_features
+    xf = x.to(torch.float32)
+    xf = (F.pad(xf, (0, pad)) if pad else xf).contiguous()
+    qweight, scales, offsets = qweight.contiguous(), scales.contiguous(), offsets.contiguous()
+    y = torch.empty(xf.shape[0], per)
+
+    def run(lo: int, hi: int) -> int:
+        return lib.dq_matvec_experts(qweight.data_ptr(), scales.data_ptr(), offsets.data_ptr(),
+                                     per, layout.padded_in_features, layout.group_size,
+                                     layout.bits, ids.data_ptr(), xf.shape[0], xf.data_ptr(),
+                                     y.data_ptr(), lo, hi, 0)
+
+    work = xf.shape[0] * per * layout.padded_in_features
+    if any(native.split_rows(run, per, work, PARALLEL_MIN_ELEMENTS)):
+        raise RuntimeError("dq_matvec_experts failed (out of memory or unsupported group size)")
+    return y
+
+
+def packed_vecmat_experts(x: torch.Tensor, experts: torch.Tensor, qweight: torch.Tensor,
+                          scales: torch.Tensor, offsets: torch.Tensor, layout: LayerLayout
+                          ) -> torch.Tensor | None:
+    """float32 [pairs, N]: row p is ``x[p] @ W[experts[p]]`` for a bank ``W`` [E, R, N] (groups
+    along N, used as ``x @ W[e]``), all pairs in one native call (groups split across threads);
+    each row bit-identical to :func:`packed_vecmat` of that expert alone. None without the
+    kernels."""
+    lib = native.library()
+    if lib is None:
+        return None
+    per = _expert_rows(layout)
+    _check(x, qweight[:per], scales[:per], offsets[:per], layout, per)
+    ids = _check_experts(experts, x, layout)
+    xf = x.to(torch.float32).contiguous()
+    qweight, scales, offsets = qweight.contiguous(), scales.contiguous(), offsets.contiguous()
+    n = layout.padded_in_features
+    y = torch.empty(xf.shape[0], n)
+
+    def run(g0: int, g1: int) -> int:
+        return lib.dq_vecmat_experts(qweight.data_ptr(), scales.data_ptr(), offsets.data_ptr(),
+                                     per, n, layout.group_size, layout.bits, ids.data_ptr(),
+                                     xf.shape[0], xf.data_ptr(), y.data_ptr(), g0, g1, 0)
+
+    work = xf.shape[0] * per * n
+    if any(native.split_rows(run, layout.num_groups, work, VECMAT_PARALLEL_MIN_ELEMENTS)):
+        raise RuntimeError("dq_vecmat_experts failed (unsupported group size)")
+    return y[:, : layout.in_features]
+
+
 SIMD_PATHS = {2: "avx512vbmi", 1: "avx2", 0: "portable"}
 
 
@@ -148,8 +221,10 @@ __all__ = [
     "MAX_TOKENS",
     "packed_gemm",
     "packed_matvec",
+    "packed_matvec_experts",
     "packed_matvec_ref",
     "packed_vecmat",
+    "packed_vecmat_experts",
     "packed_vecmat_ref",
     "simd_path",
 ]

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import sys
 from pathlib import Path
 
 import torch
@@ -37,8 +38,8 @@ def generate_text(path: str | Path, prompt: str, max_new_tokens: int = 64,
     tokenizer = load_tokenizer(path)
     dtype = resolve_dtype(dtype)
     model = load(path, dtype=dtype)
-    if stream:
-        print(f"[{describe(dtype)}]", flush=True)
+    if stream:  # on stderr: stdout is the text alone
+        print(f"[{describe(dtype)}]", file=sys.stderr, flush=True)
     ids = tokenizer(prompt, return_tensors="pt").input_ids
     torch.manual_seed(seed)
     streamer = TextStreamer(tokenizer, skip_prompt=False) if stream else None

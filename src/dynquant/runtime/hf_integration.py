@@ -27,6 +27,7 @@ from dynquant.format import metadata as md
 from dynquant.format.layout import LayerLayout
 from dynquant.format.validate import validate_checkpoint
 from dynquant.numerics.compute_dtype import resolve_dtype
+from dynquant.runtime.experts import register_experts_implementation, use_packed_experts
 from dynquant.runtime.packed_modules import QuantEmbedding, QuantLinear, TiedQuantHead
 
 _registered = False
@@ -112,8 +113,7 @@ class DynquantHfQuantizer(HfQuantizer):
             # The head is computed from the packed embedding: there is no weight to tie.
             model.lm_head = TiedQuantHead(embed)
             model.all_tied_weights_keys = {}
-        if getattr(model, "_can_set_experts_implementation", lambda: False)():
-            model.set_experts_implementation("eager")
+        use_packed_experts(model)
 
     def _process_model_after_weight_loading(self, model: nn.Module, **kwargs: Any) -> nn.Module:
         for module in model.modules():
@@ -138,4 +138,5 @@ def register_with_transformers() -> None:
         return
     register_quantization_config(md.QUANT_METHOD)(DynquantConfig)
     register_quantizer(md.QUANT_METHOD)(DynquantHfQuantizer)
+    register_experts_implementation()
     _registered = True

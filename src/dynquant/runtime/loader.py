@@ -13,6 +13,7 @@ from dynquant.errors import CheckpointError
 from dynquant.models.registration import register
 from dynquant.numerics.compute_dtype import resolve_dtype
 from dynquant.runtime.empty_init import parameters_on_meta
+from dynquant.runtime.experts import use_packed_experts
 from dynquant.runtime.packed_modules import (
     PackedWeight,
     QuantEmbedding,
@@ -111,7 +112,8 @@ def empty_model(config: PretrainedConfig, dtype: torch.dtype) -> nn.Module:
     with parameters_on_meta():
         model = AutoModelForCausalLM.from_config(config, dtype=dtype)
     if getattr(model, "_can_set_experts_implementation", lambda: False)():
-        # Expert banks are indexed one expert at a time (``bank[e]``): the eager path does that.
+        # Expert banks are indexed one expert at a time (``bank[e]``): the eager path does that;
+        # load() then selects the packed pairs path for decode (runtime/experts.py).
         model.set_experts_implementation("eager")
     return model
 
@@ -134,6 +136,7 @@ def load(path: str | Path, device: str = "cpu", dtype: str | torch.dtype | None 
     for module in packed.values():
         if isinstance(module, QuantLinear):
             module.prepare()
+    use_packed_experts(model)
     return model.to(device).eval()
 
 

@@ -7,7 +7,9 @@
 - ``QuantEmbedding``: dequantizes only the rows a batch looks up; ``TiedQuantHead`` runs a tied
   lm_head from it (packed product for a few tokens, row chunks otherwise).
 - ``QuantExpertBank``: a 3-D expert bank; ``bank[e]`` is expert ``e`` (``PackedExpert``): products
-  with a few tokens run from the packed codes, anything else dequantizes expert ``e`` alone.
+  with a few tokens run from the packed codes, anything else dequantizes expert ``e`` alone;
+  ``bank.pairs_linear`` / ``bank.pairs_matmul``: a few (token, expert) pairs in one kernel call
+  (MoE decode: ``runtime/experts.py`` and the reference architecture's MoE use them).
 """
 
 from __future__ import annotations
@@ -21,11 +23,20 @@ from torch import nn
 from torch.utils._pytree import tree_map
 
 from dynquant.format.layout import LayerLayout
-from dynquant.numerics.packed_matvec import MAX_TOKENS, packed_gemm, packed_matvec, packed_vecmat
+from dynquant.numerics.packed_matvec import (
+    MAX_TOKENS,
+    packed_gemm,
+    packed_matvec,
+    packed_matvec_experts,
+    packed_vecmat,
+    packed_vecmat_experts,
+)
 from dynquant.numerics.quantizer import dequantize, dequantize_rows
 from dynquant.runtime.int4_cpu import int4_linear, int4_supported, pack_int4
 
 HEAD_CHUNK_ROWS = 2048
+# (token, expert) pairs that a bank multiplies in one kernel call (MoE decode: tokens x top-k).
+MAX_PAIRS = 32
 # Rows dequantized at a time for prefill: large enough that the native dequantization runs on
 # all threads (it splits from 1 M values), small enough to stay in L3 while it is used.
 DEQUANT_BLOCK_ELEMENTS = 1 << 22
@@ -213,6 +224,22 @@ class QuantExpertBank(PackedWeight):
 
     def __len__(self) -> int:
         return self.layout.logical_shape[0]
+
+    def _pairs(self, product: Callable[..., torch.Tensor | None], x: torch.Tensor,
+               experts: torch.Tensor) -> torch.Tensor | None:
+        if x.shape[0] > MAX_PAIRS or _needs_grad(x):
+            return None
+        y = product(x, experts, self.qweight, self.scales, self.offsets, self.layout)
+        return None if y is None else y.to(x.dtype)
+
+    def pairs_linear(self, x: torch.Tensor, experts: torch.Tensor) -> torch.Tensor | None:
+        """Row p: ``F.linear(x[p], W[experts[p]])``, every pair in one native call; None for more
+        than MAX_PAIRS pairs, inputs that need a gradient, or without the kernels."""
+        return self._pairs(packed_matvec_experts, x, experts)
+
+    def pairs_matmul(self, x: torch.Tensor, experts: torch.Tensor) -> torch.Tensor | None:
+        """Row p: ``x[p] @ W[experts[p]]`` (as :meth:`pairs_linear`)."""
+        return self._pairs(packed_vecmat_experts, x, experts)
 
 
 class PackedExpert:

@@ -107,6 +107,21 @@ class ShortConv(nn.Module):
         return self.out_proj((c_gate * y).transpose(1, 2))
 
 
+# Up to this many (token, expert) pairs, the routed experts run pair by pair (decode) instead of
+# grouping tokens by expert (torch.where + index_add_ per routed expert: overhead per expert).
+FEW_PAIRS = 32
+
+
+def pairs_matmul(x: torch.Tensor, bank: torch.Tensor, experts: torch.Tensor) -> torch.Tensor:
+    """Row p: ``x[p] @ bank[experts[p]]``. A packed bank (``runtime.packed_modules``) does every
+    pair in one kernel call; a dense one multiplies views of its experts (no gathered copy)."""
+    packed = getattr(bank, "pairs_matmul", None)
+    y = packed(x, experts) if packed is not None else None
+    if y is not None:
+        return y
+    return torch.stack([x[p] @ bank[e] for p, e in enumerate(experts.tolist())])
+
+
 class MoE(nn.Module):
     """Softmax top-k routing over expert banks (SwiGLU, ``x @ W[e]``) plus a shared expert."""
 
@@ -132,12 +147,23 @@ class MoE(nn.Module):
             share = F.one_hot(experts, probs.shape[-1]).float().sum((0, 1)) / experts.numel()
             self.aux_loss = probs.shape[-1] * (share * probs.mean(0)).sum()
         out = self.sw2(F.silu(self.sw1(flat)) * self.sw3(flat))
+        if experts.numel() <= FEW_PAIRS and not self.training:
+            return (out + self._few_pairs(flat, experts, weights)).view_as(x)
         for e in experts.unique().tolist():  # only the experts tokens are routed to
             token, slot = torch.where(experts == e)
             h = flat[token]
             y = (F.silu(h @ self.w1[e]) * (h @ self.w3[e])) @ self.w2[e]
             out.index_add_(0, token, y * weights[token, slot, None])
         return out.view_as(x)
+
+    def _few_pairs(self, flat: torch.Tensor, experts: torch.Tensor, weights: torch.Tensor
+                   ) -> torch.Tensor:
+        """The routed experts' sum for a few tokens: pair p = (token p // k, slot p % k)."""
+        ids = experts.reshape(-1)
+        h = flat.repeat_interleave(self.top_k, dim=0)
+        act = F.silu(pairs_matmul(h, self.w1, ids)) * pairs_matmul(h, self.w3, ids)
+        y = pairs_matmul(act, self.w2, ids) * weights.reshape(-1, 1)
+        return y.view(flat.shape[0], self.top_k, -1).sum(dim=1)
 
 
 class Block(nn.Module):

@@ -1,0 +1,50 @@
+/* Routed experts of a bank for a few (token, expert) pairs in one call (MoE decode): pair p
+ * multiplies its own row of x with expert experts[p] of the bank, read straight from the packed
+ * codes by the one-token kernels (packed_matvec.c, packed_vecmat.c). No Python loop over routed
+ * experts, no gather of expert matrices; each pair's result is bit-identical to the one-token
+ * kernel's for that expert alone.
+ *
+ * A bank is [E * rows_per_expert, padded_n] packed rows, expert e's rows contiguous. */
+#include "unpack.h"
+
+int dq_matvec(const uint32_t *qweight, const uint16_t *scales, const uint16_t *offsets,
+              int64_t rows, int64_t padded_n, int64_t gs, int bits, const float *x, int64_t m,
+              float *y, int64_t y_stride, int portable);
+int dq_vecmat(const uint32_t *qweight, const uint16_t *scales, const uint16_t *offsets,
+              int64_t rows, int64_t padded_n, int64_t gs, int bits, const float *x, int64_t m,
+              int64_t g0, int64_t g1, float *y, int portable);
+
+/* F.linear(x[p], W[e_p]) for rows [r0, r1) of each expert: x [pairs, padded_n] (zero padding),
+ * y [pairs, rows_per_expert]. */
+int dq_matvec_experts(const uint32_t *qweight, const uint16_t *scales, const uint16_t *offsets,
+                      int64_t rows_per_expert, int64_t padded_n, int64_t gs, int bits,
+                      const int64_t *experts, int64_t pairs, const float *x, float *y,
+                      int64_t r0, int64_t r1, int portable) {
+    const int64_t groups = padded_n / gs, words = bits * gs / 32;
+    for (int64_t p = 0; p < pairs; p++) {
+        const int64_t row = experts[p] * rows_per_expert + r0;
+        const int rc = dq_matvec(qweight + row * groups * words, scales + row * groups,
+                                 offsets + row * groups, r1 - r0, padded_n, gs, bits,
+                                 x + p * padded_n, 1, y + p * rows_per_expert + r0,
+                                 rows_per_expert, portable);
+        if (rc) return rc;
+    }
+    return 0;
+}
+
+/* x[p] @ W[e_p] for groups [g0, g1) of the output: x [pairs, rows_per_expert],
+ * y [pairs, padded_n]. */
+int dq_vecmat_experts(const uint32_t *qweight, const uint16_t *scales, const uint16_t *offsets,
+                      int64_t rows_per_expert, int64_t padded_n, int64_t gs, int bits,
+                      const int64_t *experts, int64_t pairs, const float *x, float *y,
+                      int64_t g0, int64_t g1, int portable) {
+    const int64_t groups = padded_n / gs, words = bits * gs / 32;
+    for (int64_t p = 0; p < pairs; p++) {
+        const int64_t row = experts[p] * rows_per_expert;
+        const int rc = dq_vecmat(qweight + row * groups * words, scales + row * groups,
+                                 offsets + row * groups, rows_per_expert, padded_n, gs, bits,
+                                 x + p * rows_per_expert, 1, g0, g1, y + p * padded_n, portable);
+        if (rc) return rc;
+    }
+    return 0;
+}

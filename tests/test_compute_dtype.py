@@ -1,0 +1,107 @@
+"""The compute dtype follows the CPU: bfloat16 only where bf16 dot products are native."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from dynquant.cli import build_parser
+from dynquant.numerics import compute_dtype as cd
+
+# Flag sets as /proc/cpuinfo prints them (abridged), one per CPU class.
+SAPPHIRE_RAPIDS = "fpu sse2 avx avx2 fma avx512f avx512bw avx512_bf16 amx_bf16 amx_tile amx_int8"
+ZEN4 = "fpu sse2 avx avx2 fma avx512f avx512bw avx512vbmi avx512_bf16 avx512_vnni"
+SKYLAKE_X = "fpu sse2 avx avx2 fma avx512f avx512bw avx512cd avx512dq avx512vl"
+ZEN3 = "fpu sse2 avx avx2 fma f16c bmi2"
+OLD_X86 = "fpu sse sse2 ssse3 sse4_1 sse4_2"
+GRAVITON3 = "fp asimd evtstrm aes pmull sha1 sha2 crc32 atomics fphp asimdhp bf16 i8mm sve"
+GRAVITON2 = "fp asimd evtstrm aes pmull sha1 sha2 crc32 atomics fphp asimdhp asimddp"
+
+
+@pytest.mark.parametrize(("flags", "dtype", "cls"), [
+    (SAPPHIRE_RAPIDS, torch.bfloat16, "avx512-bf16"),
+    (ZEN4, torch.bfloat16, "avx512-bf16"),
+    (SKYLAKE_X, torch.float32, "avx512"),  # AVX-512 without bf16: emulated, float32
+    (ZEN3, torch.float32, "avx2"),
+    (OLD_X86, torch.float32, "portable"),
+    (GRAVITON3, torch.bfloat16, "arm-bf16"),
+    (GRAVITON2, torch.float32, "arm"),
+    ("", torch.float32, "portable"),  # flags that cannot be read: the safe choice
+])
+def test_the_dtype_decision_from_flag_sets(flags, dtype, cls):
+    flags = flags.split()
+    assert cd.auto_dtype(flags) == dtype
+    assert cd.cpu_class(flags) == cls
+    assert cd.resolve_dtype(None, flags) == dtype
+    assert cd.resolve_dtype("auto", flags) == dtype
+
+
+def test_explicit_requests_and_the_environment_override_auto(monkeypatch):
+    monkeypatch.delenv("DYNQUANT_DTYPE", raising=False)
+    assert cd.resolve_dtype("float32", ZEN4.split()) == torch.float32
+    assert cd.resolve_dtype("bfloat16", ZEN3.split()) == torch.bfloat16
+    assert cd.resolve_dtype(torch.float32) == torch.float32
+    monkeypatch.setenv("DYNQUANT_DTYPE", "float32")
+    assert cd.resolve_dtype(None, ZEN4.split()) == torch.float32
+    assert cd.resolve_dtype("bfloat16", ZEN3.split()) == torch.bfloat16  # explicit beats env
+    monkeypatch.setenv("DYNQUANT_DTYPE", "half")
+    with pytest.raises(ValueError, match="DYNQUANT_DTYPE must be one of auto, bfloat16"):
+        cd.resolve_dtype(None)
+    with pytest.raises(ValueError, match="bfloat16 or float32"):
+        cd.resolve_dtype(torch.float16)
+
+
+def test_this_machine_reads_its_own_flags():
+    flags = cd.cpu_flags()
+    assert cd.auto_dtype() == (torch.bfloat16 if cd.bf16_native(flags) else torch.float32)
+    assert cd.describe(torch.float32).startswith(f"compute dtype float32 (CPU {cd.cpu_class()}")
+
+
+@pytest.mark.parametrize("command", [["generate", "ck", "--prompt", "x"],
+                                     ["eval", "ck", "--base", "b", "--text", "t"],
+                                     ["demo"]])
+def test_the_cli_takes_dtype_and_defaults_to_auto(command):
+    parser = build_parser()
+    assert parser.parse_args(command).dtype == "auto"
+    assert parser.parse_args([*command, "--dtype", "float32"]).dtype == "float32"
+    with pytest.raises(SystemExit):
+        parser.parse_args([*command, "--dtype", "float16"])
+
+
+def test_measure_probes_in_float32_unless_asked():
+    parser = build_parser()
+    assert parser.parse_args(["measure", "m", "-o", "x"]).dtype == "float32"
+    assert parser.parse_args(["quantize", "m", "-o", "x", "--dtype", "auto"]).dtype == "auto"
+
+
+def test_load_and_from_pretrained_follow_the_decision(tmp_path, monkeypatch):
+    from transformers import AutoModelForCausalLM
+
+    import dynquant  # noqa: F401  (registers with transformers)
+    from dynquant.format.layout import LayerLayout
+    from dynquant.models.sources import resolve_model
+    from dynquant.pipeline.quantize import quantize_model
+    from dynquant.runtime.loader import load
+    from dynquant.runtime.packed_modules import PackedWeight, QuantLinear
+
+    source = resolve_model("tiny")
+    widths = {s.module: 4 for s in source.tensor_specs() if s.quantizable}
+    quantize_model(source, widths, tmp_path / "q", random_init=True, progress=False)
+
+    def dtypes(model):
+        packed = {m.compute_dtype for m in model.modules() if isinstance(m, PackedWeight)}
+        dense = {p.dtype for p in model.parameters() if p.is_floating_point()}
+        return packed | dense
+
+    for forced in ("float32", "bfloat16"):  # what auto answers on a CPU with / without bf16
+        monkeypatch.setenv("DYNQUANT_DTYPE", forced)
+        want = cd.DTYPE_NAMES[forced]
+        assert dtypes(load(tmp_path / "q")) == {want}
+        for kwargs in ({}, {"dtype": "auto"}, {"torch_dtype": "auto"}):
+            assert dtypes(AutoModelForCausalLM.from_pretrained(tmp_path / "q", **kwargs)) == {want}
+        # 4-bit Linears take torch's int4 kernel only in bf16 (float32 activations: 20x slower)
+        layout = LayerLayout.create((192, 512), 4, 128)
+        assert QuantLinear(layout, compute_dtype=want).use_int4 == (forced == "bfloat16")
+    monkeypatch.setenv("DYNQUANT_DTYPE", "bfloat16")
+    explicit = AutoModelForCausalLM.from_pretrained(tmp_path / "q", dtype=torch.float32)
+    assert dtypes(explicit) == {torch.float32}  # an explicit dtype is used as given
