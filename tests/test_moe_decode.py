@@ -1,0 +1,160 @@
+"""MoE decode: every routed (token, expert) pair of a bank in one kernel call, no loop over
+experts; held to the per-expert kernels bit for bit and to the float model within tolerance."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from dynquant import quantize_tensor
+from dynquant.format.layout import LayerLayout
+from dynquant.models.hybrid import modeling
+from dynquant.models.presets import preset_config
+from dynquant.models.sources import resolve_model
+from dynquant.numerics.packed_matvec import (
+    packed_matvec,
+    packed_matvec_experts,
+    packed_vecmat,
+    packed_vecmat_experts,
+)
+from dynquant.pipeline.quantize import quantize_model
+from dynquant.runtime import experts as experts_module
+from dynquant.runtime.loader import load, load_dequantized
+from dynquant.runtime.packed_modules import QuantExpertBank
+from model_zoo import save_tiny_model
+
+
+def _bank(e: int, rows: int, cols: int, bits: int, seed: int):
+    w = torch.randn(e, rows, cols, generator=torch.Generator().manual_seed(seed))
+    qt = quantize_tensor(w, bits)
+    bank = QuantExpertBank(LayerLayout.create((e, rows, cols), bits, 128), torch.float32)
+    bank.qweight, bank.scales, bank.offsets = qt.qweight, qt.scales, qt.offsets
+    return bank, qt
+
+
+@pytest.mark.parametrize("bits", [2, 3, 4, 8])
+def test_pair_kernels_equal_the_one_expert_kernels_bit_for_bit(bits):
+    bank, qt = _bank(5, 48, 200, bits, bits)
+    per = 48
+    ids = torch.tensor([3, 0, 3, 4, 1, 1])  # repeats: two tokens routed to one expert
+    g = torch.Generator().manual_seed(9)
+    x_in, x_out = torch.randn(6, 200, generator=g), torch.randn(6, 48, generator=g)
+    lin = packed_matvec_experts(x_in, ids, qt.qweight, qt.scales, qt.offsets, qt.layout)
+    mat = packed_vecmat_experts(x_out, ids, qt.qweight, qt.scales, qt.offsets, qt.layout)
+    assert lin.shape == (6, 48) and mat.shape == (6, 200)
+    for p, e in enumerate(ids.tolist()):
+        rows = slice(e * per, (e + 1) * per)
+        block = (qt.qweight[rows], qt.scales[rows], qt.offsets[rows], qt.layout)
+        assert torch.equal(lin[p], packed_matvec(x_in[p:p + 1], *block)[0])
+        assert torch.equal(mat[p], packed_vecmat(x_out[p:p + 1], *block)[0])
+        full = qt.dequantize(torch.float32)[e]
+        torch.testing.assert_close(lin[p], full @ x_in[p], rtol=1e-5, atol=1e-4)
+    assert torch.equal(bank.pairs_linear(x_in, ids), lin)
+    with pytest.raises(ValueError, match="expert index out of range"):
+        packed_matvec_experts(x_in, ids + 1, qt.qweight, qt.scales, qt.offsets, qt.layout)
+    with pytest.raises(ValueError, match="one expert per row"):
+        packed_vecmat_experts(x_out, ids[:3], qt.qweight, qt.scales, qt.offsets, qt.layout)
+
+
+def test_pairs_split_across_threads_give_the_same_bits(monkeypatch):
+    from dynquant.numerics import packed_matvec as pm
+
+    bank, qt = _bank(4, 256, 384, 3, 1)
+    ids = torch.tensor([2, 1, 2, 0])
+    x_in, x_out = torch.randn(4, 384), torch.randn(4, 256)
+    one = (bank.pairs_linear(x_in, ids), bank.pairs_matmul(x_out, ids))
+    monkeypatch.setattr(pm, "PARALLEL_MIN_ELEMENTS", 0)
+    monkeypatch.setattr(pm, "VECMAT_PARALLEL_MIN_ELEMENTS", 0)
+    assert torch.equal(bank.pairs_linear(x_in, ids), one[0])
+    assert torch.equal(bank.pairs_matmul(x_out, ids), one[1])
+
+
+def test_hybrid_moe_few_pairs_path_equals_the_grouped_path(monkeypatch):
+    torch.manual_seed(0)
+    moe = modeling.MoE(preset_config("tiny")).eval()
+    for p in (moe.w1, moe.w3, moe.w2):
+        torch.nn.init.normal_(p, std=0.1)
+    x = torch.randn(1, 3, moe.gate.in_features)  # 3 tokens x top-k pairs: the few-pairs path
+    with torch.no_grad():
+        few = moe(x)
+        monkeypatch.setattr(modeling, "FEW_PAIRS", 0)  # force the grouped loop
+        grouped = moe(x)
+    torch.testing.assert_close(few, grouped, rtol=1e-5, atol=1e-6)
+
+
+def test_hybrid_decode_reads_each_bank_once_per_step(tmp_path, monkeypatch):
+    """One token through the packed hybrid model: one pairs call per bank and layer, never
+    a per-expert product and never a dequantized expert."""
+    source = resolve_model("tiny")
+    widths = {s.module: 3 for s in source.tensor_specs() if s.quantizable}
+    quantize_model(source, widths, tmp_path / "q", random_init=True, progress=False)
+    model = load(tmp_path / "q", dtype=torch.float32)
+    reference = load_dequantized(tmp_path / "q", torch.float32)
+    calls = []
+    original = QuantExpertBank.pairs_matmul
+    monkeypatch.setattr(QuantExpertBank, "pairs_matmul",
+                        lambda self, x, e: calls.append(x.shape[0]) or original(self, x, e))
+    monkeypatch.setattr(QuantExpertBank, "__getitem__", lambda *a: pytest.fail("per expert"))
+    ids = torch.tensor([[7]])
+    with torch.no_grad():
+        got = model(ids).logits
+        want = reference(ids).logits
+    cfg = model.config
+    assert calls == [cfg.num_experts_per_tok] * (3 * cfg.num_hidden_layers)
+    torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-4)
+
+
+@pytest.mark.parametrize("family", ["olmoe", "lfm2_moe"])
+def test_transformers_moe_through_load_stays_within_one_percent(family, tmp_path, monkeypatch):
+    """dynquant.load of a tiny OLMoE / LFM2-MoE checkpoint, in either compute dtype, against the
+    float32 model holding the decoded weights: within 1% of the logits' range, prefill and
+    decode; decode runs the 'dynquant' experts path (one pairs call per bank)."""
+    src = save_tiny_model(family, tmp_path / "src")
+    source = resolve_model(str(src))
+    modules = sorted(s.module for s in source.tensor_specs() if s.quantizable)
+    widths = {m: (2, 3, 4, 8)[i % 4] for i, m in enumerate(modules)}
+    quantize_model(source, widths, tmp_path / "q", progress=False)
+    reference = load_dequantized(tmp_path / "q", torch.float32)
+    ids = torch.randint(0, 384, (2, 12), generator=torch.Generator().manual_seed(0))
+    calls = []
+    original = experts_module._routed
+    monkeypatch.setattr(experts_module, "_routed",
+                        lambda *a: calls.append(a[1].shape[0]) or original(*a))
+    for dtype in (torch.float32, torch.bfloat16):
+        model = load(tmp_path / "q", dtype=dtype)
+        assert model.config._experts_implementation == "dynquant"
+        for batch in (ids, ids[:, :1]):
+            with torch.no_grad():
+                got = model(batch).logits.float()
+                want = reference(batch).logits.float()
+            span = (want.max() - want.min()).item()
+            assert (got - want).abs().max().item() <= 0.01 * span, (dtype, batch.shape)
+            if dtype == torch.float32:
+                torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-4)
+    assert 2 in calls  # the decode batch (2 tokens) went through the pairs path
+
+
+def test_the_packed_experts_path_falls_back_to_eager_for_dense_banks():
+    from transformers import OlmoeConfig, OlmoeForCausalLM
+
+    cfg = OlmoeConfig(vocab_size=64, hidden_size=32, intermediate_size=48, num_hidden_layers=1,
+                      num_attention_heads=2, num_key_value_heads=2, num_experts=4,
+                      num_experts_per_tok=2)
+    torch.manual_seed(0)
+    model = OlmoeForCausalLM(cfg).eval()
+    ids = torch.tensor([[1, 2, 3]])
+    with torch.no_grad():
+        eager = model(ids).logits
+        experts_module.use_packed_experts(model)
+        assert model.config._experts_implementation == "dynquant"
+        assert torch.equal(model(ids).logits, eager)  # dense banks: the model's own forward
+
+
+def test_bf16_inputs_keep_their_dtype():
+    bank, qt = _bank(3, 64, 128, 4, 2)
+    x = torch.randn(2, 128).to(torch.bfloat16)
+    y = bank.pairs_linear(x, torch.tensor([0, 2]))
+    full = qt.dequantize(torch.float32)
+    want = torch.stack([full[0] @ x[0].float(), full[2] @ x[1].float()])
+    assert y.dtype == torch.bfloat16
+    torch.testing.assert_close(y.float(), want, rtol=0.01, atol=0.05)  # bf16 output rounding
