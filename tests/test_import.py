@@ -60,3 +60,27 @@ def test_validate_and_inspect_import_neither_torch_nor_transformers(checkpoint):
 def test_transformers_knows_dynquant_whichever_is_imported_first(checkpoint, order):
     out = _run(_REGISTERS, str(checkpoint), order)
     assert out.splitlines()[-1] == "DynquantHybridForCausalLM TiedQuantHead"
+
+
+_SPIN = """
+import os, sys
+if sys.argv[1] == "torch first":
+    import torch  # noqa: F401
+import dynquant  # noqa: F401
+print(os.environ.get("GOMP_SPINCOUNT"), os.environ.get("OMP_WAIT_POLICY"))
+"""
+
+
+@pytest.mark.parametrize(("order", "env", "expect"), [
+    ("dynquant first", {}, "1000 None"),  # the short spin, before libgomp loads
+    ("torch first", {}, "None None"),  # too late to matter: left alone
+    ("dynquant first", {"OMP_WAIT_POLICY": "PASSIVE"}, "None PASSIVE"),  # the user's choice
+    ("dynquant first", {"GOMP_SPINCOUNT": "5"}, "5 None"),
+])
+def test_openmp_spins_briefly_unless_told_otherwise(order, env, expect):
+    import os
+
+    base = {k: v for k, v in os.environ.items() if k not in ("GOMP_SPINCOUNT", "OMP_WAIT_POLICY")}
+    out = subprocess.run([sys.executable, "-c", _SPIN, order], env={**base, **env}, check=True,
+                         capture_output=True, text=True, timeout=120)
+    assert out.stdout.strip() == expect

@@ -59,7 +59,7 @@ def test_pair_kernels_equal_the_one_expert_kernels_bit_for_bit(bits):
 def test_pairs_split_across_threads_give_the_same_bits(monkeypatch):
     from dynquant.numerics import packed_matvec as pm
 
-    bank, qt = _bank(4, 256, 384, 3, 1)
+    bank, _ = _bank(4, 256, 384, 3, 1)
     ids = torch.tensor([2, 1, 2, 0])
     x_in, x_out = torch.randn(4, 384), torch.randn(4, 256)
     one = (bank.pairs_linear(x_in, ids), bank.pairs_matmul(x_out, ids))

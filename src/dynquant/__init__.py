@@ -12,8 +12,17 @@ from __future__ import annotations
 import importlib
 from typing import Any
 
-from dynquant.autoregister import register_when_transformers_loads
-from dynquant.errors import CheckpointError, DynquantError, ModelError, QuantizationError
+from dynquant.openmp import set_short_spin
+
+set_short_spin()  # before anything imports torch (dynquant/openmp.py)
+
+from dynquant.autoregister import register_when_transformers_loads  # noqa: E402
+from dynquant.errors import (  # noqa: E402
+    CheckpointError,
+    DynquantError,
+    ModelError,
+    QuantizationError,
+)
 
 __version__ = "0.1.0"
 
