@@ -44,5 +44,16 @@ def figure(name: str, value: float, unit: str = "") -> None:
 
 
 def machine() -> str:
-    return (f"{platform.processor() or platform.machine()}, {torch.get_num_threads()} threads, "
-            f"torch {torch.__version__}")
+    """The machine in one line: CPU class and the flags that decide the kernels, threads, torch."""
+    import os
+
+    from dynquant.numerics.compute_dtype import cpu_class, cpu_flags
+
+    shown = sorted(f for f in cpu_flags() if f.startswith(("avx", "amx", "fma", "f16c"))
+                   or f in ("bf16", "asimd", "i8mm", "sve"))
+    limits = {k: os.environ[k] for k in ("ATEN_CPU_CAPABILITY", "ONEDNN_MAX_CPU_ISA",
+                                         "MKL_ENABLE_INSTRUCTIONS", "DYNQUANT_NATIVE_ARCH",
+                                         "DYNQUANT_DTYPE") if k in os.environ}
+    return (f"{platform.processor() or platform.machine()} ({cpu_class()}: {' '.join(shown)}), "
+            f"{torch.get_num_threads()} threads, torch {torch.__version__}"
+            + (f", limited by {limits}" if limits else ""))

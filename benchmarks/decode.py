@@ -1,4 +1,6 @@
-"""Decode tokens/s and resident weight memory: packed checkpoint vs the dense bf16 model.
+"""Decode tokens/s, 512-token prefill and resident weight memory: packed checkpoint vs the dense
+model holding the same decoded weights, both in one compute dtype (``--dtype``, default the CPU's:
+bfloat16 only with native bf16 dot products).
 
 Models: both trained reference models (hybrid MoE and Llama) and a random transformers Qwen3-MoE
 of similar size. Widths: uniform 4-bit (Linears on the int4 kernel), uniform 3-bit (the packed
@@ -8,6 +10,7 @@ architecture at full size (1.69 B, random weights) with the seed checkpoint's ow
 
 from __future__ import annotations
 
+import argparse
 import json
 import tempfile
 import time
@@ -25,6 +28,7 @@ from dynquant.runtime.memory import resident_weight_nbytes
 
 NEW_TOKENS = 32
 ROUNDS = 3
+PREFILL_TOKENS = 512
 SEED_WIDTHS = Path(__file__).parents[1] / "tests" / "data" / "seed_dynquant.json"
 
 
@@ -59,18 +63,45 @@ def tokens_per_second(models: tuple[torch.nn.Module, ...], vocab: int,
     return [new_tokens / b for b in best]
 
 
-def compare(name: str, ck: Path, vocab: int, new_tokens: int = NEW_TOKENS) -> None:
-    packed, dense = load(ck), load_dequantized(ck)
+def prefill_seconds(models: tuple[torch.nn.Module, ...], vocab: int, tokens: int,
+                    rounds: int = ROUNDS) -> list[float]:
+    """Best of ``rounds`` one-forward prefills of ``tokens`` tokens, the models taking turns."""
+    prompt = torch.randint(0, vocab, (1, tokens), generator=torch.Generator().manual_seed(1))
+    best = [float("inf")] * len(models)
+    with torch.no_grad():
+        for model in models:
+            model(prompt[:, :16])
+        for _ in range(rounds):
+            for i, model in enumerate(models):
+                start = time.perf_counter()
+                model(prompt, logits_to_keep=1)
+                best[i] = min(best[i], time.perf_counter() - start)
+    return best
+
+
+def compare(name: str, ck: Path, vocab: int, dtype: torch.dtype,
+            new_tokens: int = NEW_TOKENS) -> None:
+    packed, dense = load(ck, dtype=dtype), load_dequantized(ck, dtype)
     tp, td = tokens_per_second((packed, dense), vocab, new_tokens)
+    pp, pd = prefill_seconds((packed, dense), vocab, PREFILL_TOKENS)
     mp, md = resident_weight_nbytes(packed), resident_weight_nbytes(dense)
     figure(f"{name}: packed decode", tp, "tok/s")
-    figure(f"{name}: dense bf16 decode", td, "tok/s")
+    figure(f"{name}: dense decode", td, "tok/s")
     figure(f"{name}: decode speed packed / dense", tp / td, "x")
+    figure(f"{name}: prefill {PREFILL_TOKENS} speed packed / dense", pd / pp, "x")
+    figure(f"{name}: prefill {PREFILL_TOKENS} packed", PREFILL_TOKENS / pp, "tok/s")
     figure(f"{name}: resident weights packed / dense", mp / md, "x")
 
 
 def main() -> None:
-    print(f"# decode, batch 1, {NEW_TOKENS} new tokens, {machine()}")
+    from dynquant.numerics.compute_dtype import dtype_name, resolve_dtype
+
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--dtype", default="auto", choices=("auto", "bfloat16", "float32"))
+    parser.add_argument("--skip-seed", action="store_true", help="leave out the 1.69 B model")
+    args = parser.parse_args()
+    dtype = resolve_dtype(args.dtype)
+    print(f"# decode, batch 1, {NEW_TOKENS} new tokens, {dtype_name(dtype)}, {machine()}")
     torch.set_grad_enabled(False)
     with tempfile.TemporaryDirectory() as tmp:
         root = Path(tmp)
@@ -85,13 +116,15 @@ def main() -> None:
                                   ("mixed", demo_widths(modules))):
                 ck = root / f"{name}-{label}"
                 quantize_model(source, widths, ck, random_init=random_init, progress=False)
-                compare(f"{name} {label}", ck, vocab)
+                compare(f"{name} {label}", ck, vocab, dtype)
+        if args.skip_seed:
+            return
         # the seed architecture at full size (1.69 B, random weights) with the seed's widths
         seed = resolve_model("seed")
         widths = {m: e["bits"] for m, e in json.loads(SEED_WIDTHS.read_text())["layers"].items()}
         quantize_model(seed, widths, root / "seed", random_init=True, progress=False)
         compare("seed 1.69B (seed widths, 3.25 bits)", root / "seed",
-                seed.config.vocab_size, new_tokens=16)
+                seed.config.vocab_size, dtype, new_tokens=16)
 
 
 if __name__ == "__main__":

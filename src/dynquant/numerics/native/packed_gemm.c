@@ -2,12 +2,14 @@
  * reading the packed codes directly, without a float copy of W in memory.
  *
  * W is [rows, padded_n] in groups of gs codes along each row; w = q * scale + offset (float32
- * multiply, then add: the format's dequantization). Rows are taken a panel at a time (NB rows,
- * at most PANEL_BYTES of float32, so the panel stays in L2): the panel's codes are unpacked and
- * dequantized once (unpack.h: VBMI, AVX2 or portable), then every token is multiplied with it in
- * register tiles of MR tokens x NR rows, each output a vector of VW partial sums along k (fused
- * multiply-adds where the CPU has them) summed once at the end of the row. The tokens' rows of x
- * (MR x padded_n) are reused from L1/L2 by every tile of the panel.
+ * multiply, then add: the format's dequantization). Rows are taken a strip at a time (NRV rows,
+ * two vectors' worth): the strip's codes are unpacked and dequantized once (unpack.h: VBMI, AVX2
+ * or portable) into a per-thread buffer, stored k-major (the NRV values of one column k side by
+ * side), then every block of MR tokens is multiplied with it in registers: for each k, two
+ * vectors of the strip times x[t, k] broadcast, into MR x 2 vector accumulators (fused
+ * multiply-adds where the CPU has them). No horizontal sums: a row of accumulators is a row of y.
+ * The strip (NRV x padded_n floats, 256-512 KB at 4096 columns) stays in L2 while the tokens
+ * stream past it.
  *
  * The result is the exact product of x and the dequantized W up to float32 rounding in another
  * summation order than the reference's BLAS (held to it within a stated tolerance).
@@ -18,30 +20,93 @@
 #include <immintrin.h>
 typedef __m512 vf;
 #define VW 16
-#define MR 4
-#define NR 4
+#define MR 12
+#define DOT_MR 4
+#define DOT_NR 4
 #define FMADD(a, b, c) _mm512_fmadd_ps((a), (b), (c))
+#define BCAST(v) _mm512_set1_ps(v)
 #elif defined(__AVX2__) && defined(__FMA__)
 #include <immintrin.h>
 typedef __m256 vf;
 #define VW 8
-#define MR 3
-#define NR 3
+#define MR 6
+#define DOT_MR 3
+#define DOT_NR 3
 #define FMADD(a, b, c) _mm256_fmadd_ps((a), (b), (c))
+#define BCAST(v) _mm256_set1_ps(v)
 #else
 typedef float vf __attribute__((vector_size(16)));
 #define VW 4
-#define MR 3
-#define NR 3
+#define MR 6
+#define DOT_MR 3
+#define DOT_NR 3
 #define FMADD(a, b, c) ((a) * (b) + (c))
+#define BCAST(v) ((vf){(v), (v), (v), (v)})
 #endif
 
+#define NRV (2 * VW)
+/* Fewer tokens than this take the dot form (panels of rows stored as rows: dequantized with
+ * contiguous stores, each output a vector of partial sums along k summed at the end): below it
+ * the k-major strip's scattered stores cost more than they save (4096 x 4096, 9 tokens: 2.5 vs
+ * 5.7 ms with AVX-512). */
+#define DOT_MAX_TOKENS (2 * MR)
 #define PANEL_BYTES (256 * 1024)
 
 static inline vf load_vf(const float *p) {
     vf v;
     memcpy(&v, p, sizeof v);
     return v;
+}
+
+static inline void store_vf(float *p, vf v) { memcpy(p, &v, sizeof v); }
+
+/* out[t][j] = sum_k x[t, k] * strip[k][j] for MR tokens (rows of x, stride ldx), k < n. The
+ * registers sum KC columns at a time and out sums the blocks: float32 error grows with KC +
+ * n / KC terms rather than n (at 2048 columns: 2e-6 of the largest output -> 4e-7, the BLAS's). */
+#define KC 256
+static inline void tile(const float *x, int64_t ldx, const float *strip, int64_t n,
+                        float out[MR][NRV]) {
+    for (int64_t k0 = 0; k0 < n; k0 += KC) {
+        const int64_t k1 = n - k0 < KC ? n : k0 + KC;
+        vf acc[MR][2];
+        for (int t = 0; t < MR; t++) acc[t][0] = acc[t][1] = BCAST(0.0f);
+        for (int64_t k = k0; k < k1; k++) {
+            const vf b0 = load_vf(strip + k * NRV), b1 = load_vf(strip + k * NRV + VW);
+            for (int t = 0; t < MR; t++) {
+                const vf xv = BCAST(x[t * ldx + k]);
+                acc[t][0] = FMADD(xv, b0, acc[t][0]);
+                acc[t][1] = FMADD(xv, b1, acc[t][1]);
+            }
+        }
+        for (int t = 0; t < MR; t++) {
+            if (k0) {
+                acc[t][0] += load_vf(out[t]);
+                acc[t][1] += load_vf(out[t] + VW);
+            }
+            store_vf(out[t], acc[t][0]);
+            store_vf(out[t] + VW, acc[t][1]);
+        }
+    }
+}
+
+/* Rows [0, count) of a strip from the packed rows, k-major: strip[k * NRV + j] = w[j, k];
+ * rows [count, NRV) are zero. */
+static void dequantize_strip(const uint32_t *qweight, const uint16_t *scales,
+                             const uint16_t *offsets, int64_t count, int64_t padded_n,
+                             int64_t gs, int bits, int portable, float *strip) {
+    const int64_t groups = padded_n / gs, words = bits * gs / 32;
+    const group_unpacker unpack = make_group_unpacker(bits, portable);
+    float q[MAX_GROUP];
+    for (int64_t j = 0; j < count; j++)
+        for (int64_t g = 0; g < groups; g++) {
+            unpack_codes_as_floats(&unpack, (const uint8_t *)(qweight + (j * groups + g) * words),
+                                   gs, q);
+            const float s = bf16_value(scales[j * groups + g]), o = bf16_value(offsets[j * groups + g]);
+            float *dst = strip + g * gs * NRV + j;
+            for (int64_t i = 0; i < gs; i++) dst[i * NRV] = q[i] * s + o;
+        }
+    for (int64_t j = count; j < NRV; j++)
+        for (int64_t k = 0; k < padded_n; k++) strip[k * NRV + j] = 0.0f;
 }
 
 static inline float sum_vf(vf v) {
@@ -51,26 +116,26 @@ static inline float sum_vf(vf v) {
     return s;
 }
 
-/* One tile: y[t, r] = x[t, :] . w[r, :] for MR tokens (rows of x, stride ldx) and NR rows of the
- * panel (stride ldw), all of length n (a multiple of VW). */
-static inline void tile(const float *x, int64_t ldx, const float *w, int64_t ldw, int64_t n,
-                        float out[MR][NR]) {
-    vf acc[MR][NR];
-    for (int t = 0; t < MR; t++)
-        for (int r = 0; r < NR; r++) acc[t][r] = (vf){0};
+/* Dot form: out[t][r] = x[t, :] . w[r, :] for DOT_MR tokens and DOT_NR rows of a row-major
+ * panel (stride ldw), k < n (a multiple of VW). */
+static inline void tile_dot(const float *x, int64_t ldx, const float *w, int64_t ldw, int64_t n,
+                            float out[DOT_MR][DOT_NR]) {
+    vf acc[DOT_MR][DOT_NR];
+    for (int t = 0; t < DOT_MR; t++)
+        for (int r = 0; r < DOT_NR; r++) acc[t][r] = BCAST(0.0f);
     for (int64_t k = 0; k < n; k += VW) {
-        vf xv[MR];
-        for (int t = 0; t < MR; t++) xv[t] = load_vf(x + t * ldx + k);
-        for (int r = 0; r < NR; r++) {
+        vf xv[DOT_MR];
+        for (int t = 0; t < DOT_MR; t++) xv[t] = load_vf(x + t * ldx + k);
+        for (int r = 0; r < DOT_NR; r++) {
             const vf wv = load_vf(w + r * ldw + k);
-            for (int t = 0; t < MR; t++) acc[t][r] = FMADD(xv[t], wv, acc[t][r]);
+            for (int t = 0; t < DOT_MR; t++) acc[t][r] = FMADD(xv[t], wv, acc[t][r]);
         }
     }
-    for (int t = 0; t < MR; t++)
-        for (int r = 0; r < NR; r++) out[t][r] = sum_vf(acc[t][r]);
+    for (int t = 0; t < DOT_MR; t++)
+        for (int r = 0; r < DOT_NR; r++) out[t][r] = sum_vf(acc[t][r]);
 }
 
-/* Rows [0, count) of the panel from the packed rows; rows [count, nb) are zero. */
+/* Rows [0, count) of a row-major panel; rows [count, nb) are zero. */
 static void dequantize_panel(const uint32_t *qweight, const uint16_t *scales,
                              const uint16_t *offsets, int64_t count, int64_t nb, int64_t padded_n,
                              int64_t gs, int bits, int portable, float *panel) {
@@ -99,36 +164,32 @@ static float *thread_buffer(size_t floats) {
     return buf;
 }
 
-/* y [m, rows] (row stride y_stride) for a block of rows; x [m, padded_n] float32, zero in the
- * padding. portable != 0 forces the portable unpacking. Returns 0, or -1 if out of memory or gs
- * is unsupported. */
-int dq_gemm(const uint32_t *qweight, const uint16_t *scales, const uint16_t *offsets,
-            int64_t rows, int64_t padded_n, int64_t gs, int bits, const float *x, int64_t m,
-            float *y, int64_t y_stride, int portable) {
+static int gemm_panels(const uint32_t *qweight, const uint16_t *scales, const uint16_t *offsets,
+                       int64_t rows, int64_t padded_n, int64_t gs, int bits, const float *x,
+                       int64_t m, float *y, int64_t y_stride, int portable) {
     const int64_t groups = padded_n / gs, words = bits * gs / 32;
-    if (gs > MAX_GROUP || gs % 32 != 0 || padded_n % VW != 0) return -1;
-    int64_t nb = PANEL_BYTES / (int64_t)sizeof(float) / padded_n / NR * NR;
-    nb = nb < NR ? NR : nb;
-    float *panel = thread_buffer((size_t)((nb + MR) * padded_n));
+    int64_t nb = PANEL_BYTES / (int64_t)sizeof(float) / padded_n / DOT_NR * DOT_NR;
+    nb = nb < DOT_NR ? DOT_NR : nb;
+    float *panel = thread_buffer((size_t)((nb + DOT_MR) * padded_n));
     if (!panel) return -1;
     float *xtail = panel + nb * padded_n; /* the last partial block of tokens, zero-padded */
-    const int64_t m_full = m - m % MR;
+    const int64_t m_full = m - m % DOT_MR;
     if (m_full < m) {
         memcpy(xtail, x + m_full * padded_n, (size_t)((m - m_full) * padded_n) * sizeof(float));
-        memset(xtail + (m - m_full) * padded_n, 0, (size_t)((MR - (m - m_full)) * padded_n) * sizeof(float));
+        memset(xtail + (m - m_full) * padded_n, 0, (size_t)((DOT_MR - (m - m_full)) * padded_n) * sizeof(float));
     }
-    float out[MR][NR];
+    float out[DOT_MR][DOT_NR];
     for (int64_t r0 = 0; r0 < rows; r0 += nb) {
         const int64_t count = rows - r0 < nb ? rows - r0 : nb;
-        const int64_t used = (count + NR - 1) / NR * NR;
+        const int64_t used = (count + DOT_NR - 1) / DOT_NR * DOT_NR;
         dequantize_panel(qweight + r0 * groups * words, scales + r0 * groups, offsets + r0 * groups,
                          count, used, padded_n, gs, bits, portable, panel);
-        for (int64_t t0 = 0; t0 < m; t0 += MR) {
+        for (int64_t t0 = 0; t0 < m; t0 += DOT_MR) {
             const float *xt = t0 < m_full ? x + t0 * padded_n : xtail;
-            const int64_t mt = m - t0 < MR ? m - t0 : MR;
-            for (int64_t r = 0; r < used; r += NR) {
-                tile(xt, padded_n, panel + r * padded_n, padded_n, padded_n, out);
-                const int64_t nr = count - r < NR ? count - r : NR;
+            const int64_t mt = m - t0 < DOT_MR ? m - t0 : DOT_MR;
+            for (int64_t r = 0; r < used; r += DOT_NR) {
+                tile_dot(xt, padded_n, panel + r * padded_n, padded_n, padded_n, out);
+                const int64_t nr = count - r < DOT_NR ? count - r : DOT_NR;
                 for (int64_t t = 0; t < mt; t++)
                     for (int64_t i = 0; i < nr; i++) y[(t0 + t) * y_stride + r0 + r + i] = out[t][i];
             }
@@ -137,5 +198,45 @@ int dq_gemm(const uint32_t *qweight, const uint16_t *scales, const uint16_t *off
     return 0;
 }
 
-/* The register tile the kernel was built with: MR tokens x NR rows x VW lanes. */
-int dq_gemm_tile(void) { return MR * 10000 + NR * 100 + VW; }
+static int gemm_strips(const uint32_t *qweight, const uint16_t *scales, const uint16_t *offsets,
+                       int64_t rows, int64_t padded_n, int64_t gs, int bits, const float *x,
+                       int64_t m, float *y, int64_t y_stride, int portable) {
+    const int64_t groups = padded_n / gs, words = bits * gs / 32;
+    float *strip = thread_buffer((size_t)((NRV + MR) * padded_n));
+    if (!strip) return -1;
+    float *xtail = strip + NRV * padded_n; /* the last partial block of tokens, zero-padded */
+    const int64_t m_full = m - m % MR;
+    if (m_full < m) {
+        memcpy(xtail, x + m_full * padded_n, (size_t)((m - m_full) * padded_n) * sizeof(float));
+        memset(xtail + (m - m_full) * padded_n, 0, (size_t)((MR - (m - m_full)) * padded_n) * sizeof(float));
+    }
+    float out[MR][NRV];
+    for (int64_t r0 = 0; r0 < rows; r0 += NRV) {
+        const int64_t count = rows - r0 < NRV ? rows - r0 : NRV;
+        dequantize_strip(qweight + r0 * groups * words, scales + r0 * groups, offsets + r0 * groups,
+                         count, padded_n, gs, bits, portable, strip);
+        for (int64_t t0 = 0; t0 < m; t0 += MR) {
+            const float *xt = t0 < m_full ? x + t0 * padded_n : xtail;
+            const int64_t mt = m - t0 < MR ? m - t0 : MR;
+            tile(xt, padded_n, strip, padded_n, out);
+            for (int64_t t = 0; t < mt; t++)
+                memcpy(y + (t0 + t) * y_stride + r0, out[t], (size_t)count * sizeof(float));
+        }
+    }
+    return 0;
+}
+
+/* y [m, rows] (row stride y_stride) for a block of rows; x [m, padded_n] float32, zero in the
+ * padding. portable != 0 forces the portable unpacking. Returns 0, or -1 if out of memory or gs
+ * is unsupported. */
+int dq_gemm(const uint32_t *qweight, const uint16_t *scales, const uint16_t *offsets,
+            int64_t rows, int64_t padded_n, int64_t gs, int bits, const float *x, int64_t m,
+            float *y, int64_t y_stride, int portable) {
+    if (gs > MAX_GROUP || gs % 32 != 0) return -1;
+    return (m < DOT_MAX_TOKENS ? gemm_panels : gemm_strips)(qweight, scales, offsets, rows,
+                                                            padded_n, gs, bits, x, m, y,
+                                                            y_stride, portable);
+}
+
+/* The register tile the kernel was built with: MR tokens x NRV rows (NRV = 2 vectors of VW). */
+int dq_gemm_tile(void) { return MR * 10000 + NRV * 100 + VW; }
