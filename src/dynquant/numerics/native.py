@@ -152,10 +152,11 @@ def _load() -> ctypes.CDLL | None:
     lib.dq_dequantize_rows.argtypes = [ptr, ptr, ptr, i64, i64, i64, c_int, ptr, c_int, c_int]
     lib.dq_vecmat.argtypes = [ptr, ptr, ptr, i64, i64, i64, c_int, ptr, i64, i64, i64, ptr, c_int]
     lib.dq_gemm.argtypes = [ptr, ptr, ptr, i64, i64, i64, c_int, ptr, i64, ptr, i64, c_int]
+    lib.dq_gemm_t.argtypes = [ptr, ptr, ptr, i64, i64, i64, c_int, ptr, i64, i64, i64, ptr, c_int]
     experts = [ptr, ptr, ptr, i64, i64, i64, c_int, ptr, i64, ptr, ptr, i64, i64, c_int]
     lib.dq_matvec_experts.argtypes = lib.dq_vecmat_experts.argtypes = experts
     for fn in (lib.dq_quantize_rows, lib.dq_matvec, lib.dq_matvec_has_simd, lib.dq_dequantize_rows,
-               lib.dq_vecmat, lib.dq_gemm, lib.dq_gemm_tile, lib.dq_matvec_experts,
+               lib.dq_vecmat, lib.dq_gemm, lib.dq_gemm_t, lib.dq_gemm_tile, lib.dq_matvec_experts,
                lib.dq_vecmat_experts):
         fn.restype = c_int
     return lib

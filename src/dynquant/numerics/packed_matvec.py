@@ -138,6 +138,34 @@ def packed_vecmat(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor,
     return y[:, : layout.in_features]
 
 
+def packed_gemm_t(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor,
+                  offsets: torch.Tensor, layout: LayerLayout, portable: bool = False
+                  ) -> torch.Tensor | None:
+    """float32 [m, in_features] = ``x`` [m, rows] @ W for any number of tokens, W a block of rows
+    stored in groups along the output dimension (expert banks used as ``x @ W[e]``): a group's
+    columns of every row dequantized into a per-thread panel, then the GEMM's register tiles;
+    groups split across threads. None without the kernels. Equal to :func:`packed_vecmat_ref` up
+    to float32 rounding."""
+    lib = native.library()
+    if lib is None:
+        return None
+    _check(x, qweight, scales, offsets, layout, qweight.shape[0])
+    xf = x.to(torch.float32).contiguous()
+    qweight, scales, offsets = qweight.contiguous(), scales.contiguous(), offsets.contiguous()
+    rows, n = qweight.shape[0], layout.padded_in_features
+    y = torch.empty(xf.shape[0], n)
+
+    def run(g0: int, g1: int) -> int:
+        return lib.dq_gemm_t(qweight.data_ptr(), scales.data_ptr(), offsets.data_ptr(), rows, n,
+                             layout.group_size, layout.bits, xf.data_ptr(), xf.shape[0], g0, g1,
+                             y.data_ptr(), int(portable))
+
+    if any(native.split_rows(run, layout.num_groups, rows * n * xf.shape[0],
+                             GEMM_PARALLEL_MIN_MACS)):
+        raise RuntimeError("dq_gemm_t failed (out of memory or unsupported group size)")
+    return y[:, : layout.in_features]
+
+
 def _expert_rows(layout: LayerLayout) -> int:
     return layout.num_rows // layout.logical_shape[0]
 
@@ -223,6 +251,7 @@ def simd_path() -> str | None:
 __all__ = [
     "MAX_TOKENS",
     "packed_gemm",
+    "packed_gemm_t",
     "packed_matvec",
     "packed_matvec_experts",
     "packed_matvec_ref",

@@ -26,6 +26,7 @@ from dynquant.format.layout import LayerLayout
 from dynquant.numerics.packed_matvec import (
     MAX_TOKENS,
     packed_gemm,
+    packed_gemm_t,
     packed_matvec,
     packed_matvec_experts,
     packed_vecmat,
@@ -274,7 +275,8 @@ class PackedExpert:
 
     def rmatmul(self, x: torch.Tensor) -> torch.Tensor | None:
         """``x @ self`` from the packed codes (see :func:`_decode_product`)."""
-        return _decode_product(packed_vecmat, x, *self._packed(), self.bank.layout)
+        return _decode_product(packed_vecmat, x, *self._packed(), self.bank.layout,
+                               gemm=packed_gemm_t)
 
     @classmethod
     def __torch_function__(cls, func, types, args=(), kwargs=None):  # the torch protocol

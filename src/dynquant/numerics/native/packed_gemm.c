@@ -60,18 +60,19 @@ static inline vf load_vf(const float *p) {
 
 static inline void store_vf(float *p, vf v) { memcpy(p, &v, sizeof v); }
 
-/* out[t][j] = sum_k x[t, k] * strip[k][j] for MR tokens (rows of x, stride ldx), k < n. The
+/* out[t][j] = sum_k x[t, k] * strip[k * ldb + j] for MR tokens (rows of x, stride ldx), k < n,
+ * j < NRV. The
  * registers sum KC columns at a time and out sums the blocks: float32 error grows with KC +
  * n / KC terms rather than n (at 2048 columns: 2e-6 of the largest output -> 4e-7, the BLAS's). */
 #define KC 256
-static inline void tile(const float *x, int64_t ldx, const float *strip, int64_t n,
+static inline void tile(const float *x, int64_t ldx, const float *strip, int64_t ldb, int64_t n,
                         float out[MR][NRV]) {
     for (int64_t k0 = 0; k0 < n; k0 += KC) {
         const int64_t k1 = n - k0 < KC ? n : k0 + KC;
         vf acc[MR][2];
         for (int t = 0; t < MR; t++) acc[t][0] = acc[t][1] = BCAST(0.0f);
         for (int64_t k = k0; k < k1; k++) {
-            const vf b0 = load_vf(strip + k * NRV), b1 = load_vf(strip + k * NRV + VW);
+            const vf b0 = load_vf(strip + k * ldb), b1 = load_vf(strip + k * ldb + VW);
             for (int t = 0; t < MR; t++) {
                 const vf xv = BCAST(x[t * ldx + k]);
                 acc[t][0] = FMADD(xv, b0, acc[t][0]);
@@ -218,7 +219,7 @@ static int gemm_strips(const uint32_t *qweight, const uint16_t *scales, const ui
         for (int64_t t0 = 0; t0 < m; t0 += MR) {
             const float *xt = t0 < m_full ? x + t0 * padded_n : xtail;
             const int64_t mt = m - t0 < MR ? m - t0 : MR;
-            tile(xt, padded_n, strip, padded_n, out);
+            tile(xt, padded_n, strip, NRV, padded_n, out);
             for (int64_t t = 0; t < mt; t++)
                 memcpy(y + (t0 + t) * y_stride + r0, out[t], (size_t)count * sizeof(float));
         }
@@ -236,6 +237,53 @@ int dq_gemm(const uint32_t *qweight, const uint16_t *scales, const uint16_t *off
     return (m < DOT_MAX_TOKENS ? gemm_panels : gemm_strips)(qweight, scales, offsets, rows,
                                                             padded_n, gs, bits, x, m, y,
                                                             y_stride, portable);
+}
+
+/* Groups [g0, g1) of a group's columns of every row: panel[h * gs + j] = w[h, g * gs + j]. */
+static void dequantize_group_columns(const uint32_t *qweight, const uint16_t *scales,
+                                     const uint16_t *offsets, int64_t rows, int64_t groups,
+                                     int64_t g, int64_t gs, int bits, int portable, float *panel) {
+    const int64_t words = bits * gs / 32;
+    const group_unpacker unpack = make_group_unpacker(bits, portable);
+    for (int64_t h = 0; h < rows; h++) {
+        float *dst = panel + h * gs;
+        unpack_codes_as_floats(&unpack, (const uint8_t *)(qweight + (h * groups + g) * words), gs, dst);
+        const float s = bf16_value(scales[h * groups + g]), o = bf16_value(offsets[h * groups + g]);
+        for (int64_t j = 0; j < gs; j++) dst[j] = dst[j] * s + o;
+    }
+}
+
+/* y = x @ W for many tokens, W [rows, padded_n] stored in groups along its rows (the output
+ * dimension: expert banks used as x @ W[e]); x [m, rows], y [m, padded_n], groups [g0, g1).
+ * A group's columns of every row are dequantized into a panel that is already k-major (k = the
+ * row), and the same register tiles run over it, NRV columns at a time. */
+int dq_gemm_t(const uint32_t *qweight, const uint16_t *scales, const uint16_t *offsets,
+              int64_t rows, int64_t padded_n, int64_t gs, int bits, const float *x, int64_t m,
+              int64_t g0, int64_t g1, float *y, int portable) {
+    const int64_t groups = padded_n / gs;
+    if (gs > MAX_GROUP || gs % NRV != 0) return -1;
+    float *panel = thread_buffer((size_t)(rows * gs + MR * rows));
+    if (!panel) return -1;
+    float *xtail = panel + rows * gs;
+    const int64_t m_full = m - m % MR;
+    if (m_full < m) {
+        memcpy(xtail, x + m_full * rows, (size_t)((m - m_full) * rows) * sizeof(float));
+        memset(xtail + (m - m_full) * rows, 0, (size_t)((MR - (m - m_full)) * rows) * sizeof(float));
+    }
+    float out[MR][NRV];
+    for (int64_t g = g0; g < g1; g++) {
+        dequantize_group_columns(qweight, scales, offsets, rows, groups, g, gs, bits, portable, panel);
+        for (int64_t t0 = 0; t0 < m; t0 += MR) {
+            const float *xt = t0 < m_full ? x + t0 * rows : xtail;
+            const int64_t mt = m - t0 < MR ? m - t0 : MR;
+            for (int64_t j = 0; j < gs; j += NRV) {
+                tile(xt, rows, panel + j, gs, rows, out);
+                for (int64_t t = 0; t < mt; t++)
+                    memcpy(y + (t0 + t) * padded_n + g * gs + j, out[t], NRV * sizeof(float));
+            }
+        }
+    }
+    return 0;
 }
 
 /* The register tile the kernel was built with: MR tokens x NRV rows (NRV = 2 vectors of VW). */
