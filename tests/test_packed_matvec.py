@@ -269,3 +269,14 @@ def test_packed_gemm_on_a_large_matrix_stays_within_float32_rounding():
     blas = x @ qt.dequantize(torch.float32).T
     ours = ((y - exact).abs().max() / exact.abs().max()).item()
     assert ours < 1e-6 and ours < 2 * ((blas - exact).abs().max() / exact.abs().max()).item()
+
+
+def test_the_one_token_fast_path_gives_the_kernels_bits_and_follows_new_buffers():
+    lin, _ = _linear(3, out=96, inp=256)  # no padding, small: the fast path applies
+    x = torch.randn(1, 1, 256)
+    general = packed_matvec(x[0], lin.qweight, lin.scales, lin.offsets, lin.layout)
+    assert torch.equal(lin.matvec(x)[0], general) and lin._fast[0] is not None
+    other = quantize_tensor(torch.randn(96, 256), 3)
+    lin.qweight, lin.scales, lin.offsets = other.qweight, other.scales, other.offsets
+    expect = packed_matvec(x[0], other.qweight, other.scales, other.offsets, other.layout)
+    assert torch.equal(lin.matvec(x)[0], expect)  # rebuilt for the new buffers

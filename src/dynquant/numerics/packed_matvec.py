@@ -97,6 +97,38 @@ def packed_gemm(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor,
     return y
 
 
+class OneTokenMatvec:
+    """``packed_matvec`` of one float32 token with the per-call work done once: the block's
+    checks, pointers and arguments are fixed when it is made (it keeps the tensors alive; callers
+    rebuild it when a buffer is replaced). A decode step calls it once per
+    Linear; on small matrices (256 x 256) the general call's checks, conversions and thread
+    split cost more than the product. Same kernel, same bits. Only for blocks that run on one
+    thread (below PARALLEL_MIN_ELEMENTS) and have no padding."""
+
+    def __init__(self, qweight: torch.Tensor, scales: torch.Tensor, offsets: torch.Tensor,
+                 layout: LayerLayout) -> None:
+        native.check_packed_block(qweight, scales, offsets, layout.bits, layout.group_size,
+                                  layout.in_features)
+        if not (qweight.is_contiguous() and scales.is_contiguous() and offsets.is_contiguous()):
+            raise ValueError("OneTokenMatvec needs contiguous tensors")
+        self.rows, self.n = qweight.shape[0], layout.in_features
+        self.tensors = (qweight, scales, offsets)  # kept alive while their pointers are used
+        self.args = (qweight.data_ptr(), scales.data_ptr(), offsets.data_ptr(), self.rows,
+                     layout.padded_in_features, layout.group_size, layout.bits)
+
+    @staticmethod
+    def applies(layout: LayerLayout, rows: int) -> bool:
+        return (layout.padded_in_features == layout.in_features
+                and rows * layout.in_features < PARALLEL_MIN_ELEMENTS)
+
+    def __call__(self, lib, x: torch.Tensor) -> torch.Tensor:
+        """float32 [1, rows] for a contiguous float32 x of ``in_features`` values."""
+        y = torch.empty(1, self.rows)
+        if lib.dq_matvec(*self.args, x.data_ptr(), 1, y.data_ptr(), self.rows, 0):
+            raise RuntimeError("dq_matvec failed (out of memory)")
+        return y
+
+
 def _check(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor, offsets: torch.Tensor,
            layout: LayerLayout, contracted: int) -> None:
     native.check_packed_block(qweight, scales, offsets, layout.bits, layout.group_size,
@@ -250,6 +282,7 @@ def simd_path() -> str | None:
 
 __all__ = [
     "MAX_TOKENS",
+    "OneTokenMatvec",
     "packed_gemm",
     "packed_gemm_t",
     "packed_matvec",

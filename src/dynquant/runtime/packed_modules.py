@@ -23,8 +23,10 @@ from torch import nn
 from torch.utils._pytree import tree_map
 
 from dynquant.format.layout import LayerLayout
+from dynquant.numerics import native
 from dynquant.numerics.packed_matvec import (
     MAX_TOKENS,
+    OneTokenMatvec,
     packed_gemm,
     packed_gemm_t,
     packed_matvec,
@@ -117,8 +119,29 @@ class PackedWeight(nn.Module):
 
     def matvec(self, x: torch.Tensor) -> torch.Tensor | None:
         """``x @ W^T`` from the packed codes, any number of tokens (see :func:`_decode_product`)."""
+        if x.dtype == torch.float32 and x.numel() == x.shape[-1] and x.is_contiguous():
+            y = self._one_token(x)
+            if y is not None:
+                return y.view(*x.shape[:-1], -1)
         return _decode_product(packed_matvec, x, self.qweight, self.scales, self.offsets,
                                self.layout, gemm=packed_gemm)
+
+    def _one_token(self, x: torch.Tensor) -> torch.Tensor | None:
+        """Decode's common case (one float32 token, a small matrix) without the general call's
+        per-call work (``OneTokenMatvec``); None where it does not apply."""
+        lib = native.library()
+        if lib is None or _needs_grad(x) or self.qweight.device.type != "cpu":
+            return None
+        fast, buffers = getattr(self, "_fast", (None, ()))
+        current = (self.qweight, self.scales, self.offsets)
+        if len(buffers) != 3 or any(a is not b for a, b in zip(buffers, current, strict=True)):
+            # first use, or a buffer was replaced
+            if not OneTokenMatvec.applies(self.layout, self.qweight.shape[0]):
+                return None
+            fast = OneTokenMatvec(self.qweight.contiguous(), self.scales.contiguous(),
+                                  self.offsets.contiguous(), self.layout)
+            self._fast = (fast, current)
+        return fast(lib, x)
 
     def extra_repr(self) -> str:
         lay = self.layout
