@@ -26,10 +26,13 @@ lint: $(STAMP)
 clean:
 	rm -rf $(VENV) out
 
-BENCHMARKS := int4_gemv quantizer_vs_hqq seed_scale quantize_memory decode reference_models allocation_quality quality_vs_hqq
+BENCHMARKS := packed_products int4_gemv quantizer_vs_hqq seed_scale quantize_memory decode reference_models allocation_quality quality_vs_hqq
 
 .PHONY: bench
 bench: $(STAMP)
 	$(BIN)/pip install -q 'hqq>=0.2.8'
 	mkdir -p out/bench
 	for b in $(BENCHMARKS); do $(BIN)/python -m benchmarks.$$b | tee out/bench/$$b.txt; done
+	# as on an AVX2-only CPU, and decode in float32 beside the CPU's own compute dtype
+	$(BIN)/python -m benchmarks.packed_products --as-avx2 | tee out/bench/packed_products_avx2.txt
+	$(BIN)/python -m benchmarks.decode --dtype float32 | tee out/bench/decode_float32.txt

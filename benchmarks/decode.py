@@ -99,6 +99,7 @@ def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--dtype", default="auto", choices=("auto", "bfloat16", "float32"))
     parser.add_argument("--skip-seed", action="store_true", help="leave out the 1.69 B model")
+    parser.add_argument("--only-seed", action="store_true", help="the 1.69 B model alone")
     args = parser.parse_args()
     dtype = resolve_dtype(args.dtype)
     print(f"# decode, batch 1, {NEW_TOKENS} new tokens, {dtype_name(dtype)}, {machine()}")
@@ -109,7 +110,7 @@ def main() -> None:
         sources = {"hybrid-ref": (resolve_model(str(models / "hybrid-ref")), False, 4096),
                    "llama-ref": (resolve_model(str(models / "llama-ref")), False, 4096),
                    "qwen3-moe": (resolve_model(str(qwen3_moe_dir(root))), False, 4096)}
-        for name, (source, random_init, vocab) in sources.items():
+        for name, (source, random_init, vocab) in ({} if args.only_seed else sources).items():
             modules = [s.module for s in source.tensor_specs() if s.quantizable]
             for label, widths in (("uniform-4", {m: 4 for m in modules}),
                                   ("uniform-3", {m: 3 for m in modules}),

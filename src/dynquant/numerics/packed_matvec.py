@@ -27,6 +27,8 @@ VECMAT_PARALLEL_MIN_ELEMENTS = 1 << 23
 # The packed GEMM splits rows across threads from this many multiply-adds (tokens x weights):
 # 256 x 256 x 64 tokens (4 M) runs faster on one thread than paying the hand-off.
 GEMM_PARALLEL_MIN_MACS = 1 << 23
+# The pairs kernels split pairs (whole experts) across threads from this many weights.
+PAIRS_PARALLEL_MIN_ELEMENTS = 1 << 23
 
 
 def packed_matvec_ref(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor,
@@ -260,13 +262,14 @@ def packed_vecmat_experts(x: torch.Tensor, experts: torch.Tensor, qweight: torch
     n = layout.padded_in_features
     y = torch.empty(xf.shape[0], n)
 
-    def run(g0: int, g1: int) -> int:
+    def run(p0: int, p1: int) -> int:  # pairs [p0, p1): whole experts, read front to back
         return lib.dq_vecmat_experts(qweight.data_ptr(), scales.data_ptr(), offsets.data_ptr(),
-                                     per, n, layout.group_size, layout.bits, ids.data_ptr(),
-                                     xf.shape[0], xf.data_ptr(), y.data_ptr(), g0, g1, 0)
+                                     per, n, layout.group_size, layout.bits,
+                                     native.row_ptr(ids, p0), p1 - p0, native.row_ptr(xf, p0),
+                                     native.row_ptr(y, p0), 0, layout.num_groups, 0)
 
     work = xf.shape[0] * per * n
-    if any(native.split_rows(run, layout.num_groups, work, VECMAT_PARALLEL_MIN_ELEMENTS)):
+    if any(native.split_rows(run, xf.shape[0], work, PAIRS_PARALLEL_MIN_ELEMENTS)):
         raise RuntimeError("dq_vecmat_experts failed (unsupported group size)")
     return y[:, : layout.in_features]
 

@@ -1,0 +1,72 @@
+"""Packed products at 4096 x 4096 in float32 against torch's dense float32 products, on this
+machine's own kernel build, or as on an AVX2-only CPU (``--as-avx2``: the kernels built for
+x86-64-v3 and torch's own kernels capped at AVX2 through ATEN_CPU_CAPABILITY, ONEDNN_MAX_CPU_ISA
+and MKL_ENABLE_INSTRUCTIONS; the nearest this AVX-512 machine gets to a real AVX2 part).
+
+- one token: the packed matvec at 2/3/4/8 bits vs the dense float32 GEMV (target >= 2x);
+- 9, 64 and 512 tokens: the packed GEMM vs the dense float32 GEMM (target >= 1x);
+- beside them: torch's int4 kernel with bf16 and float32 activations, and dense bf16.
+"""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+
+import torch
+import torch.nn.functional as F
+
+from benchmarks.common import best_time, figure, machine
+from dynquant import quantize_tensor
+from dynquant.numerics.packed_matvec import packed_gemm, packed_matvec, simd_path
+from dynquant.runtime.int4_cpu import pack_int4
+
+AVX2_LIMITS = {"DYNQUANT_NATIVE_ARCH": "x86-64-v3", "ATEN_CPU_CAPABILITY": "avx2",
+               "ONEDNN_MAX_CPU_ISA": "AVX2", "MKL_ENABLE_INSTRUCTIONS": "AVX2"}
+
+
+def main(n: int = 4096) -> None:
+    if "--as-avx2" in sys.argv:
+        env = {**os.environ, **AVX2_LIMITS}
+        env.setdefault("DYNQUANT_CACHE_DIR", os.path.expanduser("~/.cache/dynquant-avx2"))
+        sys.exit(subprocess.run([sys.executable, "-m", "benchmarks.packed_products"],
+                                env=env).returncode)
+    print(f"# packed products, {n} x {n}, float32, kernels: {simd_path()}, {machine()}")
+    torch.set_grad_enabled(False)
+    g = torch.Generator().manual_seed(0)
+    w = torch.randn(n, n, generator=g)
+    quantized = {bits: quantize_tensor(w, bits) for bits in (2, 3, 4, 8)}
+    dense = quantized[3].dequantize(torch.float32)
+    x1 = torch.randn(1, n, generator=g)
+    t_gemv = best_time(lambda: F.linear(x1, dense), repeat=30)
+    figure("dense float32 GEMV", t_gemv * 1e3, "ms")
+    for bits, q in quantized.items():
+        t = best_time(lambda q=q: packed_matvec(x1, q.qweight, q.scales, q.offsets, q.layout),
+                      repeat=30)
+        figure(f"packed matvec {bits}-bit", t * 1e3, "ms")
+        figure(f"packed matvec {bits}-bit speed vs dense float32 GEMV", t_gemv / t, "x")
+    q = quantized[3]
+    for m in (9, 64, 512):
+        x = torch.randn(m, n, generator=g)
+        t_dense = best_time(lambda x=x: F.linear(x, dense), repeat=5)
+        t = best_time(lambda x=x: packed_gemm(x, q.qweight, q.scales, q.offsets, q.layout),
+                      repeat=5)
+        figure(f"{m} tokens: dense float32 GEMM", t_dense * 1e3, "ms")
+        figure(f"{m} tokens: packed GEMM 3-bit", t * 1e3, "ms")
+        figure(f"{m} tokens: packed GEMM speed vs dense float32", t_dense / t, "x")
+    q4 = quantized[4]
+    packed, scale_zero = pack_int4(q4.qweight, q4.scales, q4.offsets)
+    for dtype in (torch.bfloat16, torch.float32):
+        x = x1.to(dtype)
+        sz = scale_zero.to(dtype)
+        t = best_time(lambda x=x, sz=sz: torch.ops.aten._weight_int4pack_mm_for_cpu(
+            x, packed, 128, sz), repeat=10)
+        figure(f"torch int4 kernel, {str(dtype)[6:]} activations, one token", t * 1e3, "ms")
+    dense_bf16, x_bf16 = dense.to(torch.bfloat16), x1.to(torch.bfloat16)
+    figure("dense bf16 GEMV", best_time(lambda: F.linear(x_bf16, dense_bf16), repeat=30) * 1e3,
+           "ms")
+
+
+if __name__ == "__main__":
+    main()
