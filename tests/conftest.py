@@ -5,6 +5,8 @@ from pathlib import Path
 
 import pytest
 
+import dynquant  # noqa: F401  (before torch, as users are told to: OpenMP's short spin)
+
 DATA = Path(__file__).parent / "data"
 SEED = DATA / "seed_dynquant.json"
 

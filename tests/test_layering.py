@@ -8,7 +8,7 @@ from pathlib import Path
 
 SRC = Path(__file__).parents[1] / "src" / "dynquant"
 RANK = {"errors": 0, "format": 1, "numerics": 2, "checkpoint": 3, "models": 4, "runtime": 4,
-        "pipeline": 5, "api": 6, "cli": 6, "autoregister": 6, "openmp": 0}
+        "pipeline": 5, "api": 6, "cli": 6, "autoregister": 6, "openmp": 0}  # openmp: read by runtime
 
 
 def _layer(module: str) -> str:

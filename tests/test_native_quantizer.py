@@ -124,18 +124,24 @@ def test_fresh_cache_builds_and_no_compiler_falls_back_with_the_same_result(tmp_
 _FORK = """
 import os, torch
 from dynquant import quantize_tensor
-from dynquant.numerics import row_kernels
-row_kernels.PARALLEL_MIN_ELEMENTS = 0  # every call uses the thread pool
+from dynquant.numerics import packed_matvec, row_kernels
+row_kernels.PARALLEL_MIN_ELEMENTS = 0  # every call uses the Python thread pool
+packed_matvec.PARALLEL_MIN_ELEMENTS = 0  # and every matvec the native pool (pool.c)
 w = torch.randn(512, 512, generator=torch.Generator().manual_seed(0))
+x = torch.randn(1, 512)
 a = quantize_tensor(w, 3)
+y = packed_matvec.packed_matvec(x, a.qweight, a.scales, a.offsets, a.layout)
 pid = os.fork()
-if pid == 0:  # the child inherits the parent's pool object, not its threads
-    os._exit(0 if torch.equal(a.qweight, quantize_tensor(w, 3).qweight) else 1)
+if pid == 0:  # the child inherits the parents' pool objects, not their threads
+    same = torch.equal(a.qweight, quantize_tensor(w, 3).qweight) and all(
+        torch.equal(y, packed_matvec.packed_matvec(x, a.qweight, a.scales, a.offsets, a.layout))
+        for _ in range(50))
+    os._exit(0 if same else 1)
 print(os.waitpid(pid, 0)[1])
 """
 
 
-def test_a_forked_child_gets_its_own_thread_pool():
+def test_a_forked_child_gets_its_own_thread_pools():
     out = subprocess.run([sys.executable, "-c", _FORK], capture_output=True, text=True,
                          timeout=120, check=True)  # it hung forever with the parent's pool
     assert out.stdout.strip() == "0"

@@ -280,3 +280,20 @@ def test_the_one_token_fast_path_gives_the_kernels_bits_and_follows_new_buffers(
     lin.qweight, lin.scales, lin.offsets = other.qweight, other.scales, other.offsets
     expect = packed_matvec(x[0], other.qweight, other.scales, other.offsets, other.layout)
     assert torch.equal(lin.matvec(x)[0], expect)  # rebuilt for the new buffers
+
+
+def test_the_native_pool_splits_any_count_of_parts_and_keeps_the_bits(monkeypatch):
+    """pool.c: every thread count (parts larger than the work included), many jobs in a row (a
+    worker that sleeps between them and one that spins), the same bits as one thread."""
+    import time
+
+    qt = quantize_tensor(torch.randn(37, 512, generator=torch.Generator().manual_seed(3)), 3)
+    x = torch.randn(1, 512)
+    one = packed_matvec(x, qt.qweight, qt.scales, qt.offsets, qt.layout)
+    monkeypatch.setattr(packed_matvec_module, "PARALLEL_MIN_ELEMENTS", 0)
+    for threads in (2, 3, 8, 64):
+        monkeypatch.setattr(torch, "get_num_threads", lambda t=threads: t)
+        for i in range(20):
+            assert torch.equal(packed_matvec(x, qt.qweight, qt.scales, qt.offsets, qt.layout), one)
+            if i % 5 == 0:
+                time.sleep(0.001)  # past the workers' spin: they sleep and are woken

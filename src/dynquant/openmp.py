@@ -18,12 +18,31 @@ import os
 import sys
 
 SPIN_COUNT = "1000"
+# Whether torch had loaded its OpenMP runtime, with no policy chosen, before dynquant could set one.
+too_late = False
 
 
 def set_short_spin() -> bool:
     """Set ``GOMP_SPINCOUNT`` unless the user chose a policy or torch is already loaded;
     whether it was set."""
-    if "torch" in sys.modules or "OMP_WAIT_POLICY" in os.environ or "GOMP_SPINCOUNT" in os.environ:
+    global too_late
+    if "OMP_WAIT_POLICY" in os.environ or "GOMP_SPINCOUNT" in os.environ:
+        return False
+    if "torch" in sys.modules:
+        too_late = True
         return False
     os.environ["GOMP_SPINCOUNT"] = SPIN_COUNT
     return True
+
+
+def warn_if_too_late() -> None:
+    """Once, where it matters (loading a model to run): torch's threads spin long."""
+    global too_late
+    if too_late:
+        import warnings
+
+        too_late = False
+        warnings.warn("dynquant: torch was imported before dynquant, so its OpenMP threads spin "
+                      "~300,000 iterations when idle and hold the cores the packed kernels' "
+                      "threads need (decode up to 1.3x slower); import dynquant first or set "
+                      "GOMP_SPINCOUNT=1000", RuntimeWarning, stacklevel=3)

@@ -12,7 +12,10 @@ The kernels (``native/*.c``) and their Python sides:
   rows dequantized into a per-thread float32 buffer that stays in cache;
 - ``packed_experts.c`` (``packed_matvec.py``): a few (token, expert) pairs of a bank in one call
   (MoE decode), each pair by the one-token kernels;
-- ``unpack.h``: reading packed codes, with AVX-512 VBMI where the CPU has it.
+- ``unpack.h``: reading packed codes, with AVX-512 VBMI where the CPU has it;
+- ``pool.c``: the decode kernels' threads (``*_mt`` entry points): a part reaches a waiting
+  worker within a microsecond (a Python pool hand-off costs ~50 us, as much as a decode
+  product); waits spin at most 20 us, then sleep.
 
 The shared library is built with the system C compiler (``$CC``, else ``cc``) into
 ``$DYNQUANT_CACHE_DIR`` (default ``$XDG_CACHE_HOME/dynquant`` or ``~/.cache/dynquant``), keyed by
@@ -45,7 +48,7 @@ SOURCES = tuple(sorted((Path(__file__).parent / "native").glob("*.c")))
 HEADERS = tuple(sorted((Path(__file__).parent / "native").glob("*.h")))
 LIBRARY_NAME = "libdynquant_native.so"
 # IEEE semantics are part of the contract: never -ffast-math; no contraction into FMA.
-BASE_FLAGS = ("-O3", "-std=c11", "-ffp-contract=off", "-fPIC", "-shared")
+BASE_FLAGS = ("-O3", "-std=c11", "-ffp-contract=off", "-fPIC", "-shared", "-pthread")
 # Tried in order: the first set the compiler accepts is used.
 ARCH_FLAGS: tuple[tuple[str, ...], ...] = (
     ("-march=native", "-mno-amx-tile", "-mno-amx-int8", "-mno-amx-bf16"),
@@ -155,9 +158,15 @@ def _load() -> ctypes.CDLL | None:
     lib.dq_gemm_t.argtypes = [ptr, ptr, ptr, i64, i64, i64, c_int, ptr, i64, i64, i64, ptr, c_int]
     experts = [ptr, ptr, ptr, i64, i64, i64, c_int, ptr, i64, ptr, ptr, i64, i64, c_int]
     lib.dq_matvec_experts.argtypes = lib.dq_vecmat_experts.argtypes = experts
+    # the decode kernels with their work split by pool.c's threads (last argument: threads)
+    lib.dq_matvec_mt.argtypes = [*lib.dq_matvec.argtypes, c_int]
+    lib.dq_vecmat_mt.argtypes = [ptr, ptr, ptr, i64, i64, i64, c_int, ptr, i64, ptr, c_int, c_int]
+    experts_mt = [ptr, ptr, ptr, i64, i64, i64, c_int, ptr, i64, ptr, ptr, c_int, c_int]
+    lib.dq_matvec_experts_mt.argtypes = lib.dq_vecmat_experts_mt.argtypes = experts_mt
     for fn in (lib.dq_quantize_rows, lib.dq_matvec, lib.dq_matvec_has_simd, lib.dq_dequantize_rows,
                lib.dq_vecmat, lib.dq_gemm, lib.dq_gemm_t, lib.dq_gemm_tile, lib.dq_matvec_experts,
-               lib.dq_vecmat_experts):
+               lib.dq_vecmat_experts, lib.dq_matvec_mt, lib.dq_vecmat_mt,
+               lib.dq_matvec_experts_mt, lib.dq_vecmat_experts_mt):
         fn.restype = c_int
     return lib
 
@@ -185,6 +194,12 @@ def _pool(workers: int, pid: int) -> ThreadPoolExecutor:
     return ThreadPoolExecutor(workers, thread_name_prefix=f"dynquant-{pid}")
 
 
+def threads_for(elements: int, min_elements: int) -> int:
+    """How many threads a native ``*_mt`` call should use: torch's thread count from
+    ``min_elements`` values of work, else one."""
+    return torch.get_num_threads() if elements >= min_elements else 1
+
+
 def row_ptr(t: torch.Tensor, row: int) -> int:
     """Address of ``t[row]`` (contiguous ``t``) without making a view (views cost ~2 us each)."""
     return t.data_ptr() + row * t.stride(0) * t.element_size()
@@ -207,4 +222,4 @@ def check_packed_block(qweight: torch.Tensor, scales: torch.Tensor, offsets: tor
 
 
 __all__ = ["INPUT_DTYPES", "MAX_GROUP_SIZE", "available", "check_packed_block", "library",
-           "row_ptr", "split_rows"]
+           "row_ptr", "split_rows", "threads_for"]

@@ -1,4 +1,5 @@
-"""``y = x @ W^T`` and ``y = x @ W`` straight from a packed weight, for a few tokens (decode).
+"""``y = x @ W^T`` and ``y = x @ W`` straight from a packed weight: a few tokens (decode), many
+tokens (prefill: the packed GEMMs), and a few (token, expert) pairs of an expert bank.
 
 ``packed_matvec`` contracts over the axis the groups run along (a Linear, ``F.linear(x, W)``);
 ``packed_vecmat`` over the other one (an expert bank used as ``x @ W[e]``). The native kernels
@@ -6,7 +7,7 @@
 materialise W: a step of decode reads ``bits/16`` of the bytes a bf16 matrix would. They
 accumulate in float32, closer to the exact product than dequantizing to bf16 first. The ``*_ref``
 functions are the plain definitions the kernels are held to. Beyond ``MAX_TOKENS`` tokens
-(prefill) dequantizing a block and calling the BLAS matmul is faster, and callers do that instead.
+(prefill) the packed GEMMs (``native/packed_gemm.c``) take over.
 """
 
 from __future__ import annotations
@@ -19,16 +20,15 @@ from dynquant.numerics import native
 from dynquant.numerics.quantizer import dequantize_rows
 
 MAX_TOKENS = 8
-# Below this many weights a product runs on one thread: a thread hand-off costs ~50 us, and
-# measured on 2 cores threads pay off for matvec from ~4 M weights (4096^2: 1.3 vs 2.3 ms), for
-# vecmat (which splits each row between threads) not at 2.4 M weights.
-PARALLEL_MIN_ELEMENTS = 1 << 21
-VECMAT_PARALLEL_MIN_ELEMENTS = 1 << 23
+# Below this many weights a decode product runs on one thread. The decode kernels split their
+# work with native/pool.c, whose hand-off takes ~1 us (a Python pool's ~50 us made threads pay
+# only from ~4 M weights): measured on 2 cores, from ~64 K weights (matvec: 256 x 256 10.0 vs
+# 12.2 us) / 1 M (vecmat: 4 experts of 1024 x 1152, 155 vs 247 us).
+PARALLEL_MIN_ELEMENTS = 1 << 16
+VECMAT_PARALLEL_MIN_ELEMENTS = 1 << 20
 # The packed GEMM splits rows across threads from this many multiply-adds (tokens x weights):
 # 256 x 256 x 64 tokens (4 M) runs faster on one thread than paying the hand-off.
 GEMM_PARALLEL_MIN_MACS = 1 << 23
-# The pairs kernels split pairs (whole experts) across threads from this many weights.
-PAIRS_PARALLEL_MIN_ELEMENTS = 1 << 23
 
 
 def packed_matvec_ref(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor,
@@ -57,14 +57,10 @@ def packed_matvec(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor,
     qweight, scales, offsets = qweight.contiguous(), scales.contiguous(), offsets.contiguous()
     y = torch.empty(xf.shape[0], rows)
 
-    def run(lo: int, hi: int) -> int:
-        return lib.dq_matvec(native.row_ptr(qweight, lo), native.row_ptr(scales, lo),
-                             native.row_ptr(offsets, lo), hi - lo,
-                             layout.padded_in_features, layout.group_size, layout.bits,
-                             xf.data_ptr(), xf.shape[0], y.data_ptr() + lo * y.element_size(), rows,
-                             int(portable))
-
-    if any(native.split_rows(run, rows, rows * layout.padded_in_features, PARALLEL_MIN_ELEMENTS)):
+    threads = native.threads_for(rows * layout.padded_in_features, PARALLEL_MIN_ELEMENTS)
+    if lib.dq_matvec_mt(qweight.data_ptr(), scales.data_ptr(), offsets.data_ptr(), rows,
+                        layout.padded_in_features, layout.group_size, layout.bits, xf.data_ptr(),
+                        xf.shape[0], y.data_ptr(), rows, int(portable), threads):
         raise RuntimeError("dq_matvec failed (out of memory or unsupported group size)")
     return y
 
@@ -101,11 +97,10 @@ def packed_gemm(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor,
 
 class OneTokenMatvec:
     """``packed_matvec`` of one float32 token with the per-call work done once: the block's
-    checks, pointers and arguments are fixed when it is made (it keeps the tensors alive; callers
-    rebuild it when a buffer is replaced). A decode step calls it once per
-    Linear; on small matrices (256 x 256) the general call's checks, conversions and thread
-    split cost more than the product. Same kernel, same bits. Only for blocks that run on one
-    thread (below PARALLEL_MIN_ELEMENTS) and have no padding."""
+    checks, pointers, arguments and thread count are fixed when it is made (it keeps the tensors
+    alive; callers rebuild it when a buffer is replaced). A decode step calls it once per Linear;
+    on small matrices (256 x 256) the general call's checks and conversions cost more than the
+    product. Same kernel, same bits. Only for blocks without padding."""
 
     def __init__(self, qweight: torch.Tensor, scales: torch.Tensor, offsets: torch.Tensor,
                  layout: LayerLayout) -> None:
@@ -117,16 +112,17 @@ class OneTokenMatvec:
         self.tensors = (qweight, scales, offsets)  # kept alive while their pointers are used
         self.args = (qweight.data_ptr(), scales.data_ptr(), offsets.data_ptr(), self.rows,
                      layout.padded_in_features, layout.group_size, layout.bits)
+        self.threads = native.threads_for(self.rows * self.n, PARALLEL_MIN_ELEMENTS)
 
     @staticmethod
-    def applies(layout: LayerLayout, rows: int) -> bool:
-        return (layout.padded_in_features == layout.in_features
-                and rows * layout.in_features < PARALLEL_MIN_ELEMENTS)
+    def applies(layout: LayerLayout) -> bool:
+        return layout.padded_in_features == layout.in_features
 
     def __call__(self, lib, x: torch.Tensor) -> torch.Tensor:
         """float32 [1, rows] for a contiguous float32 x of ``in_features`` values."""
         y = torch.empty(1, self.rows)
-        if lib.dq_matvec(*self.args, x.data_ptr(), 1, y.data_ptr(), self.rows, 0):
+        if lib.dq_matvec_mt(*self.args, x.data_ptr(), 1, y.data_ptr(), self.rows, 0,
+                            self.threads):
             raise RuntimeError("dq_matvec failed (out of memory)")
         return y
 
@@ -159,15 +155,13 @@ def packed_vecmat(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor,
     _check(x, qweight, scales, offsets, layout, qweight.shape[0])
     xf = x.to(torch.float32).contiguous()
     qweight, scales, offsets = qweight.contiguous(), scales.contiguous(), offsets.contiguous()
-    rows, groups, n = qweight.shape[0], layout.num_groups, layout.padded_in_features
+    rows, _groups, n = qweight.shape[0], layout.num_groups, layout.padded_in_features
     y = torch.empty(xf.shape[0], n)
 
-    def run(g0: int, g1: int) -> int:
-        return lib.dq_vecmat(qweight.data_ptr(), scales.data_ptr(), offsets.data_ptr(), rows, n,
-                             layout.group_size, layout.bits, xf.data_ptr(), xf.shape[0], g0, g1,
-                             y.data_ptr(), int(portable))
-
-    if any(native.split_rows(run, groups, rows * n, VECMAT_PARALLEL_MIN_ELEMENTS)):
+    threads = native.threads_for(rows * n, VECMAT_PARALLEL_MIN_ELEMENTS)
+    if lib.dq_vecmat_mt(qweight.data_ptr(), scales.data_ptr(), offsets.data_ptr(), rows, n,
+                        layout.group_size, layout.bits, xf.data_ptr(), xf.shape[0], y.data_ptr(),
+                        int(portable), threads):
         raise RuntimeError("dq_vecmat failed (unsupported group size)")
     return y[:, : layout.in_features]
 
@@ -232,14 +226,11 @@ def packed_matvec_experts(x: torch.Tensor, experts: torch.Tensor, qweight: torch
     qweight, scales, offsets = qweight.contiguous(), scales.contiguous(), offsets.contiguous()
     y = torch.empty(xf.shape[0], per)
 
-    def run(lo: int, hi: int) -> int:
-        return lib.dq_matvec_experts(qweight.data_ptr(), scales.data_ptr(), offsets.data_ptr(),
-                                     per, layout.padded_in_features, layout.group_size,
-                                     layout.bits, ids.data_ptr(), xf.shape[0], xf.data_ptr(),
-                                     y.data_ptr(), lo, hi, 0)
-
     work = xf.shape[0] * per * layout.padded_in_features
-    if any(native.split_rows(run, per, work, PARALLEL_MIN_ELEMENTS)):
+    if lib.dq_matvec_experts_mt(qweight.data_ptr(), scales.data_ptr(), offsets.data_ptr(), per,
+                                layout.padded_in_features, layout.group_size, layout.bits,
+                                ids.data_ptr(), xf.shape[0], xf.data_ptr(), y.data_ptr(), 0,
+                                native.threads_for(work, PARALLEL_MIN_ELEMENTS)):
         raise RuntimeError("dq_matvec_experts failed (out of memory or unsupported group size)")
     return y
 
@@ -262,14 +253,11 @@ def packed_vecmat_experts(x: torch.Tensor, experts: torch.Tensor, qweight: torch
     n = layout.padded_in_features
     y = torch.empty(xf.shape[0], n)
 
-    def run(p0: int, p1: int) -> int:  # pairs [p0, p1): whole experts, read front to back
-        return lib.dq_vecmat_experts(qweight.data_ptr(), scales.data_ptr(), offsets.data_ptr(),
-                                     per, n, layout.group_size, layout.bits,
-                                     native.row_ptr(ids, p0), p1 - p0, native.row_ptr(xf, p0),
-                                     native.row_ptr(y, p0), 0, layout.num_groups, 0)
-
     work = xf.shape[0] * per * n
-    if any(native.split_rows(run, xf.shape[0], work, PAIRS_PARALLEL_MIN_ELEMENTS)):
+    if lib.dq_vecmat_experts_mt(qweight.data_ptr(), scales.data_ptr(), offsets.data_ptr(), per, n,
+                                layout.group_size, layout.bits, ids.data_ptr(), xf.shape[0],
+                                xf.data_ptr(), y.data_ptr(), 0,
+                                native.threads_for(work, VECMAT_PARALLEL_MIN_ELEMENTS)):
         raise RuntimeError("dq_vecmat_experts failed (unsupported group size)")
     return y[:, : layout.in_features]
 

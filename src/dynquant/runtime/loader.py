@@ -125,6 +125,9 @@ def load(path: str | Path, device: str = "cpu", dtype: str | torch.dtype | None 
     ``dtype``: the compute dtype (``"bfloat16"``, ``"float32"``, a torch dtype); ``None`` or
     ``"auto"`` picks bfloat16 only where the CPU has native bf16 dot products
     (``numerics/compute_dtype.py``)."""
+    from dynquant.openmp import warn_if_too_late
+
+    warn_if_too_late()
     dtype = resolve_dtype(dtype)
     ck = open_checkpoint(path)
     config = model_config(Path(path))

@@ -136,7 +136,7 @@ class PackedWeight(nn.Module):
         current = (self.qweight, self.scales, self.offsets)
         if len(buffers) != 3 or any(a is not b for a, b in zip(buffers, current, strict=True)):
             # first use, or a buffer was replaced
-            if not OneTokenMatvec.applies(self.layout, self.qweight.shape[0]):
+            if not OneTokenMatvec.applies(self.layout):
                 return None
             fast = OneTokenMatvec(self.qweight.contiguous(), self.scales.contiguous(),
                                   self.offsets.contiguous(), self.layout)

@@ -5,6 +5,7 @@
  * kernel's for that expert alone.
  *
  * A bank is [E * rows_per_expert, padded_n] packed rows, expert e's rows contiguous. */
+#include "pool.h"
 #include "unpack.h"
 
 int dq_matvec(const uint32_t *qweight, const uint16_t *scales, const uint16_t *offsets,
@@ -47,4 +48,46 @@ int dq_vecmat_experts(const uint32_t *qweight, const uint16_t *scales, const uin
         if (rc) return rc;
     }
     return 0;
+}
+
+/* Both with their rows (matvec) or groups (vecmat) split over `threads` threads (pool.c). */
+typedef struct {
+    const uint32_t *qweight;
+    const uint16_t *scales, *offsets;
+    int64_t rows_per_expert, padded_n, gs;
+    int bits, portable;
+    const int64_t *experts;
+    int64_t pairs;
+    const float *x;
+    float *y;
+} experts_job;
+
+static int matvec_experts_rows(const void *ctx, int64_t lo, int64_t hi) {
+    const experts_job *j = ctx;
+    return dq_matvec_experts(j->qweight, j->scales, j->offsets, j->rows_per_expert, j->padded_n,
+                             j->gs, j->bits, j->experts, j->pairs, j->x, j->y, lo, hi, j->portable);
+}
+
+static int vecmat_experts_groups(const void *ctx, int64_t lo, int64_t hi) {
+    const experts_job *j = ctx;
+    return dq_vecmat_experts(j->qweight, j->scales, j->offsets, j->rows_per_expert, j->padded_n,
+                             j->gs, j->bits, j->experts, j->pairs, j->x, j->y, lo, hi, j->portable);
+}
+
+int dq_matvec_experts_mt(const uint32_t *qweight, const uint16_t *scales, const uint16_t *offsets,
+                         int64_t rows_per_expert, int64_t padded_n, int64_t gs, int bits,
+                         const int64_t *experts, int64_t pairs, const float *x, float *y,
+                         int portable, int threads) {
+    const experts_job j = {qweight, scales, offsets, rows_per_expert, padded_n, gs, bits, portable,
+                           experts, pairs, x, y};
+    return dq_parallel(matvec_experts_rows, &j, rows_per_expert, threads);
+}
+
+int dq_vecmat_experts_mt(const uint32_t *qweight, const uint16_t *scales, const uint16_t *offsets,
+                         int64_t rows_per_expert, int64_t padded_n, int64_t gs, int bits,
+                         const int64_t *experts, int64_t pairs, const float *x, float *y,
+                         int portable, int threads) {
+    const experts_job j = {qweight, scales, offsets, rows_per_expert, padded_n, gs, bits, portable,
+                           experts, pairs, x, y};
+    return dq_parallel(vecmat_experts_groups, &j, padded_n / gs, threads);
 }

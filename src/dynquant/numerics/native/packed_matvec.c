@@ -8,6 +8,7 @@
  * products with every token summed in 16 lane-wise partial sums combined as a fixed tree: every
  * unpack path gives bit-identical results.
  */
+#include "pool.h"
 #include "unpack.h"
 
 static inline float dot(const float *q, const float *x, int64_t gs) {
@@ -135,4 +136,31 @@ int dq_matvec(const uint32_t *qweight, const uint16_t *scales, const uint16_t *o
     }
     free(xsum);
     return 0;
+}
+
+/* dq_matvec with its rows split over `threads` threads (pool.c). */
+typedef struct {
+    const uint32_t *qweight;
+    const uint16_t *scales, *offsets;
+    int64_t padded_n, gs;
+    int bits, portable;
+    const float *x;
+    int64_t m;
+    float *y;
+    int64_t y_stride;
+} matvec_job;
+
+static int matvec_rows(const void *ctx, int64_t lo, int64_t hi) {
+    const matvec_job *j = ctx;
+    const int64_t groups = j->padded_n / j->gs, words = j->bits * j->gs / 32;
+    return dq_matvec(j->qweight + lo * groups * words, j->scales + lo * groups,
+                     j->offsets + lo * groups, hi - lo, j->padded_n, j->gs, j->bits, j->x, j->m,
+                     j->y + lo, j->y_stride, j->portable);
+}
+
+int dq_matvec_mt(const uint32_t *qweight, const uint16_t *scales, const uint16_t *offsets,
+                 int64_t rows, int64_t padded_n, int64_t gs, int bits, const float *x, int64_t m,
+                 float *y, int64_t y_stride, int portable, int threads) {
+    const matvec_job j = {qweight, scales, offsets, padded_n, gs, bits, portable, x, m, y, y_stride};
+    return dq_parallel(matvec_rows, &j, rows, threads);
 }

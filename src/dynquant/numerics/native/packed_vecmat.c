@@ -6,6 +6,7 @@
  * are unpacked by unpack.h (VBMI, AVX2 or portable); for one token on VBMI they stay in
  * registers. Every path does the same float operations in the same order: bit-identical.
  */
+#include "pool.h"
 #include "unpack.h"
 
 /* The codes part of rows [0, rows) for groups [g0, g1) into y (zeroed first). */
@@ -60,4 +61,28 @@ int dq_vecmat(const uint32_t *qweight, const uint16_t *scales, const uint16_t *o
             for (int64_t j = 0; j < gs; j++) yt[j] += off;
         }
     return 0;
+}
+
+/* dq_vecmat with its groups split over `threads` threads (pool.c). */
+typedef struct {
+    const uint32_t *qweight;
+    const uint16_t *scales, *offsets;
+    int64_t rows, padded_n, gs;
+    int bits, portable;
+    const float *x;
+    int64_t m;
+    float *y;
+} vecmat_job;
+
+static int vecmat_groups(const void *ctx, int64_t g0, int64_t g1) {
+    const vecmat_job *j = ctx;
+    return dq_vecmat(j->qweight, j->scales, j->offsets, j->rows, j->padded_n, j->gs, j->bits, j->x,
+                     j->m, g0, g1, j->y, j->portable);
+}
+
+int dq_vecmat_mt(const uint32_t *qweight, const uint16_t *scales, const uint16_t *offsets,
+                 int64_t rows, int64_t padded_n, int64_t gs, int bits, const float *x, int64_t m,
+                 float *y, int portable, int threads) {
+    const vecmat_job j = {qweight, scales, offsets, rows, padded_n, gs, bits, portable, x, m, y};
+    return dq_parallel(vecmat_groups, &j, padded_n / gs, threads);
 }
