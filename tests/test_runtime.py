@@ -84,16 +84,22 @@ def test_expert_bank_indexes_one_expert():
     assert len(bank) == 4 and bank.shape == (4, 64, 96)
 
 
-def test_resident_memory_within_ten_percent_of_the_checkpoint(tmp_path):
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+def test_resident_memory_within_ten_percent_of_the_checkpoint(tmp_path, dtype):
     source = resolve_model("small")
     modules = [s.module for s in source.tensor_specs() if s.quantizable]
     doc = quantize_model(source, demo_widths(modules), tmp_path / "q", random_init=True,
                          progress=False)
-    model = load(tmp_path / "q")
-    assert any(m._int4 is not None for m in model.modules() if isinstance(m, QuantLinear))
+    model = load(tmp_path / "q", dtype=dtype)
+    # 4-bit Linears on torch's int4 kernel (its own layout) only in bf16
+    int4 = any(m._int4 is not None for m in model.modules() if isinstance(m, QuantLinear))
+    assert int4 == (dtype == torch.bfloat16)
     resident = resident_weight_nbytes(model)
     total = doc["accounting"]["total_nbytes"]
-    assert resident <= 1.10 * total, (resident, total)
+    # float32 compute keeps the dense parts (norms, router, conv) in float32: 2x their bytes
+    dense_extra = sum(t.numel() * 2 for t in model.state_dict().values()
+                      if t.dtype == torch.float32)
+    assert resident <= 1.10 * total + dense_extra, (resident, total, dense_extra)
     with torch.device("meta"):
         dense = DynquantHybridForCausalLM(preset_config("small"))
     dense_bf16 = sum(p.numel() for p in dense.parameters()) * 2

@@ -107,8 +107,11 @@ def dtype_name(dtype: torch.dtype) -> str:
 
 def describe(dtype: torch.dtype) -> str:
     """One line for ``generate``/``eval``: what runs and why."""
-    why = "native bf16 dot products" if bf16_native(cpu_flags()) else "no native bf16"
-    return f"compute dtype {dtype_name(dtype)} (CPU {cpu_class()}: {why})"
+    native = bf16_native(cpu_flags())
+    why = f"CPU {cpu_class()}: {'native bf16 dot products' if native else 'no native bf16'}"
+    if dtype != auto_dtype():
+        why += f", auto would be {dtype_name(auto_dtype())}; as asked"
+    return f"compute dtype {dtype_name(dtype)} ({why})"
 
 
 __all__ = ["CHOICES", "auto_dtype", "bf16_native", "cpu_class", "cpu_flags", "describe",
