@@ -50,11 +50,8 @@ def packed_matvec(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor,
     lib = native.library()
     if lib is None:
         return None
-    _check(x, qweight, scales, offsets, layout, layout.in_features)
-    rows, pad = qweight.shape[0], layout.padded_in_features - layout.in_features
-    xf = x.to(torch.float32)
-    xf = (F.pad(xf, (0, pad)) if pad else xf).contiguous()
-    qweight, scales, offsets = qweight.contiguous(), scales.contiguous(), offsets.contiguous()
+    xf, qweight, scales, offsets = _rows_inputs(x, qweight, scales, offsets, layout)
+    rows = qweight.shape[0]
     y = torch.empty(xf.shape[0], rows)
 
     threads = native.threads_for(rows * layout.padded_in_features, PARALLEL_MIN_ELEMENTS)
@@ -76,11 +73,8 @@ def packed_gemm(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor,
     lib = native.library()
     if lib is None:
         return None
-    _check(x, qweight, scales, offsets, layout, layout.in_features)
-    rows, pad = qweight.shape[0], layout.padded_in_features - layout.in_features
-    xf = x.to(torch.float32)
-    xf = (F.pad(xf, (0, pad)) if pad else xf).contiguous()
-    qweight, scales, offsets = qweight.contiguous(), scales.contiguous(), offsets.contiguous()
+    xf, qweight, scales, offsets = _rows_inputs(x, qweight, scales, offsets, layout)
+    rows = qweight.shape[0]
     y = torch.empty(xf.shape[0], rows)
 
     def run(lo: int, hi: int) -> int:
@@ -125,6 +119,18 @@ class OneTokenMatvec:
                             self.threads):
             raise RuntimeError("dq_matvec failed (out of memory)")
         return y
+
+
+def _rows_inputs(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor,
+                 offsets: torch.Tensor, layout: LayerLayout
+                 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Checked, contiguous inputs of a product that contracts along the groups: x as float32
+    with zeros in the layout's padding."""
+    _check(x, qweight, scales, offsets, layout, layout.in_features)
+    pad = layout.padded_in_features - layout.in_features
+    xf = x.to(torch.float32)
+    xf = (F.pad(xf, (0, pad)) if pad else xf).contiguous()
+    return xf, qweight.contiguous(), scales.contiguous(), offsets.contiguous()
 
 
 def _check(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor, offsets: torch.Tensor,

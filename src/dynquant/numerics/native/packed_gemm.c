@@ -165,6 +165,17 @@ static float *thread_buffer(size_t floats) {
     return buf;
 }
 
+/* The last partial block of tokens (m % mr of them), zero-padded to mr rows of ld floats, into
+ * xtail: the tiles always multiply mr tokens. Returns the tokens in whole blocks. */
+static int64_t pad_token_tail(const float *x, int64_t m, int64_t ld, int64_t mr, float *xtail) {
+    const int64_t m_full = m - m % mr;
+    if (m_full < m) {
+        memcpy(xtail, x + m_full * ld, (size_t)((m - m_full) * ld) * sizeof(float));
+        memset(xtail + (m - m_full) * ld, 0, (size_t)((mr - (m - m_full)) * ld) * sizeof(float));
+    }
+    return m_full;
+}
+
 static int gemm_panels(const uint32_t *qweight, const uint16_t *scales, const uint16_t *offsets,
                        int64_t rows, int64_t padded_n, int64_t gs, int bits, const float *x,
                        int64_t m, float *y, int64_t y_stride, int portable) {
@@ -173,12 +184,8 @@ static int gemm_panels(const uint32_t *qweight, const uint16_t *scales, const ui
     nb = nb < DOT_NR ? DOT_NR : nb;
     float *panel = thread_buffer((size_t)((nb + DOT_MR) * padded_n));
     if (!panel) return -1;
-    float *xtail = panel + nb * padded_n; /* the last partial block of tokens, zero-padded */
-    const int64_t m_full = m - m % DOT_MR;
-    if (m_full < m) {
-        memcpy(xtail, x + m_full * padded_n, (size_t)((m - m_full) * padded_n) * sizeof(float));
-        memset(xtail + (m - m_full) * padded_n, 0, (size_t)((DOT_MR - (m - m_full)) * padded_n) * sizeof(float));
-    }
+    float *xtail = panel + nb * padded_n;
+    const int64_t m_full = pad_token_tail(x, m, padded_n, DOT_MR, xtail);
     float out[DOT_MR][DOT_NR];
     for (int64_t r0 = 0; r0 < rows; r0 += nb) {
         const int64_t count = rows - r0 < nb ? rows - r0 : nb;
@@ -205,12 +212,8 @@ static int gemm_strips(const uint32_t *qweight, const uint16_t *scales, const ui
     const int64_t groups = padded_n / gs, words = bits * gs / 32;
     float *strip = thread_buffer((size_t)((NRV + MR) * padded_n));
     if (!strip) return -1;
-    float *xtail = strip + NRV * padded_n; /* the last partial block of tokens, zero-padded */
-    const int64_t m_full = m - m % MR;
-    if (m_full < m) {
-        memcpy(xtail, x + m_full * padded_n, (size_t)((m - m_full) * padded_n) * sizeof(float));
-        memset(xtail + (m - m_full) * padded_n, 0, (size_t)((MR - (m - m_full)) * padded_n) * sizeof(float));
-    }
+    float *xtail = strip + NRV * padded_n;
+    const int64_t m_full = pad_token_tail(x, m, padded_n, MR, xtail);
     float out[MR][NRV];
     for (int64_t r0 = 0; r0 < rows; r0 += NRV) {
         const int64_t count = rows - r0 < NRV ? rows - r0 : NRV;
@@ -265,11 +268,7 @@ int dq_gemm_t(const uint32_t *qweight, const uint16_t *scales, const uint16_t *o
     float *panel = thread_buffer((size_t)(rows * gs + MR * rows));
     if (!panel) return -1;
     float *xtail = panel + rows * gs;
-    const int64_t m_full = m - m % MR;
-    if (m_full < m) {
-        memcpy(xtail, x + m_full * rows, (size_t)((m - m_full) * rows) * sizeof(float));
-        memset(xtail + (m - m_full) * rows, 0, (size_t)((MR - (m - m_full)) * rows) * sizeof(float));
-    }
+    const int64_t m_full = pad_token_tail(x, m, rows, MR, xtail);
     float out[MR][NRV];
     for (int64_t g = g0; g < g1; g++) {
         dequantize_group_columns(qweight, scales, offsets, rows, groups, g, gs, bits, portable, panel);
