@@ -13,7 +13,7 @@ The kernels (``native/*.c``) and their Python sides:
 - ``packed_experts.c`` (``packed_matvec.py``): a few (token, expert) pairs of a bank in one call
   (MoE decode), each pair by the one-token kernels;
 - ``unpack.h``: reading packed codes, with AVX-512 VBMI where the CPU has it;
-- ``pool.c``: the decode kernels' threads (``*_mt`` entry points): a part reaches a waiting
+- ``pool.c``: the products' threads (``*_mt`` entry points): a part reaches a waiting
   worker within a microsecond (a Python pool hand-off costs ~50 us, as much as a decode
   product); waits spin at most 20 us, then sleep.
 
@@ -156,6 +156,8 @@ def _load() -> ctypes.CDLL | None:
     lib.dq_vecmat.argtypes = [ptr, ptr, ptr, i64, i64, i64, c_int, ptr, i64, i64, i64, ptr, c_int]
     lib.dq_gemm.argtypes = [ptr, ptr, ptr, i64, i64, i64, c_int, ptr, i64, ptr, i64, c_int]
     lib.dq_gemm_t.argtypes = [ptr, ptr, ptr, i64, i64, i64, c_int, ptr, i64, i64, i64, ptr, c_int]
+    lib.dq_gemm_mt.argtypes = [*lib.dq_gemm.argtypes, c_int]
+    lib.dq_gemm_t_mt.argtypes = [ptr, ptr, ptr, i64, i64, i64, c_int, ptr, i64, ptr, c_int, c_int]
     experts = [ptr, ptr, ptr, i64, i64, i64, c_int, ptr, i64, ptr, ptr, i64, i64, c_int]
     lib.dq_matvec_experts.argtypes = lib.dq_vecmat_experts.argtypes = experts
     # the decode kernels with their work split by pool.c's threads (last argument: threads)
@@ -166,7 +168,8 @@ def _load() -> ctypes.CDLL | None:
     for fn in (lib.dq_quantize_rows, lib.dq_matvec, lib.dq_matvec_has_simd, lib.dq_dequantize_rows,
                lib.dq_vecmat, lib.dq_gemm, lib.dq_gemm_t, lib.dq_gemm_tile, lib.dq_matvec_experts,
                lib.dq_vecmat_experts, lib.dq_matvec_mt, lib.dq_vecmat_mt,
-               lib.dq_matvec_experts_mt, lib.dq_vecmat_experts_mt):
+               lib.dq_matvec_experts_mt, lib.dq_vecmat_experts_mt, lib.dq_gemm_mt,
+               lib.dq_gemm_t_mt):
         fn.restype = c_int
     return lib
 

@@ -26,8 +26,8 @@ MAX_TOKENS = 8
 # 12.2 us) / 1 M (vecmat: 4 experts of 1024 x 1152, 155 vs 247 us).
 PARALLEL_MIN_ELEMENTS = 1 << 16
 VECMAT_PARALLEL_MIN_ELEMENTS = 1 << 20
-# The packed GEMM splits rows across threads from this many multiply-adds (tokens x weights):
-# 256 x 256 x 64 tokens (4 M) runs faster on one thread than paying the hand-off.
+# The packed GEMMs split their work across threads (native/pool.c) from this many multiply-adds
+# (tokens x weights).
 GEMM_PARALLEL_MIN_MACS = 1 << 23
 
 
@@ -77,14 +77,11 @@ def packed_gemm(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor,
     rows = qweight.shape[0]
     y = torch.empty(xf.shape[0], rows)
 
-    def run(lo: int, hi: int) -> int:
-        return lib.dq_gemm(native.row_ptr(qweight, lo), native.row_ptr(scales, lo),
-                           native.row_ptr(offsets, lo), hi - lo, layout.padded_in_features,
-                           layout.group_size, layout.bits, xf.data_ptr(), xf.shape[0],
-                           y.data_ptr() + lo * y.element_size(), rows, int(portable))
-
     work = rows * layout.padded_in_features * xf.shape[0]
-    if any(native.split_rows(run, rows, work, GEMM_PARALLEL_MIN_MACS)):
+    if lib.dq_gemm_mt(qweight.data_ptr(), scales.data_ptr(), offsets.data_ptr(), rows,
+                      layout.padded_in_features, layout.group_size, layout.bits, xf.data_ptr(),
+                      xf.shape[0], y.data_ptr(), rows, int(portable),
+                      native.threads_for(work, GEMM_PARALLEL_MIN_MACS)):
         raise RuntimeError("dq_gemm failed (out of memory or unsupported group size)")
     return y
 
@@ -189,13 +186,10 @@ def packed_gemm_t(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor,
     rows, n = qweight.shape[0], layout.padded_in_features
     y = torch.empty(xf.shape[0], n)
 
-    def run(g0: int, g1: int) -> int:
-        return lib.dq_gemm_t(qweight.data_ptr(), scales.data_ptr(), offsets.data_ptr(), rows, n,
-                             layout.group_size, layout.bits, xf.data_ptr(), xf.shape[0], g0, g1,
-                             y.data_ptr(), int(portable))
-
-    if any(native.split_rows(run, layout.num_groups, rows * n * xf.shape[0],
-                             GEMM_PARALLEL_MIN_MACS)):
+    if lib.dq_gemm_t_mt(qweight.data_ptr(), scales.data_ptr(), offsets.data_ptr(), rows, n,
+                        layout.group_size, layout.bits, xf.data_ptr(), xf.shape[0], y.data_ptr(),
+                        int(portable),
+                        native.threads_for(rows * n * xf.shape[0], GEMM_PARALLEL_MIN_MACS)):
         raise RuntimeError("dq_gemm_t failed (out of memory or unsupported group size)")
     return y[:, : layout.in_features]
 
