@@ -50,40 +50,39 @@ int dq_vecmat_experts(const uint32_t *qweight, const uint16_t *scales, const uin
     return 0;
 }
 
-/* Both with their rows (matvec) or pairs (vecmat) split over `threads` threads (pool.c). */
-typedef struct {
-    const uint32_t *qweight;
-    const uint16_t *scales, *offsets;
-    int64_t rows_per_expert, padded_n, gs;
-    int bits, portable;
-    const int64_t *experts;
-    int64_t pairs;
-    const float *x;
-    float *y;
-} experts_job;
-
+/* Both with their rows (matvec) or pairs (vecmat) split over `threads` threads (pool.c); j->m
+ * is the number of pairs, j->rows an expert's rows. */
 static int matvec_experts_rows(const void *ctx, int64_t lo, int64_t hi) {
-    const experts_job *j = ctx;
-    return dq_matvec_experts(j->qweight, j->scales, j->offsets, j->rows_per_expert, j->padded_n,
-                             j->gs, j->bits, j->experts, j->pairs, j->x, j->y, lo, hi, j->portable);
+    const dq_job *j = ctx;
+    return dq_matvec_experts(j->qweight, j->scales, j->offsets, j->rows, j->padded_n, j->gs,
+                             j->bits, j->experts, j->m, j->x, j->y, lo, hi, j->portable);
 }
 
 /* Pairs [lo, hi), every group: each thread streams whole experts front to back (a split by
  * groups had both threads read every row's cache lines: ~2x the memory traffic). */
 static int vecmat_experts_pairs(const void *ctx, int64_t lo, int64_t hi) {
-    const experts_job *j = ctx;
-    return dq_vecmat_experts(j->qweight, j->scales, j->offsets, j->rows_per_expert, j->padded_n,
-                             j->gs, j->bits, j->experts + lo, hi - lo,
-                             j->x + lo * j->rows_per_expert, j->y + lo * j->padded_n, 0,
-                             j->padded_n / j->gs, j->portable);
+    const dq_job *j = ctx;
+    return dq_vecmat_experts(j->qweight, j->scales, j->offsets, j->rows, j->padded_n, j->gs,
+                             j->bits, j->experts + lo, hi - lo, j->x + lo * j->rows,
+                             j->y + lo * j->padded_n, 0, j->padded_n / j->gs, j->portable);
+}
+
+static dq_job experts_job(const uint32_t *qweight, const uint16_t *scales,
+                          const uint16_t *offsets, int64_t rows_per_expert, int64_t padded_n,
+                          int64_t gs, int bits, const int64_t *experts, int64_t pairs,
+                          const float *x, float *y, int portable) {
+    const dq_job j = {.qweight = qweight, .scales = scales, .offsets = offsets,
+                      .rows = rows_per_expert, .padded_n = padded_n, .gs = gs, .bits = bits,
+                      .portable = portable, .x = x, .m = pairs, .y = y, .experts = experts};
+    return j;
 }
 
 int dq_matvec_experts_mt(const uint32_t *qweight, const uint16_t *scales, const uint16_t *offsets,
                          int64_t rows_per_expert, int64_t padded_n, int64_t gs, int bits,
                          const int64_t *experts, int64_t pairs, const float *x, float *y,
                          int portable, int threads) {
-    const experts_job j = {qweight, scales, offsets, rows_per_expert, padded_n, gs, bits, portable,
-                           experts, pairs, x, y};
+    const dq_job j = experts_job(qweight, scales, offsets, rows_per_expert, padded_n, gs, bits,
+                                 experts, pairs, x, y, portable);
     return dq_parallel(matvec_experts_rows, &j, rows_per_expert, threads);
 }
 
@@ -91,7 +90,7 @@ int dq_vecmat_experts_mt(const uint32_t *qweight, const uint16_t *scales, const 
                          int64_t rows_per_expert, int64_t padded_n, int64_t gs, int bits,
                          const int64_t *experts, int64_t pairs, const float *x, float *y,
                          int portable, int threads) {
-    const experts_job j = {qweight, scales, offsets, rows_per_expert, padded_n, gs, bits, portable,
-                           experts, pairs, x, y};
+    const dq_job j = experts_job(qweight, scales, offsets, rows_per_expert, padded_n, gs, bits,
+                                 experts, pairs, x, y, portable);
     return dq_parallel(vecmat_experts_pairs, &j, pairs, threads);
 }

@@ -288,19 +288,8 @@ int dq_gemm_t(const uint32_t *qweight, const uint16_t *scales, const uint16_t *o
 
 /* Both GEMMs with their rows (dq_gemm) or groups (dq_gemm_t) split over `threads` threads
  * (pool.c): the Python pool's ~50 us hand-off was a fifth of a small model's product. */
-typedef struct {
-    const uint32_t *qweight;
-    const uint16_t *scales, *offsets;
-    int64_t rows, padded_n, gs;
-    int bits, portable;
-    const float *x;
-    int64_t m;
-    float *y;
-    int64_t y_stride;
-} gemm_job;
-
 static int gemm_rows(const void *ctx, int64_t lo, int64_t hi) {
-    const gemm_job *j = ctx;
+    const dq_job *j = ctx;
     const int64_t groups = j->padded_n / j->gs, words = j->bits * j->gs / 32;
     return dq_gemm(j->qweight + lo * groups * words, j->scales + lo * groups,
                    j->offsets + lo * groups, hi - lo, j->padded_n, j->gs, j->bits, j->x, j->m,
@@ -308,7 +297,7 @@ static int gemm_rows(const void *ctx, int64_t lo, int64_t hi) {
 }
 
 static int gemm_t_groups(const void *ctx, int64_t g0, int64_t g1) {
-    const gemm_job *j = ctx;
+    const dq_job *j = ctx;
     return dq_gemm_t(j->qweight, j->scales, j->offsets, j->rows, j->padded_n, j->gs, j->bits,
                      j->x, j->m, g0, g1, j->y, j->portable);
 }
@@ -316,16 +305,18 @@ static int gemm_t_groups(const void *ctx, int64_t g0, int64_t g1) {
 int dq_gemm_mt(const uint32_t *qweight, const uint16_t *scales, const uint16_t *offsets,
                int64_t rows, int64_t padded_n, int64_t gs, int bits, const float *x, int64_t m,
                float *y, int64_t y_stride, int portable, int threads) {
-    const gemm_job j = {qweight, scales, offsets, rows, padded_n, gs, bits, portable, x, m, y,
-                        y_stride};
+    const dq_job j = {.qweight = qweight, .scales = scales, .offsets = offsets, .rows = rows,
+                      .padded_n = padded_n, .gs = gs, .bits = bits, .portable = portable, .x = x,
+                      .m = m, .y = y, .y_stride = y_stride};
     return dq_parallel(gemm_rows, &j, rows, threads);
 }
 
 int dq_gemm_t_mt(const uint32_t *qweight, const uint16_t *scales, const uint16_t *offsets,
                  int64_t rows, int64_t padded_n, int64_t gs, int bits, const float *x, int64_t m,
                  float *y, int portable, int threads) {
-    const gemm_job j = {qweight, scales, offsets, rows, padded_n, gs, bits, portable, x, m, y,
-                        padded_n};
+    const dq_job j = {.qweight = qweight, .scales = scales, .offsets = offsets, .rows = rows,
+                      .padded_n = padded_n, .gs = gs, .bits = bits, .portable = portable, .x = x,
+                      .m = m, .y = y};
     return dq_parallel(gemm_t_groups, &j, padded_n / gs, threads);
 }
 
