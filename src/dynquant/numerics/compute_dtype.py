@@ -68,8 +68,8 @@ def cpu_class(flags: Iterable[str] | None = None) -> str:
     f = {x.lower() for x in (cpu_flags() if flags is None else flags)}
     if "avx512f" in f:
         return "avx512-bf16" if bf16_native(f) else "avx512"
-    if "avx2" in f:
-        return "avx2-bf16" if bf16_native(f) else "avx2"
+    if "avx2" in f:  # (every x86 CPU with bf16 dot products has AVX-512 or AMX)
+        return "avx2"
     if "asimd" in f or "neon" in f:
         return "arm-bf16" if bf16_native(f) else "arm"
     return "portable"

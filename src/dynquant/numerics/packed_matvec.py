@@ -50,7 +50,7 @@ def packed_matvec(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor,
     lib = native.library()
     if lib is None:
         return None
-    xf, qweight, scales, offsets = _rows_inputs(x, qweight, scales, offsets, layout)
+    xf, qweight, scales, offsets = _inputs(x, qweight, scales, offsets, layout, True)
     rows = qweight.shape[0]
     y = torch.empty(xf.shape[0], rows)
 
@@ -73,7 +73,7 @@ def packed_gemm(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor,
     lib = native.library()
     if lib is None:
         return None
-    xf, qweight, scales, offsets = _rows_inputs(x, qweight, scales, offsets, layout)
+    xf, qweight, scales, offsets = _inputs(x, qweight, scales, offsets, layout, True)
     rows = qweight.shape[0]
     y = torch.empty(xf.shape[0], rows)
 
@@ -118,16 +118,22 @@ class OneTokenMatvec:
         return y
 
 
-def _rows_inputs(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor,
-                 offsets: torch.Tensor, layout: LayerLayout
-                 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
-    """Checked, contiguous inputs of a product that contracts along the groups: x as float32
-    with zeros in the layout's padding."""
-    _check(x, qweight, scales, offsets, layout, layout.in_features)
-    pad = layout.padded_in_features - layout.in_features
+def _inputs(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor, offsets: torch.Tensor,
+            layout: LayerLayout, along_groups: bool, block_rows: int | None = None
+            ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Checked, contiguous inputs of a product: x as float32, with zeros in the layout's padding
+    when the product contracts along the groups (``along_groups``; else along the rows).
+    ``block_rows``: x multiplies blocks of that many rows (the experts of a bank), the first of
+    which is checked."""
+    block = (qweight, scales, offsets) if block_rows is None else (
+        qweight[:block_rows], scales[:block_rows], offsets[:block_rows])
+    contracted = layout.in_features if along_groups else block[0].shape[0]
+    _check(x, *block, layout, contracted)
     xf = x.to(torch.float32)
-    xf = (F.pad(xf, (0, pad)) if pad else xf).contiguous()
-    return xf, qweight.contiguous(), scales.contiguous(), offsets.contiguous()
+    pad = layout.padded_in_features - layout.in_features
+    if along_groups and pad:
+        xf = F.pad(xf, (0, pad))
+    return xf.contiguous(), qweight.contiguous(), scales.contiguous(), offsets.contiguous()
 
 
 def _check(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor, offsets: torch.Tensor,
@@ -155,10 +161,8 @@ def packed_vecmat(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor,
     lib = native.library()
     if lib is None:
         return None
-    _check(x, qweight, scales, offsets, layout, qweight.shape[0])
-    xf = x.to(torch.float32).contiguous()
-    qweight, scales, offsets = qweight.contiguous(), scales.contiguous(), offsets.contiguous()
-    rows, _groups, n = qweight.shape[0], layout.num_groups, layout.padded_in_features
+    xf, qweight, scales, offsets = _inputs(x, qweight, scales, offsets, layout, False)
+    rows, n = qweight.shape[0], layout.padded_in_features
     y = torch.empty(xf.shape[0], n)
 
     threads = native.threads_for(rows * n, VECMAT_PARALLEL_MIN_ELEMENTS)
@@ -180,9 +184,7 @@ def packed_gemm_t(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor,
     lib = native.library()
     if lib is None:
         return None
-    _check(x, qweight, scales, offsets, layout, qweight.shape[0])
-    xf = x.to(torch.float32).contiguous()
-    qweight, scales, offsets = qweight.contiguous(), scales.contiguous(), offsets.contiguous()
+    xf, qweight, scales, offsets = _inputs(x, qweight, scales, offsets, layout, False)
     rows, n = qweight.shape[0], layout.padded_in_features
     y = torch.empty(xf.shape[0], n)
 
@@ -218,12 +220,8 @@ def packed_matvec_experts(x: torch.Tensor, experts: torch.Tensor, qweight: torch
     if lib is None:
         return None
     per = _expert_rows(layout)
-    _check(x, qweight[:per], scales[:per], offsets[:per], layout, layout.in_features)
+    xf, qweight, scales, offsets = _inputs(x, qweight, scales, offsets, layout, True, per)
     ids = _check_experts(experts, x, layout)
-    pad = layout.padded_in_features - layout.in_features
-    xf = x.to(torch.float32)
-    xf = (F.pad(xf, (0, pad)) if pad else xf).contiguous()
-    qweight, scales, offsets = qweight.contiguous(), scales.contiguous(), offsets.contiguous()
     y = torch.empty(xf.shape[0], per)
 
     work = xf.shape[0] * per * layout.padded_in_features
@@ -246,10 +244,8 @@ def packed_vecmat_experts(x: torch.Tensor, experts: torch.Tensor, qweight: torch
     if lib is None:
         return None
     per = _expert_rows(layout)
-    _check(x, qweight[:per], scales[:per], offsets[:per], layout, per)
+    xf, qweight, scales, offsets = _inputs(x, qweight, scales, offsets, layout, False, per)
     ids = _check_experts(experts, x, layout)
-    xf = x.to(torch.float32).contiguous()
-    qweight, scales, offsets = qweight.contiguous(), scales.contiguous(), offsets.contiguous()
     n = layout.padded_in_features
     y = torch.empty(xf.shape[0], n)
 

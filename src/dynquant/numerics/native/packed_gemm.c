@@ -101,11 +101,10 @@ static void dequantize_strip(const uint32_t *qweight, const uint16_t *scales,
     float q[MAX_GROUP];
     for (int64_t j = 0; j < count; j++)
         for (int64_t g = 0; g < groups; g++) {
-            unpack_codes_as_floats(&unpack, (const uint8_t *)(qweight + (j * groups + g) * words),
-                                   gs, q);
-            const float s = bf16_value(scales[j * groups + g]), o = bf16_value(offsets[j * groups + g]);
+            dequantize_group(&unpack, (const uint8_t *)(qweight + (j * groups + g) * words), gs,
+                             scales[j * groups + g], offsets[j * groups + g], q);
             float *dst = strip + g * gs * NRV + j;
-            for (int64_t i = 0; i < gs; i++) dst[i * NRV] = q[i] * s + o;
+            for (int64_t i = 0; i < gs; i++) dst[i * NRV] = q[i];
         }
     for (int64_t j = count; j < NRV; j++)
         for (int64_t k = 0; k < padded_n; k++) strip[k * NRV + j] = 0.0f;
@@ -145,11 +144,9 @@ static void dequantize_panel(const uint32_t *qweight, const uint16_t *scales,
     const group_unpacker unpack = make_group_unpacker(bits, portable);
     for (int64_t r = 0; r < count; r++)
         for (int64_t g = 0; g < groups; g++) {
-            float *dst = panel + r * padded_n + g * gs;
-            unpack_codes_as_floats(&unpack, (const uint8_t *)(qweight + (r * groups + g) * words),
-                                   gs, dst);
-            const float s = bf16_value(scales[r * groups + g]), o = bf16_value(offsets[r * groups + g]);
-            for (int64_t j = 0; j < gs; j++) dst[j] = dst[j] * s + o;
+            dequantize_group(&unpack, (const uint8_t *)(qweight + (r * groups + g) * words), gs,
+                             scales[r * groups + g], offsets[r * groups + g],
+                             panel + r * padded_n + g * gs);
         }
     memset(panel + count * padded_n, 0, (size_t)((nb - count) * padded_n) * sizeof(float));
 }
@@ -249,12 +246,9 @@ static void dequantize_group_columns(const uint32_t *qweight, const uint16_t *sc
                                      int64_t g, int64_t gs, int bits, int portable, float *panel) {
     const int64_t words = bits * gs / 32;
     const group_unpacker unpack = make_group_unpacker(bits, portable);
-    for (int64_t h = 0; h < rows; h++) {
-        float *dst = panel + h * gs;
-        unpack_codes_as_floats(&unpack, (const uint8_t *)(qweight + (h * groups + g) * words), gs, dst);
-        const float s = bf16_value(scales[h * groups + g]), o = bf16_value(offsets[h * groups + g]);
-        for (int64_t j = 0; j < gs; j++) dst[j] = dst[j] * s + o;
-    }
+    for (int64_t h = 0; h < rows; h++)
+        dequantize_group(&unpack, (const uint8_t *)(qweight + (h * groups + g) * words), gs,
+                         scales[h * groups + g], offsets[h * groups + g], panel + h * gs);
 }
 
 /* y = x @ W for many tokens, W [rows, padded_n] stored in groups along its rows (the output
@@ -288,27 +282,13 @@ int dq_gemm_t(const uint32_t *qweight, const uint16_t *scales, const uint16_t *o
 
 /* Both GEMMs with their rows (dq_gemm) or groups (dq_gemm_t) split over `threads` threads
  * (pool.c): the Python pool's ~50 us hand-off was a fifth of a small model's product. */
-static int gemm_rows(const void *ctx, int64_t lo, int64_t hi) {
-    const dq_job *j = ctx;
-    const int64_t groups = j->padded_n / j->gs, words = j->bits * j->gs / 32;
-    return dq_gemm(j->qweight + lo * groups * words, j->scales + lo * groups,
-                   j->offsets + lo * groups, hi - lo, j->padded_n, j->gs, j->bits, j->x, j->m,
-                   j->y + lo, j->y_stride, j->portable);
-}
-
-static int gemm_t_groups(const void *ctx, int64_t g0, int64_t g1) {
-    const dq_job *j = ctx;
-    return dq_gemm_t(j->qweight, j->scales, j->offsets, j->rows, j->padded_n, j->gs, j->bits,
-                     j->x, j->m, g0, g1, j->y, j->portable);
-}
-
 int dq_gemm_mt(const uint32_t *qweight, const uint16_t *scales, const uint16_t *offsets,
                int64_t rows, int64_t padded_n, int64_t gs, int bits, const float *x, int64_t m,
                float *y, int64_t y_stride, int portable, int threads) {
     const dq_job j = {.qweight = qweight, .scales = scales, .offsets = offsets, .rows = rows,
                       .padded_n = padded_n, .gs = gs, .bits = bits, .portable = portable, .x = x,
                       .m = m, .y = y, .y_stride = y_stride};
-    return dq_parallel(gemm_rows, &j, rows, threads);
+    return dq_parallel_rows(dq_gemm, &j, threads);
 }
 
 int dq_gemm_t_mt(const uint32_t *qweight, const uint16_t *scales, const uint16_t *offsets,
@@ -317,7 +297,7 @@ int dq_gemm_t_mt(const uint32_t *qweight, const uint16_t *scales, const uint16_t
     const dq_job j = {.qweight = qweight, .scales = scales, .offsets = offsets, .rows = rows,
                       .padded_n = padded_n, .gs = gs, .bits = bits, .portable = portable, .x = x,
                       .m = m, .y = y};
-    return dq_parallel(gemm_t_groups, &j, padded_n / gs, threads);
+    return dq_parallel_groups(dq_gemm_t, &j, threads);
 }
 
 /* The register tile the kernel was built with: MR tokens x NRV rows (NRV = 2 vectors of VW). */

@@ -139,19 +139,11 @@ int dq_matvec(const uint32_t *qweight, const uint16_t *scales, const uint16_t *o
 }
 
 /* dq_matvec with its rows split over `threads` threads (pool.c). */
-static int matvec_rows(const void *ctx, int64_t lo, int64_t hi) {
-    const dq_job *j = ctx;
-    const int64_t groups = j->padded_n / j->gs, words = j->bits * j->gs / 32;
-    return dq_matvec(j->qweight + lo * groups * words, j->scales + lo * groups,
-                     j->offsets + lo * groups, hi - lo, j->padded_n, j->gs, j->bits, j->x, j->m,
-                     j->y + lo, j->y_stride, j->portable);
-}
-
 int dq_matvec_mt(const uint32_t *qweight, const uint16_t *scales, const uint16_t *offsets,
                  int64_t rows, int64_t padded_n, int64_t gs, int bits, const float *x, int64_t m,
                  float *y, int64_t y_stride, int portable, int threads) {
     const dq_job j = {.qweight = qweight, .scales = scales, .offsets = offsets, .rows = rows,
                       .padded_n = padded_n, .gs = gs, .bits = bits, .portable = portable, .x = x,
                       .m = m, .y = y, .y_stride = y_stride};
-    return dq_parallel(matvec_rows, &j, rows, threads);
+    return dq_parallel_rows(dq_matvec, &j, threads);
 }

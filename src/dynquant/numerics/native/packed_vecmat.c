@@ -64,17 +64,11 @@ int dq_vecmat(const uint32_t *qweight, const uint16_t *scales, const uint16_t *o
 }
 
 /* dq_vecmat with its groups split over `threads` threads (pool.c). */
-static int vecmat_groups(const void *ctx, int64_t g0, int64_t g1) {
-    const dq_job *j = ctx;
-    return dq_vecmat(j->qweight, j->scales, j->offsets, j->rows, j->padded_n, j->gs, j->bits, j->x,
-                     j->m, g0, g1, j->y, j->portable);
-}
-
 int dq_vecmat_mt(const uint32_t *qweight, const uint16_t *scales, const uint16_t *offsets,
                  int64_t rows, int64_t padded_n, int64_t gs, int bits, const float *x, int64_t m,
                  float *y, int portable, int threads) {
     const dq_job j = {.qweight = qweight, .scales = scales, .offsets = offsets, .rows = rows,
                       .padded_n = padded_n, .gs = gs, .bits = bits, .portable = portable, .x = x,
                       .m = m, .y = y};
-    return dq_parallel(vecmat_groups, &j, padded_n / gs, threads);
+    return dq_parallel_groups(dq_vecmat, &j, threads);
 }

@@ -149,3 +149,37 @@ int dq_parallel(dq_range_fn fn, const void *ctx, int64_t n, int threads) {
     pthread_mutex_unlock(&P.run_lock);
     return rc;
 }
+
+/* A kernel over a part of a job: the job's rows [lo, hi) (the packed tensors from row lo, y from
+ * column lo), or its output's groups [lo, hi). */
+typedef struct {
+    const dq_job *job;
+    dq_rows_kernel rows;
+    dq_groups_kernel groups;
+} kernel_part;
+
+static int rows_part(const void *ctx, int64_t lo, int64_t hi) {
+    const kernel_part *k = ctx;
+    const dq_job *j = k->job;
+    const int64_t groups = j->padded_n / j->gs, words = j->bits * j->gs / 32;
+    return k->rows(j->qweight + lo * groups * words, j->scales + lo * groups,
+                   j->offsets + lo * groups, hi - lo, j->padded_n, j->gs, j->bits, j->x, j->m,
+                   j->y + lo, j->y_stride, j->portable);
+}
+
+static int groups_part(const void *ctx, int64_t g0, int64_t g1) {
+    const kernel_part *k = ctx;
+    const dq_job *j = k->job;
+    return k->groups(j->qweight, j->scales, j->offsets, j->rows, j->padded_n, j->gs, j->bits, j->x,
+                     j->m, g0, g1, j->y, j->portable);
+}
+
+int dq_parallel_rows(dq_rows_kernel kernel, const dq_job *j, int threads) {
+    const kernel_part k = {.job = j, .rows = kernel};
+    return dq_parallel(rows_part, &k, j->rows, threads);
+}
+
+int dq_parallel_groups(dq_groups_kernel kernel, const dq_job *j, int threads) {
+    const kernel_part k = {.job = j, .groups = kernel};
+    return dq_parallel(groups_part, &k, j->padded_n / j->gs, threads);
+}

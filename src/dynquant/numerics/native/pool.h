@@ -17,4 +17,18 @@ typedef struct {
     int64_t y_stride;
     const int64_t *experts; /* the pairs kernels: pair p multiplies expert experts[p] */
 } dq_job;
+
+/* The two shapes of product kernel: over a block of rows (dq_matvec, dq_gemm: y [m, rows] with
+ * row stride y_stride), and over groups [g0, g1) of the output (dq_vecmat, dq_gemm_t). */
+typedef int (*dq_rows_kernel)(const uint32_t *qweight, const uint16_t *scales,
+                              const uint16_t *offsets, int64_t rows, int64_t padded_n, int64_t gs,
+                              int bits, const float *x, int64_t m, float *y, int64_t y_stride,
+                              int portable);
+typedef int (*dq_groups_kernel)(const uint32_t *qweight, const uint16_t *scales,
+                                const uint16_t *offsets, int64_t rows, int64_t padded_n,
+                                int64_t gs, int bits, const float *x, int64_t m, int64_t g0,
+                                int64_t g1, float *y, int portable);
+/* kernel over job j, its rows (or its output's groups) split over `threads` threads. */
+int dq_parallel_rows(dq_rows_kernel kernel, const dq_job *j, int threads);
+int dq_parallel_groups(dq_groups_kernel kernel, const dq_job *j, int threads);
 #endif

@@ -213,6 +213,15 @@ static inline void unpack_codes_as_floats(const group_unpacker *g, const uint8_t
     unpack_group(bytes, gs, g->bits, q);
 }
 
+/* A whole group dequantized into dst: w = q * scale + offset (float32 multiply, then add: the
+ * format's dequantization). */
+static inline void dequantize_group(const group_unpacker *g, const uint8_t *bytes, int64_t gs,
+                                    uint16_t scale, uint16_t offset, float *dst) {
+    unpack_codes_as_floats(g, bytes, gs, dst);
+    const float s = bf16_value(scale), o = bf16_value(offset);
+    for (int64_t j = 0; j < gs; j++) dst[j] = dst[j] * s + o;
+}
+
 /* 2: AVX-512 VBMI unpacking, 1: AVX2, 0: portable only. */
 static inline int dq_has_simd(void) {
 #ifdef DQ_HAVE_VBMI
