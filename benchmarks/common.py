@@ -57,3 +57,28 @@ def machine() -> str:
     return (f"{platform.processor() or platform.machine()} ({cpu_class()}: {' '.join(shown)}), "
             f"{torch.get_num_threads()} threads, torch {torch.__version__}"
             + (f", limited by {limits}" if limits else ""))
+
+
+def real_model():
+    """The prepared real pretrained model's folder (scripts/prepare_real_model.py), or None."""
+    import importlib.util
+    from pathlib import Path
+
+    script = Path(__file__).parents[1] / "scripts" / "prepare_real_model.py"
+    spec = importlib.util.spec_from_file_location("prepare_real_model", script)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    folder = module.model_dir()
+    return folder if (folder / "SOURCE.md").is_file() else None
+
+
+def quality_models(root) -> dict:
+    """The models every quality table covers: both reference models, and the real pretrained
+    model when it is prepared (else a line says it is skipped)."""
+    models = {"hybrid-ref": root / "models" / "hybrid-ref", "llama-ref": root / "models" / "llama-ref"}
+    real = real_model()
+    if real is None:
+        print("real model not prepared (python scripts/prepare_real_model.py): skipped")
+    else:
+        models["smollm2-135m"] = real
+    return models

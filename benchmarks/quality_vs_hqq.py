@@ -14,7 +14,7 @@ from pathlib import Path
 import torch
 from transformers import AutoModelForCausalLM
 
-from benchmarks.common import figure, machine
+from benchmarks.common import figure, machine, quality_models
 from benchmarks.quantizer_vs_hqq import hqq_quantize
 from dynquant.checkpoint.writer import SIDE_FILES
 from dynquant.models.registration import register
@@ -24,6 +24,7 @@ from dynquant.pipeline.frontier import size_quality_frontier
 
 ROOT = Path(__file__).parents[1]
 HELDOUT = ROOT / "data" / "heldout.txt"
+EVAL_TOKENS = 16384  # of the held-out text: enough for the 135 M real model, all of the rest
 BUDGETS = (2.25, 3.25, 4.25)
 
 
@@ -47,15 +48,15 @@ def hqq_model(model_dir: Path, bits: int, out: Path) -> Path:
 
 def main() -> None:
     print(f"# quality at matched bytes vs HQQ, held-out text, {machine()}")
-    for name in ("hybrid-ref", "llama-ref"):
-        model_dir = ROOT / "models" / name
+    for name, model_dir in quality_models(ROOT).items():
         with tempfile.TemporaryDirectory() as tmp:
             points = size_quality_frontier(model_dir, ROOT / "data" / "calibration.txt",
-                                           HELDOUT, Path(tmp), budgets=BUDGETS)
+                                           HELDOUT, Path(tmp), budgets=BUDGETS,
+                                           max_tokens=EVAL_TOKENS)
             for p in points:
                 bits = p.uniform_bits
                 h = evaluate(hqq_model(model_dir, bits, Path(tmp) / f"hqq{bits}"), model_dir,
-                             HELDOUT, progress=False)
+                             HELDOUT, progress=False, max_tokens=EVAL_TOKENS)
                 tag = f"{name} @{p.budget} bits"
                 figure(f"{tag}: dynquant sensitivity mean KL", p.result.kl_mean)
                 figure(f"{tag}: dynquant uniform {bits}-bit mean KL", p.uniform_result.kl_mean)

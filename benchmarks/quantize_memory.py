@@ -16,6 +16,8 @@ from transformers import AutoModelForCausalLM, LlamaConfig
 
 from benchmarks.common import figure, machine, run_child
 
+CALIB = Path(__file__).parents[1] / "data" / "calibration.txt"
+
 EMBEDDING = """
 import resource, torch
 from dynquant import quantize_tensor
@@ -63,6 +65,40 @@ def main() -> None:
     figure("peak RSS / dense bf16 model", rss / dense, "x")
     figure("RSS of the imports alone (python, torch, transformers)", baseline / 2**20, "MiB")
     figure("(peak RSS - imports) / dense bf16 model", (rss - baseline) / dense, "x")
+    calibrated_measure(cfg)
+
+
+def save_tokenizer(out: Path) -> None:
+    """A byte-level BPE tokenizer trained on the calibration text (the model is random: only
+    token ids matter)."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+    from transformers import PreTrainedTokenizerFast
+
+    tok = Tokenizer(models.BPE())
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    tok.train([str(CALIB)], trainers.BpeTrainer(
+        vocab_size=4096, special_tokens=["<|endoftext|>"],
+        initial_alphabet=pre_tokenizers.ByteLevel.alphabet()))
+    PreTrainedTokenizerFast(tokenizer_object=tok, eos_token="<|endoftext|>").save_pretrained(out)
+
+
+def calibrated_measure(cfg: LlamaConfig) -> None:
+    """`dynquant measure --calib` (streamed Fisher) on the same model: one block in memory.
+    The exact probe (--method kl-exact) holds the whole model in float32: 2x its bf16 size."""
+    with tempfile.TemporaryDirectory() as tmp:
+        src = Path(tmp) / "src"
+        torch.manual_seed(0)
+        model = AutoModelForCausalLM.from_config(cfg, dtype=torch.bfloat16)
+        model.save_pretrained(src, max_shard_size="500MB")
+        dense = sum(p.numel() * 2 for p in model.parameters())
+        del model
+        save_tokenizer(src)
+        wall, rss = run_child(["-m", "dynquant", "measure", str(src), "--calib", str(CALIB),
+                               "-o", str(Path(tmp) / "m" / "maps.json")])
+    figure("measure --calib (fisher, 8x256 tokens) wall time", wall, "s")
+    figure("measure --calib (fisher) peak RSS", rss / 2**20, "MiB")
+    figure("measure --calib (fisher) peak RSS / dense bf16 model", rss / dense, "x")
 
 
 if __name__ == "__main__":

@@ -6,25 +6,27 @@ from __future__ import annotations
 import tempfile
 from pathlib import Path
 
-from benchmarks.common import figure, machine
+from benchmarks.common import figure, machine, quality_models
 from dynquant.models.sources import resolve_model
 from dynquant.pipeline.evaluate import evaluate
 from dynquant.pipeline.quantize import quantize_model
 
 ROOT = Path(__file__).parents[1]
 HELDOUT = ROOT / "data" / "heldout.txt"
+EVAL_TOKENS = 16384  # of the held-out text: enough for the 135 M real model, all of the rest
 
 
 def main() -> None:
     print(f"# reference models, uniform widths, held-out text, {machine()}")
     with tempfile.TemporaryDirectory() as tmp:
-        for name in ("hybrid-ref", "llama-ref"):
-            source = resolve_model(str(ROOT / "models" / name))
+        for name, model_dir in quality_models(ROOT).items():
+            source = resolve_model(str(model_dir))
             modules = [s.module for s in source.tensor_specs() if s.quantizable]
             for bits in (2, 3, 4, 8):
                 ck = Path(tmp) / f"{name}-{bits}"
                 quantize_model(source, {m: bits for m in modules}, ck, progress=False)
-                r = evaluate(ck, source.directory, HELDOUT, progress=False)
+                r = evaluate(ck, source.directory, HELDOUT, progress=False,
+                             max_tokens=EVAL_TOKENS)
                 if bits == 2:
                     figure(f"{name}: base perplexity ({r.tokens} tokens)", r.ppl_base)
                 figure(f"{name} uniform {bits}-bit: mean KL", r.kl_mean)

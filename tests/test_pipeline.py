@@ -40,12 +40,13 @@ def test_weight_method_maps_every_module(tmp_path):
     assert json.loads((tmp_path / "maps.json").read_text())["method"] == "weight"
 
 
-def test_kl_method_measures_every_expert_bank(hybrid_dir, tmp_path):
+@pytest.mark.parametrize(("method", "recorded"), [(None, "fisher"), ("kl", "kl-exact")])
+def test_calibrated_methods_measure_every_expert_bank(hybrid_dir, tmp_path, method, recorded):
     source = resolve_model(str(hybrid_dir / "src"))
     opts = MeasureOptions(calib=[str(hybrid_dir / "calib.txt")], calib_seqs=2, calib_len=64,
-                          budgets=[3.25])
+                          budgets=[3.25], method=method)
     doc = measure(source, opts, tmp_path / "maps.json", progress=False)
-    assert doc["method"] == "kl" and doc["stats"].endswith(".stats.safetensors")
+    assert doc["method"] == recorded and doc["stats"].endswith(".stats.safetensors")
     banks = [n for n in doc["modules"] if n.endswith((".w1", ".w2", ".w3"))]
     assert len(banks) == 12
     for name, m in doc["modules"].items():

@@ -97,7 +97,7 @@ def _cmd_measure(args: argparse.Namespace) -> int:
                           budgets=[float(b) for b in args.budgets.split(",") if b],
                           method=args.method, calib=args.calib, not_convert=args.not_convert,
                           calib_seqs=args.calib_seqs, calib_len=args.calib_len,
-                          dtype=args.dtype)
+                          dtype=args.dtype, second_moments=args.second_moments)
     doc = measure(resolve_model(args.model), opts, args.output, progress=True,
                   random_init=args.random_init)
     for budget, a in doc["allocations"].items():
@@ -222,7 +222,10 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--calib", action="append", default=[], help="calibration text file(s)")
     p.add_argument("--calib-seqs", type=int, default=8, help="calibration sequences")
     p.add_argument("--calib-len", type=int, default=256, help="tokens per sequence")
-    p.add_argument("--method", choices=("weight", "kl"))
+    p.add_argument("--method", choices=("weight", "fisher", "kl-exact", "kl"),
+                   help="sensitivities: fisher (default with --calib: streamed, one forward and "
+                   "one backward pass), kl-exact (one full forward per module; 'kl' is its old "
+                   "name), weight (data-free, default without --calib)")
     p.add_argument("--group-size", type=int, default=128)
     p.add_argument("--group-sizes", help="allocate group sizes too, e.g. 32,64,128")
     p.add_argument("--pin", action="append", default=[], metavar="GLOB=BITS")
@@ -237,7 +240,7 @@ def build_parser() -> argparse.ArgumentParser:
                    help="keep matching modules dense (modules_to_not_convert); repeatable")
     p.add_argument("--overwrite", action="store_true")
     p.add_argument("--quiet", action="store_true")
-    _dtype_option(p, "float32", "the kl sensitivity probe (float32: bf16 noise is of the size "
+    _dtype_option(p, "float32", "the calibration passes (float32: bf16 noise is of the size "
                   "of the sensitivities)")
     p.set_defaults(func=_cmd_quantize)
 
@@ -247,13 +250,18 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--calib", action="append", default=[])
     p.add_argument("--calib-seqs", type=int, default=8)
     p.add_argument("--calib-len", type=int, default=256)
-    p.add_argument("--method", choices=("weight", "kl"))
+    p.add_argument("--method", choices=("weight", "fisher", "kl-exact", "kl"),
+                   help="sensitivities: fisher (default with --calib: streamed, one forward and "
+                   "one backward pass), kl-exact (one full forward per module; 'kl' is its old "
+                   "name), weight (data-free, default without --calib)")
     p.add_argument("--widths", default="2,3,4,8")
     p.add_argument("--group-sizes", default="128")
     p.add_argument("--budgets", default="2.5,3,3.25,3.5,4.25")
     p.add_argument("--not-convert", action="append", default=[], metavar="GLOB")
     p.add_argument("--random-init", action="store_true")
-    _dtype_option(p, "float32", "the kl sensitivity probe (float32: bf16 noise is of the size "
+    p.add_argument("--second-moments", action="store_true",
+                   help="also write each Linear's X^T X / tokens to OUTPUT_STEM.moments/")
+    _dtype_option(p, "float32", "the calibration passes (float32: bf16 noise is of the size "
                   "of the sensitivities)")
     p.set_defaults(func=_cmd_measure)
 

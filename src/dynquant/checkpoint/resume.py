@@ -17,16 +17,20 @@ from pathlib import Path
 
 import torch
 from safetensors import safe_open
-from safetensors.torch import save_file
+from safetensors.torch import load_file, save_file
 
 from dynquant.format.layout import tensor_names
 from dynquant.format.safetensors_writer import TORCH_DTYPES
 from dynquant.numerics.quantizer import QuantizedTensor
 
 
-class ResumeStore:
-    def __init__(self, out_dir: str | Path, job: dict) -> None:
-        out = Path(out_dir)
+class PartialDir:
+    """``.NAME.partial/`` beside an output: what a job finished so far, kept only while the
+    job (a digest of everything that determines the result) stays the same. Files in it are
+    written atomically (temp file + rename)."""
+
+    def __init__(self, out: str | Path, job: dict) -> None:
+        out = Path(out)
         self.dir = out.parent / f".{out.name}.partial"
         digest = hashlib.sha256(json.dumps(job, sort_keys=True, default=str).encode()).hexdigest()
         job_file = self.dir / "job.json"
@@ -36,6 +40,32 @@ class ResumeStore:
         self.dir.mkdir(parents=True, exist_ok=True)
         if not job_file.is_file():
             job_file.write_text(json.dumps({"digest": digest, "job": job}, default=str))
+
+    def write_json(self, name: str, doc: object) -> None:
+        tmp = self.dir / f".{name}.tmp"
+        tmp.write_text(json.dumps(doc))
+        os.replace(tmp, self.dir / name)
+
+    def read_json(self, name: str) -> object | None:
+        path = self.dir / name
+        return json.loads(path.read_text()) if path.is_file() else None
+
+    def write_tensors(self, name: str, tensors: dict[str, torch.Tensor]) -> None:
+        tmp = self.dir / f".{name}.tmp"
+        save_file({k: v.contiguous() for k, v in tensors.items()}, str(tmp))
+        os.replace(tmp, self.dir / name)
+
+    def read_tensors(self, name: str) -> dict[str, torch.Tensor] | None:
+        path = self.dir / name
+        return load_file(str(path)) if path.is_file() else None
+
+    def discard(self) -> None:
+        shutil.rmtree(self.dir, ignore_errors=True)
+
+
+
+class ResumeStore(PartialDir):
+    """A quantization's finished tensors, one small safetensors file each."""
 
     def _path(self, index: int) -> Path:
         return self.dir / f"{index:06d}.safetensors"
@@ -93,6 +123,3 @@ class ResumeStore:
 
     def save_dense(self, index: int, name: str, tensor: torch.Tensor) -> None:
         self._save(index, {name: tensor}, {"kind": "dense", "name": name})
-
-    def discard(self) -> None:
-        shutil.rmtree(self.dir, ignore_errors=True)

@@ -1,7 +1,8 @@
 """Calibration text and statistics: token windows, and per-input-column mean squared activations.
 
 The statistics (``stats.safetensors``: module -> [in_features] float32) weight the quantizer's
-error by how strongly each input column is driven (the importance in quantize_tensor).
+error by how strongly each input column is driven (the importance in quantize_tensor); expert
+banks add their routed-token counts and per-expert input statistics.
 """
 
 from __future__ import annotations
@@ -40,31 +41,104 @@ def calibration_ids(tokenizer, files: list[str | Path], seqs: int, length: int) 
     return torch.stack([ids[s : s + length] for s in starts.tolist()])
 
 
-def collect_stats(model: nn.Module, ids: torch.Tensor, modules: set[str]
-                  ) -> dict[str, torch.Tensor]:
-    """Mean squared input activation per column of every Linear named in ``modules``."""
-    sums: dict[str, torch.Tensor] = {}
-    counts: dict[str, int] = {}
-    hooks = []
+class InputStatistics:
+    """Forward hooks that gather, per quantizable Linear, the mean squared input of each column
+    (the quantizer's importance) and optionally the input second-moment matrix X^T X; and per
+    expert bank, the tokens routed to each expert and each expert's mean squared input.
 
-    def hook(name: str):
+    The same hooks serve a whole-model run and the block-streamed one (``block_stream.py``):
+    they only see module inputs, whichever way the model runs."""
+
+    def __init__(self, model: nn.Module, modules: set[str], second_moments: bool = False) -> None:
+        self.sums: dict[str, torch.Tensor] = {}
+        self.counts: dict[str, int] = {}
+        self.moments: dict[str, torch.Tensor] = {}
+        self.routed: dict[str, torch.Tensor] = {}
+        self.second = second_moments
+        self.hooks = []
+        for name, module in model.named_modules():
+            if name in modules and isinstance(module, nn.Linear):
+                self.hooks.append(module.register_forward_hook(self._linear(name)))
+            banks = [f"{name}.{p}" for p, t in module.named_parameters(recurse=False)
+                     if t.ndim == 3 and f"{name}.{p}" in modules]
+            if banks:
+                self.hooks.append(module.register_forward_hook(self._bank(name, module)))
+
+    def _linear(self, name: str):
         def fn(_module, inputs, _output):
             x = inputs[0].detach().float().reshape(-1, inputs[0].shape[-1])
-            sums[name] = sums.get(name, 0) + x.square().sum(0)
-            counts[name] = counts.get(name, 0) + x.shape[0]
+            self.sums[name] = self.sums.get(name, 0) + x.square().sum(0)
+            self.counts[name] = self.counts.get(name, 0) + x.shape[0]
+            if self.second:
+                self.moments[name] = self.moments.get(name, 0) + x.T @ x
         return fn
 
-    for name, module in model.named_modules():
-        if name in modules and isinstance(module, nn.Linear):
-            hooks.append(module.register_forward_hook(hook(name)))
+    def _bank(self, name: str, module: nn.Module):
+        def fn(_module, inputs, _output):
+            routing = expert_routing(module, inputs)
+            if routing is None:
+                return
+            x, experts = routing
+            count = torch.bincount(experts.reshape(-1), minlength=_experts(module))
+            sq = torch.zeros(len(count), x.shape[-1]).index_add_(
+                0, experts.reshape(-1), x.square().repeat_interleave(experts.shape[-1], 0))
+            key = f"{name}.routed_tokens"
+            self.routed[key] = self.routed.get(key, 0) + count
+            self.sums[f"{name}.expert_inputs"] = self.sums.get(f"{name}.expert_inputs", 0) + sq
+        return fn
+
+    def remove(self) -> None:
+        for h in self.hooks:
+            h.remove()
+
+    def result(self) -> dict[str, torch.Tensor]:
+        """module -> [in] mean squares; ``BANKS.routed_tokens`` -> [E] counts (float32) and
+        ``BANKS.expert_inputs`` -> [E, in] per-expert mean squares of the routed tokens."""
+        out = {}
+        for name, total in self.sums.items():
+            if name.endswith(".expert_inputs"):
+                tokens = self.routed[name.removesuffix(".expert_inputs") + ".routed_tokens"]
+                out[name] = total / tokens.clamp(min=1)[:, None]
+            else:
+                out[name] = total / self.counts[name]
+        out.update({k: v.float() for k, v in self.routed.items()})
+        return {k: out[k].contiguous() for k in sorted(out)}
+
+    def second_moments(self) -> dict[str, torch.Tensor]:
+        """module -> X^T X / tokens [in, in] (empty unless asked for)."""
+        return {k: (v / self.counts[k]).contiguous() for k, v in sorted(self.moments.items())}
+
+
+def _experts(module: nn.Module) -> int:
+    return next(p.shape[0] for p in module.parameters(recurse=False) if p.ndim == 3)
+
+
+def expert_routing(module: nn.Module, inputs: tuple) -> tuple[torch.Tensor, torch.Tensor] | None:
+    """(tokens [N, H] float32, routed experts [N, k]) of an expert-bank module's call: a
+    transformers experts module (called with hidden states and top-k indices) or the reference
+    hybrid model's MoE block (routes with its own ``gate``)."""
+    if len(inputs) >= 2 and inputs[1].dtype in (torch.int64, torch.int32):
+        x, experts = inputs[0], inputs[1]
+    elif hasattr(module, "gate") and hasattr(module, "top_k"):
+        x = inputs[0].reshape(-1, inputs[0].shape[-1])
+        experts = module.gate(x).float().topk(module.top_k, dim=-1).indices
+    else:
+        return None
+    x = x.detach().float().reshape(-1, x.shape[-1])
+    return x, experts.reshape(x.shape[0], -1).long()
+
+
+def collect_stats(model: nn.Module, ids: torch.Tensor, modules: set[str]
+                  ) -> dict[str, torch.Tensor]:
+    """Input statistics (``InputStatistics.result``) of a whole model run on ``ids``."""
+    stats = InputStatistics(model, modules)
     try:
         with torch.no_grad():
             for row in ids:
                 model(row[None])
     finally:
-        for h in hooks:
-            h.remove()
-    return {name: (sums[name] / counts[name]).contiguous() for name in sorted(sums)}
+        stats.remove()
+    return stats.result()
 
 
 def save_stats(stats: dict[str, torch.Tensor], path: Path) -> None:

@@ -17,7 +17,7 @@ from dynquant.format.widths import width
 from dynquant.models.sources import resolve_model
 from dynquant.pipeline.allocate import allocate_widths, uniform_widths
 from dynquant.pipeline.evaluate import EvalResult
-from dynquant.pipeline.measure import MeasureOptions, maps_modules, measure
+from dynquant.pipeline.measure import MeasureOptions, load_maps, maps_modules, measure
 from dynquant.pipeline.quantize import quantize_model
 
 BUDGETS = (2.5, 3.0, 3.25, 3.5, 4.25)
@@ -45,17 +45,22 @@ def uniform_bits_for(budget: float, group_size: int = 128) -> int:
 def size_quality_frontier(model_dir: str | Path, calib: str | Path, heldout: str | Path,
                           out_dir: str | Path, budgets: Sequence[float] = BUDGETS,
                           max_tokens: int | None = None, ctx: int = 512,
-                          on_step=None, dtype: str | None = None) -> list[FrontierPoint]:
+                          on_step=None, dtype: str | None = None, method: str | None = None,
+                          maps_path: str | Path | None = None) -> list[FrontierPoint]:
     """Every budget's sensitivity checkpoint (kept in ``out_dir``) and its uniform comparison,
-    evaluated in the compute dtype ``dtype`` (None/"auto": the CPU's)."""
+    evaluated in the compute dtype ``dtype`` (None/"auto": the CPU's). Sensitivities by
+    ``method`` (measure's default when None), or from an earlier measurement ``maps_path``."""
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
     source = resolve_model(str(model_dir))
     note = on_step or (lambda _msg: None)
-    note("measuring sensitivities")
-    maps_path = out / "maps.json"
-    maps = measure(source, MeasureOptions(calib=[str(calib)], budgets=budgets), maps_path,
-                   progress=False)
+    if maps_path is None:
+        note("measuring sensitivities")
+        maps_path = out / "maps.json"
+        maps = measure(source, MeasureOptions(calib=[str(calib)], budgets=budgets,
+                                              method=method), maps_path, progress=False)
+    else:
+        maps_path, maps = Path(maps_path), load_maps(maps_path)
     modules = maps_modules(maps)
     importance = load_file(maps_path.parent / maps["stats"])
     docs, allocs = {}, {}

@@ -1,11 +1,13 @@
 """measure -> maps.json: per module and candidate width, exact bytes and the error obtained, plus
 a sensitivity per module, so that predicted dKL = sum_m sensitivity_m * error_m.
 
-Sensitivity methods:
-- ``kl`` (needs calibration text): the module alone is replaced by its 3-bit quantized weights;
-  the mean KL(base || perturbed) of the next-token distribution on the calibration tokens,
-  divided by that module's relative error, is its sensitivity (the first-order model
-  KL ~ s * ||dW||^2 / ||W||^2 holds for small perturbations).
+Sensitivity methods (the sensitivity is the mean KL(base || perturbed) of the next-token
+distribution on the calibration tokens with the module alone at its 3-bit weights, divided by
+that module's relative error: KL ~ s * ||dW||^2 / ||W||^2 holds for small perturbations):
+- ``fisher`` (the default with calibration text): that KL estimated from one streamed forward and
+  one streamed backward pass, a block in memory at a time (``pipeline/fisher.py``).
+- ``kl-exact`` (``kl`` is its old name): that KL measured, one full-model forward per module,
+  the dense model in memory. The reference the estimate is checked against; small models.
 - ``weight`` (data-free proxy, the default without text): sensitivity = usage * ||W||^2, i.e.
   the cost is the absolute squared weight error a token meets; usage is top_k / E for routed
   expert banks, 1 / vocab for an untied input embedding (a token reads one row) and 1 otherwise.
@@ -15,18 +17,22 @@ from __future__ import annotations
 
 import json
 import math
-from collections.abc import Sequence
-from dataclasses import dataclass
+import os
+from collections.abc import Callable, Sequence
+from dataclasses import asdict, dataclass
 from pathlib import Path
 
 import torch
 from rich.progress import Progress
 from torch import nn
 
+from dynquant.checkpoint.resume import PartialDir
 from dynquant.errors import DynquantError
 from dynquant.format.layout import LayerLayout
+from dynquant.format.metadata import core_version
 from dynquant.format.planner import TensorSpec, excluded_modules
 from dynquant.models.sources import ModelSource
+from dynquant.numerics.compute_dtype import resolve_dtype
 from dynquant.numerics.quantizer import quantize_tensor, relative_error, squared_norm
 from dynquant.pipeline.allocate import (
     AllocationError,
@@ -36,8 +42,16 @@ from dynquant.pipeline.allocate import (
     allocate_widths,
     widths_mapping,
 )
+from dynquant.pipeline.block_stream import BlockStream
+from dynquant.pipeline.calibration import calibration_ids, read_calibration, save_stats
+from dynquant.pipeline.calibration_pass import run_calibration_pass
+from dynquant.pipeline.fisher import fisher_kl
+from dynquant.pipeline.generate import load_tokenizer
+from dynquant.pipeline.weights import WeightSource, weight_source
 
 MAPS_SCHEMA = "dynquant_maps_v1"
+METHODS = ("weight", "fisher", "kl-exact")
+ALIASES = {"kl": "kl-exact"}
 DEFAULT_WIDTHS = (2, 3, 4, 8)
 DEFAULT_BUDGETS = (2.5, 3.0, 3.25, 3.5, 4.25)
 PROBE_BITS = 3
@@ -48,7 +62,7 @@ class MeasureOptions:
     widths: Sequence[int] = DEFAULT_WIDTHS
     group_sizes: Sequence[int] = (128,)
     budgets: Sequence[float] = DEFAULT_BUDGETS
-    method: str | None = None  # None: kl with calibration text, else weight
+    method: str | None = None  # None: fisher with calibration text, else weight
     calib: Sequence[str] = ()
     calib_seqs: int = 8
     calib_len: int = 256
@@ -56,6 +70,9 @@ class MeasureOptions:
     # The kl probe's compute dtype. float32 by default on every CPU: sensitivities are
     # differences of small KLs, and bf16 rounding of activations would be noise of their size.
     dtype: str = "float32"
+    # Also write each Linear's input second moments X^T X / tokens beside maps.json
+    # (``NAME.moments/block_NNN.safetensors``), for error-compensating quantizers.
+    second_moments: bool = False
 
 
 def module_candidates(weight: torch.Tensor, widths: Sequence[int], group_sizes: Sequence[int],
@@ -151,72 +168,137 @@ def _dense_model(source: ModelSource, dtype: str) -> nn.Module:
     return load_any(source.directory, dtype=dtype)
 
 
+def measure_method(opts: MeasureOptions) -> str:
+    method = ALIASES.get(opts.method, opts.method) or ("fisher" if opts.calib else "weight")
+    if method not in METHODS:
+        raise DynquantError(f"unknown method {opts.method!r} (one of {', '.join(METHODS)})",
+                            field="method")
+    if method != "weight" and not opts.calib:
+        raise DynquantError(f"--method {method} needs calibration text (--calib FILE)",
+                            field="method")
+    return method
+
+
 def measure(source: ModelSource, opts: MeasureOptions, out: str | Path | None = None,
             progress: bool = True, random_init: bool = False) -> dict:
     """Measure every quantizable module; returns (and writes to ``out``) the maps document."""
-    from dynquant.pipeline.calibration import (
-        calibration_ids,
-        collect_stats,
-        read_calibration,
-        save_stats,
-    )
-    from dynquant.pipeline.generate import load_tokenizer
-    from dynquant.pipeline.quantize import weight_source
-
-    method = opts.method or ("kl" if opts.calib else "weight")
-    if method == "kl" and not opts.calib:
-        raise DynquantError("--method kl needs calibration text (--calib FILE)", field="method")
+    method = measure_method(opts)
     read_calibration(list(opts.calib))  # fail on a missing or empty file before any work
+    if out is not None:
+        Path(out).parent.mkdir(parents=True, exist_ok=True)
     specs = source.tensor_specs()
     dense_out = set(excluded_modules(specs, opts.not_convert))
     quantizable = [s for s in specs if s.quantizable and s.module not in dense_out]
-    stats: dict[str, torch.Tensor] = {}
-    stats_path = None
-    probe = None
-    if opts.calib:
-        model = _dense_model(source, opts.dtype)
-        ids = calibration_ids(load_tokenizer(source.directory), list(opts.calib),
-                              opts.calib_seqs, opts.calib_len)
-        stats = collect_stats(model, ids, {s.module for s in quantizable})
-        if out is not None:
-            stats_path = Path(out).with_name(Path(out).stem + ".stats.safetensors")
-            save_stats(stats, stats_path)
-        probe = KLProbe(model, ids) if method == "kl" else None
     weights = weight_source(source, random_init)
-    modules = {}
+    partial = None if out is None else PartialDir(out, _job(source, opts, method, random_init))
     try:
+        stats, probe_kl = _calibrate(source, weights, quantizable, opts, method, out, progress,
+                                     partial)
+        modules = {}
         with Progress(disable=not progress, transient=True) as bar:
             task = bar.add_task("measuring", total=len(quantizable))
-            for spec in quantizable:
-                modules[spec.module] = _measure_module(spec, weights.get(spec), source, opts,
-                                                       stats.get(spec.module), probe)
+            for index, spec in enumerate(quantizable):
+                done = None if partial is None else partial.read_json(f"m{index:06d}.json")
+                if done is None:
+                    done = _measure_module(spec, weights.get(spec), source, opts,
+                                           stats.get(spec.module), probe_kl)
+                    if partial is not None:  # a killed run starts again from here
+                        partial.write_json(f"m{index:06d}.json", done)
+                modules[spec.module] = done
                 bar.advance(task)
     finally:
         weights.close()
+    stats_name = Path(out).stem + ".stats.safetensors" if out is not None and stats else None
     doc = {"schema": MAPS_SCHEMA, "model": source.name, "method": method,
-           "stats": None if stats_path is None else stats_path.name,  # beside maps.json
+           "stats": stats_name,  # beside maps.json
            "widths": list(opts.widths), "group_sizes": list(opts.group_sizes),
            "modules_to_not_convert": sorted(dense_out), "modules": modules}
     group_size = max(opts.group_sizes)
     doc["allocations"] = allocations(maps_modules(doc), opts.budgets, group_size)
     if out is not None:
-        Path(out).write_text(json.dumps(doc, indent=1, sort_keys=False) + "\n")
+        tmp = Path(out).with_name(f".{Path(out).name}.tmp")
+        tmp.write_text(json.dumps(doc, indent=1, sort_keys=False) + "\n")
+        os.replace(tmp, out)
+        partial.discard()
     return doc
+
+
+def _job(source: ModelSource, opts: MeasureOptions, method: str, random_init: bool) -> dict:
+    """What determines a measurement: the model's files (by name, size and time), the text,
+    the options; a resumed run reuses a partial result only for the same job."""
+    files = [] if source.directory is None else sorted(
+        (p.name, p.stat().st_size, p.stat().st_mtime_ns) for p in source.directory.iterdir()
+        if p.is_file())
+    calib = [(str(c), Path(c).stat().st_size, Path(c).stat().st_mtime_ns) for c in opts.calib]
+    return {"model": source.name, "files": files, "calib": calib, "method": method,
+            "random_init": random_init, "options": asdict(opts), "version": core_version()}
+
+
+def probe_bits(opts: MeasureOptions) -> tuple[int, int]:
+    """The (width, group size) at which a module's KL is probed or estimated."""
+    return (PROBE_BITS if PROBE_BITS in opts.widths else sorted(opts.widths)[0],
+            max(opts.group_sizes))
+
+
+def _calibrate(source: ModelSource, weights: WeightSource, quantizable: list[TensorSpec],
+               opts: MeasureOptions, method: str, out: str | Path | None, progress: bool,
+               partial: PartialDir | None = None
+               ) -> tuple[dict[str, torch.Tensor], Callable[[TensorSpec, torch.Tensor], float]
+                          | None]:
+    """Input statistics (saved beside ``out``) and how to get a module's KL at the probe width:
+    nothing without calibration text; else one streamed pass for the statistics, then the
+    Fisher pass over the same stream or the exact probe on the dense model. The statistics and
+    Fisher KLs are kept in ``partial`` for a resumed run."""
+    if not opts.calib:
+        return {}, None
+    if source.directory is None:
+        raise DynquantError("calibration needs model weights (a model directory)",
+                            file=source.name)
+    kept = None if partial is None else partial.read_tensors("calibration.safetensors")
+    if kept is not None and method == "fisher":
+        kls = {k.removeprefix("kl:"): float(v) for k, v in kept.items() if k.startswith("kl:")}
+        return ({k: v for k, v in kept.items() if not k.startswith("kl:")},
+                lambda spec, _w: kls[spec.module])
+    ids = calibration_ids(load_tokenizer(source.directory), list(opts.calib), opts.calib_seqs,
+                          opts.calib_len)
+    modules = {s.module for s in quantizable}
+    moments = (Path(out).with_name(Path(out).stem + ".moments")
+               if out is not None and opts.second_moments else None)
+    stream = BlockStream(source, weights, ids, chunk=1, dtype=resolve_dtype(opts.dtype))
+    cal = run_calibration_pass(stream, modules, moments, progress)
+    try:
+        stats = cal.stats
+        if out is not None:
+            save_stats(stats, Path(out).with_name(Path(out).stem + ".stats.safetensors"))
+        bits, gs = probe_bits(opts)
+
+        def probe_weight(spec: TensorSpec, w: torch.Tensor) -> torch.Tensor:
+            qt = quantize_tensor(w, bits, gs, importance=stats.get(spec.module))
+            return qt.dequantize(torch.float32)
+
+        if method == "fisher":
+            kls = fisher_kl(cal, modules, probe_weight, progress=progress)
+            if partial is not None:
+                partial.write_tensors("calibration.safetensors", {
+                    **stats, **{f"kl:{m}": torch.tensor(v, dtype=torch.float64)
+                                for m, v in kls.items()}})
+            return stats, lambda spec, _w: kls[spec.module]
+    finally:
+        cal.close()
+    probe = KLProbe(_dense_model(source, opts.dtype), ids)
+    return stats, lambda spec, w: probe.kl_with(spec.module, probe_weight(spec, w))
 
 
 def _measure_module(spec: TensorSpec, weight: torch.Tensor, source: ModelSource,
                     opts: MeasureOptions, importance: torch.Tensor | None,
-                    probe: KLProbe | None) -> dict:
+                    probe_kl: Callable[[TensorSpec, torch.Tensor], float] | None) -> dict:
     cands = module_candidates(weight, opts.widths, opts.group_sizes, importance)
-    if probe is not None:
-        # KL of the module's own 3-bit weights over their (possibly importance-weighted)
-        # error: predicted KL = sensitivity * error reproduces the probe exactly at 3 bits.
-        gs = max(opts.group_sizes)
-        bits = PROBE_BITS if PROBE_BITS in opts.widths else sorted(opts.widths)[0]
-        qt = quantize_tensor(weight, bits, gs, importance=importance)
+    if probe_kl is not None:
+        # KL of the module's own probe-width weights over their (possibly importance-weighted)
+        # error: predicted KL = sensitivity * error reproduces that KL exactly at the probe.
+        bits, gs = probe_bits(opts)
         probe_err = next(c.error for c in cands if (c.bits, c.group_size) == (bits, gs))
-        sensitivity = probe.kl_with(spec.module, qt.dequantize(torch.float32)) / max(
-            probe_err, 1e-12)
+        sensitivity = probe_kl(spec, weight.float()) / max(probe_err, 1e-12)
     else:
         sensitivity = weight_usage(spec, source) * squared_norm(weight)
     if not math.isfinite(sensitivity):

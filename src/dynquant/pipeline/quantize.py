@@ -21,20 +21,12 @@ from dynquant.format import metadata as md
 from dynquant.format.planner import WidthChoice, plan_document, split_choice
 from dynquant.models.sources import ModelSource
 from dynquant.numerics.quantizer import quantize_tensor
-from dynquant.pipeline.weights import RandomWeights, SafetensorsWeights, WeightSource
+from dynquant.pipeline.weights import WeightSource, weight_source
 
 
 def _progress(enabled: bool) -> Progress:
     return Progress(TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(),
                     TimeElapsedColumn(), disable=not enabled, transient=True)
-
-
-def weight_source(source: ModelSource, random_init: bool, seed: int = 0) -> WeightSource:
-    if random_init:
-        return RandomWeights(seed, std=getattr(source.config, "initializer_range", 0.02))
-    if source.directory is None:
-        raise DynquantError("a preset has no weights: pass --random-init", file=source.name)
-    return SafetensorsWeights(source.directory, source.conversion_transforms())
 
 
 def quantize_model(

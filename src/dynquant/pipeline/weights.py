@@ -14,6 +14,7 @@ from dynquant.format.planner import TensorSpec
 from dynquant.format.safetensors_header import read_header
 from dynquant.format.safetensors_writer import TORCH_DTYPES
 from dynquant.models.disk_layout import DiskLayout
+from dynquant.models.sources import ModelSource
 
 
 class WeightSource:
@@ -85,6 +86,13 @@ class SafetensorsWeights(WeightSource):
                              file=str(self.directory), module=spec.name, field="shape")
         return tensor
 
+
+def weight_source(source: ModelSource, random_init: bool, seed: int = 0) -> WeightSource:
+    if random_init:
+        return RandomWeights(seed, std=getattr(source.config, "initializer_range", 0.02))
+    if source.directory is None:
+        raise ModelError("a preset has no weights: pass --random-init", file=source.name)
+    return SafetensorsWeights(source.directory, source.conversion_transforms())
 
 
 def iter_tensors(source: WeightSource, specs: list[TensorSpec]) -> Iterator[tuple[TensorSpec,

@@ -1,0 +1,231 @@
+"""Layer-streamed calibration and Fisher sensitivities, held to the whole-model computations."""
+
+from __future__ import annotations
+
+import math
+from pathlib import Path
+
+import pytest
+import torch
+from safetensors.torch import load_file
+from scipy.stats import spearmanr
+from transformers import AutoModelForCausalLM, LlamaConfig
+
+from dynquant.models.sources import resolve_model
+from dynquant.numerics.quantizer import quantize_tensor
+from dynquant.pipeline.block_stream import ActivationStore, BlockStream
+from dynquant.pipeline.calibration import InputStatistics, calibration_ids, collect_stats
+from dynquant.pipeline.calibration_pass import run_calibration_pass
+from dynquant.pipeline.evaluate import load_any
+from dynquant.pipeline.fisher import fisher_kl
+from dynquant.pipeline.generate import load_tokenizer
+from dynquant.pipeline.measure import KLProbe, MeasureOptions, measure
+from dynquant.pipeline.weights import SafetensorsWeights
+from model_zoo import save_tiny_model, save_tiny_tokenizer
+
+ROOT = Path(__file__).parents[1]
+FAMILIES = ("llama", "qwen3", "qwen3_moe", "olmoe", "lfm2", "lfm2_moe", "dynquant_hybrid")
+
+
+def _stream(model_dir: Path, ids: torch.Tensor, chunk: int = 2):
+    source = resolve_model(str(model_dir))
+    modules = {s.module for s in source.tensor_specs() if s.quantizable}
+    weights = SafetensorsWeights(model_dir, source.conversion_transforms())
+    return BlockStream(source, weights, ids, chunk=chunk), modules
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_streamed_statistics_equal_whole_model_statistics(family, tmp_path):
+    model_dir = save_tiny_model(family, tmp_path / family)
+    ids = torch.randint(0, 384, (3, 24), generator=torch.Generator().manual_seed(1))
+    stream, modules = _stream(model_dir, ids)
+    cal = run_calibration_pass(stream, modules)
+    model = load_any(model_dir, dtype="float32")
+    whole = collect_stats(model, ids, modules)
+    assert sorted(cal.stats) == sorted(whole)
+    for name, value in whole.items():
+        torch.testing.assert_close(cal.stats[name], value, rtol=2e-5, atol=1e-7, msg=name)
+    banks = [n for n in whole if n.endswith(".routed_tokens")]
+    if family in ("qwen3_moe", "olmoe", "lfm2_moe", "dynquant_hybrid"):
+        assert banks, "expert banks record their routed tokens"
+        k = model.config.num_experts_per_tok
+        assert all(int(whole[b].sum()) == ids.numel() * k for b in banks)
+    # whatever follows the blocks, run from the streamed last hidden states, gives the logits
+    for name, module in stream.head_modules():
+        stream.materialize(module, name)
+    final = cal.inputs.get(len(stream.blocks))
+    logits = torch.cat([stream.head_logits(f, c) for f, c in zip(final, stream.chunks(),
+                                                                    strict=True)])
+    with torch.no_grad():
+        torch.testing.assert_close(logits, model(ids).logits, rtol=1e-4, atol=1e-5)
+    cal.close()
+
+
+def test_streaming_holds_one_block_of_a_multi_shard_model(tmp_path):
+    """Parameters in memory never exceed the largest block (or the embedding), whatever the
+    model's size: what is not running stays on the meta device."""
+    cfg = LlamaConfig(vocab_size=384, hidden_size=64, intermediate_size=172,
+                      num_hidden_layers=6, num_attention_heads=4, num_key_value_heads=2)
+    torch.manual_seed(0)
+    model = AutoModelForCausalLM.from_config(cfg).to(torch.bfloat16)
+    model.save_pretrained(tmp_path / "m", max_shard_size="100KB")
+    assert len(list((tmp_path / "m").glob("*.safetensors"))) >= 3
+    ids = torch.randint(0, 384, (2, 16), generator=torch.Generator().manual_seed(0))
+    stream, modules = _stream(tmp_path / "m", ids)
+    peak = [0]
+
+    def live() -> int:
+        return sum(p.numel() for p in stream.model.parameters() if p.device.type != "meta")
+
+    for method in ("materialize", "release"):
+        original = getattr(stream, method)
+
+        def tracked(*args, _original=original, **kwargs):
+            out = _original(*args, **kwargs)
+            peak[0] = max(peak[0], live())
+            return out
+        setattr(stream, method, tracked)
+    cal = run_calibration_pass(stream, modules)
+    fisher_kl(cal, modules, lambda _s, w: w.round())
+    block = sum(p.numel() for p in model.model.layers[0].parameters())
+    head = model.lm_head.weight.numel() + model.model.norm.weight.numel()
+    assert 0 < peak[0] <= max(block, head, model.model.embed_tokens.weight.numel())
+    assert live() == 0
+    cal.close()
+
+
+def test_activation_store_spills_to_disk_past_its_limit():
+    store = ActivationStore(limit_bytes=100)
+    small, large = [torch.ones(4, 4)], [torch.arange(64.0).reshape(2, 32), torch.ones(3)]
+    store.put(0, small)
+    store.put(1, large)
+    assert 0 in store.memory and 1 not in store.memory
+    for got, want in zip(store.get(1), large, strict=True):
+        torch.testing.assert_close(got, want)
+    folder = Path(store.tmp.name)
+    store.close()
+    assert not folder.exists()
+
+
+def test_second_moments_are_the_inputs_gram_matrix(tmp_path):
+    model_dir = save_tiny_model("llama", tmp_path / "llama")
+    ids = torch.randint(0, 384, (2, 16), generator=torch.Generator().manual_seed(2))
+    stream, modules = _stream(model_dir, ids)
+    cal = run_calibration_pass(stream, modules, moments_dir=tmp_path / "moments")
+    saved = load_file(tmp_path / "moments" / "block_001.safetensors")
+    model = load_any(model_dir, dtype="float32")
+    stats = InputStatistics(model, modules, second_moments=True)
+    with torch.no_grad():
+        for row in ids:
+            model(row[None])
+    stats.remove()
+    want = stats.second_moments()["model.layers.1.mlp.down_proj"]
+    assert want.shape == (172, 172)
+    torch.testing.assert_close(saved["model.layers.1.mlp.down_proj"], want, rtol=1e-4,
+                               atol=1e-6)
+    cal.close()
+
+
+@pytest.mark.parametrize(("name", "least"), [("llama-ref", 0.9), ("hybrid-ref", 0.8)])
+def test_fisher_ranks_modules_like_the_exact_probe(name, least):
+    """On the trained reference models, the streamed estimate of each module's 3-bit KL ranks
+    the modules as the exact probe (one forward per module) does, and is of its size. The MoE
+    model's bar is lower: a token switching experts under a perturbation adds KL that no
+    gradient sees (docs/pipeline.md); its allocations still match (BENCHMARKS.md)."""
+    model_dir = ROOT / "models" / name
+    ids = calibration_ids(load_tokenizer(model_dir), [ROOT / "data" / "calibration.txt"], 6,
+                          192)
+    stream, modules = _stream(model_dir, ids, chunk=1)
+    cal = run_calibration_pass(stream, modules)
+
+    def probe_weight(spec, w):
+        return quantize_tensor(w, 3, 128, importance=cal.stats.get(spec.module)).dequantize(
+            torch.float32)
+
+    estimate = fisher_kl(cal, modules, probe_weight)
+    probe = KLProbe(load_any(model_dir, dtype="float32"), ids)
+    specs = {s.module: s for s in stream.source.tensor_specs() if s.quantizable}
+    exact = {m: probe.kl_with(m, probe_weight(specs[m], stream.weights.get(specs[m]).float()))
+             for m in sorted(modules)}
+    cal.close()
+    order = sorted(exact)
+    rho = spearmanr([estimate[m] for m in order], [exact[m] for m in order]).statistic
+    assert rho >= least, rho
+    ratio = sum(estimate.values()) / sum(exact.values())
+    assert 0.3 < ratio < 1.5, ratio
+
+
+def test_fisher_is_the_kl_of_a_small_perturbation(tmp_path):
+    """For a small perturbation the second-order formula is the KL: 4-bit weights of one
+    module, estimated vs measured, on a tiny model, with enough sequences and label draws
+    (24 x 8: the estimate's noise is about sqrt(2 / 192) = 10%) to average the noise."""
+    model_dir = save_tiny_model("llama", tmp_path / "llama")
+    ids = torch.randint(0, 384, (24, 32), generator=torch.Generator().manual_seed(3))
+    stream, _ = _stream(model_dir, ids, chunk=1)
+    target = "model.layers.0.mlp.down_proj"
+    cal = run_calibration_pass(stream, {target})
+
+    def probe_weight(_spec, w):
+        return quantize_tensor(w, 4, 32).dequantize(torch.float32)
+
+    estimate = fisher_kl(cal, {target}, probe_weight, draws=8)[target]
+    cal.close()
+    spec = next(s for s in stream.source.tensor_specs() if s.module == target)
+    probe = KLProbe(load_any(model_dir, dtype="float32"), ids)
+    exact = probe.kl_with(target, probe_weight(spec, stream.weights.get(spec).float()))
+    assert math.isclose(estimate, exact, rel_tol=0.25), (estimate, exact)
+
+
+def test_measure_writes_second_moments_when_asked(tmp_path):
+    model_dir = save_tiny_model("qwen3", tmp_path / "src")
+    save_tiny_tokenizer(model_dir)
+    calib = tmp_path / "calib.txt"
+    calib.write_text(" ".join(["the little fox went to the river to drink"] * 60))
+    opts = MeasureOptions(calib=[str(calib)], calib_seqs=2, calib_len=32, budgets=[3.25],
+                          second_moments=True)
+    doc = measure(resolve_model(str(model_dir)), opts, tmp_path / "out" / "maps.json",
+                  progress=False)
+    assert doc["method"] == "fisher"
+    blocks = sorted((tmp_path / "out" / "maps.moments").glob("block_*.safetensors"))
+    assert [b.name for b in blocks] == ["block_000.safetensors", "block_001.safetensors"]
+    assert all(m["sensitivity"] > 0 for m in doc["modules"].values())
+
+
+def test_killed_measure_resumes_to_identical_maps(tmp_path, monkeypatch):
+    """A measurement stopped part way keeps its calibration and finished modules in
+    ``.maps.json.partial/``; the rerun computes only the rest and writes the same bytes."""
+    import dynquant.pipeline.measure as measure_module
+
+    model_dir = save_tiny_model("qwen3", tmp_path / "src")
+    save_tiny_tokenizer(model_dir)
+    calib = tmp_path / "calib.txt"
+    calib.write_text(" ".join(["the little fox went to the river to drink"] * 60))
+    opts = MeasureOptions(calib=[str(calib)], calib_seqs=2, calib_len=32, budgets=[3.25])
+    source = resolve_model(str(model_dir))
+    measure(source, opts, tmp_path / "whole" / "maps.json", progress=False)
+
+    original, calls = measure_module._measure_module, []
+
+    def dies_after_three(*args, **kwargs):
+        if len(calls) == 3:
+            raise KeyboardInterrupt
+        calls.append(args[0].module)
+        return original(*args, **kwargs)
+
+    out = tmp_path / "resumed" / "maps.json"
+    monkeypatch.setattr(measure_module, "_measure_module", dies_after_three)
+    with pytest.raises(KeyboardInterrupt):
+        measure(source, opts, out, progress=False)
+    assert not out.exists() and (out.parent / ".maps.json.partial").is_dir()
+
+    def no_second_fisher_pass(*_args, **_kwargs):
+        raise AssertionError("the kept Fisher KLs are reused")
+
+    again: list[str] = []
+    monkeypatch.setattr(measure_module, "fisher_kl", no_second_fisher_pass)
+    monkeypatch.setattr(measure_module, "_measure_module",
+                        lambda *a, **k: again.append(a[0].module) or original(*a, **k))
+    measure(source, opts, out, progress=False)
+    assert not set(again) & set(calls)
+    assert out.read_bytes() == (tmp_path / "whole" / "maps.json").read_bytes()
+    assert not (out.parent / ".maps.json.partial").exists()
