@@ -229,3 +229,50 @@ def test_killed_measure_resumes_to_identical_maps(tmp_path, monkeypatch):
     assert not set(again) & set(calls)
     assert out.read_bytes() == (tmp_path / "whole" / "maps.json").read_bytes()
     assert not (out.parent / ".maps.json.partial").exists()
+
+
+def test_expert_banks_quantize_each_expert_with_its_own_inputs():
+    gen = torch.Generator().manual_seed(4)
+    bank = torch.randn(3, 20, 96, generator=gen)
+    per_expert = torch.rand(3, 96, generator=gen) + 0.1
+    qt = quantize_tensor(bank, 3, 32, importance=per_expert)
+    for e in range(3):
+        alone = quantize_tensor(bank[e], 3, 32, importance=per_expert[e])
+        rows = slice(e * 20, (e + 1) * 20)
+        assert torch.equal(qt.qweight[rows], alone.qweight)
+        assert torch.equal(qt.scales[rows], alone.scales)
+    from dynquant.numerics.quantizer import relative_error
+
+    w_hat = qt.dequantize(torch.float32).reshape(bank.shape)
+    want = float(((w_hat - bank).square() * per_expert[:, None]).sum()
+                 / (bank.square() * per_expert[:, None]).sum())
+    assert relative_error(bank, qt, per_expert) == pytest.approx(want, rel=1e-5)
+
+
+def test_importance_of_a_bank_comes_from_its_routed_tokens():
+    from dynquant.pipeline.calibration import importance_of
+
+    stats = {"m.experts.expert_inputs": torch.tensor([[1.0, 2.0], [0.0, 0.0], [3.0, 4.0]]),
+             "m.experts.routed_tokens": torch.tensor([1.0, 0.0, 3.0]), "m.q": torch.ones(2)}
+    got = importance_of(stats, "m.experts.gate_up_proj", (3, 8, 2))
+    # the expert no token reached takes the token-weighted mean of the others
+    torch.testing.assert_close(got, torch.tensor([[1.0, 2.0], [2.5, 3.5], [3.0, 4.0]]))
+    assert importance_of(stats, "m.experts.down_proj", (3, 2, 8)) is None
+    assert importance_of(stats, "m.q", (2, 2)) is stats["m.q"]
+
+
+def test_measure_weights_expert_banks_by_their_tokens(tmp_path):
+    model_dir = save_tiny_model("qwen3_moe", tmp_path / "src")
+    save_tiny_tokenizer(model_dir)
+    calib = tmp_path / "calib.txt"
+    calib.write_text(" ".join(["the little fox went to the river to drink"] * 60))
+    source = resolve_model(str(model_dir))
+    opts = MeasureOptions(calib=[str(calib)], calib_seqs=2, calib_len=32, budgets=[3.25])
+    calibrated = measure(source, opts, tmp_path / "c" / "maps.json", progress=False)
+    plain = measure(source, MeasureOptions(budgets=[3.25]), None, progress=False)
+    stats = load_file(tmp_path / "c" / "maps.stats.safetensors")
+    bank = "model.layers.0.mlp.experts.gate_up_proj"
+    assert int(stats["model.layers.0.mlp.experts.routed_tokens"].sum()) == 2 * 32 * 2
+    errors = [[c["error"] for c in doc["modules"][bank]["candidates"]]
+              for doc in (calibrated, plain)]
+    assert errors[0] != errors[1]  # weighted by each expert's own inputs

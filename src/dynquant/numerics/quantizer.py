@@ -271,11 +271,12 @@ def _check_weight(weight: torch.Tensor, importance: torch.Tensor | None) -> None
             f"weight must have 2 or more non-empty dimensions, got shape {list(weight.shape)}",
             field="weight",
         )
-    if importance is not None and tuple(importance.shape) != (weight.shape[-1],):
+    allowed = {(weight.shape[-1],)} | ({(weight.shape[0], weight.shape[-1])}
+                                        if weight.ndim == 3 else set())
+    if importance is not None and tuple(importance.shape) not in allowed:
         raise QuantizationError(
-            f"importance must have shape [{weight.shape[-1]}], got {list(importance.shape)}",
-            field="importance",
-        )
+            f"importance must have shape [{weight.shape[-1]}] (or [experts, {weight.shape[-1]}] "
+            f"for an expert bank), got {list(importance.shape)}", field="importance")
 
 
 def quantize_tensor(
@@ -288,7 +289,9 @@ def quantize_tensor(
     """Quantize ``weight`` (groups along its last axis) to ``bits`` with bf16 scales/offsets.
 
     ``clip`` runs the clip search for widths below 8 (8-bit codes are never clipped).
-    ``importance`` [in_features], if given, weights the squared error of each input column.
+    ``importance`` [in_features], if given, weights the squared error of each input column; an
+    expert bank [E, out, in] may have one row of it per expert ([E, in]: each expert's own
+    inputs), and each expert is then quantized with its own.
     """
     _check_weight(weight, importance)
     layout = LayerLayout.create(tuple(weight.shape), bits, group_size)
@@ -296,18 +299,14 @@ def quantize_tensor(
     if importance is not None:
         importance = importance.detach().to(torch.float32)
     alphas = CLIP_ALPHAS if clip and bits < 8 else (1.0,)
-    # The native kernel reads float32/bf16 rows in place (one call, split across threads); the
-    # torch path and other dtypes take cache-sized blocks converted to float32.
-    whole = native.available() and w_rows.dtype in native.INPUT_DTYPES
-    step = layout.num_rows if whole else max(1, CHUNK_ELEMENTS // layout.padded_in_features)
     parts: list[_ChunkResult] = []
-    for start in range(0, layout.num_rows, step):
-        block = w_rows[start : start + step]
+    for start, stop, cols in _row_blocks(layout, w_rows.dtype, importance):
+        block = w_rows[start:stop]
         if block.dtype not in native.INPUT_DTYPES:
             block = block.to(torch.float32)
-        res = _quantize_rows_native(block, bits, group_size, alphas, importance)
+        res = _quantize_rows_native(block, bits, group_size, alphas, cols)
         parts.append(res if res is not None else
-                     _quantize_rows_torch(block.to(torch.float32), layout, alphas, importance))
+                     _quantize_rows_torch(block.to(torch.float32), layout, alphas, cols))
     total_groups = layout.num_rows * layout.num_groups
     chosen = sum(p.chosen_error for p in parts)
     minmax = sum(p.minmax_error for p in parts)
@@ -321,6 +320,21 @@ def quantize_tensor(
         clipped_fraction=sum(p.clipped_groups for p in parts) / total_groups,
         clip_improvement=(1.0 - chosen / minmax) if minmax > 0 else 0.0,
     )
+
+
+def _row_blocks(layout: LayerLayout, dtype: torch.dtype, importance: torch.Tensor | None
+                ) -> list[tuple[int, int, torch.Tensor | None]]:
+    """(first row, end row, column importance) of the blocks quantized at once. The native
+    kernel reads float32/bf16 rows in place (one call, split across threads); the torch path and
+    other dtypes take cache-sized blocks converted to float32; per-expert importance, one block
+    per expert."""
+    if importance is not None and importance.ndim == 2:
+        per = layout.num_rows // importance.shape[0]
+        return [(e * per, (e + 1) * per, importance[e]) for e in range(importance.shape[0])]
+    whole = native.available() and dtype in native.INPUT_DTYPES
+    step = layout.num_rows if whole else max(1, CHUNK_ELEMENTS // layout.padded_in_features)
+    return [(s, min(s + step, layout.num_rows), importance)
+            for s in range(0, layout.num_rows, step)]
 
 
 def squared_norm(weight: torch.Tensor) -> float:
@@ -337,6 +351,8 @@ def relative_error(weight: torch.Tensor, qt: QuantizedTensor,
     lay = qt.layout
     rows = weight.detach().reshape(lay.num_rows, lay.in_features)
     col = None if importance is None else importance.detach().to(torch.float32)
+    per_expert = col is not None and col.ndim == 2
+    rows_per = lay.num_rows // col.shape[0] if per_expert else 0
     step = max(1, CHUNK_ELEMENTS // lay.in_features)
     num = den = 0.0
     for r in range(0, lay.num_rows, step):
@@ -346,7 +362,8 @@ def relative_error(weight: torch.Tensor, qt: QuantizedTensor,
                                 lay.in_features, torch.float32)
         d2, w2 = (w_hat - w).square_(), w.square()
         if col is not None:
-            d2, w2 = d2 * col, w2 * col
+            c = col[torch.arange(r, r + w.shape[0]) // rows_per] if per_expert else col
+            d2, w2 = d2 * c, w2 * c
         num += float(d2.sum(dtype=torch.float64))
         den += float(w2.sum(dtype=torch.float64))
     return num / den if den > 0 else 0.0

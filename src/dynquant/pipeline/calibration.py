@@ -141,5 +141,27 @@ def collect_stats(model: nn.Module, ids: torch.Tensor, modules: set[str]
     return stats.result()
 
 
+# 3-D expert parameters [E, out, in] whose input is the tokens routed to the expert (the
+# transformers names); the others (down projections, the reference model's [E, in, out] banks)
+# read activations no hook sees, and stay unweighted.
+FIRST_PROJECTIONS = ("gate_up_proj", "gate_proj", "up_proj")
+
+
+def importance_of(stats: dict[str, torch.Tensor], module: str, shape: tuple[int, ...]
+                  ) -> torch.Tensor | None:
+    """The quantizer's importance for ``module`` of ``shape``: its column statistics, or for an
+    expert bank's first projection each expert's own routed inputs ([E, in]; an expert no
+    calibration token reached takes the bank's token-weighted mean)."""
+    if module in stats:
+        return stats[module]
+    owner, _, leaf = module.rpartition(".")
+    per, tokens = stats.get(f"{owner}.expert_inputs"), stats.get(f"{owner}.routed_tokens")
+    if (per is None or tokens is None or leaf not in FIRST_PROJECTIONS or len(shape) != 3
+            or tuple(per.shape) != (shape[0], shape[-1])):
+        return None
+    mean = (per * tokens[:, None]).sum(0) / tokens.sum().clamp(min=1)
+    return torch.where(tokens[:, None] > 0, per, mean)
+
+
 def save_stats(stats: dict[str, torch.Tensor], path: Path) -> None:
     save_file(stats, str(path), metadata={"format": "dynquant-stats"})

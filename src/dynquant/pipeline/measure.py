@@ -43,7 +43,12 @@ from dynquant.pipeline.allocate import (
     widths_mapping,
 )
 from dynquant.pipeline.block_stream import BlockStream
-from dynquant.pipeline.calibration import calibration_ids, read_calibration, save_stats
+from dynquant.pipeline.calibration import (
+    calibration_ids,
+    importance_of,
+    read_calibration,
+    save_stats,
+)
 from dynquant.pipeline.calibration_pass import run_calibration_pass
 from dynquant.pipeline.fisher import fisher_kl
 from dynquant.pipeline.generate import load_tokenizer
@@ -201,7 +206,7 @@ def measure(source: ModelSource, opts: MeasureOptions, out: str | Path | None = 
                 done = None if partial is None else partial.read_json(f"m{index:06d}.json")
                 if done is None:
                     done = _measure_module(spec, weights.get(spec), source, opts,
-                                           stats.get(spec.module), probe_kl)
+                                           importance_of(stats, spec.module, spec.shape), probe_kl)
                     if partial is not None:  # a killed run starts again from here
                         partial.write_json(f"m{index:06d}.json", done)
                 modules[spec.module] = done
@@ -273,7 +278,7 @@ def _calibrate(source: ModelSource, weights: WeightSource, quantizable: list[Ten
         bits, gs = probe_bits(opts)
 
         def probe_weight(spec: TensorSpec, w: torch.Tensor) -> torch.Tensor:
-            qt = quantize_tensor(w, bits, gs, importance=stats.get(spec.module))
+            qt = quantize_tensor(w, bits, gs, importance=importance_of(stats, spec.module, spec.shape))
             return qt.dequantize(torch.float32)
 
         if method == "fisher":

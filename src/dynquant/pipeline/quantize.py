@@ -21,6 +21,7 @@ from dynquant.format import metadata as md
 from dynquant.format.planner import WidthChoice, plan_document, split_choice
 from dynquant.models.sources import ModelSource
 from dynquant.numerics.quantizer import quantize_tensor
+from dynquant.pipeline.calibration import importance_of
 from dynquant.pipeline.weights import WeightSource, weight_source
 
 
@@ -102,7 +103,8 @@ def _quantize_one(index: int, spec, store: ResumeStore, writer: CheckpointWriter
         tensor = weights.get(spec)
         if spec.module in plan["layers"]:
             bits, gs = split_choice(widths[spec.module], group_size)
-            qt = quantize_tensor(tensor, bits, gs, importance=importance.get(spec.module))
+            cols = importance_of(importance, spec.module, spec.shape)
+            qt = quantize_tensor(tensor, bits, gs, importance=cols)
             store.save_quantized(index, spec.module, qt)
         else:
             store.save_dense(index, spec.name, tensor.to(dense_storage_dtype(tensor.dtype)))
