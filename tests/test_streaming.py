@@ -276,3 +276,12 @@ def test_measure_weights_expert_banks_by_their_tokens(tmp_path):
     errors = [[c["error"] for c in doc["modules"][bank]["candidates"]]
               for doc in (calibrated, plain)]
     assert errors[0] != errors[1]  # weighted by each expert's own inputs
+
+
+def test_labels_are_drawn_from_the_models_distribution():
+    from dynquant.pipeline.fisher import _sample
+
+    probs = torch.tensor([0.1, 0.6, 0.3, 0.0])
+    labels = _sample(probs.log().expand(200_000, 4), torch.Generator().manual_seed(0))
+    share = torch.bincount(labels[:, 0], minlength=4) / 200_000
+    torch.testing.assert_close(share, probs, atol=5e-3, rtol=0)  # ~5 standard errors

@@ -97,7 +97,8 @@ def _cmd_measure(args: argparse.Namespace) -> int:
                           budgets=[float(b) for b in args.budgets.split(",") if b],
                           method=args.method, calib=args.calib, not_convert=args.not_convert,
                           calib_seqs=args.calib_seqs, calib_len=args.calib_len,
-                          dtype=args.dtype, second_moments=args.second_moments)
+                          dtype=args.dtype, second_moments=args.second_moments,
+                          fisher_draws=args.fisher_draws)
     doc = measure(resolve_model(args.model), opts, args.output, progress=True,
                   random_init=args.random_init)
     for budget, a in doc["allocations"].items():
@@ -259,6 +260,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--budgets", default="2.5,3,3.25,3.5,4.25")
     p.add_argument("--not-convert", action="append", default=[], metavar="GLOB")
     p.add_argument("--random-init", action="store_true")
+    p.add_argument("--fisher-draws", type=int, default=2,
+                   help="label draws per sequence for --method fisher (noise ~ sqrt(2 / "
+                   "(sequences x draws)); each costs one backward pass)")
     p.add_argument("--second-moments", action="store_true",
                    help="also write each Linear's X^T X / tokens to OUTPUT_STEM.moments/")
     _dtype_option(p, "float32", "the calibration passes (float32: bf16 noise is of the size "

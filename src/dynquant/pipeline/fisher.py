@@ -110,6 +110,13 @@ def _error(spec: TensorSpec, w: torch.Tensor, probe_weight: ProbeWeight) -> torc
     return (probe_weight(spec, w).reshape(w.shape) - w).to(torch.bfloat16)
 
 
+def _sample(logp: torch.Tensor, gen: torch.Generator) -> torch.Tensor:
+    """One label per row drawn from ``softmax(logp)``, [rows, 1]: the Gumbel-max trick (one
+    uniform draw per logit; torch.multinomial is ~50x slower on 50k-token vocabularies)."""
+    u = torch.rand(logp.shape, generator=gen).clamp_(min=1e-20)
+    return (logp - u.log_().neg_().log_()).argmax(-1, keepdim=True)
+
+
 def _sequences(chunks: list[torch.Tensor]) -> list[torch.Tensor]:
     return [row[None] for chunk in chunks for row in chunk]
 
@@ -132,7 +139,7 @@ def _head_backward(stream: BlockStream, cal: CalibrationPass, modules: set[str],
             per_draw = []
             for d in range(draws):
                 acc.at = (s, d)
-                labels = torch.multinomial(logp.detach().exp(), 1, generator=gen)
+                labels = _sample(logp.detach(), gen)
                 logp.gather(1, labels).sum().backward(retain_graph=d < draws - 1)
                 per_draw.append(h.grad)
                 h.grad = None

@@ -78,6 +78,9 @@ class MeasureOptions:
     # Also write each Linear's input second moments X^T X / tokens beside maps.json
     # (``NAME.moments/block_NNN.safetensors``), for error-compensating quantizers.
     second_moments: bool = False
+    # Label draws per calibration sequence for the Fisher estimate: its relative noise per
+    # module is about sqrt(2 / (sequences * draws)); each draw costs one backward pass.
+    fisher_draws: int = 2
 
 
 def module_candidates(weight: torch.Tensor, widths: Sequence[int], group_sizes: Sequence[int],
@@ -282,7 +285,8 @@ def _calibrate(source: ModelSource, weights: WeightSource, quantizable: list[Ten
             return qt.dequantize(torch.float32)
 
         if method == "fisher":
-            kls = fisher_kl(cal, modules, probe_weight, progress=progress)
+            kls = fisher_kl(cal, modules, probe_weight, draws=opts.fisher_draws,
+                            progress=progress)
             if partial is not None:
                 partial.write_tensors("calibration.safetensors", {
                     **stats, **{f"kl:{m}": torch.tensor(v, dtype=torch.float64)
