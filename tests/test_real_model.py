@@ -74,13 +74,13 @@ def test_fisher_ranks_real_modules_like_the_exact_probe(real_dir, calibrated):
               or m.startswith(("model.layers.0.", "model.layers.14.", "model.layers.29."))}
 
     def probe_weight(spec, w):
-        return quantize_tensor(w, 3, 128, importance=cal.stats.get(spec.module)).dequantize(
-            torch.float32)
+        return quantize_tensor(w, 3, 128, importance=cal.stats.get(spec.module))
 
     estimate = fisher_kl(cal, chosen, probe_weight, draws=4)
     probe = KLProbe(load_any(real_dir, dtype="float32"), ids)
     weights = SafetensorsWeights(real_dir)
-    exact = {m: probe.kl_with(m, probe_weight(specs[m], weights.get(specs[m]).float()))
+    exact = {m: probe.kl_with(m, probe_weight(
+        specs[m], weights.get(specs[m]).float()).dequantize(torch.float32))
              for m in sorted(chosen)}
     order = sorted(exact)
     rho = spearmanr([estimate[m] for m in order], [exact[m] for m in order]).statistic

@@ -86,7 +86,7 @@ def test_streaming_holds_one_block_of_a_multi_shard_model(tmp_path):
             return out
         setattr(stream, method, tracked)
     cal = run_calibration_pass(stream, modules)
-    fisher_kl(cal, modules, lambda _s, w: w.round())
+    fisher_kl(cal, modules, lambda _s, w: quantize_tensor(w, 8, 32))
     block = sum(p.numel() for p in model.model.layers[0].parameters())
     head = model.lm_head.weight.numel() + model.model.norm.weight.numel()
     assert 0 < peak[0] <= max(block, head, model.model.embed_tokens.weight.numel())
@@ -139,13 +139,13 @@ def test_fisher_ranks_modules_like_the_exact_probe(name, least):
     cal = run_calibration_pass(stream, modules)
 
     def probe_weight(spec, w):
-        return quantize_tensor(w, 3, 128, importance=cal.stats.get(spec.module)).dequantize(
-            torch.float32)
+        return quantize_tensor(w, 3, 128, importance=cal.stats.get(spec.module))
 
     estimate = fisher_kl(cal, modules, probe_weight)
     probe = KLProbe(load_any(model_dir, dtype="float32"), ids)
     specs = {s.module: s for s in stream.source.tensor_specs() if s.quantizable}
-    exact = {m: probe.kl_with(m, probe_weight(specs[m], stream.weights.get(specs[m]).float()))
+    exact = {m: probe.kl_with(m, probe_weight(
+        specs[m], stream.weights.get(specs[m]).float()).dequantize(torch.float32))
              for m in sorted(modules)}
     cal.close()
     order = sorted(exact)
@@ -166,13 +166,14 @@ def test_fisher_is_the_kl_of_a_small_perturbation(tmp_path):
     cal = run_calibration_pass(stream, {target})
 
     def probe_weight(_spec, w):
-        return quantize_tensor(w, 4, 32).dequantize(torch.float32)
+        return quantize_tensor(w, 4, 32)
 
     estimate = fisher_kl(cal, {target}, probe_weight, draws=8)[target]
     cal.close()
     spec = next(s for s in stream.source.tensor_specs() if s.module == target)
     probe = KLProbe(load_any(model_dir, dtype="float32"), ids)
-    exact = probe.kl_with(target, probe_weight(spec, stream.weights.get(spec).float()))
+    exact = probe.kl_with(target, probe_weight(spec, stream.weights.get(spec).float())
+                          .dequantize(torch.float32))
     assert math.isclose(estimate, exact, rel_tol=0.25), (estimate, exact)
 
 

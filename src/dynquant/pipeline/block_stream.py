@@ -85,7 +85,7 @@ class ActivationStore:
     """Hidden states per block input: in memory up to ``limit_bytes``, then in safetensors files
     of a temporary folder (float32 either way: the statistics are sums of squares)."""
 
-    def __init__(self, limit_bytes: int = 256 << 20) -> None:
+    def __init__(self, limit_bytes: int = 32 << 20) -> None:
         self.limit, self.used = limit_bytes, 0
         self.memory: dict[int, list[torch.Tensor]] = {}
         self.tmp: tempfile.TemporaryDirectory | None = None
@@ -147,7 +147,7 @@ class BlockStream:
             stored = self.tied.get(full, full)
             if stored not in self.specs:
                 raise ModelError("parameter not in the model's tensors", module=full)
-            value = self.weights.get(self.specs[stored]).to(self.dtype)
+            value = self.weights.get(self.specs[stored], self.dtype)
             owner._parameters[leaf] = nn.Parameter(value, requires_grad=full in grad)
 
     def release(self, module: nn.Module) -> None:

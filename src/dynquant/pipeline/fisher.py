@@ -27,11 +27,49 @@ from rich.progress import Progress
 from torch import nn
 
 from dynquant.format.planner import TensorSpec
+from dynquant.numerics.quantizer import QuantizedTensor, dequantize_rows
 from dynquant.pipeline.block_stream import BlockStream, _first_output, _parameter_slots
 from dynquant.pipeline.calibration_pass import CalibrationPass
 
-# module's spec, its float32 weight -> the module's dequantized weight at the probe width
-ProbeWeight = Callable[[TensorSpec, torch.Tensor], torch.Tensor]
+# module's spec, its float32 weight -> the module quantized at the probe width
+ProbeWeight = Callable[[TensorSpec, torch.Tensor], QuantizedTensor]
+ROWS_CHUNK = 1 << 20  # elements dequantized at once
+HEAD_LOGITS = 1 << 22  # logits computed at once (positions x vocabulary)
+
+
+class ModuleError:
+    """A module's error at the probe width, kept as its quantized codes (about 3.25 bits a
+    weight) beside the weight itself, not as a float copy: rows are dequantized a chunk at a
+    time when a gradient arrives, and the weight subtracted."""
+
+    def __init__(self, qt: QuantizedTensor, weight: torch.Tensor) -> None:
+        lay = qt.layout
+        self.qt, self.weight = qt, weight.reshape(lay.num_rows, lay.in_features)
+
+    def keep_as_stored(self, dtype: str) -> None:
+        """Hold the weight in its stored 16-bit dtype (exact: it was read from it) once its
+        float32 copy is no longer in the model: the tied embedding's, from the head to the
+        bottom of the pass."""
+        if dtype in ("bfloat16", "float16"):
+            self.weight = self.weight.to(getattr(torch, dtype))
+
+    def rows(self, index: torch.Tensor) -> torch.Tensor:
+        """The error of rows ``index`` (float32)."""
+        lay = self.qt.layout
+        w_hat = dequantize_rows(self.qt.qweight[index], self.qt.scales[index],
+                                self.qt.offsets[index], lay.bits, lay.group_size,
+                                lay.in_features, torch.float32)
+        return w_hat.sub_(self.weight[index].float())
+
+    def dot(self, grad: torch.Tensor) -> torch.Tensor:
+        """sum(grad * error), a chunk of rows at a time."""
+        g = grad.reshape(self.weight.shape)
+        step = max(1, ROWS_CHUNK // self.weight.shape[1])
+        total = torch.zeros((), dtype=torch.float64)
+        for r in range(0, g.shape[0], step):
+            index = torch.arange(r, min(r + step, g.shape[0]))
+            total += torch.dot(g[index].reshape(-1), self.rows(index).reshape(-1)).double()
+        return total
 
 
 class _Accumulator:
@@ -40,14 +78,14 @@ class _Accumulator:
 
     def __init__(self, sequences: int, draws: int) -> None:
         self.shape = (sequences, draws)
-        self.errors: dict[str, torch.Tensor] = {}
+        self.errors: dict[str, ModuleError] = {}
         self.products: dict[str, torch.Tensor] = {}
         self.at = (0, 0)  # the (sequence, draw) whose backward is running
         self.hooks = []
 
     def watch(self, param: nn.Parameter, module: str) -> None:
         def fn(p: torch.Tensor) -> None:
-            self.add(module, (p.grad * self.errors[module]).sum())
+            self.add(module, self.errors[module].dot(p.grad))
             p.grad = None  # one gradient alive at a time
         self.hooks.append(param.register_post_accumulate_grad_hook(fn))
 
@@ -99,15 +137,9 @@ def _watch(stream: BlockStream, module: nn.Module, prefix: str, modules: set[str
             spec, param = wanted[full], owner._parameters[leaf]
             if spec.module not in acc.errors:
                 w = param.detach()
-                acc.errors[spec.module] = _error(spec, w, probe_weight)
+                acc.errors[spec.module] = ModuleError(probe_weight(spec, w), w)
             acc.watch(param, spec.module)
     return {s.module for s in wanted.values()}
-
-
-def _error(spec: TensorSpec, w: torch.Tensor, probe_weight: ProbeWeight) -> torch.Tensor:
-    """The module's error at the probe width, kept in bf16: half the memory of the block it
-    sits beside, and three significant digits are plenty for a dot product's size."""
-    return (probe_weight(spec, w).reshape(w.shape) - w).to(torch.bfloat16)
 
 
 def _sample(logp: torch.Tensor, gen: torch.Generator) -> torch.Tensor:
@@ -133,22 +165,32 @@ def _head_backward(stream: BlockStream, cal: CalibrationPass, modules: set[str],
     try:
         ids = _sequences(list(stream.chunks()))
         finals = _sequences(cal.inputs.get(len(stream.blocks)))
+        vocab = stream.source.config.vocab_size
+        width = max(1, HEAD_LOGITS // vocab)  # positions at once: logits stay a few MiB
         for s, (final, row) in enumerate(zip(finals, ids, strict=True)):
-            h = final.clone().requires_grad_(True)
-            logp = torch.log_softmax(stream.head_logits(h, row).float()[0], -1)
-            per_draw = []
-            for d in range(draws):
-                acc.at = (s, d)
-                labels = _sample(logp.detach(), gen)
-                logp.gather(1, labels).sum().backward(retain_graph=d < draws - 1)
-                per_draw.append(h.grad)
-                h.grad = None
-            grads.append(per_draw)
+            per_draw: list[list[torch.Tensor]] = [[] for _ in range(draws)]
+            for start in range(0, row.shape[1], width):
+                h = final[:, start : start + width].clone().requires_grad_(True)
+                logits = stream.head_logits(h, row[:, start : start + width])
+                logp = torch.log_softmax(logits.float()[0], -1)
+                for d in range(draws):
+                    acc.at = (s, d)
+                    labels = _sample(logp.detach(), gen)
+                    logp.gather(1, labels).sum().backward(retain_graph=d < draws - 1)
+                    per_draw[d].append(h.grad)
+                    h.grad = None
+            grads.append([torch.cat(parts, dim=1) for parts in per_draw])
     finally:
         acc.unwatch()
         for _, module in heads:
             stream.release(module)
+        for module, error in acc.errors.items():
+            error.keep_as_stored(stream.specs[_spec_name(stream, module)].dtype)
     return grads
+
+
+def _spec_name(stream: BlockStream, module: str) -> str:
+    return next(name for name, spec in stream.specs.items() if spec.module == module)
 
 
 def _block_backward(stream: BlockStream, index: int, inputs: list[torch.Tensor],
@@ -160,10 +202,10 @@ def _block_backward(stream: BlockStream, index: int, inputs: list[torch.Tensor],
             for _ in range(chunk.shape[0])]
     out = []
     try:
-        for s, (x, per_draw, (a, kw)) in enumerate(zip(_sequences(inputs), grads, args,
-                                                       strict=True)):
+        for s, (x, (a, kw)) in enumerate(zip(_sequences(inputs), args, strict=True)):
             x = x.clone().requires_grad_(True)
             y = _first_output(block(x, *a, **kw))
+            per_draw, grads[s] = grads[s], []  # dropped as used: one level of them alive
             below = []
             for d, g in enumerate(per_draw):
                 acc.at = (s, d)
@@ -189,13 +231,17 @@ def _embedding_backward(stream: BlockStream, grads: list[list[torch.Tensor]],
     spec = stream.specs.get(f"{prefix}.weight")
     if spec is None or spec.module not in modules:
         return
-    error = acc.errors.get(spec.module)  # already there when tied to the lm_head
-    if error is None:
-        error = _error(spec, stream.weights.get(spec).float(), probe_weight)
-    for s, (row, per_draw) in enumerate(zip(_sequences(list(stream.chunks())), grads,
-                                            strict=True)):
+    sequences = _sequences(list(stream.chunks()))
+    error = acc.errors.get(spec.module)  # the whole table's, when tied to the lm_head
+    read = torch.arange(spec.shape[0])
+    if error is None:  # only the rows the calibration tokens read matter: quantize just those
+        read = torch.cat([row[0] for row in sequences]).unique()
+        w = stream.weights.get(spec)[read]
+        error = ModuleError(probe_weight(spec, w.float()), w)
+    for s, (row, per_draw) in enumerate(zip(sequences, grads, strict=True)):
         rows, inverse = row[0].unique(return_inverse=True)
+        at = torch.searchsorted(read, rows)
         for d, g in enumerate(per_draw):
             acc.at = (s, d)
             summed = torch.zeros(len(rows), g.shape[-1]).index_add_(0, inverse, g[0])
-            acc.add(spec.module, (summed * error[rows].float()).sum())
+            acc.add(spec.module, (summed * error.rows(at)).sum())

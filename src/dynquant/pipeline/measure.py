@@ -33,7 +33,12 @@ from dynquant.format.metadata import core_version
 from dynquant.format.planner import TensorSpec, excluded_modules
 from dynquant.models.sources import ModelSource
 from dynquant.numerics.compute_dtype import resolve_dtype
-from dynquant.numerics.quantizer import quantize_tensor, relative_error, squared_norm
+from dynquant.numerics.quantizer import (
+    QuantizedTensor,
+    quantize_tensor,
+    relative_error,
+    squared_norm,
+)
 from dynquant.pipeline.allocate import (
     AllocationError,
     Candidate,
@@ -52,6 +57,7 @@ from dynquant.pipeline.calibration import (
 from dynquant.pipeline.calibration_pass import run_calibration_pass
 from dynquant.pipeline.fisher import fisher_kl
 from dynquant.pipeline.generate import load_tokenizer
+from dynquant.pipeline.heap import return_freed_memory
 from dynquant.pipeline.weights import WeightSource, weight_source
 
 MAPS_SCHEMA = "dynquant_maps_v1"
@@ -270,6 +276,7 @@ def _calibrate(source: ModelSource, weights: WeightSource, quantizable: list[Ten
     ids = calibration_ids(load_tokenizer(source.directory), list(opts.calib), opts.calib_seqs,
                           opts.calib_len)
     modules = {s.module for s in quantizable}
+    return_freed_memory()
     moments = (Path(out).with_name(Path(out).stem + ".moments")
                if out is not None and opts.second_moments else None)
     stream = BlockStream(source, weights, ids, chunk=1, dtype=resolve_dtype(opts.dtype))
@@ -280,12 +287,12 @@ def _calibrate(source: ModelSource, weights: WeightSource, quantizable: list[Ten
             save_stats(stats, Path(out).with_name(Path(out).stem + ".stats.safetensors"))
         bits, gs = probe_bits(opts)
 
-        def probe_weight(spec: TensorSpec, w: torch.Tensor) -> torch.Tensor:
-            qt = quantize_tensor(w, bits, gs, importance=importance_of(stats, spec.module, spec.shape))
-            return qt.dequantize(torch.float32)
+        def probe_quantized(spec: TensorSpec, w: torch.Tensor) -> QuantizedTensor:
+            return quantize_tensor(w, bits, gs, importance=importance_of(stats, spec.module,
+                                                                         spec.shape))
 
         if method == "fisher":
-            kls = fisher_kl(cal, modules, probe_weight, draws=opts.fisher_draws,
+            kls = fisher_kl(cal, modules, probe_quantized, draws=opts.fisher_draws,
                             progress=progress)
             if partial is not None:
                 partial.write_tensors("calibration.safetensors", {
@@ -295,7 +302,8 @@ def _calibrate(source: ModelSource, weights: WeightSource, quantizable: list[Ten
     finally:
         cal.close()
     probe = KLProbe(_dense_model(source, opts.dtype), ids)
-    return stats, lambda spec, w: probe.kl_with(spec.module, probe_weight(spec, w))
+    return stats, lambda spec, w: probe.kl_with(
+        spec.module, probe_quantized(spec, w.float()).dequantize(torch.float32))
 
 
 def _measure_module(spec: TensorSpec, weight: torch.Tensor, source: ModelSource,
@@ -307,7 +315,7 @@ def _measure_module(spec: TensorSpec, weight: torch.Tensor, source: ModelSource,
         # error: predicted KL = sensitivity * error reproduces that KL exactly at the probe.
         bits, gs = probe_bits(opts)
         probe_err = next(c.error for c in cands if (c.bits, c.group_size) == (bits, gs))
-        sensitivity = probe_kl(spec, weight.float()) / max(probe_err, 1e-12)
+        sensitivity = probe_kl(spec, weight) / max(probe_err, 1e-12)
     else:
         sensitivity = weight_usage(spec, source) * squared_norm(weight)
     if not math.isfinite(sensitivity):

@@ -20,7 +20,8 @@ from dynquant.models.sources import ModelSource
 class WeightSource:
     """Gives tensors by name; never more than one tensor materialised at a time."""
 
-    def get(self, spec: TensorSpec) -> torch.Tensor:
+    def get(self, spec: TensorSpec, dtype: torch.dtype | None = None) -> torch.Tensor:
+        """The tensor of ``spec``, in its stored dtype or converted to ``dtype``."""
         raise NotImplementedError
 
     def close(self) -> None:
@@ -33,12 +34,15 @@ class RandomWeights(WeightSource):
     def __init__(self, seed: int = 0, std: float = 0.02) -> None:
         self.seed, self.std = seed, std
 
-    def get(self, spec: TensorSpec) -> torch.Tensor:
+    def get(self, spec: TensorSpec, dtype: torch.dtype | None = None) -> torch.Tensor:
         digest = hashlib.sha256(f"{self.seed}:{spec.name}".encode()).digest()
         gen = torch.Generator().manual_seed(int.from_bytes(digest[:8], "little"))
         if len(spec.shape) == 1:
-            return torch.ones(spec.shape)
-        return torch.randn(spec.shape, generator=gen) * self.std
+            return torch.ones(spec.shape, dtype=dtype)
+        return (torch.randn(spec.shape, generator=gen) * self.std).to(dtype or torch.float32)
+
+
+READ_CHUNK = 16 << 20  # bytes read and converted at once
 
 
 class SafetensorsWeights(WeightSource):
@@ -58,14 +62,17 @@ class SafetensorsWeights(WeightSource):
                       for name, info in read_header(str(directory / f)).items()}
         self.layout = DiskLayout(sorted(self._info), transforms or [])
 
-    def _read(self, stored: str) -> torch.Tensor:
+    def _read(self, stored: str, dtype: torch.dtype | None = None) -> torch.Tensor:
         """One tensor, read with a positioned read rather than through a memory map: mapped
         pages would stay resident (and count in RSS) for the whole run; these are freed as soon
-        as the tensor is."""
+        as the tensor is. Converted to ``dtype`` a slice at a time when asked (never the whole
+        tensor twice in memory)."""
         info = self._info[stored]
         if info.dtype not in TORCH_DTYPES:
             raise ModelError(f"unsupported dtype {info.dtype}", file=info.file, module=stored,
                              field="dtype")
+        if dtype is not None and dtype != TORCH_DTYPES[info.dtype]:
+            return self._read_converted(stored, dtype)
         buf = bytearray(info.nbytes)
         with open(info.file, "rb") as fh:
             fh.seek(info.start)
@@ -76,8 +83,25 @@ class SafetensorsWeights(WeightSource):
             return torch.empty(info.shape, dtype=TORCH_DTYPES[info.dtype])
         return torch.frombuffer(buf, dtype=TORCH_DTYPES[info.dtype]).reshape(info.shape)
 
-    def get(self, spec: TensorSpec) -> torch.Tensor:
-        tensor = self.layout.assemble(spec.name, self._read)
+    def _read_converted(self, stored: str, dtype: torch.dtype) -> torch.Tensor:
+        info = self._info[stored]
+        source = TORCH_DTYPES[info.dtype]
+        out = torch.empty(info.shape, dtype=dtype)
+        flat, item = out.view(-1), source.itemsize
+        step = max(1, READ_CHUNK // item)
+        with open(info.file, "rb") as fh:
+            fh.seek(info.start)
+            for i in range(0, flat.numel(), step):
+                n = min(step, flat.numel() - i)
+                buf = bytearray(n * item)
+                if fh.readinto(buf) != len(buf):
+                    raise ModelError("file ends before the tensor does", file=info.file,
+                                     module=stored)
+                flat[i : i + n] = torch.frombuffer(buf, dtype=source)
+        return out
+
+    def get(self, spec: TensorSpec, dtype: torch.dtype | None = None) -> torch.Tensor:
+        tensor = self.layout.assemble(spec.name, lambda stored: self._read(stored, dtype))
         if tensor is None:
             raise ModelError("tensor missing from the model's safetensors",
                              file=str(self.directory), module=spec.name)
