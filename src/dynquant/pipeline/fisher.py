@@ -34,7 +34,7 @@ from dynquant.pipeline.calibration_pass import CalibrationPass
 # module's spec, its float32 weight -> the module quantized at the probe width
 ProbeWeight = Callable[[TensorSpec, torch.Tensor], QuantizedTensor]
 ROWS_CHUNK = 1 << 20  # elements dequantized at once
-DENSE_ERROR_MAX = 1 << 22  # elements: errors of modules up to this size are kept in bf16
+DENSE_ERROR_MAX = 1 << 21  # elements: errors of modules up to this size are kept in bf16
 HEAD_LOGITS = 1 << 22  # logits computed at once (positions x vocabulary)
 
 
