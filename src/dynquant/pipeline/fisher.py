@@ -132,18 +132,18 @@ def fisher_kl(cal: CalibrationPass, modules: set[str], probe_weight: ProbeWeight
 
 
 def _watch(stream: BlockStream, module: nn.Module, prefix: str, modules: set[str],
-           probe_weight: ProbeWeight, acc: _Accumulator, hook: bool = True
+           probe_weight: ProbeWeight, acc: _Accumulator, hook: bool = True, grad: bool = True
            ) -> dict[str, nn.Parameter]:
     """Materialize ``module`` with gradients on its quantizable weights and watch them (each
-    gradient's product taken as it arrives; ``hook=False``: left to the caller). Returns
-    module -> parameter."""
+    gradient's product taken as it arrives; ``hook=False``: left to the caller, and with
+    ``grad=False`` no weight gradients at all). Returns module -> parameter."""
     wanted = {}
     for name, _owner, _leaf in _parameter_slots(module):
         full = f"{prefix}.{name}" if prefix else name
         spec = stream.specs.get(stream.tied.get(full, full))
         if spec is not None and spec.module in modules:
             wanted[full] = spec
-    stream.materialize(module, prefix, grad=set(wanted))
+    stream.materialize(module, prefix, grad=set(wanted) if grad else set())
     watched = {}
     for name, owner, leaf in _parameter_slots(module):
         full = f"{prefix}.{name}" if prefix else name
@@ -169,15 +169,43 @@ def _sequences(chunks: list[torch.Tensor]) -> list[torch.Tensor]:
     return [row[None] for chunk in chunks for row in chunk]
 
 
+class _LinearTaps:
+    """A head Linear's input and its output's gradient, as the pass runs: with them a draw's
+    <grad_W, dW> is sum(grad_out * (x @ dW^T)), and x @ dW^T is computed once per chunk of
+    positions instead of a vocabulary-sized weight gradient per draw."""
+
+    def __init__(self, linear: nn.Module) -> None:
+        self.x: torch.Tensor | None = None
+        self.grad: torch.Tensor | None = None
+        self.hook = linear.register_forward_hook(self._forward)
+
+    def _forward(self, _module, inputs, output) -> None:
+        self.x = inputs[0].detach().reshape(-1, inputs[0].shape[-1]).float()
+        output.register_hook(self._backward)
+
+    def _backward(self, grad: torch.Tensor) -> None:
+        self.grad = grad.reshape(-1, grad.shape[-1]).float()
+
+    def times_error(self, error: ModuleError) -> torch.Tensor:
+        """x @ dW^T, [positions, out], a chunk of output rows at a time."""
+        rows = error.weight.shape[0]
+        step = max(1, ROWS_CHUNK // error.weight.shape[1])
+        return torch.cat([self.x @ error.rows(slice(r, min(r + step, rows))).T
+                          for r in range(0, rows, step)], dim=1)
+
+
 def _head_backward(stream: BlockStream, cal: CalibrationPass, modules: set[str],
                    probe_weight: ProbeWeight, acc: _Accumulator, gen: torch.Generator,
                    draws: int) -> list[list[torch.Tensor]]:
     """Per sequence and draw: the gradient of the sampled log-likelihood at the last block's
-    outputs."""
+    outputs; the head's quantizable Linears (the lm_head, the tied embedding's use as one)
+    are measured through their taps (no weight gradients)."""
     heads = stream.head_modules()
-    watched = {}
-    for name, module in heads:  # a head's gradient builds up over chunks of positions
-        watched.update(_watch(stream, module, name, modules, probe_weight, acc, hook=False))
+    taps: dict[str, _LinearTaps] = {}
+    for name, module in heads:
+        for key in _watch(stream, module, name, modules, probe_weight, acc, hook=False,
+                          grad=False):
+            taps[key] = _LinearTaps(module)
     grads = []
     try:
         ids = _sequences(list(stream.chunks()))
@@ -185,24 +213,24 @@ def _head_backward(stream: BlockStream, cal: CalibrationPass, modules: set[str],
         vocab = stream.source.config.vocab_size
         width = max(1, HEAD_LOGITS // vocab)  # positions at once: logits stay a few MiB
         for s, (final, row) in enumerate(zip(finals, ids, strict=True)):
-            per_draw = []
-            for d in range(draws):
-                acc.at = (s, d)
-                parts = []
-                for start in range(0, row.shape[1], width):
-                    h = final[:, start : start + width].clone().requires_grad_(True)
-                    logits = stream.head_logits(h, row[:, start : start + width])
-                    logp = torch.log_softmax(logits.float()[0], -1)
+            per_draw: list[list[torch.Tensor]] = [[] for _ in range(draws)]
+            for start in range(0, row.shape[1], width):
+                h = final[:, start : start + width].clone().requires_grad_(True)
+                logits = stream.head_logits(h, row[:, start : start + width])
+                logp = torch.log_softmax(logits.float()[0], -1)
+                moved = {m: t.times_error(acc.errors[m]) for m, t in taps.items()}
+                for d in range(draws):
+                    acc.at = (s, d)
                     labels = _sample(logp.detach(), gen)
-                    logp.gather(1, labels).sum().backward()
-                    parts.append(h.grad)
-                for module, param in watched.items():
-                    acc.add(module, acc.errors[module].dot(param.grad))
-                    param.grad = None
-                per_draw.append(torch.cat(parts, dim=1))
-            grads.append(per_draw)
+                    logp.gather(1, labels).sum().backward(retain_graph=d < draws - 1)
+                    per_draw[d].append(h.grad)
+                    h.grad = None
+                    for m, t in taps.items():
+                        acc.add(m, (t.grad * moved[m]).sum())
+            grads.append([torch.cat(parts, dim=1) for parts in per_draw])
     finally:
-        acc.unwatch()
+        for t in taps.values():
+            t.hook.remove()
         for _, module in heads:
             stream.release(module)
         for module, error in acc.errors.items():
