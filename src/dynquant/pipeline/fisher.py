@@ -132,18 +132,19 @@ def fisher_kl(cal: CalibrationPass, modules: set[str], probe_weight: ProbeWeight
 
 
 def _watch(stream: BlockStream, module: nn.Module, prefix: str, modules: set[str],
-           probe_weight: ProbeWeight, acc: _Accumulator, hook: bool = True, grad: bool = True
-           ) -> dict[str, nn.Parameter]:
+           probe_weight: ProbeWeight, acc: _Accumulator, hook: bool = True, grad: bool = True,
+           tapped: frozenset[str] = frozenset()) -> dict[str, nn.Parameter]:
     """Materialize ``module`` with gradients on its quantizable weights and watch them (each
     gradient's product taken as it arrives; ``hook=False``: left to the caller, and with
-    ``grad=False`` no weight gradients at all). Returns module -> parameter."""
+    ``grad=False`` no weight gradients at all; parameters named in ``tapped`` get neither: their
+    Linear's taps measure them). Returns module -> parameter."""
     wanted = {}
     for name, _owner, _leaf in _parameter_slots(module):
         full = f"{prefix}.{name}" if prefix else name
         spec = stream.specs.get(stream.tied.get(full, full))
         if spec is not None and spec.module in modules:
             wanted[full] = spec
-    stream.materialize(module, prefix, grad=set(wanted) if grad else set())
+    stream.materialize(module, prefix, grad=set(wanted) - tapped if grad else set())
     watched = {}
     for name, owner, leaf in _parameter_slots(module):
         full = f"{prefix}.{name}" if prefix else name
@@ -152,7 +153,7 @@ def _watch(stream: BlockStream, module: nn.Module, prefix: str, modules: set[str
             if spec.module not in acc.errors:
                 w = param.detach()
                 acc.errors[spec.module] = ModuleError(probe_weight(spec, w), w)
-            if hook:
+            if hook and full not in tapped:
                 acc.watch(param, spec.module)
             watched[spec.module] = param
     return watched
@@ -238,6 +239,11 @@ def _head_backward(stream: BlockStream, cal: CalibrationPass, modules: set[str],
     return grads
 
 
+def _module_of(stream: BlockStream, param: str) -> str | None:
+    spec = stream.specs.get(stream.tied.get(param, param))
+    return None if spec is None else spec.module
+
+
 def _spec_name(stream: BlockStream, module: str) -> str:
     return next(name for name, spec in stream.specs.items() if spec.module == module)
 
@@ -245,8 +251,14 @@ def _spec_name(stream: BlockStream, module: str) -> str:
 def _block_backward(stream: BlockStream, index: int, inputs: list[torch.Tensor],
                     grads: list[list[torch.Tensor]], modules: set[str],
                     probe_weight: ProbeWeight, acc: _Accumulator) -> list[list[torch.Tensor]]:
-    block = stream.blocks[index]
-    watched = set(_watch(stream, block, stream.block_prefix(index), modules, probe_weight, acc))
+    block, prefix = stream.blocks[index], stream.block_prefix(index)
+    # Linears are measured by taps (no weight gradients); expert banks by gradient hooks
+    linears = {f"{prefix}.{n}": m for n, m in block.named_modules()
+               if isinstance(m, nn.Linear) and _module_of(stream, f"{prefix}.{n}.weight")
+               in modules}
+    watched = set(_watch(stream, block, prefix, modules, probe_weight, acc,
+                         tapped=frozenset(f"{n}.weight" for n in linears)))
+    taps = {_module_of(stream, f"{n}.weight"): _LinearTaps(m) for n, m in linears.items()}
     args = [a for a, chunk in zip(stream.args[index], inputs, strict=True)
             for _ in range(chunk.shape[0])]
     out = []
@@ -254,15 +266,20 @@ def _block_backward(stream: BlockStream, index: int, inputs: list[torch.Tensor],
         for s, (x, (a, kw)) in enumerate(zip(_sequences(inputs), args, strict=True)):
             x = x.clone().requires_grad_(True)
             y = _first_output(block(x, *a, **kw))
+            moved = {m: t.times_error(acc.errors[m]) for m, t in taps.items()}
             per_draw, grads[s] = grads[s], []  # dropped as used: one level of them alive
             below = []
             for d, g in enumerate(per_draw):
                 acc.at = (s, d)
                 y.backward(g, retain_graph=d < len(per_draw) - 1)
+                for m, t in taps.items():
+                    acc.add(m, (t.grad * moved[m]).sum())
                 below.append(x.grad)
                 x.grad = None
             out.append(below)
     finally:
+        for t in taps.values():
+            t.hook.remove()
         acc.unwatch()
         stream.release(block)
         for m in watched:
