@@ -85,7 +85,7 @@ class ActivationStore:
     """Hidden states per block input: in memory up to ``limit_bytes``, then in safetensors files
     of a temporary folder (float32 either way: the statistics are sums of squares)."""
 
-    def __init__(self, limit_bytes: int = 32 << 20) -> None:
+    def __init__(self, limit_bytes: int = 8 << 20) -> None:
         self.limit, self.used = limit_bytes, 0
         self.memory: dict[int, list[torch.Tensor]] = {}
         self.tmp: tempfile.TemporaryDirectory | None = None

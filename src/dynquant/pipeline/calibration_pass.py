@@ -27,7 +27,7 @@ class CalibrationPass:
 
 def run_calibration_pass(stream: BlockStream, modules: set[str],
                          moments_dir: Path | None = None, progress: bool = False,
-                         activation_limit: int = 32 << 20) -> CalibrationPass:
+                         activation_limit: int = 8 << 20) -> CalibrationPass:
     """Stream the calibration ``ids`` through every block once. ``moments_dir``: write each
     block's X^T X / tokens there (``block_NNN.safetensors``, module -> [in, in])."""
     stats = InputStatistics(stream.model, modules, second_moments=moments_dir is not None)
