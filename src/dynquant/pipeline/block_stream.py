@@ -156,8 +156,7 @@ class BlockStream:
             owner._parameters[leaf] = nn.Parameter(p.detach().to("meta"), requires_grad=False)
 
     def block_prefix(self, index: int) -> str:
-        block = self.blocks[index]
-        return next(n for n, m in self.model.named_modules() if m is block)
+        return self.module_name(self.blocks[index])
 
     def module_name(self, module: nn.Module) -> str:
         return next(n for n, m in self.model.named_modules() if m is module)

@@ -43,21 +43,22 @@ class ModuleError:
     weight) beside the weight itself, not as a float copy: rows are dequantized a chunk at a
     time when a gradient arrives, and the weight subtracted."""
 
-    def __init__(self, qt: QuantizedTensor, weight: torch.Tensor) -> None:
+    def __init__(self, qt: QuantizedTensor, weight: torch.Tensor, stored_dtype: str) -> None:
         lay = qt.layout
         self.qt, self.weight = qt, weight.reshape(lay.num_rows, lay.in_features)
+        self.stored_dtype = stored_dtype
         self.dense: torch.Tensor | None = None
         # A small module's error is dequantized once, in bf16 (a few MiB): its every
         # gradient would otherwise dequantize it again (40% of the pass on a 135 M model).
         self.dense = (self.rows(slice(None)).to(torch.bfloat16)
                       if lay.num_rows * lay.in_features <= DENSE_ERROR_MAX else None)
 
-    def keep_as_stored(self, dtype: str) -> None:
+    def keep_as_stored(self) -> None:
         """Hold the weight in its stored 16-bit dtype (exact: it was read from it) once its
         float32 copy is no longer in the model: the tied embedding's, from the head to the
         bottom of the pass."""
-        if dtype in ("bfloat16", "float16"):
-            self.weight = self.weight.to(getattr(torch, dtype))
+        if self.stored_dtype in ("bfloat16", "float16"):
+            self.weight = self.weight.to(getattr(torch, self.stored_dtype))
 
     def rows(self, index: torch.Tensor | slice) -> torch.Tensor:
         """The error of rows ``index`` (float32)."""
@@ -152,7 +153,7 @@ def _watch(stream: BlockStream, module: nn.Module, prefix: str, modules: set[str
             spec, param = wanted[full], owner._parameters[leaf]
             if spec.module not in acc.errors:
                 w = param.detach()
-                acc.errors[spec.module] = ModuleError(probe_weight(spec, w), w)
+                acc.errors[spec.module] = ModuleError(probe_weight(spec, w), w, spec.dtype)
             if hook and full not in tapped:
                 acc.watch(param, spec.module)
             watched[spec.module] = param
@@ -234,8 +235,8 @@ def _head_backward(stream: BlockStream, cal: CalibrationPass, modules: set[str],
             t.hook.remove()
         for _, module in heads:
             stream.release(module)
-        for module, error in acc.errors.items():
-            error.keep_as_stored(stream.specs[_spec_name(stream, module)].dtype)
+        for error in acc.errors.values():
+            error.keep_as_stored()
     return grads
 
 
@@ -244,21 +245,17 @@ def _module_of(stream: BlockStream, param: str) -> str | None:
     return None if spec is None else spec.module
 
 
-def _spec_name(stream: BlockStream, module: str) -> str:
-    return next(name for name, spec in stream.specs.items() if spec.module == module)
-
-
 def _block_backward(stream: BlockStream, index: int, inputs: list[torch.Tensor],
                     grads: list[list[torch.Tensor]], modules: set[str],
                     probe_weight: ProbeWeight, acc: _Accumulator) -> list[list[torch.Tensor]]:
     block, prefix = stream.blocks[index], stream.block_prefix(index)
     # Linears are measured by taps (no weight gradients); expert banks by gradient hooks
-    linears = {f"{prefix}.{n}": m for n, m in block.named_modules()
-               if isinstance(m, nn.Linear) and _module_of(stream, f"{prefix}.{n}.weight")
-               in modules}
+    linears = {f"{prefix}.{n}.weight": m for n, m in block.named_modules()
+               if isinstance(m, nn.Linear)}
+    linears = {p: m for p, m in linears.items() if _module_of(stream, p) in modules}
     watched = set(_watch(stream, block, prefix, modules, probe_weight, acc,
-                         tapped=frozenset(f"{n}.weight" for n in linears)))
-    taps = {_module_of(stream, f"{n}.weight"): _LinearTaps(m) for n, m in linears.items()}
+                         tapped=frozenset(linears)))
+    taps = {_module_of(stream, p): _LinearTaps(m) for p, m in linears.items()}
     args = [a for a, chunk in zip(stream.args[index], inputs, strict=True)
             for _ in range(chunk.shape[0])]
     out = []
@@ -303,7 +300,7 @@ def _embedding_backward(stream: BlockStream, grads: list[list[torch.Tensor]],
     if error is None:  # only the rows the calibration tokens read matter: quantize just those
         read = torch.cat([row[0] for row in sequences]).unique()
         w = stream.weights.get(spec)[read]
-        error = ModuleError(probe_weight(spec, w.float()), w)
+        error = ModuleError(probe_weight(spec, w.float()), w, spec.dtype)
     for s, (row, per_draw) in enumerate(zip(sequences, grads, strict=True)):
         rows, inverse = row[0].unique(return_inverse=True)
         at = torch.searchsorted(read, rows)
