@@ -270,7 +270,8 @@ def test_measure_weights_expert_banks_by_their_tokens(tmp_path):
     source = resolve_model(str(model_dir))
     opts = MeasureOptions(calib=[str(calib)], calib_seqs=2, calib_len=32, budgets=[3.25])
     calibrated = measure(source, opts, tmp_path / "c" / "maps.json", progress=False)
-    plain = measure(source, MeasureOptions(budgets=[3.25]), None, progress=False)
+    plain = measure(source, MeasureOptions(budgets=[3.25], method="weight"), None,
+                    progress=False)
     stats = load_file(tmp_path / "c" / "maps.stats.safetensors")
     bank = "model.layers.0.mlp.experts.gate_up_proj"
     assert int(stats["model.layers.0.mlp.experts.routed_tokens"].sum()) == 2 * 32 * 2

@@ -21,17 +21,40 @@ EXIT_ERROR = 2
 def _cmd_plan(args: argparse.Namespace) -> int:
     from dynquant.format.planner import plan_document
     from dynquant.format.summary import render_summary
-    from dynquant.format.widths_file import load_widths
     from dynquant.models.sources import resolve_model
 
     source = resolve_model(args.model)
-    doc = plan_document(source.tensor_specs(), load_widths(args.widths), model=args.model,
+    widths = _plan_widths(args.widths)
+    doc = plan_document(source.tensor_specs(), widths, model=args.model,
                         group_size=args.group_size, tied=source.tied, widths_from=args.widths)
     if args.json:
         print(dumps(doc))
     else:
         render_summary(doc, f"plan: {args.model} with widths from {args.widths}")
     return 0
+
+
+def _plan_widths(arg: str) -> dict:
+    """A widths source; maps.json:BUDGET is allocated here (from the maps alone, no weights),
+    and its forecast printed to stderr."""
+    from dynquant.format.widths_file import load_widths
+    from dynquant.pipeline.quantize import is_maps, split_maps_arg
+
+    if not is_maps(arg):
+        return load_widths(arg)
+    from dynquant.pipeline.allocate import allocate_widths
+    from dynquant.pipeline.forecast import forecast
+    from dynquant.pipeline.measure import load_maps, maps_modules
+
+    path, budget = split_maps_arg(arg)
+    if budget is None:
+        raise DynquantError("a maps file needs a budget: MAPS.json:BUDGET", file=path,
+                            field="budget")
+    maps = load_maps(path)
+    modules = maps_modules(maps)
+    for line in forecast(maps, modules, budget).lines():
+        print(line, file=sys.stderr)
+    return dict(allocate_widths(modules, budget).widths)  # module -> (bits, group size)
 
 
 def _cmd_inspect(args: argparse.Namespace) -> int:
@@ -70,16 +93,28 @@ def _cmd_quantize(args: argparse.Namespace) -> int:
     from dynquant.pipeline.quantize import QuantizeRequest, run_quantize
 
     source = resolve_model(args.model)
+    forecasts = []
+
+    def report(f) -> None:  # before any weight is written: the user can still stop
+        forecasts.append(f)
+        if not args.json:
+            for line in f.lines():
+                print(line, file=sys.stderr)
+
     req = QuantizeRequest(
         output=args.output, widths=args.widths, budget=args.budget, uniform=args.uniform,
         calib=args.calib, calib_seqs=args.calib_seqs, calib_len=args.calib_len,
-        method=args.method, group_size=args.group_size,
+        method=_method(args), group_size=args.group_size,
         group_sizes=_ints(args.group_sizes), pins=args.pin, min_bits=args.min_bits,
         max_bits=args.max_bits, not_convert=args.not_convert, lm_head=args.lm_head,
         random_init=args.random_init, seed=args.seed, overwrite=args.overwrite,
-        progress=not args.quiet, dtype=args.dtype)
+        progress=not (args.quiet or args.json), dtype=args.dtype, report=report)
     doc = run_quantize(source, req)
-    if not args.quiet:
+    if args.json:
+        print(json.dumps({"output": args.output, "accounting": doc["accounting"],
+                          "provenance": doc["provenance"],
+                          "forecast": forecasts[0].to_json() if forecasts else None}, indent=1))
+    elif not args.quiet:
         render_summary(doc, f"quantized {args.model} -> {args.output}")
         render_element_counts(source.tensor_specs(args.lm_head), set(doc["layers"]))
     return 0
@@ -91,24 +126,34 @@ def _ints(text: str | None) -> list[int] | None:
 
 def _cmd_measure(args: argparse.Namespace) -> int:
     from dynquant.models.sources import resolve_model
+    from dynquant.pipeline.forecast import measure_summary, summary_lines
     from dynquant.pipeline.measure import MeasureOptions, measure
 
     opts = MeasureOptions(widths=_ints(args.widths), group_sizes=_ints(args.group_sizes),
                           budgets=[float(b) for b in args.budgets.split(",") if b],
-                          method=args.method, calib=args.calib, not_convert=args.not_convert,
+                          method=_method(args), calib=args.calib, not_convert=args.not_convert,
                           calib_seqs=args.calib_seqs, calib_len=args.calib_len,
                           dtype=args.dtype, second_moments=args.second_moments,
                           fisher_draws=args.fisher_draws)
-    doc = measure(resolve_model(args.model), opts, args.output, progress=True,
+    doc = measure(resolve_model(args.model), opts, args.output, progress=not args.json,
                   random_init=args.random_init)
-    for budget, a in doc["allocations"].items():
-        if "error" in a:
-            print(f"budget {budget}: {a['error']}")
-        else:
-            print(f"budget {budget}: {a['average_bits']} bits, {a['packed_nbytes']:,} packed "
-                  f"bytes, predicted error {a['predicted_error']:.6g}")
+    summary = measure_summary(doc)
+    if args.json:
+        print(json.dumps({"maps": args.output, **summary}, indent=1))
+        return 0
+    for line in summary_lines(summary):
+        print(line)
     print(f"maps: {args.output}")
     return 0
+
+
+def _method(args: argparse.Namespace) -> str | None:
+    if not args.no_calib:
+        return args.method
+    if args.calib or args.method not in (None, "weight"):
+        raise DynquantError("--no-calib is the data-free path: it takes no --calib or --method",
+                            field="no-calib")
+    return "weight"
 
 
 def _cmd_allocate(args: argparse.Namespace) -> int:
@@ -194,13 +239,27 @@ def _dtype_option(p: argparse.ArgumentParser, default: str, what: str) -> None:
                    "answer)")
 
 
+def _calibration_options(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--method", choices=("weight", "fisher", "kl-exact", "kl"),
+                   help="sensitivities: fisher (the default: streamed, one forward and one "
+                   "backward pass), kl-exact (one full forward per module; 'kl' is its old "
+                   "name), weight (data-free priors by role and depth; = --no-calib)")
+    p.add_argument("--no-calib", action="store_true",
+                   help="data-free sensitivities (no text, no loss prediction); without it and "
+                   "without --calib, dynquant calibrates on the English text it ships")
+    p.add_argument("--json", action="store_true",
+                   help="print the result (sizes, predicted KL per budget, warnings) as JSON")
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="dynquant", description=__doc__.splitlines()[0])
     sub = parser.add_subparsers(dest="command", required=True)
 
     p = sub.add_parser("plan", help="predicted layers table and accounting, touching no weight")
     p.add_argument("model", help="model directory, config.json, or preset (seed, tiny, small)")
-    p.add_argument("--widths", required=True, help="dynquant.json or widths JSON {module: bits}")
+    p.add_argument("--widths", required=True,
+                   help="dynquant.json, widths JSON {module: bits}, or MAPS.json:BUDGET (allocated "
+                   "from the maps, its predicted KL printed)")
     p.add_argument("--group-size", type=int, default=128)
     p.add_argument("--json", action="store_true", help="print the predicted dynquant.json")
     p.set_defaults(func=_cmd_plan)
@@ -220,13 +279,11 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--widths", help="maps.json[:BUDGET] | dynquant.json | widths.json")
     p.add_argument("--budget", type=float, help="average bits per weight (scale overhead counted)")
     p.add_argument("--uniform", type=int, help="every module at this width (for comparison)")
-    p.add_argument("--calib", action="append", default=[], help="calibration text file(s)")
+    p.add_argument("--calib", action="append", default=[],
+                   help="calibration text file(s) (default: the English text dynquant ships)")
     p.add_argument("--calib-seqs", type=int, default=8, help="calibration sequences")
     p.add_argument("--calib-len", type=int, default=256, help="tokens per sequence")
-    p.add_argument("--method", choices=("weight", "fisher", "kl-exact", "kl"),
-                   help="sensitivities: fisher (default with --calib: streamed, one forward and "
-                   "one backward pass), kl-exact (one full forward per module; 'kl' is its old "
-                   "name), weight (data-free, default without --calib)")
+    _calibration_options(p)
     p.add_argument("--group-size", type=int, default=128)
     p.add_argument("--group-sizes", help="allocate group sizes too, e.g. 32,64,128")
     p.add_argument("--pin", action="append", default=[], metavar="GLOB=BITS")
@@ -248,13 +305,11 @@ def build_parser() -> argparse.ArgumentParser:
     p = sub.add_parser("measure", help="errors and sensitivities per module -> maps.json")
     p.add_argument("model")
     p.add_argument("-o", "--output", required=True)
-    p.add_argument("--calib", action="append", default=[])
+    p.add_argument("--calib", action="append", default=[],
+                   help="calibration text file(s) (default: the English text dynquant ships)")
     p.add_argument("--calib-seqs", type=int, default=8)
     p.add_argument("--calib-len", type=int, default=256)
-    p.add_argument("--method", choices=("weight", "fisher", "kl-exact", "kl"),
-                   help="sensitivities: fisher (default with --calib: streamed, one forward and "
-                   "one backward pass), kl-exact (one full forward per module; 'kl' is its old "
-                   "name), weight (data-free, default without --calib)")
+    _calibration_options(p)
     p.add_argument("--widths", default="2,3,4,8")
     p.add_argument("--group-sizes", default="128")
     p.add_argument("--budgets", default="2.5,3,3.25,3.5,4.25")

@@ -35,9 +35,11 @@ class Provenance:
     widths_from: str | None = None
     stats: str | None = None
     predicted_nbytes: int | None = None
+    # what the sensitivities were calibrated on (maps.json's ``calibration``); None: data-free
+    calibration: dict | None = None
 
     def to_dict(self) -> dict:
-        return {
+        doc = {
             "dynquant_core": core_version(),
             "model": self.model,
             "stats": self.stats,
@@ -45,6 +47,9 @@ class Provenance:
             "widths_from": self.widths_from,
             "predicted_nbytes": self.predicted_nbytes,
         }
+        if self.calibration is not None:  # data-free checkpoints keep the seed's exact keys
+            doc["calibration"] = self.calibration
+        return doc
 
 
 @dataclass

@@ -7,6 +7,8 @@ banks add their routed-token counts and per-expert input statistics.
 
 from __future__ import annotations
 
+import hashlib
+from importlib import resources
 from pathlib import Path
 
 import torch
@@ -28,6 +30,24 @@ def read_calibration(files: list[str | Path]) -> list[str]:
             raise ModelError("the calibration file is empty", file=str(path))
         texts.append(text)
     return texts
+
+
+DEFAULT_TEXT = "calibration_default.txt"  # in the package's data folder (data/README.md)
+
+
+def default_calibration() -> Path:
+    """The generic English text dynquant ships for calibration without ``--calib``."""
+    return Path(str(resources.files("dynquant.data").joinpath(DEFAULT_TEXT)))
+
+
+def calibration_record(files: list[str | Path], seqs: int, length: int) -> dict:
+    """What a measurement calibrated on, for maps.json and the checkpoint's provenance: the
+    texts (by file name; the bundled one as ``dynquant:calibration_default.txt``), the SHA-256
+    of their joined text, and the token windows taken from it."""
+    bundled = default_calibration()
+    names = [f"dynquant:{DEFAULT_TEXT}" if Path(f) == bundled else Path(f).name for f in files]
+    digest = hashlib.sha256("\n\n".join(read_calibration(files)).encode()).hexdigest()
+    return {"texts": names, "sha256": digest, "sequences": seqs, "tokens_per_sequence": length}
 
 
 def calibration_ids(tokenizer, files: list[str | Path], seqs: int, length: int) -> torch.Tensor:

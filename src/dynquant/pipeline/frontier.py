@@ -7,6 +7,7 @@ the same or the next larger size are evaluated beside it. Used by the demo and t
 
 from __future__ import annotations
 
+import math
 from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -31,10 +32,11 @@ class FrontierPoint:
     average_bits: float
     predicted_kl: float
     result: EvalResult
-    uniform_bits: int
-    uniform_average_bits: float
-    uniform_total_nbytes: int
-    uniform_result: EvalResult
+    # uniform widths of the same or the next larger size (None when not asked for)
+    uniform_bits: int | None = None
+    uniform_average_bits: float | None = None
+    uniform_total_nbytes: int | None = None
+    uniform_result: EvalResult | None = None
 
 
 def uniform_bits_for(budget: float, group_size: int = 128) -> int:
@@ -42,14 +44,16 @@ def uniform_bits_for(budget: float, group_size: int = 128) -> int:
     return next(b for b in (2, 3, 4, 8) if width(b, group_size).bits_per_weight >= budget)
 
 
-def size_quality_frontier(model_dir: str | Path, calib: str | Path, heldout: str | Path,
+def size_quality_frontier(model_dir: str | Path, calib: str | Path | None, heldout: str | Path,
                           out_dir: str | Path, budgets: Sequence[float] = BUDGETS,
                           max_tokens: int | None = None, ctx: int = 512,
                           on_step=None, dtype: str | None = None, method: str | None = None,
-                          maps_path: str | Path | None = None) -> list[FrontierPoint]:
-    """Every budget's sensitivity checkpoint (kept in ``out_dir``) and its uniform comparison,
-    evaluated in the compute dtype ``dtype`` (None/"auto": the CPU's). Sensitivities by
-    ``method`` (measure's default when None), or from an earlier measurement ``maps_path``."""
+                          maps_path: str | Path | None = None,
+                          uniform: bool = True) -> list[FrontierPoint]:
+    """Every budget's sensitivity checkpoint (kept in ``out_dir``) and (with ``uniform``) its
+    uniform comparison, evaluated in the compute dtype ``dtype`` (None/"auto": the CPU's).
+    Sensitivities by ``method`` (measure's default when None) on ``calib`` (None: the bundled
+    text; ignored by the data-free method), or from an earlier measurement ``maps_path``."""
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
     source = resolve_model(str(model_dir))
@@ -57,12 +61,13 @@ def size_quality_frontier(model_dir: str | Path, calib: str | Path, heldout: str
     if maps_path is None:
         note("measuring sensitivities")
         maps_path = out / "maps.json"
-        maps = measure(source, MeasureOptions(calib=[str(calib)], budgets=budgets,
-                                              method=method), maps_path, progress=False)
+        texts = [str(calib)] if calib is not None and method != "weight" else []
+        maps = measure(source, MeasureOptions(calib=texts, budgets=budgets, method=method),
+                       maps_path, progress=False)
     else:
         maps_path, maps = Path(maps_path), load_maps(maps_path)
     modules = maps_modules(maps)
-    importance = load_file(maps_path.parent / maps["stats"])
+    importance = load_file(maps_path.parent / maps["stats"]) if maps["stats"] else None
     docs, allocs = {}, {}
     for budget in budgets:
         note(f"budget {budget}: allocate and quantize")
@@ -71,7 +76,7 @@ def size_quality_frontier(model_dir: str | Path, calib: str | Path, heldout: str
             source, allocs[budget].widths, out / f"budget-{budget}", importance=importance,
             overwrite=True, allocator="sensitivity", widths_from=f"maps.json [{budget}]",
             stats=maps["stats"], progress=False)
-    for ubits in sorted({uniform_bits_for(b) for b in budgets}):
+    for ubits in sorted({uniform_bits_for(b) for b in budgets}) if uniform else ():
         note(f"uniform {ubits}-bit: quantize")
         u = uniform_widths(modules, ubits, 128)
         docs[f"uniform-{ubits}"] = quantize_model(
@@ -82,12 +87,29 @@ def size_quality_frontier(model_dir: str | Path, calib: str | Path, heldout: str
     points = []
     for budget in budgets:
         key, ukey = f"budget-{budget}", f"uniform-{uniform_bits_for(budget)}"
-        acc, uacc = docs[key]["accounting"], docs[ukey]["accounting"]
-        points.append(FrontierPoint(
-            budget, out / key, acc["total_nbytes"], acc["average_bits"],
-            allocs[budget].predicted_error, results[key], uniform_bits_for(budget),
-            uacc["average_bits"], uacc["total_nbytes"], results[ukey]))
+        acc = docs[key]["accounting"]
+        point = FrontierPoint(budget, out / key, acc["total_nbytes"], acc["average_bits"],
+                              allocs[budget].predicted_error, results[key])
+        if uniform:
+            uacc = docs[ukey]["accounting"]
+            point.uniform_bits, point.uniform_result = uniform_bits_for(budget), results[ukey]
+            point.uniform_average_bits = uacc["average_bits"]
+            point.uniform_total_nbytes = uacc["total_nbytes"]
+        points.append(point)
     return points
+
+
+def knee(bits: Sequence[float], kl: Sequence[float]) -> int:
+    """The index of the frontier's knee: the point furthest below the straight line joining
+    the ends of (bits, log KL), each axis scaled to [0, 1] (the Kneedle rule): past it, more
+    bits buy much less KL than before it."""
+    logs = [math.log(max(k, 1e-12)) for k in kl]
+    x0, x1, y0, y1 = bits[0], bits[-1], logs[0], logs[-1]
+    if len(bits) < 3 or x1 == x0 or y1 == y0:
+        return len(bits) - 1
+    gaps = [((b - x0) / (x1 - x0)) - ((y0 - y) / (y0 - y1)) for b, y in zip(bits, logs,
+                                                                           strict=True)]
+    return min(range(len(bits)), key=lambda i: gaps[i])
 
 
 def _evaluate_all(base_dir: Path, out: Path, names: list[str], heldout: str | Path, ctx: int,

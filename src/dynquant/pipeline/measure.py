@@ -4,13 +4,14 @@ a sensitivity per module, so that predicted dKL = sum_m sensitivity_m * error_m.
 Sensitivity methods (the sensitivity is the mean KL(base || perturbed) of the next-token
 distribution on the calibration tokens with the module alone at its 3-bit weights, divided by
 that module's relative error: KL ~ s * ||dW||^2 / ||W||^2 holds for small perturbations):
-- ``fisher`` (the default with calibration text): that KL estimated from one streamed forward and
-  one streamed backward pass, a block in memory at a time (``pipeline/fisher.py``).
+- ``fisher`` (the default): that KL estimated from one streamed forward and one streamed
+  backward pass, a block in memory at a time (``pipeline/fisher.py``). Without ``--calib`` it
+  calibrates on the generic English text the package ships (``dynquant/data/``).
 - ``kl-exact`` (``kl`` is its old name): that KL measured, one full-model forward per module,
   the dense model in memory. The reference the estimate is checked against; small models.
-- ``weight`` (data-free proxy, the default without text): sensitivity = usage * ||W||^2, i.e.
-  the cost is the absolute squared weight error a token meets; usage is top_k / E for routed
-  expert banks, 1 / vocab for an untied input embedding (a token reads one row) and 1 otherwise.
+- ``weight`` (data-free, ``--no-calib``; also what a model without weights or tokenizer gets):
+  a prior per unit of relative error by the module's role and depth (``pipeline/priors.py``).
+  Its predicted error is in relative units, not nats: no loss prediction without text.
 """
 
 from __future__ import annotations
@@ -18,8 +19,9 @@ from __future__ import annotations
 import json
 import math
 import os
+import sys
 from collections.abc import Callable, Sequence
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 
 import torch
@@ -33,12 +35,7 @@ from dynquant.format.metadata import core_version
 from dynquant.format.planner import TensorSpec, excluded_modules
 from dynquant.models.sources import ModelSource
 from dynquant.numerics.compute_dtype import resolve_dtype
-from dynquant.numerics.quantizer import (
-    QuantizedTensor,
-    quantize_tensor,
-    relative_error,
-    squared_norm,
-)
+from dynquant.numerics.quantizer import QuantizedTensor, quantize_tensor, relative_error
 from dynquant.pipeline.allocate import (
     AllocationError,
     Candidate,
@@ -50,6 +47,8 @@ from dynquant.pipeline.allocate import (
 from dynquant.pipeline.block_stream import BlockStream
 from dynquant.pipeline.calibration import (
     calibration_ids,
+    calibration_record,
+    default_calibration,
     importance_of,
     read_calibration,
     save_stats,
@@ -58,6 +57,7 @@ from dynquant.pipeline.calibration_pass import run_calibration_pass
 from dynquant.pipeline.fisher import fisher_kl
 from dynquant.pipeline.generate import load_tokenizer
 from dynquant.pipeline.heap import return_freed_memory
+from dynquant.pipeline.priors import block_index, data_free_sensitivity
 from dynquant.pipeline.weights import WeightSource, weight_source
 
 MAPS_SCHEMA = "dynquant_maps_v1"
@@ -73,8 +73,8 @@ class MeasureOptions:
     widths: Sequence[int] = DEFAULT_WIDTHS
     group_sizes: Sequence[int] = (128,)
     budgets: Sequence[float] = DEFAULT_BUDGETS
-    method: str | None = None  # None: fisher with calibration text, else weight
-    calib: Sequence[str] = ()
+    method: str | None = None  # None: fisher (on the bundled text without calib), else weight
+    calib: Sequence[str] = ()  # empty: the bundled text (data/calibration_default.txt)
     calib_seqs: int = 8
     calib_len: int = 256
     not_convert: Sequence[str] = ()
@@ -98,16 +98,6 @@ def module_candidates(weight: torch.Tensor, widths: Sequence[int], group_sizes: 
             err = relative_error(weight, qt, importance)
             out.append(Candidate(bits, gs, qt.nbytes, err))
     return out
-
-
-def weight_usage(spec: TensorSpec, source: ModelSource) -> float:
-    cfg = source.config
-    experts = getattr(cfg, "num_experts", None) or getattr(cfg, "num_local_experts", None)
-    if len(spec.shape) == 3 and experts:
-        return getattr(cfg, "num_experts_per_tok", 1) / experts
-    if spec.module.endswith("embed_tokens") and not source.tied:
-        return 1.0 / spec.shape[0]
-    return 1.0
 
 
 class KLProbe:
@@ -183,26 +173,59 @@ def _dense_model(source: ModelSource, dtype: str) -> nn.Module:
 
 
 def measure_method(opts: MeasureOptions) -> str:
-    method = ALIASES.get(opts.method, opts.method) or ("fisher" if opts.calib else "weight")
+    method = ALIASES.get(opts.method, opts.method) or "fisher"
     if method not in METHODS:
         raise DynquantError(f"unknown method {opts.method!r} (one of {', '.join(METHODS)})",
                             field="method")
-    if method != "weight" and not opts.calib:
-        raise DynquantError(f"--method {method} needs calibration text (--calib FILE)",
-                            field="method")
+    if method == "weight" and opts.calib:
+        raise DynquantError("--method weight is data-free: drop --calib, or use --method "
+                            "fisher", field="method")
     return method
+
+
+def calibration_plan(source: ModelSource, opts: MeasureOptions, random_init: bool = False
+                     ) -> tuple[MeasureOptions, str | None]:
+    """The options a measurement runs with, and the one line to tell the user when a default
+    was taken: the bundled text when none is given, or the data-free path when the model has
+    no weights or tokenizer to calibrate with (and no method that needs them was asked for)."""
+    method = measure_method(opts)
+    if method == "weight" or opts.calib:
+        return replace(opts, method=method), None
+    blocker = _cannot_calibrate(source, random_init)
+    if blocker is None:
+        return (replace(opts, method=method, calib=[str(default_calibration())]),
+                f"calibrating on dynquant's bundled English text ({opts.calib_seqs} x "
+                f"{opts.calib_len} tokens); --calib FILE for your own, --no-calib for data-free")
+    if opts.method is not None:
+        raise DynquantError(f"--method {method} needs {blocker}", file=source.name,
+                            field="method")
+    return (replace(opts, method="weight"),
+            f"data-free sensitivities ({blocker} to calibrate); no loss prediction")
+
+
+def _cannot_calibrate(source: ModelSource, random_init: bool) -> str | None:
+    if random_init or source.directory is None:
+        return "model weights (a model directory)"
+    tokenizer = ("tokenizer.json", "tokenizer.model", "vocab.json", "tokenizer_config.json")
+    if not any((source.directory / f).is_file() for f in tokenizer):
+        return "a tokenizer in the model directory"
+    return None
 
 
 def measure(source: ModelSource, opts: MeasureOptions, out: str | Path | None = None,
             progress: bool = True, random_init: bool = False) -> dict:
     """Measure every quantizable module; returns (and writes to ``out``) the maps document."""
-    method = measure_method(opts)
+    opts, note = calibration_plan(source, opts, random_init)
+    if note and progress:
+        print(f"dynquant: {note}", file=sys.stderr)
+    method = opts.method
     read_calibration(list(opts.calib))  # fail on a missing or empty file before any work
     if out is not None:
         Path(out).parent.mkdir(parents=True, exist_ok=True)
     specs = source.tensor_specs()
     dense_out = set(excluded_modules(specs, opts.not_convert))
     quantizable = [s for s in specs if s.quantizable and s.module not in dense_out]
+    blocks = 1 + max((block_index(s.module) or 0 for s in quantizable), default=0)
     weights = weight_source(source, random_init)
     partial = None if out is None else PartialDir(out, _job(source, opts, method, random_init))
     try:
@@ -214,8 +237,10 @@ def measure(source: ModelSource, opts: MeasureOptions, out: str | Path | None = 
             for index, spec in enumerate(quantizable):
                 done = None if partial is None else partial.read_json(f"m{index:06d}.json")
                 if done is None:
-                    done = _measure_module(spec, weights.get(spec), source, opts,
-                                           importance_of(stats, spec.module, spec.shape), probe_kl)
+                    done = _measure_module(spec, weights.get(spec), opts,
+                                           importance_of(stats, spec.module, spec.shape),
+                                           probe_kl, data_free_sensitivity(spec, blocks,
+                                                                           bool(source.tied)))
                     if partial is not None:  # a killed run starts again from here
                         partial.write_json(f"m{index:06d}.json", done)
                 modules[spec.module] = done
@@ -225,6 +250,8 @@ def measure(source: ModelSource, opts: MeasureOptions, out: str | Path | None = 
     stats_name = Path(out).stem + ".stats.safetensors" if out is not None and stats else None
     doc = {"schema": MAPS_SCHEMA, "model": source.name, "method": method,
            "stats": stats_name,  # beside maps.json
+           "calibration": (calibration_record(list(opts.calib), opts.calib_seqs, opts.calib_len)
+                           if opts.calib else None),
            "widths": list(opts.widths), "group_sizes": list(opts.group_sizes),
            "modules_to_not_convert": sorted(dense_out), "modules": modules}
     group_size = max(opts.group_sizes)
@@ -306,9 +333,10 @@ def _calibrate(source: ModelSource, weights: WeightSource, quantizable: list[Ten
         spec.module, probe_quantized(spec, w.float()).dequantize(torch.float32))
 
 
-def _measure_module(spec: TensorSpec, weight: torch.Tensor, source: ModelSource,
-                    opts: MeasureOptions, importance: torch.Tensor | None,
-                    probe_kl: Callable[[TensorSpec, torch.Tensor], float] | None) -> dict:
+def _measure_module(spec: TensorSpec, weight: torch.Tensor, opts: MeasureOptions,
+                    importance: torch.Tensor | None,
+                    probe_kl: Callable[[TensorSpec, torch.Tensor], float] | None,
+                    prior: float) -> dict:
     cands = module_candidates(weight, opts.widths, opts.group_sizes, importance)
     if probe_kl is not None:
         # KL of the module's own probe-width weights over their (possibly importance-weighted)
@@ -317,7 +345,7 @@ def _measure_module(spec: TensorSpec, weight: torch.Tensor, source: ModelSource,
         probe_err = next(c.error for c in cands if (c.bits, c.group_size) == (bits, gs))
         sensitivity = probe_kl(spec, weight) / max(probe_err, 1e-12)
     else:
-        sensitivity = weight_usage(spec, source) * squared_norm(weight)
+        sensitivity = prior
     if not math.isfinite(sensitivity):
         raise DynquantError("non-finite sensitivity", module=spec.module, field="sensitivity")
     return {"logical_shape": list(spec.shape),

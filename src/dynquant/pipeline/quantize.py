@@ -6,8 +6,9 @@ import hashlib
 import os
 import shutil
 import signal
+import sys
 import tempfile
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -22,6 +23,7 @@ from dynquant.format.planner import WidthChoice, plan_document, split_choice
 from dynquant.models.sources import ModelSource
 from dynquant.numerics.quantizer import quantize_tensor
 from dynquant.pipeline.calibration import importance_of
+from dynquant.pipeline.forecast import Forecast, forecast
 from dynquant.pipeline.weights import WeightSource, weight_source
 
 
@@ -45,6 +47,7 @@ def quantize_model(
     modules_to_not_convert: tuple[str, ...] = (),
     importance: Mapping[str, torch.Tensor] | None = None,
     stats: str | None = None,
+    calibration: dict | None = None,
     extra_files: Sequence[Path] = (),
     progress: bool = True,
 ) -> dict:
@@ -78,7 +81,8 @@ def quantize_model(
     side = [] if source.directory is None else [
         source.directory / f for f in SIDE_FILES if (source.directory / f).is_file()]
     provenance = md.Provenance(model=source.name, allocator=allocator, widths_from=widths_from,
-                               stats=stats, predicted_nbytes=plan["accounting"]["total_nbytes"])
+                               stats=stats, predicted_nbytes=plan["accounting"]["total_nbytes"],
+                               calibration=calibration)
     doc = writer.finish(provenance, config=source.config.to_dict(), tied=source.tied,
                         side_files=[*side, *extra_files])
     store.discard()
@@ -141,9 +145,12 @@ class QuantizeRequest:
     seed: int = 0
     overwrite: bool = False
     progress: bool = True
+    # told the forecast of a budget allocation before anything is written (None: printed to
+    # stderr unless progress is off)
+    report: Callable[[Forecast], None] | None = None
 
 
-def _split_maps_arg(arg: str) -> tuple[str, float | None]:
+def split_maps_arg(arg: str) -> tuple[str, float | None]:
     path, sep, budget = arg.rpartition(":")
     if sep and path.endswith(".json"):
         try:
@@ -159,7 +166,7 @@ def _maps_for(source: ModelSource, req: QuantizeRequest, workdir: Path
     from dynquant.pipeline.measure import MeasureOptions, load_maps, measure
 
     if req.widths is not None:
-        path, budget = _split_maps_arg(req.widths)
+        path, budget = split_maps_arg(req.widths)
         return load_maps(path), Path(path), budget if budget is not None else req.budget
     maps_path = workdir / "maps.json"
     opts = MeasureOptions(calib=list(req.calib), method=req.method, calib_seqs=req.calib_seqs,
@@ -170,11 +177,11 @@ def _maps_for(source: ModelSource, req: QuantizeRequest, workdir: Path
     return measure(source, opts, maps_path, req.progress, req.random_init), maps_path, req.budget
 
 
-def _is_maps(path: str) -> bool:
+def is_maps(path: str) -> bool:
     from dynquant.format.validate import load_metadata
     from dynquant.pipeline.measure import MAPS_SCHEMA
 
-    doc = load_metadata(_split_maps_arg(path)[0])
+    doc = load_metadata(split_maps_arg(path)[0])
     return isinstance(doc, dict) and doc.get("schema") == MAPS_SCHEMA
 
 
@@ -187,6 +194,7 @@ class Widths:
     widths_from: str
     importance: dict | None = None
     files: list[Path] = field(default_factory=list)  # shipped inside the checkpoint
+    calibration: dict | None = None  # the maps' record of the calibration text
 
 
 def resolve_widths(source: ModelSource, req: QuantizeRequest, workdir: Path) -> Widths:
@@ -195,7 +203,7 @@ def resolve_widths(source: ModelSource, req: QuantizeRequest, workdir: Path) -> 
     from dynquant.pipeline.allocate import uniform_widths as uniform
     from dynquant.pipeline.measure import maps_modules
 
-    if req.widths is not None and not _is_maps(req.widths):
+    if req.widths is not None and not is_maps(req.widths):
         return Widths(dict(load_widths(req.widths)), "manual", req.widths)
     if req.widths is None and req.budget is None and req.uniform is None:
         raise DynquantError("give --widths, --budget or --uniform", field="widths")
@@ -211,6 +219,7 @@ def resolve_widths(source: ModelSource, req: QuantizeRequest, workdir: Path) -> 
     else:
         alloc = allocate_widths(maps_modules(maps), budget, cons)
         allocator, tag = "sensitivity", f"{budget}"
+        _report(req, forecast(maps, maps_modules(maps), budget, cons))
     measured_now = req.widths is None
     files = [maps_path] if measured_now else []
     importance = None
@@ -221,7 +230,16 @@ def resolve_widths(source: ModelSource, req: QuantizeRequest, workdir: Path) -> 
         importance = load_file(stats_path)
         files += [stats_path] if measured_now else []
     where = maps_path.name if measured_now else str(maps_path)
-    return Widths(dict(alloc.widths), allocator, f"{where} [{tag}]", importance, files)
+    return Widths(dict(alloc.widths), allocator, f"{where} [{tag}]", importance, files,
+                  maps.get("calibration"))
+
+
+def _report(req: QuantizeRequest, f: Forecast) -> None:
+    if req.report is not None:
+        req.report(f)
+    elif req.progress:
+        for line in f.lines():
+            print(line, file=sys.stderr)
 
 
 def run_quantize(source: ModelSource, req: QuantizeRequest) -> dict:
@@ -235,6 +253,7 @@ def run_quantize(source: ModelSource, req: QuantizeRequest) -> dict:
             random_init=req.random_init, seed=req.seed, overwrite=req.overwrite,
             allocator=w.allocator, widths_from=w.widths_from,
             lm_head_quantized=req.lm_head, modules_to_not_convert=tuple(req.not_convert),
-            importance=w.importance, stats=stats, extra_files=w.files, progress=req.progress)
+            importance=w.importance, stats=stats, calibration=w.calibration,
+            extra_files=w.files, progress=req.progress)
     finally:
         shutil.rmtree(workdir, ignore_errors=True)

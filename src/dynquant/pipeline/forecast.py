@@ -1,0 +1,158 @@
+"""What a budget predicts, said before anything is written.
+
+From a maps document alone (no weights): the predicted KL (nats per token) of the allocation at a
+budget, of neighbouring budgets, and, when the prediction is large, the smallest budget on a
+quarter-bit grid that predicts a small loss. Calibrated maps predict KL in nats per token (the
+prediction tracks the measured KL, BENCHMARKS.md "Allocation pays"); data-free maps have no loss
+scale, so they get no warning, only the note that they cannot predict one.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+from dataclasses import asdict, dataclass, field
+
+from dynquant.pipeline.allocate import (
+    AllocationError,
+    Constraints,
+    ModuleChoices,
+    allocate_widths,
+    reachable_range,
+)
+
+LARGE_LOSS = 0.1  # nats per token: beyond it a model visibly degrades (PPL up by ~10 %)
+STEP = 0.25  # bits between the budgets compared
+
+
+@dataclass
+class Forecast:
+    budget: float
+    average_bits: float
+    predicted_kl: float | None  # nats per token; None for data-free maps
+    neighbours: dict[str, float] = field(default_factory=dict)  # budget -> predicted KL
+    advice: tuple[float, float] | None = None  # (budget, its predicted KL) under LARGE_LOSS
+
+    @property
+    def large(self) -> bool:
+        return self.predicted_kl is not None and self.predicted_kl > LARGE_LOSS
+
+    def to_json(self) -> dict:
+        doc = asdict(self)
+        doc["advice"] = None if self.advice is None else {"budget": self.advice[0],
+                                                           "predicted_kl": self.advice[1]}
+        doc["large_loss"] = self.large
+        return doc
+
+    def lines(self) -> list[str]:
+        """One line of numbers, and one warning line when the loss is large."""
+        if self.predicted_kl is None:
+            return [f"{self.budget} bits: data-free sensitivities predict no loss in nats "
+                    "(calibrate for a prediction)"]
+        near = ", ".join(f"{b}: {kl:.3g}" for b, kl in self.neighbours.items())
+        out = [f"predicted KL {self.predicted_kl:.3g} nats/token at {self.budget} bits"
+               + (f" (neighbours {near})" if near else "")]
+        if self.large:
+            hint = (f"; {self.advice[0]} bits predicts {self.advice[1]:.3g}" if self.advice
+                    else "; no reachable budget predicts less than "
+                    f"{LARGE_LOSS} (pin the sensitive modules wider or calibrate on more text)")
+            out.append(f"warning: expect a large loss ({self.predicted_kl:.3g} nats/token > "
+                       f"{LARGE_LOSS}){hint}")
+        return out
+
+
+def predicts_kl(maps: dict) -> bool:
+    """Whether a maps document's predicted error is a KL in nats per token."""
+    return maps.get("method") in ("fisher", "kl-exact")
+
+
+def forecast(maps: dict, modules: Sequence[ModuleChoices], budget: float,
+             constraints: Constraints | None = None) -> Forecast:
+    """The forecast at ``budget`` (an allocation that cannot be made raises AllocationError)."""
+    alloc = allocate_widths(modules, budget, constraints)
+    if not predicts_kl(maps):
+        return Forecast(budget, alloc.average_bits, None)
+    lo, hi = reachable_range(modules, constraints)
+
+    def kl_at(b: float) -> float | None:
+        return _kl_or_none(modules, b, constraints)
+
+    neighbours = {}
+    for b in (budget - STEP, budget + STEP):
+        kl = kl_at(round(b, 4)) if lo <= b <= hi else None
+        if kl is not None:
+            neighbours[str(round(b, 4))] = kl
+    result = Forecast(budget, alloc.average_bits, alloc.predicted_error, neighbours)
+    if result.large:
+        result.advice = _advice(budget, hi, kl_at)
+    return result
+
+
+def _advice(budget: float, highest: float, kl_at) -> tuple[float, float] | None:
+    """The smallest budget on the quarter-bit grid above ``budget`` predicting under
+    LARGE_LOSS (predicted KL falls with the budget, so a bisection over the grid finds it)."""
+    grid = [k * STEP for k in range(math.floor(budget / STEP) + 1,
+                                    math.floor(highest / STEP) + 1)]
+    found = None
+    lo, hi = 0, len(grid) - 1
+    while lo <= hi:
+        mid = (lo + hi) // 2
+        kl = kl_at(grid[mid])
+        if kl is not None and kl <= LARGE_LOSS:
+            found, hi = (grid[mid], kl), mid - 1
+        else:
+            lo = mid + 1
+    return found
+
+
+def measure_summary(maps: dict) -> dict:
+    """Every budget of a maps document with its predicted KL, and one piece of advice: the
+    smallest quarter-bit budget predicting under LARGE_LOSS when any budget predicts more."""
+    from dynquant.pipeline.measure import maps_modules
+
+    kl = predicts_kl(maps)
+    budgets = {}
+    for budget, a in maps["allocations"].items():
+        if "error" in a:
+            budgets[budget] = {"error": a["error"]}
+            continue
+        budgets[budget] = {"average_bits": a["average_bits"], "packed_nbytes": a["packed_nbytes"],
+                           "predicted_kl" if kl else "predicted_error": a["predicted_error"],
+                           "large_loss": kl and a["predicted_error"] > LARGE_LOSS}
+    large = [float(b) for b, v in budgets.items() if v.get("large_loss")]
+    advice = None
+    if large:
+        modules = maps_modules(maps)
+        found = _advice(max(large), reachable_range(modules)[1], lambda b: _kl_or_none(modules, b))
+        advice = None if found is None else {"budget": found[0], "predicted_kl": found[1]}
+    return {"method": maps["method"], "calibration": maps.get("calibration"),
+            "budgets": budgets, "advice": advice}
+
+
+def _kl_or_none(modules: Sequence[ModuleChoices], budget: float,
+                constraints: Constraints | None = None) -> float | None:
+    try:
+        return allocate_widths(modules, budget, constraints).predicted_error
+    except AllocationError:
+        return None
+
+
+def summary_lines(summary: dict) -> list[str]:
+    out = []
+    for budget, v in summary["budgets"].items():
+        if "error" in v:
+            out.append(f"budget {budget}: {v['error']}")
+        elif "predicted_kl" in v:
+            out.append(f"budget {budget}: {v['average_bits']} bits, {v['packed_nbytes']:,} packed "
+                       f"bytes, predicted KL {v['predicted_kl']:.4g} nats/token")
+        else:
+            out.append(f"budget {budget}: {v['average_bits']} bits, {v['packed_nbytes']:,} packed "
+                       f"bytes, predicted error {v['predicted_error']:.4g} (data-free, relative)")
+    large = [b for b, v in summary["budgets"].items() if v.get("large_loss")]
+    if large:
+        advice = summary["advice"]
+        hint = (f"; {advice['budget']} bits predicts {advice['predicted_kl']:.3g}" if advice
+                else "; no reachable budget predicts less")
+        out.append(f"warning: expect a large loss at {', '.join(large)} bits (predicted KL > "
+                   f"{LARGE_LOSS} nats/token){hint}")
+    return out
