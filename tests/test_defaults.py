@@ -68,16 +68,31 @@ def test_quantize_records_the_default_calibration_in_provenance(model_dir, tmp_p
 
 
 @pytest.mark.parametrize("flag", [["--no-calib"], ["--method", "weight"]])
-def test_data_free_on_request(model_dir, tmp_path, flag, seed_doc):
+def test_data_free_on_request(model_dir, tmp_path, flag):
     out = tmp_path / "q"
     assert main(["quantize", str(model_dir), "-o", str(out), "--budget", "6.0", "--quiet",
-                 *flag]) == 0
+                 *SHORT, *flag]) == 0
     doc = json.loads((out / "dynquant.json").read_text())
     maps = json.loads((out / "maps.json").read_text())
-    assert maps["method"] == "weight" and maps["calibration"] is None and maps["stats"] is None
-    # a data-free checkpoint's provenance has exactly the seed's keys
-    assert set(doc["provenance"]) == set(seed_doc["provenance"])
-    assert doc["provenance"]["stats"] is None
+    # no text: priors for the sensitivities, random tokens for the quantizer's statistics
+    synthetic = {"synthetic": "uniform random token ids, seed 0", "sequences": 2,
+                 "tokens_per_sequence": 32}
+    assert maps["method"] == "weight" and maps["calibration"] == synthetic
+    assert doc["provenance"]["calibration"] == synthetic
+    assert doc["provenance"]["stats"] == "maps.stats.safetensors"
+    first = (out / "model.safetensors").read_bytes()
+    assert main(["quantize", str(model_dir), "-o", str(out), "--budget", "6.0", "--quiet",
+                 "--overwrite", *SHORT, *flag]) == 0
+    assert (out / "model.safetensors").read_bytes() == first  # seeded: the same bytes again
+
+
+def test_a_data_free_checkpoint_without_statistics_keeps_the_seed_provenance(tmp_path,
+                                                                             seed_doc):
+    out = tmp_path / "q"
+    assert main(["quantize", "tiny", "--random-init", "--budget", "6.0", "--quiet", "-o",
+                 str(out)]) == 0
+    prov = json.loads((out / "dynquant.json").read_text())["provenance"]
+    assert set(prov) == set(seed_doc["provenance"]) and prov["stats"] is None
 
 
 def test_conflicting_calibration_flags_fail_in_one_line(model_dir, tmp_path, capsys):

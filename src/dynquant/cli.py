@@ -97,8 +97,8 @@ def _cmd_quantize(args: argparse.Namespace) -> int:
 
     def report(f) -> None:  # before any weight is written: the user can still stop
         forecasts.append(f)
-        if not args.json:
-            for line in f.lines():
+        for line in [] if args.json else f.lines():
+            if not args.quiet or line.startswith("warning"):  # --quiet keeps warnings
                 print(line, file=sys.stderr)
 
     req = QuantizeRequest(

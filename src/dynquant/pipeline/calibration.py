@@ -50,6 +50,22 @@ def calibration_record(files: list[str | Path], seqs: int, length: int) -> dict:
     return {"texts": names, "sha256": digest, "sequences": seqs, "tokens_per_sequence": length}
 
 
+SYNTHETIC_SEED = 0
+
+
+def synthetic_ids(vocab_size: int, seqs: int, length: int) -> torch.Tensor:
+    """Uniform random token ids [seqs, length], seeded: the data-free path's input. No text,
+    yet the model's own structure (which channels its norms and outlier features drive) shows
+    in the per-column statistics it gives the quantizer."""
+    gen = torch.Generator().manual_seed(SYNTHETIC_SEED)
+    return torch.randint(0, vocab_size, (seqs, length), generator=gen)
+
+
+def synthetic_record(seqs: int, length: int) -> dict:
+    return {"synthetic": f"uniform random token ids, seed {SYNTHETIC_SEED}", "sequences": seqs,
+            "tokens_per_sequence": length}
+
+
 def calibration_ids(tokenizer, files: list[str | Path], seqs: int, length: int) -> torch.Tensor:
     """``seqs`` windows of ``length`` tokens, evenly spread over the text: [seqs, length]."""
     texts = read_calibration(files)

@@ -52,6 +52,8 @@ from dynquant.pipeline.calibration import (
     importance_of,
     read_calibration,
     save_stats,
+    synthetic_ids,
+    synthetic_record,
 )
 from dynquant.pipeline.calibration_pass import run_calibration_pass
 from dynquant.pipeline.fisher import fisher_kl
@@ -87,6 +89,9 @@ class MeasureOptions:
     # Label draws per calibration sequence for the Fisher estimate: its relative noise per
     # module is about sqrt(2 / (sequences * draws)); each draw costs one backward pass.
     fisher_draws: int = 2
+    # data-free: the quantizer's column statistics from one streamed forward over uniform random
+    # token ids (no text); set by calibration_plan when the model has weights to run
+    synthetic: bool = False
 
 
 def module_candidates(weight: torch.Tensor, widths: Sequence[int], group_sizes: Sequence[int],
@@ -185,22 +190,27 @@ def measure_method(opts: MeasureOptions) -> str:
 
 def calibration_plan(source: ModelSource, opts: MeasureOptions, random_init: bool = False
                      ) -> tuple[MeasureOptions, str | None]:
-    """The options a measurement runs with, and the one line to tell the user when a default
-    was taken: the bundled text when none is given, or the data-free path when the model has
-    no weights or tokenizer to calibrate with (and no method that needs them was asked for)."""
+    """The options a measurement runs with, and the one line to tell the user which path it
+    takes: the bundled text when none is given, the data-free path when asked for or when the
+    model has no weights or tokenizer to calibrate with (and no method needing them was asked
+    for); data-free runs the model on random tokens for the quantizer's statistics when it can."""
     method = measure_method(opts)
-    if method == "weight" or opts.calib:
+    if opts.calib:
         return replace(opts, method=method), None
-    blocker = _cannot_calibrate(source, random_init)
-    if blocker is None:
+    runnable = not random_init and source.directory is not None
+    blocker = _cannot_calibrate(source, random_init) if method != "weight" else None
+    if method != "weight" and blocker is None:
         return (replace(opts, method=method, calib=[str(default_calibration())]),
                 f"calibrating on dynquant's bundled English text ({opts.calib_seqs} x "
                 f"{opts.calib_len} tokens); --calib FILE for your own, --no-calib for data-free")
-    if opts.method is not None:
+    if blocker is not None and opts.method is not None:
         raise DynquantError(f"--method {method} needs {blocker}", file=source.name,
                             field="method")
-    return (replace(opts, method="weight"),
-            f"data-free sensitivities ({blocker} to calibrate); no loss prediction")
+    why = "" if blocker is None else f" ({blocker} to calibrate)"
+    stats = ", column statistics from random tokens" if runnable else ""
+    return (replace(opts, method="weight", synthetic=runnable),
+            f"data-free sensitivities{why}: priors by module role and depth{stats}; "
+            "no loss prediction")
 
 
 def _cannot_calibrate(source: ModelSource, random_init: bool) -> str | None:
@@ -250,8 +260,7 @@ def measure(source: ModelSource, opts: MeasureOptions, out: str | Path | None = 
     stats_name = Path(out).stem + ".stats.safetensors" if out is not None and stats else None
     doc = {"schema": MAPS_SCHEMA, "model": source.name, "method": method,
            "stats": stats_name,  # beside maps.json
-           "calibration": (calibration_record(list(opts.calib), opts.calib_seqs, opts.calib_len)
-                           if opts.calib else None),
+           "calibration": _record(opts),
            "widths": list(opts.widths), "group_sizes": list(opts.group_sizes),
            "modules_to_not_convert": sorted(dense_out), "modules": modules}
     group_size = max(opts.group_sizes)
@@ -262,6 +271,12 @@ def measure(source: ModelSource, opts: MeasureOptions, out: str | Path | None = 
         os.replace(tmp, out)
         partial.discard()
     return doc
+
+
+def _record(opts: MeasureOptions) -> dict | None:
+    if opts.calib:
+        return calibration_record(list(opts.calib), opts.calib_seqs, opts.calib_len)
+    return synthetic_record(opts.calib_seqs, opts.calib_len) if opts.synthetic else None
 
 
 def _job(source: ModelSource, opts: MeasureOptions, method: str, random_init: bool) -> dict:
@@ -287,10 +302,10 @@ def _calibrate(source: ModelSource, weights: WeightSource, quantizable: list[Ten
                ) -> tuple[dict[str, torch.Tensor], Callable[[TensorSpec, torch.Tensor], float]
                           | None]:
     """Input statistics (saved beside ``out``) and how to get a module's KL at the probe width:
-    nothing without calibration text; else one streamed pass for the statistics, then the
-    Fisher pass over the same stream or the exact probe on the dense model. The statistics and
-    Fisher KLs are kept in ``partial`` for a resumed run."""
-    if not opts.calib:
+    nothing without text or synthetic tokens; else one streamed pass for the statistics, then
+    (with text) the Fisher pass over the same stream or the exact probe on the dense model. The
+    statistics and Fisher KLs are kept in ``partial`` for a resumed run."""
+    if not opts.calib and not opts.synthetic:
         return {}, None
     if source.directory is None:
         raise DynquantError("calibration needs model weights (a model directory)",
@@ -300,8 +315,10 @@ def _calibrate(source: ModelSource, weights: WeightSource, quantizable: list[Ten
         kls = {k.removeprefix("kl:"): float(v) for k, v in kept.items() if k.startswith("kl:")}
         return ({k: v for k, v in kept.items() if not k.startswith("kl:")},
                 lambda spec, _w: kls[spec.module])
-    ids = calibration_ids(load_tokenizer(source.directory), list(opts.calib), opts.calib_seqs,
-                          opts.calib_len)
+    ids = (synthetic_ids(source.config.vocab_size, opts.calib_seqs, opts.calib_len)
+           if opts.synthetic else
+           calibration_ids(load_tokenizer(source.directory), list(opts.calib), opts.calib_seqs,
+                           opts.calib_len))
     modules = {s.module for s in quantizable}
     return_freed_memory()
     moments = (Path(out).with_name(Path(out).stem + ".moments")
@@ -312,6 +329,8 @@ def _calibrate(source: ModelSource, weights: WeightSource, quantizable: list[Ten
         stats = cal.stats
         if out is not None:
             save_stats(stats, Path(out).with_name(Path(out).stem + ".stats.safetensors"))
+        if method == "weight":  # data-free: statistics for the quantizer, priors for the rest
+            return stats, None
         bits, gs = probe_bits(opts)
 
         def probe_quantized(spec: TensorSpec, w: torch.Tensor) -> QuantizedTensor:
