@@ -1,0 +1,144 @@
+"""Error-compensating quantization (GPTQ / OBQ) into exactly the seed's group-wise format.
+
+Columns (input features) are quantized in order. When column ``j`` is rounded, its error is
+pushed onto the columns not yet quantized through the inverse of the input second-moment matrix
+H = X^T X / n, so that the layer's output ``W x`` (not the weight) is what stays close:
+
+    Hinv = inverse(H + damp * mean(diag H) * I);  U = upper Cholesky factor of Hinv
+    for each column j:  e = (w_j - w_hat_j) / U[j, j];  w_k -= e * U[j, k]  for k > j
+
+Each group of ``group_size`` consecutive columns gets its bf16 scale and offset when its first
+column is reached, from the usual clip search (``quantize_tensor``) on the error-updated
+weights, weighted by diag(H) (the column mean squares the RTN path uses as importance): the
+codes are ordinary asymmetric codes, the clip statistics keep their meaning. The fast path
+(``gptq_quantize``) applies the updates of a block of columns lazily with one matrix product;
+``gptq_quantize_ref`` is the plain statement, column by column in float64 (numpy).
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import torch
+
+from dynquant.errors import QuantizationError
+from dynquant.format.layout import LayerLayout
+from dynquant.format.packing import pack_codes
+from dynquant.numerics.quantizer import QuantizedTensor, quantize_tensor
+
+DAMP = 0.01  # of the mean diagonal: keeps H invertible where inputs are (near) collinear
+
+
+def inverse_factor(hessian: torch.Tensor, damp: float = DAMP) -> torch.Tensor:
+    """U, the upper Cholesky factor of (H + damp * mean(diag H) * I)^-1, float64. Columns that
+    no input drives (diag 0) get a unit diagonal: their error goes nowhere."""
+    h = hessian.to(torch.float64).clone()
+    dead = torch.diagonal(h) <= 0
+    h[dead, dead] = 1.0
+    h.diagonal().add_(damp * float(torch.diagonal(h).mean()))
+    lower = torch.linalg.cholesky(h)
+    return torch.linalg.cholesky(torch.cholesky_inverse(lower), upper=True)
+
+
+def _group_params(block: torch.Tensor, bits: int, group_size: int, importance: torch.Tensor
+                  ) -> tuple[torch.Tensor, torch.Tensor, int, float]:
+    """Scale/offset (float32 of the stored bf16) of one group's columns [rows, <= gs], from the
+    clip search; and its clip statistics (groups clipped, relative error the search saved)."""
+    qt = quantize_tensor(block.to(torch.float32).contiguous(), bits, group_size,
+                         importance=importance)
+    clipped = round(qt.clipped_fraction * block.shape[0])
+    return qt.scales[:, 0].float(), qt.offsets[:, 0].float(), clipped, qt.clip_improvement
+
+
+def gptq_quantize(weight: torch.Tensor, hessian: torch.Tensor, bits: int, group_size: int = 128,
+                  damp: float = DAMP, block: int = 128, dtype: torch.dtype = torch.float32
+                  ) -> QuantizedTensor:
+    """``weight`` [out, in] quantized with error feedback through ``hessian`` [in, in].
+
+    Works on the transpose (a column of W is a contiguous row) with numpy inside a block, where
+    every step touches one column and torch's per-call and threading overheads would dominate;
+    the block's updates to later columns are one matrix product."""
+    if weight.ndim != 2 or tuple(hessian.shape) != (weight.shape[1],) * 2:
+        raise QuantizationError(f"gptq needs a 2-D weight and an [in, in] second-moment matrix, "
+                                f"got {list(weight.shape)} and {list(hessian.shape)}",
+                                field="hessian")
+    if not bool(torch.isfinite(weight).all()) or not bool(torch.isfinite(hessian).all()):
+        raise QuantizationError("weight or second moments hold NaN or Inf", field="weight")
+    layout = LayerLayout.create(tuple(weight.shape), bits, group_size)
+    rows, cols = weight.shape
+    # whole groups per block: a group's scale/offset must see every earlier column's update,
+    # and updates to columns past the block arrive only at its end
+    block = group_size * max(1, block // group_size)
+    u = inverse_factor(hessian, damp).to(dtype)
+    un = u.numpy()
+    importance = torch.diagonal(hessian).to(torch.float32).clamp(min=0)
+    wt = weight.detach().to(dtype).T.contiguous()  # [in, out]
+    w = wt.numpy()
+    codes = np.zeros((layout.padded_in_features, rows), dtype=np.uint8)
+    scales = np.zeros((layout.num_groups, rows), dtype=np.float32)
+    offsets = np.zeros((layout.num_groups, rows), dtype=np.float32)
+    max_code = (1 << bits) - 1
+    clipped, improvements = 0, []  # clip_improvement: the mean over the column groups
+    for start in range(0, cols, block):
+        end = min(start + block, cols)
+        errors = np.zeros((end - start, rows), dtype=w.dtype)
+        for j in range(start, end):
+            g = j // group_size
+            if j % group_size == 0:
+                g_end = min(j + group_size, cols)
+                sc, of, c, improvement = _group_params(wt[j:g_end].T, bits, group_size,
+                                                       importance[j:g_end])
+                scales[g], offsets[g] = sc.numpy(), of.numpy()
+                clipped += c
+                improvements.append(improvement)
+            s, o = scales[g], offsets[g]
+            x = (w[j].astype(np.float32) - o) / np.where(s == 0, np.inf, s)
+            q = np.clip(np.rint(x), 0, max_code)
+            codes[j] = q
+            err = (w[j] - (q * s + o)) / un[j, j]
+            w[j + 1:end] -= un[j, j + 1:end, None] * err[None, :]
+            errors[j - start] = err
+        if end < cols:  # the block's errors reach every later column in one product
+            wt[end:] -= u[start:end, end:].T @ torch.from_numpy(errors)
+    return QuantizedTensor(
+        qweight=pack_codes(torch.from_numpy(codes.T.copy()), bits),
+        scales=torch.from_numpy(scales.T.copy()).to(torch.bfloat16),
+        offsets=torch.from_numpy(offsets.T.copy()).to(torch.bfloat16),
+        logical_shape=layout.logical_shape, bits=bits, group_size=group_size,
+        clipped_fraction=clipped / (rows * layout.num_groups),
+        clip_improvement=sum(improvements) / len(improvements))
+
+
+def gptq_quantize_ref(weight: np.ndarray, hessian: np.ndarray, bits: int, group_size: int = 128,
+                      damp: float = DAMP) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """Plain reference: codes [out, in], scales and offsets [out, groups] (float32 values of the
+    stored bf16), column by column in float64, every update applied at once."""
+    from dynquant.numerics.reference import quantize_group_ref
+
+    w = np.asarray(weight, dtype=np.float64).copy()
+    h = np.asarray(hessian, dtype=np.float64).copy()
+    rows, cols = w.shape
+    dead = np.diag(h) <= 0
+    h[dead, dead] = 1.0
+    h += damp * np.mean(np.diag(h)) * np.eye(cols)
+    u = np.linalg.cholesky(np.linalg.inv(h)).T  # upper: Hinv = U^T U
+    importance = np.clip(np.diag(np.asarray(hessian, dtype=np.float64)), 0, None)
+    groups = -(-cols // group_size)
+    codes = np.zeros((rows, cols), dtype=np.int64)
+    scales = np.zeros((rows, groups), dtype=np.float32)
+    offsets = np.zeros((rows, groups), dtype=np.float32)
+    max_code = (1 << bits) - 1
+    for j in range(cols):
+        g = j // group_size
+        if j % group_size == 0:
+            span = slice(j, min(j + group_size, cols))
+            for r in range(rows):
+                _, scales[r, g], offsets[r, g] = quantize_group_ref(
+                    w[r, span].astype(np.float32), bits, importance[span].astype(np.float32))
+        s, o = scales[:, g].astype(np.float32), offsets[:, g].astype(np.float32)
+        x = (w[:, j].astype(np.float32) - o) / np.where(s == 0, np.inf, s)
+        q = np.clip(np.round(x), 0, max_code)
+        codes[:, j] = q
+        w_hat = (q.astype(np.float32) * s + o).astype(np.float64)
+        err = (w[:, j] - w_hat) / u[j, j]
+        w[:, j + 1:] -= np.outer(err, u[j, j + 1:])
+    return codes, scales, offsets

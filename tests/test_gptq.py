@@ -1,0 +1,107 @@
+"""Error-compensating quantization (issue 13): the fast path held to the float64 reference, its
+output error against round-to-nearest on a trained model's real activations, determinism, and
+codes that decode with the format's own reference."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+
+from dynquant.format.packing import unpack_codes
+from dynquant.numerics.gptq import gptq_quantize, gptq_quantize_ref
+from dynquant.numerics.quantizer import quantize_tensor
+from dynquant.numerics.reference import dequantize_ref
+from dynquant.pipeline.calibration import default_calibration
+
+ROOT = Path(__file__).parents[1]
+
+
+def _problem(rows: int, cols: int, seed: int) -> tuple[torch.Tensor, torch.Tensor]:
+    gen = torch.Generator().manual_seed(seed)
+    w = torch.randn(rows, cols, generator=gen)
+    # correlated inputs with unequal columns, one column never driven
+    x = torch.randn(300, cols // 2, generator=gen) @ torch.randn(cols // 2, cols, generator=gen)
+    x = x * torch.linspace(0.2, 3.0, cols)
+    x[:, 3] = 0
+    return w, x.T @ x / x.shape[0]
+
+
+@pytest.mark.parametrize(("rows", "cols", "bits", "gs"),
+                         [(16, 96, 3, 32), (8, 80, 2, 32), (12, 64, 4, 64), (4, 40, 8, 32)])
+def test_fast_path_equals_the_reference_in_float64(rows, cols, bits, gs):
+    w, h = _problem(rows, cols, seed=cols + bits)
+    qt = gptq_quantize(w, h, bits, gs, dtype=torch.float64, block=2 * gs)  # lazy updates
+    codes, scales, offsets = gptq_quantize_ref(w.numpy(), h.numpy(), bits, gs)
+    np.testing.assert_array_equal(unpack_codes(qt.qweight, bits)[:, :cols].numpy(), codes)
+    np.testing.assert_array_equal(qt.scales.float().numpy(), scales)
+    np.testing.assert_array_equal(qt.offsets.float().numpy(), offsets)
+
+
+def test_float32_path_stays_with_the_reference():
+    w, h = _problem(32, 128, seed=1)
+    qt = gptq_quantize(w, h, 3, 32)
+    codes, _, _ = gptq_quantize_ref(w.numpy(), h.numpy(), 3, 32)
+    same = (unpack_codes(qt.qweight, 3)[:, :128].numpy() == codes).mean()
+    assert same >= 0.99  # float32 rounding of the updates moves a few near-ties
+
+
+def test_reruns_are_byte_identical():
+    w, h = _problem(24, 96, seed=2)
+    a, b = gptq_quantize(w, h, 3, 32), gptq_quantize(w, h, 3, 32)
+    assert torch.equal(a.qweight, b.qweight) and torch.equal(a.scales, b.scales)
+    assert torch.equal(a.offsets, b.offsets)
+
+
+def test_codes_decode_with_the_format_reference():
+    w, h = _problem(16, 72, seed=3)  # 72 = 2 groups of 32 and a padded one
+    qt = gptq_quantize(w, h, 3, 32)
+    ref = dequantize_ref(qt.qweight.numpy(), qt.scales.float().numpy(),
+                         qt.offsets.float().numpy(), 3, 32, 72)
+    np.testing.assert_array_equal(qt.dequantize(torch.float32).numpy(), ref)
+    assert 0.0 <= qt.clipped_fraction <= 1.0 and qt.nbytes == quantize_tensor(w, 3, 32).nbytes
+
+
+def _real_activations(text: Path, seqs: int) -> dict[str, tuple[torch.Tensor, torch.Tensor]]:
+    """(weight, inputs) of two Linears of llama-ref on ``seqs`` x 256 tokens of ``text``."""
+    from dynquant.pipeline.evaluate import load_any
+    from dynquant.pipeline.generate import load_tokenizer
+
+    model_dir = ROOT / "models" / "llama-ref"
+    model = load_any(model_dir, dtype="float32")
+    tok = load_tokenizer(model_dir)
+    ids = torch.tensor(tok(text.read_text()[:40000])["input_ids"])
+    names = ("model.layers.1.self_attn.q_proj", "model.layers.2.mlp.down_proj")
+    seen: dict[str, list[torch.Tensor]] = {n: [] for n in names}
+    hooks = [model.get_submodule(n).register_forward_hook(
+        lambda _m, args, _o, n=n: seen[n].append(args[0].reshape(-1, args[0].shape[-1])))
+        for n in names]
+    with torch.no_grad():
+        for row in ids[:seqs * 256].reshape(seqs, 256):
+            model(row[None])
+    for h in hooks:
+        h.remove()
+    return {n: (model.get_submodule(n).weight.detach().float(), torch.cat(seen[n]))
+            for n in names}
+
+
+def test_compensation_beats_round_to_nearest_on_held_out_activations():
+    """Second moments from 2,048 tokens of the bundled calibration text, output error on 1,024
+    held-out ones. (In sample the compensation looks far better than it is; calibrated on one
+    register, data/calibration.txt's Bible slice, down_proj's held-out error is 1.4x RTN's.)"""
+    calib = _real_activations(default_calibration(), 8)
+    heldout = _real_activations(ROOT / "data" / "heldout.txt", 4)
+    for name, (w, x) in calib.items():
+        h = x.T @ x / x.shape[0]
+        test = heldout[name][1]
+        for bits in (2, 3, 4, 8):
+            rtn = quantize_tensor(w, bits, 128, importance=torch.diagonal(h))
+            comp = gptq_quantize(w, h, bits, 128)
+
+            def out_err(qt, w=w, x=test):
+                return float((x @ (w - qt.dequantize(torch.float32)).T).square().sum())
+
+            ratio = out_err(comp) / out_err(rtn)
+            assert ratio < 0.6, (name, bits, ratio)  # measured 0.11-0.43
