@@ -36,7 +36,7 @@ lint: $(STAMP)
 clean:
 	rm -rf $(VENV) out
 
-BENCHMARKS := packed_products int4_gemv quantizer_vs_hqq seed_scale quantize_memory decode reference_models allocation_quality quality_vs_hqq sensitivity_methods data_free
+BENCHMARKS := packed_products int4_gemv quantizer_vs_hqq seed_scale quantize_memory decode reference_models allocation_quality quality_vs_hqq sensitivity_methods data_free gptq_quality
 
 .PHONY: bench
 bench: real-model

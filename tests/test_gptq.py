@@ -105,3 +105,34 @@ def test_compensation_beats_round_to_nearest_on_held_out_activations():
 
             ratio = out_err(comp) / out_err(rtn)
             assert ratio < 0.6, (name, bits, ratio)  # measured 0.11-0.43
+
+
+def test_quantize_with_gptq_end_to_end(tmp_path):
+    import json
+
+    from dynquant.cli import main
+    from dynquant.format.validate import validate_checkpoint
+    from dynquant.runtime.loader import load
+    from model_zoo import save_tiny_model, save_tiny_tokenizer
+
+    src = save_tiny_model("llama", tmp_path / "src")
+    save_tiny_tokenizer(src)
+    short = ["--calib-seqs", "2", "--calib-len", "32", "--quiet"]
+    for quantizer in ("rtn", "gptq"):
+        assert main(["quantize", str(src), "-o", str(tmp_path / quantizer), "--budget", "4.5",
+                     "--quantizer", quantizer, *short]) == 0
+        assert validate_checkpoint(str(tmp_path / quantizer)) == []
+    docs = {q: json.loads((tmp_path / q / "dynquant.json").read_text()) for q in ("rtn", "gptq")}
+    assert docs["gptq"]["provenance"]["quantizer"] == "gptq"
+    assert "quantizer" not in docs["rtn"]["provenance"]
+    assert docs["gptq"]["accounting"] == docs["rtn"]["accounting"]  # same widths, same bytes
+    rtn, gptq = load(tmp_path / "rtn"), load(tmp_path / "gptq")
+    ids = torch.arange(16)[None]
+    with torch.no_grad():
+        assert torch.isfinite(gptq(ids).logits).all()
+        assert not torch.equal(rtn(ids).logits, gptq(ids).logits)  # other codes
+    # manual widths carry no second moments: a one-line error, nothing written
+    (tmp_path / "w.json").write_text(json.dumps({"model.layers.0.mlp.up_proj": 4}))
+    assert main(["quantize", str(src), "-o", str(tmp_path / "x"), "--widths",
+                 str(tmp_path / "w.json"), "--quantizer", "gptq", "--quiet"]) == 2
+    assert not (tmp_path / "x").exists()

@@ -108,7 +108,8 @@ def _cmd_quantize(args: argparse.Namespace) -> int:
         group_sizes=_ints(args.group_sizes), pins=args.pin, min_bits=args.min_bits,
         max_bits=args.max_bits, not_convert=args.not_convert, lm_head=args.lm_head,
         random_init=args.random_init, seed=args.seed, overwrite=args.overwrite,
-        progress=not (args.quiet or args.json), dtype=args.dtype, report=report)
+        progress=not (args.quiet or args.json), dtype=args.dtype, report=report,
+        quantizer=args.quantizer)
     doc = run_quantize(source, req)
     if args.json:
         print(json.dumps({"output": args.output, "accounting": doc["accounting"],
@@ -286,6 +287,10 @@ def build_parser() -> argparse.ArgumentParser:
     _calibration_options(p)
     p.add_argument("--group-size", type=int, default=128)
     p.add_argument("--group-sizes", help="allocate group sizes too, e.g. 32,64,128")
+    p.add_argument("--quantizer", choices=("rtn", "gptq"), default="rtn",
+                   help="how codes are chosen: rtn (round-to-nearest with a clip search, the "
+                   "default) or gptq (error-compensating through each Linear's calibrated input "
+                   "second moments; embeddings and expert banks stay rtn)")
     p.add_argument("--pin", action="append", default=[], metavar="GLOB=BITS")
     p.add_argument("--min-bits", type=int)
     p.add_argument("--max-bits", type=int)

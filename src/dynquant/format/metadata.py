@@ -37,6 +37,7 @@ class Provenance:
     predicted_nbytes: int | None = None
     # what the sensitivities were calibrated on (maps.json's ``calibration``); None: data-free
     calibration: dict | None = None
+    quantizer: str | None = None  # how codes were chosen when not round-to-nearest ("gptq")
 
     def to_dict(self) -> dict:
         doc = {
@@ -49,6 +50,8 @@ class Provenance:
         }
         if self.calibration is not None:  # data-free checkpoints keep the seed's exact keys
             doc["calibration"] = self.calibration
+        if self.quantizer is not None:
+            doc["quantizer"] = self.quantizer
         return doc
 
 

@@ -83,7 +83,7 @@ def size_quality_frontier(model_dir: str | Path, calib: str | Path | None, heldo
             source, u.widths, out / f"uniform-{ubits}", importance=importance, overwrite=True,
             allocator="uniform", progress=False)
     note("evaluating every checkpoint against the base")
-    results = _evaluate_all(source.directory, out, list(docs), heldout, ctx, max_tokens, dtype)
+    results = evaluate_checkpoints(source.directory, out, list(docs), heldout, ctx, max_tokens, dtype)
     points = []
     for budget in budgets:
         key, ukey = f"budget-{budget}", f"uniform-{uniform_bits_for(budget)}"
@@ -112,8 +112,10 @@ def knee(bits: Sequence[float], kl: Sequence[float]) -> int:
     return min(range(len(bits)), key=lambda i: gaps[i])
 
 
-def _evaluate_all(base_dir: Path, out: Path, names: list[str], heldout: str | Path, ctx: int,
-                  max_tokens: int | None, dtype: str | None) -> dict[str, EvalResult]:
+def evaluate_checkpoints(base_dir: Path, out: Path, names: list[str], heldout: str | Path,
+                         ctx: int, max_tokens: int | None, dtype: str | None
+                         ) -> dict[str, EvalResult]:
+    """Each checkpoint ``out / NAME`` against the base model on the held-out text."""
     from dynquant.pipeline.evaluate import evaluate_many, load_any, tokenize_text
     from dynquant.pipeline.generate import load_tokenizer
     from dynquant.runtime.loader import load

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import hashlib
 import os
 import shutil
 import signal
@@ -21,8 +20,7 @@ from dynquant.errors import DynquantError
 from dynquant.format import metadata as md
 from dynquant.format.planner import WidthChoice, plan_document, split_choice
 from dynquant.models.sources import ModelSource
-from dynquant.numerics.quantizer import quantize_tensor
-from dynquant.pipeline.calibration import importance_of
+from dynquant.pipeline.code_chooser import QUANTIZERS, CodeChooser, SecondMoments
 from dynquant.pipeline.forecast import Forecast, forecast
 from dynquant.pipeline.weights import WeightSource, weight_source
 
@@ -46,12 +44,14 @@ def quantize_model(
     lm_head_quantized: bool = False,
     modules_to_not_convert: tuple[str, ...] = (),
     importance: Mapping[str, torch.Tensor] | None = None,
+    chooser: CodeChooser | None = None,
     stats: str | None = None,
     calibration: dict | None = None,
     extra_files: Sequence[Path] = (),
     progress: bool = True,
 ) -> dict:
-    """Quantize every quantizable tensor of ``source`` with ``widths``; returns the metadata."""
+    """Quantize every quantizable tensor of ``source`` with ``widths``; returns the metadata.
+    Codes by ``chooser`` (default: round-to-nearest weighted by ``importance``)."""
     specs = source.tensor_specs(lm_head_quantized)
     plan = plan_document(specs, widths, model=source.name, group_size=group_size,
                          tied=source.tied, modules_to_not_convert=modules_to_not_convert,
@@ -59,12 +59,12 @@ def quantize_model(
     writer = CheckpointWriter(out, options=md.QuantizationOptions(
         group_size, lm_head_quantized, plan["quantization_config"]["modules_to_not_convert"]),
         overwrite=overwrite)
-    importance = importance or {}
+    chooser = chooser or CodeChooser(importance=importance or {})
     store = ResumeStore(out, {"model": source.name, "widths": sorted(widths.items()),
                               "group_size": group_size, "lm_head": lm_head_quantized,
                               "not_convert": sorted(modules_to_not_convert),
                               "random_init": random_init, "seed": seed,
-                              "importance": _digest(importance), "version": md.core_version()})
+                              "codes": chooser.digest(), "version": md.core_version()})
     kill_after = int(os.environ.get("DYNQUANT_KILL_AFTER", "0"))  # tests: a real kill -9
     weights = weight_source(source, random_init, seed)
     try:
@@ -72,7 +72,7 @@ def quantize_model(
             task = bar.add_task("quantizing", total=len(specs), completed=store.done())
             for index, spec in enumerate(specs):
                 _quantize_one(index, spec, store, writer, weights, plan, widths, group_size,
-                              importance)
+                              chooser)
                 bar.update(task, completed=index + 1)
                 if kill_after and index + 1 >= kill_after:
                     os.kill(os.getpid(), signal.SIGKILL)
@@ -82,24 +82,17 @@ def quantize_model(
         source.directory / f for f in SIDE_FILES if (source.directory / f).is_file()]
     provenance = md.Provenance(model=source.name, allocator=allocator, widths_from=widths_from,
                                stats=stats, predicted_nbytes=plan["accounting"]["total_nbytes"],
-                               calibration=calibration)
+                               calibration=calibration,
+                               quantizer=None if chooser.quantizer == "rtn" else chooser.quantizer)
     doc = writer.finish(provenance, config=source.config.to_dict(), tied=source.tied,
                         side_files=[*side, *extra_files])
     store.discard()
     return doc
 
 
-def _digest(importance: Mapping[str, torch.Tensor]) -> str:
-    h = hashlib.sha256()
-    for name in sorted(importance):
-        h.update(name.encode())
-        h.update(importance[name].float().numpy().tobytes())
-    return h.hexdigest()
-
-
 def _quantize_one(index: int, spec, store: ResumeStore, writer: CheckpointWriter,
                   weights: WeightSource, plan: dict, widths: Mapping, group_size: int,
-                  importance: Mapping[str, torch.Tensor]) -> None:
+                  chooser: CodeChooser) -> None:
     """One tensor: from the resume store if an earlier run finished it, else computed now.
     Either way the writer keeps only a way to load it from the store, not the data."""
     saved = store.load(index)
@@ -107,8 +100,7 @@ def _quantize_one(index: int, spec, store: ResumeStore, writer: CheckpointWriter
         tensor = weights.get(spec)
         if spec.module in plan["layers"]:
             bits, gs = split_choice(widths[spec.module], group_size)
-            cols = importance_of(importance, spec.module, spec.shape)
-            qt = quantize_tensor(tensor, bits, gs, importance=cols)
+            qt = chooser.quantize(spec, tensor, bits, gs)
             store.save_quantized(index, spec.module, qt)
         else:
             store.save_dense(index, spec.name, tensor.to(dense_storage_dtype(tensor.dtype)))
@@ -148,6 +140,7 @@ class QuantizeRequest:
     # told the forecast of a budget allocation before anything is written (None: printed to
     # stderr unless progress is off)
     report: Callable[[Forecast], None] | None = None
+    quantizer: str = "rtn"  # or "gptq": error-compensating where second moments exist
 
 
 def split_maps_arg(arg: str) -> tuple[str, float | None]:
@@ -173,6 +166,7 @@ def _maps_for(source: ModelSource, req: QuantizeRequest, workdir: Path
                           calib_len=req.calib_len,
                           group_sizes=req.group_sizes or (req.group_size,),
                           budgets=[req.budget] if req.budget else [],
+                          second_moments=req.quantizer == "gptq",
                           not_convert=req.not_convert, dtype=req.dtype)
     return measure(source, opts, maps_path, req.progress, req.random_init), maps_path, req.budget
 
@@ -195,6 +189,7 @@ class Widths:
     importance: dict | None = None
     files: list[Path] = field(default_factory=list)  # shipped inside the checkpoint
     calibration: dict | None = None  # the maps' record of the calibration text
+    moments: Path | None = None  # the maps' second moments (MAPS_STEM.moments/), if written
 
 
 def resolve_widths(source: ModelSource, req: QuantizeRequest, workdir: Path) -> Widths:
@@ -230,8 +225,9 @@ def resolve_widths(source: ModelSource, req: QuantizeRequest, workdir: Path) -> 
         importance = load_file(stats_path)
         files += [stats_path] if measured_now else []
     where = maps_path.name if measured_now else str(maps_path)
+    moments = maps_path.with_name(maps_path.stem + ".moments")
     return Widths(dict(alloc.widths), allocator, f"{where} [{tag}]", importance, files,
-                  maps.get("calibration"))
+                  maps.get("calibration"), moments if moments.is_dir() else None)
 
 
 def _report(req: QuantizeRequest, f: Forecast) -> None:
@@ -244,16 +240,28 @@ def _report(req: QuantizeRequest, f: Forecast) -> None:
 
 def run_quantize(source: ModelSource, req: QuantizeRequest) -> dict:
     """``dynquant quantize``: measure (unless widths are given) -> allocate -> quantize -> write."""
+    if req.quantizer not in QUANTIZERS:
+        raise DynquantError(f"unknown quantizer {req.quantizer!r} (one of "
+                            f"{', '.join(QUANTIZERS)})", field="quantizer")
     workdir = Path(tempfile.mkdtemp(prefix="dynquant-measure-"))
     try:
         w = resolve_widths(source, req, workdir)
         stats = next((f.name for f in w.files if f.name.endswith(".stats.safetensors")), None)
+        moments = None
+        if req.quantizer == "gptq":
+            if w.moments is None:
+                raise DynquantError("--quantizer gptq needs input second moments: give --budget "
+                                    "or --uniform (measured now), or MAPS.json:BUDGET measured "
+                                    "with --second-moments", file=w.widths_from,
+                                    field="quantizer")
+            moments = SecondMoments(w.moments)
+        chooser = CodeChooser(req.quantizer, w.importance or {}, moments)
         return quantize_model(
             source, w.widths, req.output, group_size=req.group_size,
             random_init=req.random_init, seed=req.seed, overwrite=req.overwrite,
             allocator=w.allocator, widths_from=w.widths_from,
             lm_head_quantized=req.lm_head, modules_to_not_convert=tuple(req.not_convert),
-            importance=w.importance, stats=stats, calibration=w.calibration,
+            chooser=chooser, stats=stats, calibration=w.calibration,
             extra_files=w.files, progress=req.progress)
     finally:
         shutil.rmtree(workdir, ignore_errors=True)

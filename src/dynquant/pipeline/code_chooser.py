@@ -1,0 +1,79 @@
+"""How a module's codes are chosen when a checkpoint is written.
+
+``rtn``: round-to-nearest with the per-group clip search, its error weighted by the calibration
+statistics (the column mean squares) when there are any. ``gptq``: error-compensating
+quantization (``numerics/gptq.py``) for every 2-D Linear whose input second moments X^T X / n
+the calibration pass wrote (``MAPS_STEM.moments/block_NNN.safetensors``); the rest (embeddings,
+expert banks, modules without moments) round to nearest. The moments come from the float
+model's activations (every module compensated against unquantized inputs, not sequentially).
+"""
+
+from __future__ import annotations
+
+import hashlib
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import torch
+from safetensors import safe_open
+
+from dynquant.errors import DynquantError
+from dynquant.format.planner import TensorSpec
+from dynquant.numerics.gptq import gptq_quantize
+from dynquant.numerics.quantizer import QuantizedTensor, quantize_tensor
+from dynquant.pipeline.calibration import importance_of
+from dynquant.pipeline.priors import block_index
+
+QUANTIZERS = ("rtn", "gptq")
+
+
+class SecondMoments:
+    """X^T X / n per Linear, read from the per-block files when a module asks for its own."""
+
+    def __init__(self, directory: Path) -> None:
+        if not directory.is_dir():
+            raise DynquantError("gptq needs the input second moments of a calibrated measure "
+                                "(dynquant measure --second-moments)", file=str(directory))
+        self.directory = directory
+
+    def get(self, module: str) -> torch.Tensor | None:
+        block = block_index(module)
+        path = None if block is None else self.directory / f"block_{block:03d}.safetensors"
+        if path is None or not path.is_file():
+            return None
+        with safe_open(str(path), "pt") as f:
+            return f.get_tensor(module) if module in f.keys() else None  # noqa: SIM118
+
+    def digest(self) -> str:
+        h = hashlib.sha256()
+        for p in sorted(self.directory.glob("block_*.safetensors")):
+            h.update(f"{p.name}:{p.stat().st_size}".encode())
+        return h.hexdigest()
+
+
+@dataclass
+class CodeChooser:
+    quantizer: str = "rtn"
+    importance: Mapping[str, torch.Tensor] = field(default_factory=dict)
+    moments: SecondMoments | None = None
+
+    def quantize(self, spec: TensorSpec, tensor: torch.Tensor, bits: int, group_size: int
+                 ) -> QuantizedTensor:
+        hessian = (self.moments.get(spec.module)
+                   if self.quantizer == "gptq" and self.moments is not None and tensor.ndim == 2
+                   else None)
+        if hessian is not None:
+            return gptq_quantize(tensor.float(), hessian, bits, group_size)
+        cols = importance_of(dict(self.importance), spec.module, spec.shape)
+        return quantize_tensor(tensor, bits, group_size, importance=cols)
+
+    def digest(self) -> str:
+        """What decides the codes besides the weights and widths (for resuming)."""
+        h = hashlib.sha256(self.quantizer.encode())
+        for name in sorted(self.importance):
+            h.update(name.encode())
+            h.update(self.importance[name].float().numpy().tobytes())
+        if self.moments is not None:
+            h.update(self.moments.digest().encode())
+        return h.hexdigest()
