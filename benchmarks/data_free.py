@@ -17,8 +17,9 @@ import tempfile
 from pathlib import Path
 
 from benchmarks.common import figure, machine, quality_models
-from dynquant.pipeline.forecast import LARGE_LOSS
+from dynquant.pipeline.forecast import LARGE_LOSS, forecast
 from dynquant.pipeline.frontier import knee, size_quality_frontier
+from dynquant.pipeline.measure import load_maps, maps_modules
 
 ROOT = Path(__file__).parents[1]
 HELDOUT = ROOT / "data" / "heldout.txt"
@@ -40,6 +41,8 @@ def main(plots: Path | None = None) -> None:
                                             budgets=[p.average_bits for p in free],
                                             uniform=False, max_tokens=EVAL_TOKENS,
                                             maps_path=Path(tmp) / "cal" / "maps.json")
+            maps = load_maps(Path(tmp) / "cal" / "maps.json")
+            advice = forecast(maps, maps_modules(maps), min(BUDGETS)).advice
         base_ppl = calibrated[0].result.ppl_base
         figure(f"{name}: float PPL", base_ppl)
         for f, m, c in zip(free, matched, calibrated, strict=True):
@@ -55,8 +58,9 @@ def main(plots: Path | None = None) -> None:
         bits = [c.average_bits for c in calibrated]
         at = knee(bits, [c.result.kl_mean for c in calibrated])
         figure(f"{name}: knee of the calibrated frontier (bits)", bits[at])
-        small = [c.budget for c in calibrated if c.predicted_kl <= LARGE_LOSS]
-        figure(f"{name}: smallest budget predicting < {LARGE_LOSS} nats", min(small, default=0))
+        if advice is not None:  # the quarter-bit budget the warning would name
+            figure(f"{name}: smallest budget predicting < {LARGE_LOSS} nats", advice[0],
+                   f"(predicted {advice[1]:.3g})")
         if plots is not None:
             plot(free, calibrated, at, plots / f"{name}_data_free_vs_calibrated.png", name)
 

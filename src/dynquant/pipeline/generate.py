@@ -9,12 +9,17 @@ import torch
 
 from dynquant.errors import ModelError
 
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer.model", "vocab.json", "tokenizer_config.json")
+
+
+def has_tokenizer(path: str | Path) -> bool:
+    return any((Path(path) / f).is_file() for f in TOKENIZER_FILES)
+
 
 def load_tokenizer(path: str | Path):
     from transformers import AutoTokenizer
 
-    files = ("tokenizer.json", "tokenizer.model", "vocab.json", "tokenizer_config.json")
-    if not any((Path(path) / f).is_file() for f in files):
+    if not has_tokenizer(path):
         raise ModelError("no tokenizer in the checkpoint (it copies tokenizer.json and friends "
                          "from the source model directory)", file=str(path))
     try:
