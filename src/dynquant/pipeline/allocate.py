@@ -8,8 +8,11 @@ budget * sum_m elements_m`` (the budget counts scale/offset overhead exactly lik
 
 from __future__ import annotations
 
+import contextlib
 import fnmatch
 import math
+import os
+import sys
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 
@@ -131,11 +134,12 @@ def allocate_widths(modules: Sequence[ModuleChoices], budget: float,
         lower += float(cost[col:col + len(o)].min())
         col += len(o)
     scale = 1e6 / lower if lower > 0 else 1.0
-    res = milp(cost * scale, integrality=np.ones(n),
-               bounds=Bounds(0, 1),
-               constraints=[LinearConstraint(choose, 1, 1),
-                            LinearConstraint(size[None, :], -np.inf, capacity)],
-               options={"mip_rel_gap": 0.0, "presolve": True})
+    with _native_stdout_silenced():
+        res = milp(cost * scale, integrality=np.ones(n),
+                   bounds=Bounds(0, 1),
+                   constraints=[LinearConstraint(choose, 1, 1),
+                                LinearConstraint(size[None, :], -np.inf, capacity)],
+                   options={"mip_rel_gap": 0.0, "presolve": True})
     if res.x is None:
         raise AllocationError(f"no allocation found for budget {budget} ({res.message})",
                               field="budget")
@@ -149,6 +153,27 @@ def allocate_widths(modules: Sequence[ModuleChoices], budget: float,
         raise AllocationError(f"solver returned {result.average_bits} bits for budget {budget}",
                               field="budget")
     return result
+
+
+@contextlib.contextmanager
+def _native_stdout_silenced():
+    """HiGHS (1.7-1.12) prints a stray debug line ("HighsMipSolverData::transformNewInteger
+    FeasibleSolution tmpSolver.run();") to the C stdout even when silent (ERGO-Code/HiGHS
+    #2783); it would corrupt ``--json`` output. File descriptor 1 points at /dev/null while the
+    solver runs."""
+    sys.stdout.flush()
+    try:
+        saved = os.dup(1)
+    except OSError:  # no usable stdout: nothing to protect
+        yield
+        return
+    try:
+        with open(os.devnull, "wb") as null:
+            os.dup2(null.fileno(), 1)
+        yield
+    finally:
+        os.dup2(saved, 1)
+        os.close(saved)
 
 
 def uniform_widths(modules: Sequence[ModuleChoices], bits: int, group_size: int,
