@@ -190,6 +190,22 @@ def test_measure_writes_second_moments_when_asked(tmp_path):
     blocks = sorted((tmp_path / "out" / "maps.moments").glob("block_*.safetensors"))
     assert [b.name for b in blocks] == ["block_000.safetensors", "block_001.safetensors"]
     assert all(m["sensitivity"] > 0 for m in doc["modules"].values())
+    # the moments come from their own pass over moment_seqs (48) windows, not the 2 of the
+    # statistics: X^T X / n of the whole model's inputs over those windows
+    from dynquant.pipeline.calibration import InputStatistics, calibration_ids
+    from dynquant.pipeline.evaluate import load_any
+    from dynquant.pipeline.generate import load_tokenizer
+
+    model = load_any(model_dir, dtype="float32")
+    name = "model.layers.1.mlp.down_proj"
+    ids = calibration_ids(load_tokenizer(model_dir), [calib], opts.moment_seqs, 32)
+    whole = InputStatistics(model, {name}, second_moments=True)
+    with torch.no_grad():
+        for row in ids:
+            model(row[None])
+    whole.remove()
+    streamed = load_file(blocks[1])[name]
+    torch.testing.assert_close(streamed, whole.second_moments()[name], rtol=1e-4, atol=1e-6)
 
 
 def test_killed_measure_resumes_to_identical_maps(tmp_path, monkeypatch):

@@ -135,6 +135,7 @@ def _cmd_measure(args: argparse.Namespace) -> int:
                           method=_method(args), calib=args.calib, not_convert=args.not_convert,
                           calib_seqs=args.calib_seqs, calib_len=args.calib_len,
                           dtype=args.dtype, second_moments=args.second_moments,
+                          moment_seqs=args.moment_seqs,
                           fisher_draws=args.fisher_draws)
     doc = measure(resolve_model(args.model), opts, args.output, progress=not args.json,
                   random_init=args.random_init)
@@ -324,7 +325,11 @@ def build_parser() -> argparse.ArgumentParser:
                    help="label draws per sequence for --method fisher (noise ~ sqrt(2 / "
                    "(sequences x draws)); each costs one backward pass)")
     p.add_argument("--second-moments", action="store_true",
-                   help="also write each Linear's X^T X / tokens to OUTPUT_STEM.moments/")
+                   help="also write each Linear's X^T X / tokens to OUTPUT_STEM.moments/ (for "
+                   "quantize --quantizer gptq)")
+    p.add_argument("--moment-seqs", type=int, default=48,
+                   help="calibration sequences for the second moments (default 48: X^T X needs "
+                   "many more tokens than the sensitivities; a forward-only pass of its own)")
     _dtype_option(p, "float32", "the calibration passes (float32: bf16 noise is of the size "
                   "of the sensitivities)")
     p.set_defaults(func=_cmd_measure)
