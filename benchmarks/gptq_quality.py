@@ -5,6 +5,8 @@ moments (``--second-moments``), the sensitivity allocation at each budget, then 
 quantized twice: round-to-nearest with the clip search (today's default) and GPTQ (each Linear
 compensated through its X^T X; embeddings and expert banks stay round-to-nearest). Equal bytes
 by construction. Mean KL against the unquantized model on held-out text, and the quantize time.
+Three variants: today's pipeline (round-to-nearest, widths priced with it), GPTQ codes in those
+widths, and GPTQ with the widths priced by compensated output errors (``--quantizer gptq``).
 Targets (issue 13): GPTQ <= 0.6x RTN at 3.25 and 4.25 bits, <= 0.5x at 2.5.
 """
 
@@ -30,34 +32,48 @@ EVAL_TOKENS = 16384
 BUDGETS = (2.5, 3.25, 4.25)
 
 
+# (codes, widths priced with): today's pipeline, GPTQ codes in today's widths, and GPTQ with
+# the allocator pricing every candidate by its compensated output error
+VARIANTS = (("rtn", "rtn"), ("gptq", "rtn"), ("gptq", "gptq"))
+
+
 def main() -> None:
-    print(f"# GPTQ vs round-to-nearest at equal widths, held-out text, {machine()}")
+    print(f"# GPTQ vs round-to-nearest, held-out text, {machine()}")
     for name, model_dir in quality_models(ROOT).items():
         source = resolve_model(str(model_dir))
         with tempfile.TemporaryDirectory() as tmp:
             out = Path(tmp)
-            maps = measure(source, MeasureOptions(budgets=[], second_moments=True),
-                           out / "maps.json", progress=False)
-            importance = load_file(out / maps["stats"])
-            moments = SecondMoments(out / "maps.moments")
+            maps = {}
+            for pricing in ("gptq", "rtn"):  # gptq first: it writes the second moments
+                start = time.perf_counter()
+                maps[pricing] = measure(source, MeasureOptions(budgets=[], quantizer=pricing),
+                                        out / f"{pricing}.json", progress=False)
+                figure(f"{name}: measure priced with {pricing}", time.perf_counter() - start,
+                       "s")
+            moments = SecondMoments(out / "gptq.moments")
             names = []
             for budget in BUDGETS:
-                widths = allocate_widths(maps_modules(maps), budget).widths
-                for quantizer in ("rtn", "gptq"):
-                    tag = f"{quantizer}-{budget}"
+                for codes, pricing in VARIANTS:
+                    widths = allocate_widths(maps_modules(maps[pricing]), budget).widths
+                    importance = load_file(out / maps[pricing]["stats"])
+                    tag = f"{codes}-{budget}-priced-{pricing}"
                     start = time.perf_counter()
                     quantize_model(source, widths, out / tag, overwrite=True, progress=False,
-                                   chooser=CodeChooser(quantizer, importance, moments))
-                    figure(f"{name} @{budget}: {quantizer} quantize time", time.perf_counter()
-                           - start, "s")
+                                   chooser=CodeChooser(codes, importance, moments))
+                    figure(f"{name} @{budget}: {tag} quantize time",
+                           time.perf_counter() - start, "s")
                     names.append(tag)
             results = evaluate_checkpoints(Path(model_dir), out, names, HELDOUT, 512,
                                            EVAL_TOKENS, None)
         for budget in BUDGETS:
-            rtn, gptq = results[f"rtn-{budget}"], results[f"gptq-{budget}"]
-            figure(f"{name} @{budget}: rtn KL / PPL", rtn.kl_mean, f"/ {rtn.ppl_model:.2f}")
-            figure(f"{name} @{budget}: gptq KL / PPL", gptq.kl_mean, f"/ {gptq.ppl_model:.2f}")
-            figure(f"{name} @{budget}: KL gptq / rtn", gptq.kl_mean / rtn.kl_mean, "x")
+            rtn = results[f"rtn-{budget}-priced-rtn"]
+            for codes, pricing in VARIANTS:
+                r = results[f"{codes}-{budget}-priced-{pricing}"]
+                figure(f"{name} @{budget}: {codes} codes, widths priced with {pricing}: KL / "
+                       f"PPL", r.kl_mean, f"/ {r.ppl_model:.2f}")
+                if codes == "gptq":
+                    figure(f"{name} @{budget}: KL {codes} (priced {pricing}) / rtn",
+                           r.kl_mean / rtn.kl_mean, "x")
 
 
 if __name__ == "__main__":

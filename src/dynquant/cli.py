@@ -135,7 +135,7 @@ def _cmd_measure(args: argparse.Namespace) -> int:
                           method=_method(args), calib=args.calib, not_convert=args.not_convert,
                           calib_seqs=args.calib_seqs, calib_len=args.calib_len,
                           dtype=args.dtype, second_moments=args.second_moments,
-                          moment_seqs=args.moment_seqs,
+                          moment_seqs=args.moment_seqs, quantizer=args.quantizer,
                           fisher_draws=args.fisher_draws)
     doc = measure(resolve_model(args.model), opts, args.output, progress=not args.json,
                   random_init=args.random_init)
@@ -327,6 +327,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--second-moments", action="store_true",
                    help="also write each Linear's X^T X / tokens to OUTPUT_STEM.moments/ (for "
                    "quantize --quantizer gptq)")
+    p.add_argument("--quantizer", choices=("rtn", "gptq"), default="rtn",
+                   help="the quantizer the candidates are priced with (use the same in quantize "
+                   "--widths MAPS:B); gptq implies --second-moments")
     p.add_argument("--moment-seqs", type=int, default=48,
                    help="calibration sequences for the second moments (default 48: X^T X needs "
                    "many more tokens than the sensitivities; a forward-only pass of its own)")

@@ -117,6 +117,17 @@ def gptq_quantize(weight: torch.Tensor, hessian: torch.Tensor, bits: int, group_
         clip_improvement=sum(improvements) / len(improvements))
 
 
+def output_error(weight: torch.Tensor, qt: QuantizedTensor, hessian: torch.Tensor) -> float:
+    """tr(dW H dW^T) / tr(W H W^T): the relative squared error of the layer's output over the
+    calibration inputs (what compensation minimises; with a diagonal H it is the
+    importance-weighted relative error of round-to-nearest)."""
+    w = weight.detach().to(torch.float64)
+    h = hessian.to(torch.float64)
+    d = qt.dequantize(torch.float32).to(torch.float64) - w
+    den = float(((w @ h) * w).sum())
+    return float(((d @ h) * d).sum()) / den if den > 0 else 0.0
+
+
 def gptq_quantize_ref(weight: np.ndarray, hessian: np.ndarray, bits: int, group_size: int = 128,
                       damp: float = DAMP) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
     """Plain reference: codes [out, in], scales and offsets [out, groups] (float32 values of the

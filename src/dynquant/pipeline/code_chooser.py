@@ -20,8 +20,8 @@ from safetensors import safe_open
 
 from dynquant.errors import DynquantError
 from dynquant.format.planner import TensorSpec
-from dynquant.numerics.gptq import gptq_quantize
-from dynquant.numerics.quantizer import QuantizedTensor, quantize_tensor
+from dynquant.numerics.gptq import gptq_quantize, output_error
+from dynquant.numerics.quantizer import QuantizedTensor, quantize_tensor, relative_error
 from dynquant.pipeline.calibration import importance_of
 from dynquant.pipeline.priors import block_index
 
@@ -60,13 +60,23 @@ class CodeChooser:
 
     def quantize(self, spec: TensorSpec, tensor: torch.Tensor, bits: int, group_size: int
                  ) -> QuantizedTensor:
+        return self.quantize_with_error(spec, tensor, bits, group_size)[0]
+
+    def quantize_with_error(self, spec: TensorSpec, tensor: torch.Tensor, bits: int,
+                            group_size: int, weighted: bool = True
+                            ) -> tuple[QuantizedTensor, float]:
+        """The codes, and the error the allocator prices them at: for a compensated module the
+        relative output error over its calibration inputs, else the relative weight error,
+        weighted per input column by the statistics (unless ``weighted`` is False)."""
         hessian = (self.moments.get(spec.module)
                    if self.quantizer == "gptq" and self.moments is not None and tensor.ndim == 2
                    else None)
         if hessian is not None:
-            return gptq_quantize(tensor.float(), hessian, bits, group_size)
+            qt = gptq_quantize(tensor.float(), hessian, bits, group_size)
+            return qt, output_error(tensor, qt, hessian)
         cols = importance_of(dict(self.importance), spec.module, spec.shape)
-        return quantize_tensor(tensor, bits, group_size, importance=cols)
+        qt = quantize_tensor(tensor, bits, group_size, importance=cols)
+        return qt, relative_error(tensor, qt, cols if weighted else None)
 
     def digest(self) -> str:
         """What decides the codes besides the weights and widths (for resuming)."""

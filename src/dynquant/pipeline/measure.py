@@ -35,7 +35,7 @@ from dynquant.format.metadata import core_version
 from dynquant.format.planner import TensorSpec, excluded_modules
 from dynquant.models.sources import ModelSource
 from dynquant.numerics.compute_dtype import resolve_dtype
-from dynquant.numerics.quantizer import QuantizedTensor, quantize_tensor, relative_error
+from dynquant.numerics.quantizer import QuantizedTensor
 from dynquant.pipeline.allocate import (
     AllocationError,
     Candidate,
@@ -49,13 +49,13 @@ from dynquant.pipeline.calibration import (
     calibration_ids,
     calibration_record,
     default_calibration,
-    importance_of,
     read_calibration,
     save_stats,
     synthetic_ids,
     synthetic_record,
 )
 from dynquant.pipeline.calibration_pass import run_calibration_pass
+from dynquant.pipeline.code_chooser import QUANTIZERS, CodeChooser, SecondMoments
 from dynquant.pipeline.fisher import fisher_kl
 from dynquant.pipeline.generate import has_tokenizer, load_tokenizer
 from dynquant.pipeline.heap import return_freed_memory
@@ -93,21 +93,23 @@ class MeasureOptions:
     # Label draws per calibration sequence for the Fisher estimate: its relative noise per
     # module is about sqrt(2 / (sequences * draws)); each draw costs one backward pass.
     fisher_draws: int = 2
+    # how the checkpoint's codes will be chosen (code_chooser.QUANTIZERS): gptq prices every
+    # candidate, and probes the sensitivity, with the compensated codes (needs second moments)
+    quantizer: str = "rtn"
     # data-free: the quantizer's column statistics from one streamed forward over uniform random
     # token ids (no text); set by calibration_plan when the model has weights to run
     synthetic: bool = False
 
 
-def module_candidates(weight: torch.Tensor, widths: Sequence[int], group_sizes: Sequence[int],
-                      importance: torch.Tensor | None, weighted_errors: bool = True
-                      ) -> list[Candidate]:
-    """Each (width, group size): its bytes and the relative error of the quantizer's codes
-    (which use ``importance``), itself weighted by it unless ``weighted_errors`` is False."""
+def module_candidates(spec: TensorSpec, weight: torch.Tensor, widths: Sequence[int],
+                      group_sizes: Sequence[int], chooser: CodeChooser,
+                      weighted_errors: bool = True) -> list[Candidate]:
+    """Each (width, group size): its bytes and the error of the codes ``chooser`` writes (the
+    allocator sees the quantizer it gets), priced as ``CodeChooser.quantize_with_error``."""
     out = []
     for gs in group_sizes:
         for bits in widths:
-            qt = quantize_tensor(weight, bits, gs, importance=importance)
-            err = relative_error(weight, qt, importance if weighted_errors else None)
+            qt, err = chooser.quantize_with_error(spec, weight, bits, gs, weighted_errors)
             out.append(Candidate(bits, gs, qt.nbytes, err))
     return out
 
@@ -192,6 +194,12 @@ def measure_method(opts: MeasureOptions) -> str:
     if method == "weight" and opts.calib:
         raise DynquantError("--method weight is data-free: drop --calib, or use --method "
                             "fisher", field="method")
+    if opts.quantizer not in QUANTIZERS:
+        raise DynquantError(f"unknown quantizer {opts.quantizer!r} (one of "
+                            f"{', '.join(QUANTIZERS)})", field="quantizer")
+    if opts.quantizer == "gptq" and method == "weight":
+        raise DynquantError("--quantizer gptq needs calibration text (its second moments): "
+                            "drop --no-calib", field="quantizer")
     return method
 
 
@@ -234,6 +242,11 @@ def measure(source: ModelSource, opts: MeasureOptions, out: str | Path | None = 
     opts, note = calibration_plan(source, opts, random_init)
     if note and progress:
         print(f"dynquant: {note}", file=sys.stderr)
+    if opts.quantizer == "gptq":  # priced with compensated codes: needs X^T X on disk
+        if out is None:
+            raise DynquantError("--quantizer gptq measures need an output path (for the "
+                                "second moments beside it)", field="quantizer")
+        opts = replace(opts, second_moments=True)
     method = opts.method
     read_calibration(list(opts.calib))  # fail on a missing or empty file before any work
     if out is not None:
@@ -247,16 +260,16 @@ def measure(source: ModelSource, opts: MeasureOptions, out: str | Path | None = 
     try:
         stats, probe_kl = _calibrate(source, weights, quantizable, opts, method, out, progress,
                                      partial)
+        chooser = _chooser(opts, stats, out)
         modules = {}
         with Progress(disable=not progress, transient=True) as bar:
             task = bar.add_task("measuring", total=len(quantizable))
             for index, spec in enumerate(quantizable):
                 done = None if partial is None else partial.read_json(f"m{index:06d}.json")
                 if done is None:
-                    done = _measure_module(spec, weights.get(spec), opts,
-                                           importance_of(stats, spec.module, spec.shape),
-                                           probe_kl, data_free_sensitivity(spec, blocks,
-                                                                           bool(source.tied)))
+                    done = _measure_module(spec, weights.get(spec), opts, chooser, probe_kl,
+                                           data_free_sensitivity(spec, blocks,
+                                                                 bool(source.tied)))
                     if partial is not None:  # a killed run starts again from here
                         partial.write_json(f"m{index:06d}.json", done)
                 modules[spec.module] = done
@@ -265,6 +278,7 @@ def measure(source: ModelSource, opts: MeasureOptions, out: str | Path | None = 
         weights.close()
     stats_name = Path(out).stem + ".stats.safetensors" if out is not None and stats else None
     doc = {"schema": MAPS_SCHEMA, "model": source.name, "method": method,
+           "quantizer": opts.quantizer,
            "stats": stats_name,  # beside maps.json
            "calibration": _record(opts),
            "widths": list(opts.widths), "group_sizes": list(opts.group_sizes),
@@ -344,9 +358,10 @@ def _calibrate(source: ModelSource, weights: WeightSource, quantizable: list[Ten
             return stats, None
         bits, gs = probe_bits(opts)
 
+        chooser = _chooser(opts, stats, out)
+
         def probe_quantized(spec: TensorSpec, w: torch.Tensor) -> QuantizedTensor:
-            return quantize_tensor(w, bits, gs, importance=importance_of(stats, spec.module,
-                                                                         spec.shape))
+            return chooser.quantize(spec, w, bits, gs)
 
         if method == "fisher":
             kls = fisher_kl(cal, modules, probe_quantized, draws=opts.fisher_draws,
@@ -363,6 +378,14 @@ def _calibrate(source: ModelSource, weights: WeightSource, quantizable: list[Ten
         spec.module, probe_quantized(spec, w.float()).dequantize(torch.float32))
 
 
+def _chooser(opts: MeasureOptions, stats: dict[str, torch.Tensor], out: str | Path | None
+             ) -> CodeChooser:
+    moments = None
+    if opts.quantizer == "gptq":
+        moments = SecondMoments(Path(out).with_name(Path(out).stem + ".moments"))
+    return CodeChooser(opts.quantizer, stats, moments)
+
+
 def _ids(source: ModelSource, opts: MeasureOptions, seqs: int) -> torch.Tensor:
     """``seqs`` calibration windows: of the text, or of random tokens on the data-free path."""
     if opts.synthetic:
@@ -372,13 +395,13 @@ def _ids(source: ModelSource, opts: MeasureOptions, seqs: int) -> torch.Tensor:
 
 
 def _measure_module(spec: TensorSpec, weight: torch.Tensor, opts: MeasureOptions,
-                    importance: torch.Tensor | None,
+                    chooser: CodeChooser,
                     probe_kl: Callable[[TensorSpec, torch.Tensor], float] | None,
                     prior: float) -> dict:
     # data-free: random-token statistics steer the clip search, but the priors price plain
     # relative errors (weighting them by those statistics misled the allocation on SmolLM2:
     # KL 0.69 vs 0.53 at 4.25 bits)
-    cands = module_candidates(weight, opts.widths, opts.group_sizes, importance,
+    cands = module_candidates(spec, weight, opts.widths, opts.group_sizes, chooser,
                               weighted_errors=opts.method != "weight")
     if probe_kl is not None:
         # KL of the module's own probe-width weights over their (possibly importance-weighted)

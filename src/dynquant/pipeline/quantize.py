@@ -166,7 +166,7 @@ def _maps_for(source: ModelSource, req: QuantizeRequest, workdir: Path
                           calib_len=req.calib_len,
                           group_sizes=req.group_sizes or (req.group_size,),
                           budgets=[req.budget] if req.budget else [],
-                          second_moments=req.quantizer == "gptq",
+                          quantizer=req.quantizer,
                           not_convert=req.not_convert, dtype=req.dtype)
     return measure(source, opts, maps_path, req.progress, req.random_init), maps_path, req.budget
 
