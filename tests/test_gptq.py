@@ -136,3 +136,33 @@ def test_quantize_with_gptq_end_to_end(tmp_path):
     assert main(["quantize", str(src), "-o", str(tmp_path / "x"), "--widths",
                  str(tmp_path / "w.json"), "--quantizer", "gptq", "--quiet"]) == 2
     assert not (tmp_path / "x").exists()
+
+
+def test_measure_prices_candidates_with_the_compensated_codes(tmp_path):
+    from safetensors.torch import load_file
+
+    from dynquant.errors import DynquantError
+    from dynquant.models.sources import resolve_model
+    from dynquant.numerics.gptq import output_error
+    from dynquant.pipeline.measure import MeasureOptions, measure
+    from model_zoo import save_tiny_model, save_tiny_tokenizer
+
+    src = save_tiny_model("llama", tmp_path / "src")
+    save_tiny_tokenizer(src)
+    source = resolve_model(str(src))
+    opts = MeasureOptions(budgets=[4.5], calib_seqs=2, calib_len=32, moment_seqs=6,
+                          quantizer="gptq")
+    maps = measure(source, opts, tmp_path / "m" / "maps.json", progress=False)
+    assert maps["quantizer"] == "gptq" and "error" not in maps["allocations"]["4.5"]
+    name = "model.layers.1.mlp.down_proj"
+    hessian = load_file(tmp_path / "m" / "maps.moments" / "block_001.safetensors")[name]
+    weight = load_file(src / "model.safetensors")[f"{name}.weight"].float()
+    cand = next(c for c in maps["modules"][name]["candidates"] if c["bits"] == 3)
+    expected = output_error(weight, gptq_quantize(weight, hessian, 3, 128), hessian)
+    assert cand["error"] == pytest.approx(expected, rel=1e-6)
+    rtn = output_error(weight, quantize_tensor(weight, 3, 128,
+                                               importance=torch.diagonal(hessian)), hessian)
+    assert cand["error"] < rtn
+    with pytest.raises(DynquantError, match="needs calibration text"):
+        measure(source, MeasureOptions(method="weight", quantizer="gptq"), tmp_path / "x.json",
+                progress=False)
