@@ -59,13 +59,14 @@ def _group_params(block: torch.Tensor, bits: int, group_size: int, importance: t
 
 
 def gptq_quantize(weight: torch.Tensor, hessian: torch.Tensor, bits: int, group_size: int = 128,
-                  damp: float = DAMP, block: int = 128, dtype: torch.dtype = torch.float32
-                  ) -> QuantizedTensor:
+                  damp: float = DAMP, block: int = 128, dtype: torch.dtype = torch.float32,
+                  factor: torch.Tensor | None = None) -> QuantizedTensor:
     """``weight`` [out, in] quantized with error feedback through ``hessian`` [in, in].
 
     Works on the transpose (a column of W is a contiguous row) with numpy inside a block, where
     every step touches one column and torch's per-call and threading overheads would dominate;
-    the block's updates to later columns are one matrix product."""
+    the block's updates to later columns are one matrix product. ``factor``: the
+    ``inverse_factor(hessian, damp)`` when the caller has it already (several widths)."""
     if weight.ndim != 2 or tuple(hessian.shape) != (weight.shape[1],) * 2:
         raise QuantizationError(f"gptq needs a 2-D weight and an [in, in] second-moment matrix, "
                                 f"got {list(weight.shape)} and {list(hessian.shape)}",
@@ -77,7 +78,7 @@ def gptq_quantize(weight: torch.Tensor, hessian: torch.Tensor, bits: int, group_
     # whole groups per block: a group's scale/offset must see every earlier column's update,
     # and updates to columns past the block arrive only at its end
     block = group_size * max(1, block // group_size)
-    u = inverse_factor(hessian, damp).to(dtype)
+    u = (inverse_factor(hessian, damp) if factor is None else factor).to(dtype)
     un = u.numpy()
     importance = torch.diagonal(hessian).to(torch.float32).clamp(min=0)
     wt = weight.detach().to(dtype).T.contiguous()  # [in, out]
@@ -121,11 +122,11 @@ def output_error(weight: torch.Tensor, qt: QuantizedTensor, hessian: torch.Tenso
     """tr(dW H dW^T) / tr(W H W^T): the relative squared error of the layer's output over the
     calibration inputs (what compensation minimises; with a diagonal H it is the
     importance-weighted relative error of round-to-nearest)."""
-    w = weight.detach().to(torch.float64)
-    h = hessian.to(torch.float64)
-    d = qt.dequantize(torch.float32).to(torch.float64) - w
-    den = float(((w @ h) * w).sum())
-    return float(((d @ h) * d).sum()) / den if den > 0 else 0.0
+    w = weight.detach().to(torch.float32)
+    h = hessian.to(torch.float32)
+    d = qt.dequantize(torch.float32) - w
+    den = float(((w @ h) * w).sum(dtype=torch.float64))
+    return float(((d @ h) * d).sum(dtype=torch.float64)) / den if den > 0 else 0.0
 
 
 def gptq_quantize_ref(weight: np.ndarray, hessian: np.ndarray, bits: int, group_size: int = 128,

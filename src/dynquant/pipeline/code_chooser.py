@@ -20,7 +20,7 @@ from safetensors import safe_open
 
 from dynquant.errors import DynquantError
 from dynquant.format.planner import TensorSpec
-from dynquant.numerics.gptq import gptq_quantize, output_error
+from dynquant.numerics.gptq import gptq_quantize, inverse_factor, output_error
 from dynquant.numerics.quantizer import QuantizedTensor, quantize_tensor, relative_error
 from dynquant.pipeline.calibration import importance_of
 from dynquant.pipeline.priors import block_index
@@ -57,6 +57,7 @@ class CodeChooser:
     quantizer: str = "rtn"
     importance: Mapping[str, torch.Tensor] = field(default_factory=dict)
     moments: SecondMoments | None = None
+    _cached: tuple[str, torch.Tensor] | None = field(default=None, repr=False)
 
     def quantize(self, spec: TensorSpec, tensor: torch.Tensor, bits: int, group_size: int
                  ) -> QuantizedTensor:
@@ -72,11 +73,19 @@ class CodeChooser:
                    if self.quantizer == "gptq" and self.moments is not None and tensor.ndim == 2
                    else None)
         if hessian is not None:
-            qt = gptq_quantize(tensor.float(), hessian, bits, group_size)
+            qt = gptq_quantize(tensor.float(), hessian, bits, group_size,
+                               factor=self._factor(spec.module, hessian))
             return qt, output_error(tensor, qt, hessian)
         cols = importance_of(dict(self.importance), spec.module, spec.shape)
         qt = quantize_tensor(tensor, bits, group_size, importance=cols)
         return qt, relative_error(tensor, qt, cols if weighted else None)
+
+    def _factor(self, module: str, hessian: torch.Tensor) -> torch.Tensor:
+        """The inverse factor of the last module asked for: a measure quantizes each module at
+        every candidate width in a row, with the same second moments."""
+        if self._cached is None or self._cached[0] != module:
+            self._cached = (module, inverse_factor(hessian))
+        return self._cached[1]
 
     def digest(self) -> str:
         """What decides the codes besides the weights and widths (for resuming)."""
