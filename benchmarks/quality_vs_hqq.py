@@ -1,7 +1,8 @@
-"""Quality vs size at matched bytes on both reference models: dynquant's sensitivity allocation,
-dynquant uniform, and HQQ uniform (dequantized into the model to evaluate), by mean KL and
-delta PPL on held-out text. HQQ at group size 128 stores a scale and a zero per group like
-dynquant, so b-bit HQQ costs b + 0.25 bits per weight as b-bit dynquant does.
+"""Quality vs size at matched bytes on the quality models: dynquant's sensitivity allocation,
+dynquant uniform (calibrated, and data-free: no text at all), and HQQ uniform (dequantized
+into the model to evaluate), by mean KL and delta PPL on held-out text. HQQ at group size 128
+stores a scale and a zero per group like dynquant, so b-bit HQQ costs b + 0.25 bits per weight
+as b-bit dynquant does.
 Needs ``pip install hqq``.
 """
 
@@ -53,14 +54,22 @@ def main() -> None:
             points = size_quality_frontier(model_dir, ROOT / "data" / "calibration.txt",
                                            HELDOUT, Path(tmp), budgets=BUDGETS,
                                            max_tokens=EVAL_TOKENS)
-            for p in points:
+            # no text at all (--no-calib): priors, random-token statistics for the clip search
+            free = size_quality_frontier(model_dir, None, HELDOUT, Path(tmp) / "free",
+                                         budgets=BUDGETS, max_tokens=EVAL_TOKENS,
+                                         method="weight")
+            for p, f in zip(points, free, strict=True):
                 bits = p.uniform_bits
                 h = evaluate(hqq_model(model_dir, bits, Path(tmp) / f"hqq{bits}"), model_dir,
                              HELDOUT, progress=False, max_tokens=EVAL_TOKENS)
                 tag = f"{name} @{p.budget} bits"
                 figure(f"{tag}: dynquant sensitivity mean KL", p.result.kl_mean)
                 figure(f"{tag}: dynquant uniform {bits}-bit mean KL", p.uniform_result.kl_mean)
+                figure(f"{tag}: dynquant data-free uniform {bits}-bit mean KL",
+                       f.uniform_result.kl_mean)
                 figure(f"{tag}: HQQ uniform {bits}-bit mean KL", h.kl_mean)
+                figure(f"{tag}: dynquant data-free uniform / HQQ KL",
+                       f.uniform_result.kl_mean / h.kl_mean, "x")
                 figure(f"{tag}: dynquant sensitivity delta PPL", p.result.delta_ppl)
                 figure(f"{tag}: dynquant uniform delta PPL", p.uniform_result.delta_ppl)
                 figure(f"{tag}: HQQ uniform delta PPL", h.delta_ppl)
