@@ -16,7 +16,7 @@ import torch
 from transformers import AutoModelForCausalLM
 
 from benchmarks.common import figure, machine, quality_models
-from benchmarks.quantizer_vs_hqq import hqq_quantize
+from benchmarks.quantizer_vs_hqq import hqq_dequantize, hqq_quantize
 from dynquant.checkpoint.writer import SIDE_FILES
 from dynquant.models.registration import register
 from dynquant.models.sources import resolve_model
@@ -39,7 +39,7 @@ def hqq_model(model_dir: Path, bits: int, out: Path) -> Path:
             if spec.quantizable:
                 p = model.get_parameter(spec.name)
                 flat = p.data.reshape(-1, p.shape[-1])
-                p.data = hqq_quantize(flat, bits).reshape(p.shape)
+                p.data = hqq_dequantize(hqq_quantize(flat, bits), flat.shape).reshape(p.shape)
     model.to(torch.bfloat16).save_pretrained(out)
     for f in SIDE_FILES:
         if (model_dir / f).is_file():
