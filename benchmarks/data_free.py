@@ -7,7 +7,8 @@ with each; quantize and evaluate against the unquantized model on held-out text.
 sensitivities are also allocated at exactly each data-free checkpoint's size, so the ratio
 compares equal bytes. Targets: data-free KL <= 2x the calibrated at 3.25 bits, <= 1.5x at 4.25.
 The knee of the calibrated frontier (Kneedle on bits vs log KL) is marked, with the warning
-threshold's budget (the smallest whose predicted KL is under 0.1 nats per token).
+threshold's budget (the smallest whose predicted KL is under 0.1 nats per token); plots
+``MODEL_data_free_vs_calibrated.png`` go to ``out/bench/`` (or the folder given).
 """
 
 from __future__ import annotations
@@ -94,4 +95,7 @@ def plot(free, calibrated, at: int, path: Path, title: str) -> None:
 
 
 if __name__ == "__main__":
-    main(Path(sys.argv[1]) if len(sys.argv) > 1 else None)
+    # the plots go beside `make bench`'s outputs unless a folder is given
+    folder = Path(sys.argv[1]) if len(sys.argv) > 1 else ROOT / "out" / "bench"
+    folder.mkdir(parents=True, exist_ok=True)
+    main(folder)
