@@ -26,12 +26,15 @@ def measure(model: str | Path, output: str | Path | None = None, *,
             widths: Sequence[int] = DEFAULT_WIDTHS, group_sizes: Sequence[int] = (128,),
             budgets: Sequence[float] = DEFAULT_BUDGETS, not_convert: Sequence[str] = (),
             calib_seqs: int = 8, calib_len: int = 256, random_init: bool = False,
-            progress: bool = True, dtype: str = "float32") -> dict:
-    """``dynquant measure``: the maps document (written to ``output`` when given). ``dtype``: the
-    kl probe's compute dtype (float32 by default on every CPU)."""
+            progress: bool = True, dtype: str = "float32", quantizer: str = "rtn") -> dict:
+    """``dynquant measure``: the maps document (written to ``output`` when given). Without
+    ``calib`` it calibrates on the text dynquant ships (``method="weight"``: data-free).
+    ``dtype``: the calibration passes' compute dtype (float32 by default on every CPU);
+    ``quantizer``: price the candidates with round-to-nearest ("rtn") or GPTQ codes."""
     opts = MeasureOptions(widths=widths, group_sizes=group_sizes, budgets=budgets,
                           method=method, calib=[str(c) for c in calib], calib_seqs=calib_seqs,
-                          calib_len=calib_len, not_convert=not_convert, dtype=dtype)
+                          calib_len=calib_len, not_convert=not_convert, dtype=dtype,
+                          quantizer=quantizer)
     return _measure(resolve_model(str(model)), opts, output, progress, random_init)
 
 
@@ -56,11 +59,13 @@ def quantize(model: str | Path, output: str | Path, *, budget: float | None = No
              group_size: int = 128, group_sizes: Sequence[int] | None = None,
              pins: Sequence[str] = (), not_convert: Sequence[str] = (),
              lm_head: bool = False, random_init: bool = False, overwrite: bool = False,
-             progress: bool = True) -> dict:
-    """``dynquant quantize``: (measure ->) allocate -> quantize -> write; returns the metadata."""
+             progress: bool = True, quantizer: str = "rtn") -> dict:
+    """``dynquant quantize``: (measure ->) allocate -> quantize -> write; returns the metadata.
+    ``quantizer="gptq"``: error-compensating codes (calibrated second moments)."""
     req = QuantizeRequest(output=str(output), widths=None if widths is None else str(widths),
                           budget=budget, uniform=uniform, calib=[str(c) for c in calib],
                           method=method, group_size=group_size, group_sizes=group_sizes,
                           pins=pins, not_convert=not_convert, lm_head=lm_head,
-                          random_init=random_init, overwrite=overwrite, progress=progress)
+                          random_init=random_init, overwrite=overwrite, progress=progress,
+                          quantizer=quantizer)
     return run_quantize(resolve_model(str(model)), req)
