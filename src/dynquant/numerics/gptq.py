@@ -28,9 +28,11 @@ from dynquant.numerics.quantizer import QuantizedTensor, quantize_tensor
 DAMP = 0.01  # of the mean diagonal: keeps H invertible where inputs are (near) collinear
 
 
-def inverse_factor(hessian: torch.Tensor, damp: float = DAMP) -> torch.Tensor:
-    """U, the upper Cholesky factor of (H + damp * mean(diag H) * I)^-1, float64. Columns that
-    no input drives (diag 0) get a unit diagonal: their error goes nowhere.
+def inverse_factor(hessian: torch.Tensor, damp: float = DAMP,
+                   dtype: torch.dtype = torch.float64) -> torch.Tensor:
+    """U, the upper Cholesky factor of (H + damp * mean(diag H) * I)^-1, in ``dtype`` (float32
+    falls back to float64 when the damped H is too ill-conditioned for it). Columns that no
+    input drives (diag 0) get a unit diagonal: their error goes nowhere.
 
     With J the reversal permutation and J H J = K K^T (lower Cholesky), H^-1 = (J K^-1 J)^T
     (J K^-1 J) and J K^-1 J is upper triangular: one Cholesky and one triangular inverse
@@ -41,11 +43,15 @@ def inverse_factor(hessian: torch.Tensor, damp: float = DAMP) -> torch.Tensor:
     dead = torch.diagonal(h) <= 0
     h[dead, dead] = 1.0
     h.diagonal().add_(damp * float(torch.diagonal(h).mean()))
-    lower = torch.linalg.cholesky(h.flip(0, 1))
-    inv, info = lapack.dtrtri(lower.numpy(), lower=1)
-    if info != 0:
-        raise QuantizationError("second moments are not positive definite", field="hessian")
-    return torch.from_numpy(inv).flip(0, 1).contiguous()
+    trtri = lapack.strtri if dtype == torch.float32 else lapack.dtrtri
+    lower, info = torch.linalg.cholesky_ex(h.flip(0, 1).to(dtype))
+    if int(info) == 0:
+        inv, info = trtri(lower.numpy(), lower=1)
+        if info == 0 and np.isfinite(inv).all():
+            return torch.from_numpy(inv).flip(0, 1).contiguous()
+    if dtype != torch.float64:
+        return inverse_factor(hessian, damp, torch.float64).to(dtype)
+    raise QuantizationError("second moments are not positive definite", field="hessian")
 
 
 def _group_params(block: torch.Tensor, bits: int, group_size: int, importance: torch.Tensor
@@ -78,7 +84,7 @@ def gptq_quantize(weight: torch.Tensor, hessian: torch.Tensor, bits: int, group_
     # whole groups per block: a group's scale/offset must see every earlier column's update,
     # and updates to columns past the block arrive only at its end
     block = group_size * max(1, block // group_size)
-    u = (inverse_factor(hessian, damp) if factor is None else factor).to(dtype)
+    u = (inverse_factor(hessian, damp, dtype) if factor is None else factor).to(dtype)
     un = u.numpy()
     importance = torch.diagonal(hessian).to(torch.float32).clamp(min=0)
     wt = weight.detach().to(dtype).T.contiguous()  # [in, out]

@@ -84,7 +84,7 @@ class CodeChooser:
         """The inverse factor of the last module asked for: a measure quantizes each module at
         every candidate width in a row, with the same second moments."""
         if self._cached is None or self._cached[0] != module:
-            self._cached = (module, inverse_factor(hessian))
+            self._cached = (module, inverse_factor(hessian, dtype=torch.float32))
         return self._cached[1]
 
     def digest(self) -> str:
