@@ -52,9 +52,10 @@ def _plan_widths(arg: str) -> dict:
                             field="budget")
     maps = load_maps(path)
     modules = maps_modules(maps)
-    for line in forecast(maps, modules, budget).lines():
+    alloc = allocate_widths(modules, budget)
+    for line in forecast(maps, modules, budget, alloc=alloc).lines():
         print(line, file=sys.stderr)
-    return dict(allocate_widths(modules, budget).widths)  # module -> (bits, group size)
+    return dict(alloc.widths)  # module -> (bits, group size)
 
 
 def _cmd_inspect(args: argparse.Namespace) -> int:

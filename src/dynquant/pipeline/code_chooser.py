@@ -28,13 +28,20 @@ from dynquant.pipeline.priors import block_index
 QUANTIZERS = ("rtn", "gptq")
 
 
+def check_quantizer(name: str) -> None:
+    if name not in QUANTIZERS:
+        raise DynquantError(f"unknown quantizer {name!r} (one of {', '.join(QUANTIZERS)})",
+                            field="quantizer")
+
+
 class SecondMoments:
     """X^T X / n per Linear, read from the per-block files when a module asks for its own."""
 
     def __init__(self, directory: Path) -> None:
         if not directory.is_dir():
             raise DynquantError("gptq needs the input second moments of a calibrated measure "
-                                "(dynquant measure --second-moments)", file=str(directory))
+                                "(dynquant measure --quantizer gptq or --second-moments)",
+                                file=str(directory))
         self.directory = directory
 
     def get(self, module: str) -> torch.Tensor | None:

@@ -14,6 +14,7 @@ from collections.abc import Sequence
 from dataclasses import asdict, dataclass, field
 
 from dynquant.pipeline.allocate import (
+    Allocation,
     AllocationError,
     Constraints,
     ModuleChoices,
@@ -53,12 +54,17 @@ class Forecast:
         out = [f"predicted KL {self.predicted_kl:.3g} nats/token at {self.budget} bits"
                + (f" (neighbours {near})" if near else "")]
         if self.large:
-            hint = (f"; {self.advice[0]} bits predicts {self.advice[1]:.3g}" if self.advice
-                    else "; no reachable budget predicts less than "
-                    f"{LARGE_LOSS} (pin the sensitive modules wider or calibrate on more text)")
-            out.append(f"warning: expect a large loss ({self.predicted_kl:.3g} nats/token > "
-                       f"{LARGE_LOSS}){hint}")
+            out.append(warning_line(f"({self.predicted_kl:.3g} nats/token > {LARGE_LOSS})",
+                                    self.advice))
         return out
+
+
+def warning_line(what: str, advice: tuple[float, float] | None) -> str:
+    """The one-line warning: what is large, and the smallest budget that predicts less."""
+    hint = (f"; {advice[0]} bits predicts {advice[1]:.3g}" if advice
+            else f"; no reachable budget predicts less than {LARGE_LOSS} (pin the sensitive "
+            "modules wider or calibrate on more text)")
+    return f"warning: expect a large loss {what}{hint}"
 
 
 def predicts_kl(maps: dict) -> bool:
@@ -67,9 +73,11 @@ def predicts_kl(maps: dict) -> bool:
 
 
 def forecast(maps: dict, modules: Sequence[ModuleChoices], budget: float,
-             constraints: Constraints | None = None) -> Forecast:
-    """The forecast at ``budget`` (an allocation that cannot be made raises AllocationError)."""
-    alloc = allocate_widths(modules, budget, constraints)
+             constraints: Constraints | None = None, alloc: Allocation | None = None
+             ) -> Forecast:
+    """The forecast at ``budget`` (an allocation that cannot be made raises AllocationError);
+    ``alloc``: the allocation at ``budget`` when the caller has made it already."""
+    alloc = alloc or allocate_widths(modules, budget, constraints)
     if not predicts_kl(maps):
         return Forecast(budget, alloc.average_bits, None)
     lo, hi = reachable_range(modules, constraints)
@@ -151,8 +159,7 @@ def summary_lines(summary: dict) -> list[str]:
     large = [b for b, v in summary["budgets"].items() if v.get("large_loss")]
     if large:
         advice = summary["advice"]
-        hint = (f"; {advice['budget']} bits predicts {advice['predicted_kl']:.3g}" if advice
-                else "; no reachable budget predicts less")
-        out.append(f"warning: expect a large loss at {', '.join(large)} bits (predicted KL > "
-                   f"{LARGE_LOSS} nats/token){hint}")
+        out.append(warning_line(
+            f"at {', '.join(large)} bits (predicted KL > {LARGE_LOSS} nats/token)",
+            None if advice is None else (advice["budget"], advice["predicted_kl"])))
     return out

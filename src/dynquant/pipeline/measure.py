@@ -55,7 +55,7 @@ from dynquant.pipeline.calibration import (
     synthetic_record,
 )
 from dynquant.pipeline.calibration_pass import run_calibration_pass
-from dynquant.pipeline.code_chooser import QUANTIZERS, CodeChooser, SecondMoments
+from dynquant.pipeline.code_chooser import CodeChooser, SecondMoments, check_quantizer
 from dynquant.pipeline.fisher import fisher_kl
 from dynquant.pipeline.generate import has_tokenizer, load_tokenizer
 from dynquant.pipeline.heap import return_freed_memory
@@ -194,9 +194,7 @@ def measure_method(opts: MeasureOptions) -> str:
     if method == "weight" and opts.calib:
         raise DynquantError("--method weight is data-free: drop --calib, or use --method "
                             "fisher", field="method")
-    if opts.quantizer not in QUANTIZERS:
-        raise DynquantError(f"unknown quantizer {opts.quantizer!r} (one of "
-                            f"{', '.join(QUANTIZERS)})", field="quantizer")
+    check_quantizer(opts.quantizer)
     if opts.quantizer == "gptq" and method == "weight":
         raise DynquantError("--quantizer gptq needs calibration text (its second moments): "
                             "drop --no-calib", field="quantizer")

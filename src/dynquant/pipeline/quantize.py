@@ -20,7 +20,7 @@ from dynquant.errors import DynquantError
 from dynquant.format import metadata as md
 from dynquant.format.planner import WidthChoice, plan_document, split_choice
 from dynquant.models.sources import ModelSource
-from dynquant.pipeline.code_chooser import QUANTIZERS, CodeChooser, SecondMoments
+from dynquant.pipeline.code_chooser import CodeChooser, SecondMoments, check_quantizer
 from dynquant.pipeline.forecast import Forecast, forecast
 from dynquant.pipeline.weights import WeightSource, weight_source
 
@@ -212,9 +212,10 @@ def resolve_widths(source: ModelSource, req: QuantizeRequest, workdir: Path) -> 
         raise DynquantError("maps.json needs a budget (PATH:BUDGET or --budget)",
                             file=str(maps_path), field="budget")
     else:
-        alloc = allocate_widths(maps_modules(maps), budget, cons)
+        modules = maps_modules(maps)
+        alloc = allocate_widths(modules, budget, cons)
         allocator, tag = "sensitivity", f"{budget}"
-        _report(req, forecast(maps, maps_modules(maps), budget, cons))
+        _report(req, forecast(maps, modules, budget, cons, alloc))
     measured_now = req.widths is None
     files = [maps_path] if measured_now else []
     importance = None
@@ -240,9 +241,7 @@ def _report(req: QuantizeRequest, f: Forecast) -> None:
 
 def run_quantize(source: ModelSource, req: QuantizeRequest) -> dict:
     """``dynquant quantize``: measure (unless widths are given) -> allocate -> quantize -> write."""
-    if req.quantizer not in QUANTIZERS:
-        raise DynquantError(f"unknown quantizer {req.quantizer!r} (one of "
-                            f"{', '.join(QUANTIZERS)})", field="quantizer")
+    check_quantizer(req.quantizer)
     workdir = Path(tempfile.mkdtemp(prefix="dynquant-measure-"))
     try:
         w = resolve_widths(source, req, workdir)
@@ -252,7 +251,7 @@ def run_quantize(source: ModelSource, req: QuantizeRequest) -> dict:
             if w.moments is None:
                 raise DynquantError("--quantizer gptq needs input second moments: give --budget "
                                     "or --uniform (measured now), or MAPS.json:BUDGET measured "
-                                    "with --second-moments", file=w.widths_from,
+                                    "with --quantizer gptq or --second-moments", file=w.widths_from,
                                     field="quantizer")
             moments = SecondMoments(w.moments)
         chooser = CodeChooser(req.quantizer, w.importance or {}, moments)
