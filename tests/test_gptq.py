@@ -131,11 +131,11 @@ def test_quantize_with_gptq_end_to_end(tmp_path):
     with torch.no_grad():
         assert torch.isfinite(gptq(ids).logits).all()
         assert not torch.equal(rtn(ids).logits, gptq(ids).logits)  # other codes
-    # manual widths carry no second moments: a one-line error, nothing written
-    (tmp_path / "w.json").write_text(json.dumps({"model.layers.0.mlp.up_proj": 4}))
+    # widths of a checkpoint: the sequential pass calibrates on the bundled text, same codes
     assert main(["quantize", str(src), "-o", str(tmp_path / "x"), "--widths",
-                 str(tmp_path / "w.json"), "--quantizer", "gptq", "--quiet"]) == 2
-    assert not (tmp_path / "x").exists()
+                 str(tmp_path / "gptq" / "dynquant.json"), "--quantizer", "gptq", *short]) == 0
+    assert ((tmp_path / "x" / "model.safetensors").read_bytes()
+            == (tmp_path / "gptq" / "model.safetensors").read_bytes())
 
 
 def test_measure_prices_candidates_with_the_compensated_codes(tmp_path):

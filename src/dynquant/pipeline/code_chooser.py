@@ -2,10 +2,16 @@
 
 ``rtn``: round-to-nearest with the per-group clip search, its error weighted by the calibration
 statistics (the column mean squares) when there are any. ``gptq``: error-compensating
-quantization (``numerics/gptq.py``) for every 2-D Linear whose input second moments X^T X / n
-the calibration pass wrote (``MAPS_STEM.moments/block_NNN.safetensors``); the rest (embeddings,
-expert banks, modules without moments) round to nearest. The moments come from the float
-model's activations (every module compensated against unquantized inputs, not sequentially).
+quantization (``numerics/gptq.py``) of the 2-D Linears, two ways:
+
+- sequential (what ``quantize --quantizer gptq`` writes; ``sequential`` set): the calibration
+  windows stream through the blocks as they are quantized, each module compensated against the
+  inputs the quantized model before it gives (``pipeline/sequential_gptq.py``);
+- from stored second moments (what ``measure --quantizer gptq`` prices candidates with;
+  ``moments`` set): X^T X / n of the *float* model's inputs, written by the calibration pass
+  (``MAPS_STEM.moments/block_NNN.safetensors``), each module on its own.
+
+Embeddings, the head and modules without moments round to nearest.
 """
 
 from __future__ import annotations
@@ -24,6 +30,7 @@ from dynquant.numerics.gptq import gptq_quantize, inverse_factor, output_error
 from dynquant.numerics.quantizer import QuantizedTensor, quantize_tensor, relative_error
 from dynquant.pipeline.calibration import importance_of
 from dynquant.pipeline.priors import block_index
+from dynquant.pipeline.sequential_gptq import SequentialCalibration
 
 QUANTIZERS = ("rtn", "gptq")
 
@@ -64,6 +71,7 @@ class CodeChooser:
     quantizer: str = "rtn"
     importance: Mapping[str, torch.Tensor] = field(default_factory=dict)
     moments: SecondMoments | None = None
+    sequential: SequentialCalibration | None = None
     _cached: tuple[str, torch.Tensor] | None = field(default=None, repr=False)
 
     def quantize(self, spec: TensorSpec, tensor: torch.Tensor, bits: int, group_size: int
@@ -102,4 +110,6 @@ class CodeChooser:
             h.update(self.importance[name].float().numpy().tobytes())
         if self.moments is not None:
             h.update(self.moments.digest().encode())
+        if self.sequential is not None:
+            h.update(self.sequential.digest().encode())
         return h.hexdigest()

@@ -241,6 +241,10 @@ def measure(source: ModelSource, opts: MeasureOptions, out: str | Path | None = 
     if note and progress:
         print(f"dynquant: {note}", file=sys.stderr)
     if opts.quantizer == "gptq":  # priced with compensated codes: needs X^T X on disk
+        if opts.method == "weight":
+            raise DynquantError("--quantizer gptq needs calibration text and a model that can "
+                                "run it (weights and a tokenizer)", file=source.name,
+                                field="quantizer")
         if out is None:
             raise DynquantError("--quantizer gptq measures need an output path (for the "
                                 "second moments beside it)", field="quantizer")

@@ -20,8 +20,9 @@ from dynquant.errors import DynquantError
 from dynquant.format import metadata as md
 from dynquant.format.planner import WidthChoice, plan_document, split_choice
 from dynquant.models.sources import ModelSource
-from dynquant.pipeline.code_chooser import CodeChooser, SecondMoments, check_quantizer
+from dynquant.pipeline.code_chooser import CodeChooser, check_quantizer
 from dynquant.pipeline.forecast import Forecast, forecast
+from dynquant.pipeline.sequential_gptq import SequentialCalibration
 from dynquant.pipeline.weights import WeightSource, weight_source
 
 
@@ -68,6 +69,9 @@ def quantize_model(
     kill_after = int(os.environ.get("DYNQUANT_KILL_AFTER", "0"))  # tests: a real kill -9
     weights = weight_source(source, random_init, seed)
     try:
+        if chooser.sequential is not None:
+            _sequential(source, weights, specs, plan, widths, group_size, chooser, store,
+                        progress)
         with _progress(progress) as bar:
             task = bar.add_task("quantizing", total=len(specs), completed=store.done())
             for index, spec in enumerate(specs):
@@ -88,6 +92,20 @@ def quantize_model(
                         side_files=[*side, *extra_files])
     store.discard()
     return doc
+
+
+def _sequential(source: ModelSource, weights: WeightSource, specs: list, plan: dict,
+                widths: Mapping, group_size: int, chooser: CodeChooser, store: ResumeStore,
+                progress: bool) -> None:
+    """The decoder blocks' tensors, compensated block by block into ``store``."""
+    from dynquant.pipeline.block_stream import BlockStream
+    from dynquant.pipeline.sequential_gptq import sequential_gptq
+
+    assert chooser.sequential is not None
+    stream = BlockStream(source, weights, chooser.sequential.ids, chunk=1)
+    sequential_gptq(stream, specs, set(plan["layers"]),
+                    lambda m: split_choice(widths[m], group_size), chooser.quantize, store,
+                    progress)
 
 
 def _quantize_one(index: int, spec, store: ResumeStore, writer: CheckpointWriter,
@@ -140,7 +158,8 @@ class QuantizeRequest:
     # told the forecast of a budget allocation before anything is written (None: printed to
     # stderr unless progress is off)
     report: Callable[[Forecast], None] | None = None
-    quantizer: str = "rtn"  # or "gptq": error-compensating where second moments exist
+    quantizer: str = "rtn"  # or "gptq": error-compensating, sequential over the blocks
+    gptq_seqs: int = 48  # calibration windows the sequential gptq pass streams
 
 
 def split_maps_arg(arg: str) -> tuple[str, float | None]:
@@ -189,7 +208,6 @@ class Widths:
     importance: dict | None = None
     files: list[Path] = field(default_factory=list)  # shipped inside the checkpoint
     calibration: dict | None = None  # the maps' record of the calibration text
-    moments: Path | None = None  # the maps' second moments (MAPS_STEM.moments/), if written
 
 
 def resolve_widths(source: ModelSource, req: QuantizeRequest, workdir: Path) -> Widths:
@@ -226,9 +244,36 @@ def resolve_widths(source: ModelSource, req: QuantizeRequest, workdir: Path) -> 
         importance = load_file(stats_path)
         files += [stats_path] if measured_now else []
     where = maps_path.name if measured_now else str(maps_path)
-    moments = maps_path.with_name(maps_path.stem + ".moments")
     return Widths(dict(alloc.widths), allocator, f"{where} [{tag}]", importance, files,
-                  maps.get("calibration"), moments if moments.is_dir() else None)
+                  maps.get("calibration"))
+
+
+def check_gptq_source(source: ModelSource, req: QuantizeRequest) -> None:
+    from dynquant.pipeline.generate import has_tokenizer
+
+    if req.random_init or source.directory is None or not has_tokenizer(source.directory):
+        raise DynquantError("--quantizer gptq needs model weights and a tokenizer (a model "
+                            "directory) to calibrate with", file=source.name, field="quantizer")
+
+
+def gptq_calibration(source: ModelSource, req: QuantizeRequest, record: dict | None
+                     ) -> SequentialCalibration:
+    """The windows the sequential gptq pass streams: of ``--calib``, else of the text the
+    widths were measured on when that is dynquant's bundled text (or nothing was measured)."""
+    from dynquant.pipeline.calibration import DEFAULT_TEXT, calibration_ids, default_calibration
+    from dynquant.pipeline.generate import load_tokenizer
+
+    check_gptq_source(source, req)
+    texts = list(req.calib)
+    if not texts:
+        measured_on = (record or {}).get("texts", [f"dynquant:{DEFAULT_TEXT}"])
+        if measured_on != [f"dynquant:{DEFAULT_TEXT}"]:
+            raise DynquantError(f"--quantizer gptq: the widths were measured on "
+                                f"{', '.join(measured_on)}; give that text again with --calib",
+                                field="calib")
+        texts = [str(default_calibration())]
+    ids = calibration_ids(load_tokenizer(source.directory), texts, req.gptq_seqs, req.calib_len)
+    return SequentialCalibration(ids)
 
 
 def _report(req: QuantizeRequest, f: Forecast) -> None:
@@ -242,19 +287,15 @@ def _report(req: QuantizeRequest, f: Forecast) -> None:
 def run_quantize(source: ModelSource, req: QuantizeRequest) -> dict:
     """``dynquant quantize``: measure (unless widths are given) -> allocate -> quantize -> write."""
     check_quantizer(req.quantizer)
+    if req.quantizer == "gptq":  # before any measuring
+        check_gptq_source(source, req)
     workdir = Path(tempfile.mkdtemp(prefix="dynquant-measure-"))
     try:
         w = resolve_widths(source, req, workdir)
         stats = next((f.name for f in w.files if f.name.endswith(".stats.safetensors")), None)
-        moments = None
-        if req.quantizer == "gptq":
-            if w.moments is None:
-                raise DynquantError("--quantizer gptq needs input second moments: give --budget "
-                                    "or --uniform (measured now), or MAPS.json:BUDGET measured "
-                                    "with --quantizer gptq or --second-moments", file=w.widths_from,
-                                    field="quantizer")
-            moments = SecondMoments(w.moments)
-        chooser = CodeChooser(req.quantizer, w.importance or {}, moments)
+        sequential = (gptq_calibration(source, req, w.calibration)
+                      if req.quantizer == "gptq" else None)
+        chooser = CodeChooser(req.quantizer, w.importance or {}, sequential=sequential)
         return quantize_model(
             source, w.widths, req.output, group_size=req.group_size,
             random_init=req.random_init, seed=req.seed, overwrite=req.overwrite,
