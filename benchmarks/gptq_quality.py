@@ -1,17 +1,19 @@
-"""Error-compensating (GPTQ) vs round-to-nearest codes at the same widths (issue 13).
+"""Quality vs bytes (issue 13): round-to-nearest, error-compensated (sequential GPTQ) and HQQ
+codes, uniform and allocated, on every quality model. Mean KL against the unquantized model on
+held-out text; checkpoint bytes. One table per model (printed as figures and as a markdown
+table) and a plot of it: ``out/bench/quality_vs_bytes_MODEL.png``.
 
-For each quality model: one calibrated measure on the bundled text with the input second
-moments (``--second-moments``), the sensitivity allocation at each budget, then the same widths
-quantized twice: round-to-nearest with the clip search (today's default) and GPTQ (each Linear
-compensated through its X^T X; embeddings and expert banks stay round-to-nearest). Equal bytes
-by construction. Mean KL against the unquantized model on held-out text, and the quantize time.
-Three variants: today's pipeline (round-to-nearest, widths priced with it), GPTQ codes in those
-widths, and GPTQ with the widths priced by compensated output errors (``--quantizer gptq``).
-Targets (issue 13): GPTQ <= 0.6x RTN at 3.25 and 4.25 bits, <= 0.5x at 2.5.
+The widths come from one calibrated measure on the bundled text (``dynquant quantize
+--budget``'s own; candidates priced with round-to-nearest, what ``--quantizer auto`` does), and
+both quantizers write the same widths: equal bytes by construction. HQQ (group 128, a scale and
+a zero per group) costs what dynquant's uniform width does. Targets: compensated <= 0.6x
+round-to-nearest's KL at 3.25 and 4.25 bits, <= 0.5x at 2.5; quantize of a 100-300 M model
+with calibration <= 5 minutes.
 """
 
 from __future__ import annotations
 
+import json
 import tempfile
 import time
 from pathlib import Path
@@ -19,61 +21,118 @@ from pathlib import Path
 from safetensors.torch import load_file
 
 from benchmarks.common import figure, machine, quality_models
+from benchmarks.quality_vs_hqq import hqq_model
 from dynquant.models.sources import resolve_model
-from dynquant.pipeline.allocate import allocate_widths
-from dynquant.pipeline.code_chooser import CodeChooser, SecondMoments
+from dynquant.pipeline.allocate import allocate_widths, uniform_widths
+from dynquant.pipeline.calibration import calibration_ids, default_calibration
+from dynquant.pipeline.code_chooser import CodeChooser
+from dynquant.pipeline.evaluate import evaluate
 from dynquant.pipeline.frontier import evaluate_checkpoints
+from dynquant.pipeline.generate import load_tokenizer
 from dynquant.pipeline.measure import MeasureOptions, maps_modules, measure
 from dynquant.pipeline.quantize import quantize_model
+from dynquant.pipeline.sequential_gptq import SequentialCalibration
 
 ROOT = Path(__file__).parents[1]
 HELDOUT = ROOT / "data" / "heldout.txt"
+PLOTS = ROOT / "out" / "bench"
 EVAL_TOKENS = 16384
 BUDGETS = (2.5, 3.25, 4.25)
+UNIFORM = (2, 3, 4)
+GPTQ_SEQS = 48  # quantize --gptq-seqs's default
 
 
-# (codes, widths priced with): today's pipeline, GPTQ codes in today's widths, and GPTQ with
-# the allocator pricing every candidate by its compensated output error
-VARIANTS = (("rtn", "rtn"), ("gptq", "rtn"), ("gptq", "gptq"))
+def _widths(maps: dict, kind: str, value: float) -> dict:
+    modules = maps_modules(maps)
+    if kind == "uniform":
+        return dict(uniform_widths(modules, int(value), 128).widths)
+    return dict(allocate_widths(modules, value).widths)
+
+
+def model_table(name: str, model_dir: Path, out: Path) -> list[dict]:
+    """Rows (kind, setting, codes, bytes, KL) of one model."""
+    source = resolve_model(str(model_dir))
+    start = time.perf_counter()
+    maps = measure(source, MeasureOptions(budgets=[]), out / "maps.json", progress=False)
+    figure(f"{name}: calibrated measure (rtn-priced)", time.perf_counter() - start, "s")
+    importance = load_file(out / maps["stats"])
+    ids = calibration_ids(load_tokenizer(model_dir), [str(default_calibration())], GPTQ_SEQS,
+                          256)
+    choosers = {"rtn": CodeChooser("rtn", importance),
+                "gptq": CodeChooser("gptq", importance, sequential=SequentialCalibration(ids))}
+    rows, names = [], []
+    for kind, values in (("uniform", UNIFORM), ("allocated", BUDGETS)):
+        for value in values:
+            for codes, chooser in choosers.items():
+                tag = f"{codes}-{kind}-{value}"
+                start = time.perf_counter()
+                doc = quantize_model(source, _widths(maps, kind, value), out / tag,
+                                     overwrite=True, progress=False, chooser=chooser)
+                figure(f"{name} {kind} {value}: {codes} quantize time",
+                       time.perf_counter() - start, "s")
+                rows.append({"kind": kind, "setting": value, "codes": codes, "tag": tag,
+                             "nbytes": doc["accounting"]["total_nbytes"]})
+                names.append(tag)
+    results = evaluate_checkpoints(model_dir, out, names, HELDOUT, 512, EVAL_TOKENS, None)
+    for row in rows:
+        row["kl"] = results[row["tag"]].kl_mean
+    for bits in UNIFORM:
+        hqq = evaluate(hqq_model(model_dir, bits, out / f"hqq{bits}"), model_dir, HELDOUT,
+                       progress=False, max_tokens=EVAL_TOKENS)
+        nbytes = next(r["nbytes"] for r in rows if r["tag"] == f"rtn-uniform-{bits}")
+        rows.append({"kind": "uniform", "setting": bits, "codes": "hqq", "tag": f"hqq{bits}",
+                     "nbytes": nbytes, "kl": hqq.kl_mean})
+    return rows
+
+
+def report(name: str, rows: list[dict]) -> None:
+    by = {(r["kind"], r["setting"], r["codes"]): r for r in rows}
+    print(f"\n| {name} | bytes (MiB) | RTN KL | GPTQ KL | GPTQ / RTN | HQQ KL |")
+    print("|---|---|---|---|---|---|")
+    for kind, values in (("uniform", UNIFORM), ("allocated", BUDGETS)):
+        for v in values:
+            rtn, gptq, hqq = (by.get((kind, v, c)) for c in ("rtn", "gptq", "hqq"))
+            ratio = gptq["kl"] / rtn["kl"]
+            figure(f"{name} {kind} {v}: KL gptq / rtn", ratio, "x")
+            print(f"| {kind} {v} | {rtn['nbytes'] / 2**20:.2f} | {rtn['kl']:.4f} | "
+                  f"{gptq['kl']:.4f} | {ratio:.2f}x | "
+                  f"{'-' if hqq is None else format(hqq['kl'], '.4f')} |")
+
+
+def plot(name: str, rows: list[dict]) -> Path:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(6.4, 4.2), dpi=120)
+    styles = {("rtn", "uniform"): "s--", ("gptq", "uniform"): "o--", ("hqq", "uniform"): "^:",
+              ("rtn", "allocated"): "s-", ("gptq", "allocated"): "o-"}
+    for (codes, kind), style in styles.items():
+        pts = sorted((r["nbytes"] / 2**20, r["kl"]) for r in rows
+                     if r["codes"] == codes and r["kind"] == kind)
+        ax.plot(*zip(*pts, strict=True), style, label=f"{codes} {kind}")
+    ax.set_yscale("log")
+    ax.set_xlabel("checkpoint MiB")
+    ax.set_ylabel("mean KL vs the float model (held-out)")
+    ax.set_title(f"{name}: quality vs bytes")
+    ax.legend(fontsize=8)
+    PLOTS.mkdir(parents=True, exist_ok=True)
+    path = PLOTS / f"quality_vs_bytes_{name}.png"
+    fig.savefig(path, bbox_inches="tight")
+    plt.close(fig)
+    return path
 
 
 def main() -> None:
-    print(f"# GPTQ vs round-to-nearest, held-out text, {machine()}")
+    print(f"# quality vs bytes: RTN, sequential GPTQ, HQQ; held-out text, {machine()}")
     for name, model_dir in quality_models(ROOT).items():
-        source = resolve_model(str(model_dir))
         with tempfile.TemporaryDirectory() as tmp:
-            out = Path(tmp)
-            maps = {}
-            for pricing in ("gptq", "rtn"):  # gptq first: it writes the second moments
-                start = time.perf_counter()
-                maps[pricing] = measure(source, MeasureOptions(budgets=[], quantizer=pricing),
-                                        out / f"{pricing}.json", progress=False)
-                figure(f"{name}: measure priced with {pricing}", time.perf_counter() - start,
-                       "s")
-            moments = SecondMoments(out / "gptq.moments")
-            names = []
-            for budget in BUDGETS:
-                for codes, pricing in VARIANTS:
-                    widths = allocate_widths(maps_modules(maps[pricing]), budget).widths
-                    importance = load_file(out / maps[pricing]["stats"])
-                    tag = f"{codes}-{budget}-priced-{pricing}"
-                    start = time.perf_counter()
-                    quantize_model(source, widths, out / tag, overwrite=True, progress=False,
-                                   chooser=CodeChooser(codes, importance, moments))
-                    figure(f"{name} @{budget}: {tag} quantize time",
-                           time.perf_counter() - start, "s")
-                    names.append(tag)
-            results = evaluate_checkpoints(Path(model_dir), out, names, HELDOUT, 512,
-                                           EVAL_TOKENS, None)
-        for budget in BUDGETS:
-            rtn = results[f"rtn-{budget}-priced-rtn"]
-            for codes, pricing in VARIANTS:
-                r = results[f"{codes}-{budget}-priced-{pricing}"]
-                figure(f"{name} @{budget}: {codes} codes, widths priced with {pricing}: KL / "
-                       f"PPL", r.kl_mean, f"/ {r.ppl_model:.2f}")
-                if codes == "gptq":
-                    figure(f"{name} @{budget}: KL {codes} (priced {pricing}) / rtn",
-                           r.kl_mean / rtn.kl_mean, "x")
+            rows = model_table(name, Path(model_dir), Path(tmp))
+        report(name, rows)
+        print(f"plot: {plot(name, rows)}")
+        PLOTS.mkdir(parents=True, exist_ok=True)
+        (PLOTS / f"quality_vs_bytes_{name}.json").write_text(json.dumps(rows, indent=1))
 
 
 if __name__ == "__main__":

@@ -166,3 +166,23 @@ def test_measure_prices_candidates_with_the_compensated_codes(tmp_path):
     with pytest.raises(DynquantError, match="needs calibration text"):
         measure(source, MeasureOptions(method="weight", quantizer="gptq"), tmp_path / "x.json",
                 progress=False)
+
+
+@pytest.mark.parametrize("rows,cols,bits,gs", [(64, 96, 3, 32), (48, 128, 2, 64)])
+def test_row_variant_stays_with_its_reference(rows, cols, bits, gs):
+    """Banks stored [E, in, out] (x @ W): each row (input feature) quantized whole, its error
+    pushed down the rows; float32 against the float64 reference."""
+    from dynquant.numerics.gptq import gptq_quantize_rows, gptq_quantize_rows_ref
+
+    w, h = _problem(cols, rows, seed=rows + bits)  # h is [rows, rows]
+    w = w.T.contiguous()  # [rows (in), cols (out)]
+    qt = gptq_quantize_rows(w, h, bits, gs)
+    codes, scales, offsets = gptq_quantize_rows_ref(w.numpy(), h.numpy(), bits, gs)
+    assert np.abs(qt.offsets.float().numpy() - offsets).max() <= 0.01 * np.abs(offsets).max()
+    same = (unpack_codes(qt.qweight, bits)[:, :cols].numpy() == codes).mean()
+    assert same >= 0.99 and qt.logical_shape == (rows, cols)
+    assert np.abs(qt.scales.float().numpy() - scales).max() <= 0.01 * np.abs(scales).max()
+    # and the compensation pays: output error over the inputs below round-to-nearest's
+    rtn = quantize_tensor(w, bits, gs)
+    d_comp, d_rtn = qt.dequantize(torch.float32) - w, rtn.dequantize(torch.float32) - w
+    assert float((d_comp.T @ h @ d_comp).trace()) < 0.8 * float((d_rtn.T @ h @ d_rtn).trace())

@@ -8,7 +8,6 @@ import json
 from pathlib import Path
 
 import pytest
-import torch
 
 from dynquant.models.sources import resolve_model
 from dynquant.pipeline import sequential_gptq as seq
@@ -32,21 +31,34 @@ def _uniform(source, bits: int) -> dict[str, int]:
     return {s.module: bits for s in source.tensor_specs() if s.quantizable}
 
 
-def test_groups_follow_the_forward_and_shared_inputs(tmp_path):
+def _block_groups(model_dir: Path, b: int) -> tuple[list[list[str]], dict]:
     from dynquant.pipeline.block_stream import BlockStream
     from dynquant.pipeline.weights import weight_source
 
-    source = resolve_model(str(LLAMA_REF))
+    source = resolve_model(str(model_dir))
     weights = weight_source(source, False)
-    stream = BlockStream(source, weights, _calibration(LLAMA_REF, 1).ids, chunk=1)
+    stream = BlockStream(source, weights, _calibration(model_dir, 1).ids, chunk=1)
     hidden = stream.record()
-    block = stream.blocks[0]
-    stream.materialize(block, stream.block_prefix(0))
-    linears = {n: m for n, m in block.named_modules() if isinstance(m, torch.nn.Linear)}
-    groups = seq._groups(stream, 0, hidden[0], linears)
+    prefix = stream.block_prefix(b) + "."
+    stream.materialize(stream.blocks[b], prefix[:-1])
+    mine = [s for s in source.tensor_specs() if s.quantizable and s.name.startswith(prefix)]
+    targets = seq._targets(stream.blocks[b], prefix, mine)
+    groups = seq._groups(stream, b, hidden[0], targets)
     weights.close()
+    return [[m.removeprefix(prefix) for m in g] for g in groups], targets
+
+
+def test_groups_follow_the_forward_and_shared_inputs():
+    groups, _ = _block_groups(LLAMA_REF, 0)
     assert groups == [["self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj"],
                       ["self_attn.o_proj"], ["mlp.gate_proj", "mlp.up_proj"], ["mlp.down_proj"]]
+    # the hybrid model's attention block: its expert banks are found by their products, used
+    # as x @ W[e] (stored [E, in, out]), after the shared expert as the forward runs them
+    groups, targets = _block_groups(ROOT / "models" / "hybrid-ref", 1)
+    assert groups == [["self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj"],
+                      ["self_attn.o_proj"], ["moe.sw1", "moe.sw3"], ["moe.sw2"],
+                      ["moe.w1", "moe.w3"], ["moe.w2"]], groups
+    assert targets["model.layers.1.moe.w1"].rows and targets["model.layers.1.moe.w2"].rows
 
 
 def test_sequential_gptq_beats_round_to_nearest_at_every_width(tmp_path):
@@ -129,3 +141,29 @@ def test_gptq_needs_text_it_can_find(tmp_path, capsys):
         err = capsys.readouterr().err
         assert message in err and len(err.strip().splitlines()) == 1, err
         assert not (tmp_path / "x").exists()
+
+
+def test_transformers_expert_banks_are_compensated_per_expert(tmp_path):
+    """Banks stored [E, out, in] and used as F.linear(x, W[e]) (transformers' experts
+    modules): found by their products, each expert compensated on its routed tokens."""
+    from dynquant.format.validate import validate_checkpoint
+    from model_zoo import save_tiny_model, save_tiny_tokenizer
+
+    src = save_tiny_model("qwen3_moe", tmp_path / "src")
+    save_tiny_tokenizer(src)
+    groups, targets = _block_groups(src, 0)
+    flat = [m for g in groups for m in g]
+    assert flat.index("mlp.experts.gate_up_proj") < flat.index("mlp.experts.down_proj")
+    bank = targets["model.layers.0.mlp.experts.gate_up_proj"]
+    assert bank.bank and not bank.rows
+    source = resolve_model(str(src))
+    cal = _calibration(src, 4, 64)
+    for kind, chooser in (("rtn", CodeChooser()), ("gptq", CodeChooser("gptq", sequential=cal))):
+        quantize_model(source, _uniform(source, 3), tmp_path / kind, progress=False,
+                       chooser=chooser)
+        assert validate_checkpoint(str(tmp_path / kind)) == []
+    from safetensors.torch import load_file
+
+    rtn, gptq = (load_file(tmp_path / k / "model.safetensors") for k in ("rtn", "gptq"))
+    name = "model.layers.0.mlp.experts.down_proj.qweight"
+    assert rtn[name].shape == gptq[name].shape and not rtn[name].equal(gptq[name])

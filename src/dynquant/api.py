@@ -59,9 +59,11 @@ def quantize(model: str | Path, output: str | Path, *, budget: float | None = No
              group_size: int = 128, group_sizes: Sequence[int] | None = None,
              pins: Sequence[str] = (), not_convert: Sequence[str] = (),
              lm_head: bool = False, random_init: bool = False, overwrite: bool = False,
-             progress: bool = True, quantizer: str = "rtn") -> dict:
+             progress: bool = True, quantizer: str = "auto") -> dict:
     """``dynquant quantize``: (measure ->) allocate -> quantize -> write; returns the metadata.
-    ``quantizer="gptq"``: error-compensating codes (calibrated second moments)."""
+    ``quantizer``: "gptq" (error-compensating, sequential over the blocks, on the calibration
+    text), "rtn" (round-to-nearest with the clip search), "auto" (gptq when calibrating on
+    text, rtn on the data-free path)."""
     req = QuantizeRequest(output=str(output), widths=None if widths is None else str(widths),
                           budget=budget, uniform=uniform, calib=[str(c) for c in calib],
                           method=method, group_size=group_size, group_sizes=group_sizes,

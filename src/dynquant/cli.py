@@ -110,7 +110,7 @@ def _cmd_quantize(args: argparse.Namespace) -> int:
         max_bits=args.max_bits, not_convert=args.not_convert, lm_head=args.lm_head,
         random_init=args.random_init, seed=args.seed, overwrite=args.overwrite,
         progress=not (args.quiet or args.json), dtype=args.dtype, report=report,
-        quantizer=args.quantizer)
+        quantizer=args.quantizer, gptq_seqs=args.gptq_seqs)
     doc = run_quantize(source, req)
     if args.json:
         print(json.dumps({"output": args.output, "accounting": doc["accounting"],
@@ -289,10 +289,14 @@ def build_parser() -> argparse.ArgumentParser:
     _calibration_options(p)
     p.add_argument("--group-size", type=int, default=128)
     p.add_argument("--group-sizes", help="allocate group sizes too, e.g. 32,64,128")
-    p.add_argument("--quantizer", choices=("rtn", "gptq"), default="rtn",
-                   help="how codes are chosen: rtn (round-to-nearest with a clip search, the "
-                   "default) or gptq (error-compensating through each Linear's calibrated input "
-                   "second moments; embeddings and expert banks stay rtn)")
+    p.add_argument("--quantizer", choices=("auto", "rtn", "gptq"), default="auto",
+                   help="how codes are chosen: gptq (error-compensating, block by block over "
+                   "the quantized model's own activations on --gptq-seqs calibration windows; "
+                   "Linears and expert banks, embeddings rtn), rtn (round-to-nearest with a "
+                   "clip search), auto (default: gptq when calibrating on text, rtn data-free)")
+    p.add_argument("--gptq-seqs", type=int, default=48,
+                   help="calibration windows the gptq pass streams (default 48 x --calib-len "
+                   "tokens; cost: about one forward per Linear group over them)")
     p.add_argument("--pin", action="append", default=[], metavar="GLOB=BITS")
     p.add_argument("--min-bits", type=int)
     p.add_argument("--max-bits", type=int)

@@ -169,3 +169,71 @@ def gptq_quantize_ref(weight: np.ndarray, hessian: np.ndarray, bits: int, group_
         err = (w[:, j] - w_hat) / u[j, j]
         w[:, j + 1:] -= np.outer(err, u[j, j + 1:])
     return codes, scales, offsets
+
+
+def gptq_quantize_rows(weight: torch.Tensor, hessian: torch.Tensor, bits: int,
+                       group_size: int = 128, damp: float = DAMP,
+                       factor: torch.Tensor | None = None) -> QuantizedTensor:
+    """``weight`` [in, out], used as ``x @ weight`` (an expert of a bank stored ``[E, in, out]``),
+    quantized with error feedback along its *rows*: the format's groups run along the last
+    axis, so each row (one input feature) is quantized whole, its groups getting their
+    scale/offset from the clip search when the row is reached, and its error goes to the rows
+    not yet quantized through the factor of ``hessian`` [in, in] (same update as
+    ``gptq_quantize`` on the transpose)."""
+    rows, cols = weight.shape
+    if tuple(hessian.shape) != (rows, rows):
+        raise QuantizationError(f"gptq needs an [in, in] second-moment matrix for a weight "
+                                f"used as x @ W, got {list(hessian.shape)} for "
+                                f"{list(weight.shape)}", field="hessian")
+    u = inverse_factor(hessian, damp, torch.float32) if factor is None else factor.float()
+    w = weight.detach().to(torch.float32).clone()
+    parts = []
+    for j in range(rows):
+        qt = quantize_tensor(w[j:j + 1].contiguous(), bits, group_size)
+        err = (w[j] - qt.dequantize(torch.float32)[0]) / u[j, j]
+        w[j + 1:] -= u[j, j + 1:, None] * err[None, :]
+        parts.append(qt)
+    return concat_rows(parts, (rows, cols))
+
+
+def concat_rows(parts: list[QuantizedTensor], logical_shape: tuple[int, ...]) -> QuantizedTensor:
+    """Quantized blocks of rows (same width and group size) stacked into one tensor of
+    ``logical_shape``: the format's rows are every axis but the last, flattened."""
+    rows = sum(p.qweight.shape[0] for p in parts)
+    return QuantizedTensor(
+        qweight=torch.cat([p.qweight for p in parts]),
+        scales=torch.cat([p.scales for p in parts]),
+        offsets=torch.cat([p.offsets for p in parts]),
+        logical_shape=tuple(logical_shape), bits=parts[0].bits, group_size=parts[0].group_size,
+        clipped_fraction=sum(p.clipped_fraction * p.qweight.shape[0] for p in parts) / rows,
+        clip_improvement=sum(p.clip_improvement for p in parts) / len(parts))
+
+
+def gptq_quantize_rows_ref(weight: np.ndarray, hessian: np.ndarray, bits: int,
+                           group_size: int = 128, damp: float = DAMP
+                           ) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """Plain reference of ``gptq_quantize_rows`` in float64: codes [in, out], scales and offsets
+    [in, groups]."""
+    from dynquant.numerics.reference import quantize_group_ref
+
+    w = np.asarray(weight, dtype=np.float64).copy()
+    h = np.asarray(hessian, dtype=np.float64).copy()
+    rows, cols = w.shape
+    dead = np.diag(h) <= 0
+    h[dead, dead] = 1.0
+    h += damp * np.mean(np.diag(h)) * np.eye(rows)
+    u = np.linalg.cholesky(np.linalg.inv(h)).T
+    groups = -(-cols // group_size)
+    codes = np.zeros((rows, cols), dtype=np.int64)
+    scales = np.zeros((rows, groups), dtype=np.float32)
+    offsets = np.zeros((rows, groups), dtype=np.float32)
+    for j in range(rows):
+        w_hat = np.zeros(cols)
+        for g in range(groups):
+            span = slice(g * group_size, min((g + 1) * group_size, cols))
+            codes[j, span], scales[j, g], offsets[j, g] = quantize_group_ref(
+                w[j, span].astype(np.float32), bits)
+            w_hat[span] = (codes[j, span].astype(np.float32) * scales[j, g] + offsets[j, g])
+        err = (w[j] - w_hat) / u[j, j]
+        w[j + 1:] -= np.outer(u[j, j + 1:], err)
+    return codes, scales, offsets

@@ -8,7 +8,7 @@ import signal
 import sys
 import tempfile
 from collections.abc import Callable, Mapping, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 
 import torch
@@ -158,7 +158,9 @@ class QuantizeRequest:
     # told the forecast of a budget allocation before anything is written (None: printed to
     # stderr unless progress is off)
     report: Callable[[Forecast], None] | None = None
-    quantizer: str = "rtn"  # or "gptq": error-compensating, sequential over the blocks
+    # "gptq": error-compensating, sequential over the blocks; "rtn": round-to-nearest; "auto":
+    # gptq when calibrating on text, else rtn
+    quantizer: str = "auto"
     gptq_seqs: int = 48  # calibration windows the sequential gptq pass streams
 
 
@@ -248,6 +250,28 @@ def resolve_widths(source: ModelSource, req: QuantizeRequest, workdir: Path) -> 
                   maps.get("calibration"))
 
 
+def auto_quantizer(source: ModelSource, req: QuantizeRequest, record: dict | None) -> str:
+    """``auto``: gptq when the run has calibration text (``--calib``, or widths measured on the
+    bundled text) and a model that can run it; round-to-nearest on the data-free path, and
+    (with one line saying so) for widths measured on a text not given again."""
+    from dynquant.pipeline.calibration import DEFAULT_TEXT
+    from dynquant.pipeline.generate import has_tokenizer
+
+    if req.quantizer != "auto":
+        return req.quantizer
+    runnable = (not req.random_init and source.directory is not None
+                and has_tokenizer(source.directory))
+    texts = (record or {}).get("texts")
+    if not runnable or not (req.calib or texts):
+        return "rtn"
+    if not req.calib and texts != [f"dynquant:{DEFAULT_TEXT}"]:
+        if req.progress:
+            print(f"dynquant: rounding to nearest: the widths were measured on "
+                  f"{', '.join(texts)}; give it with --calib for gptq codes", file=sys.stderr)
+        return "rtn"
+    return "gptq"
+
+
 def check_gptq_source(source: ModelSource, req: QuantizeRequest) -> None:
     from dynquant.pipeline.generate import has_tokenizer
 
@@ -286,16 +310,21 @@ def _report(req: QuantizeRequest, f: Forecast) -> None:
 
 def run_quantize(source: ModelSource, req: QuantizeRequest) -> dict:
     """``dynquant quantize``: measure (unless widths are given) -> allocate -> quantize -> write."""
-    check_quantizer(req.quantizer)
+    if req.quantizer != "auto":
+        check_quantizer(req.quantizer)
     if req.quantizer == "gptq":  # before any measuring
         check_gptq_source(source, req)
     workdir = Path(tempfile.mkdtemp(prefix="dynquant-measure-"))
     try:
-        w = resolve_widths(source, req, workdir)
+        # auto: the widths priced with round-to-nearest (half the measuring time of gptq
+        # pricing, and as good with sequential codes: BENCHMARKS.md)
+        pricing = "rtn" if req.quantizer == "auto" else req.quantizer
+        w = resolve_widths(source, replace(req, quantizer=pricing), workdir)
         stats = next((f.name for f in w.files if f.name.endswith(".stats.safetensors")), None)
+        quantizer = auto_quantizer(source, req, w.calibration)
         sequential = (gptq_calibration(source, req, w.calibration)
-                      if req.quantizer == "gptq" else None)
-        chooser = CodeChooser(req.quantizer, w.importance or {}, sequential=sequential)
+                      if quantizer == "gptq" else None)
+        chooser = CodeChooser(quantizer, w.importance or {}, sequential=sequential)
         return quantize_model(
             source, w.widths, req.output, group_size=req.group_size,
             random_init=req.random_init, seed=req.seed, overwrite=req.overwrite,

@@ -5,8 +5,16 @@ each block's input being the output of the blocks *already quantized*. Inside a 
 Linear modules are taken in the order the forward reaches them, in groups that read the same
 input (q/k/v, then o, then gate/up, then down): each group's input second moments X^T X are
 gathered with every earlier group already holding its quantized weights, so the compensation of
-a module also absorbs the error of everything before it. The block's other quantized tensors
-(convolutions, expert banks) are rounded to nearest first, with the calibration importance.
+a module also absorbs the error of everything before it.
+
+Expert banks (3-D parameters, one matrix per expert) take part the same way, each expert with
+the second moments of the tokens routed to it: a torch function mode sees every product whose
+weight is a view of one expert of a watched bank (``F.linear(x, bank[e])`` in transformers'
+experts modules, stored ``[E, out, in]``; ``x @ bank[e]`` in the reference hybrid model, stored
+``[E, in, out]`` and compensated along its rows, ``gptq_quantize_rows``), whatever the model's
+routing code looks like. An expert that saw fewer than ``MIN_EXPERT_TOKENS`` tokens rounds to
+nearest. The block's remaining quantized tensors (convolutions, anything the forward does not
+reach) round to nearest first, with the calibration importance.
 
 Each finished module goes straight into the quantization's resume store, which the writer then
 reads; a killed run resumes at the first unfinished group (finished blocks run once more, from
@@ -24,15 +32,18 @@ from dataclasses import dataclass
 import torch
 from rich.progress import Progress
 from torch import nn
+from torch.nn import functional as F
+from torch.overrides import TorchFunctionMode
 
 from dynquant.checkpoint.resume import ResumeStore
 from dynquant.format.planner import TensorSpec
-from dynquant.numerics.gptq import gptq_quantize
+from dynquant.numerics.gptq import concat_rows, gptq_quantize, gptq_quantize_rows
 from dynquant.numerics.quantizer import QuantizedTensor
 from dynquant.pipeline.block_stream import BlockStream
 
 Choice = Callable[[str], tuple[int, int]]  # module -> (bits, group size)
 Rounder = Callable[[TensorSpec, torch.Tensor, int, int], QuantizedTensor]
+MIN_EXPERT_TOKENS = 16  # fewer routed calibration tokens: the expert rounds to nearest
 
 
 @dataclass(frozen=True)
@@ -46,7 +57,43 @@ class SequentialCalibration:
 
 
 class _GroupDone(Exception):
-    """Raised after the group's last module has seen its input: the rest of the block waits."""
+    """Raised after the group's shared input has been seen: the rest of the block waits."""
+
+
+@dataclass
+class _Target:
+    """A tensor the pass compensates: a Linear's weight, or an expert bank."""
+
+    param: nn.Parameter
+    owner: nn.Module | None  # the Linear (None for a bank)
+    rows: bool = False  # a bank used as x @ bank[e] ([E, in, out]): compensated along rows
+
+    @property
+    def bank(self) -> bool:
+        return self.owner is None
+
+
+class _BankProducts(TorchFunctionMode):
+    """Calls ``seen(name, expert, input, rows)`` for every product whose weight is one expert
+    of a watched bank."""
+
+    def __init__(self, banks: dict[str, nn.Parameter], seen: Callable) -> None:
+        super().__init__()
+        self.banks, self.seen = banks, seen
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        if func in _PRODUCTS and len(args) >= 2 and isinstance(args[1], torch.Tensor):
+            w = args[1]
+            for name, bank in self.banks.items():
+                if (tuple(w.shape) == tuple(bank.shape[1:]) and w.numel()
+                        and w.untyped_storage().data_ptr() == bank.untyped_storage().data_ptr()):
+                    expert = (w.storage_offset() - bank.storage_offset()) // bank.stride(0)
+                    self.seen(name, expert, args[0], func is not F.linear)
+        return func(*args, **(kwargs or {}))
+
+
+# x @ w reaches the mode as the tensor method ``matmul``
+_PRODUCTS = (F.linear, torch.matmul, torch.Tensor.matmul, torch.Tensor.__matmul__)
 
 
 def sequential_gptq(stream: BlockStream, specs: list[TensorSpec], quantized: set[str],
@@ -64,17 +111,17 @@ def sequential_gptq(stream: BlockStream, specs: list[TensorSpec], quantized: set
             mine = [s for s in specs if s.module in index and s.module.startswith(prefix)]
             stream.materialize(block, prefix[:-1])
             try:
-                linears = {s.module: block.get_submodule(s.module[len(prefix):]) for s in mine
-                           if _is_linear(block, s.module[len(prefix):], s)}
-                groups = _groups(stream, b, hidden[0], linears)
+                targets = _targets(block, prefix, mine)
+                groups = _groups(stream, b, hidden[0], targets)
                 reached = {m for g in groups for m in g}
                 for s in mine:  # the rest first, to nearest: their errors feed the groups
                     if s.module not in reached:
+                        param = block.get_parameter(s.name[len(prefix):])
                         qt = _finished(store, index[s.module]) or rounder(
-                            s, _param(block, s, prefix).data, *choice(s.module))
-                        _keep(store, index[s.module], s, qt, _param(block, s, prefix))
+                            s, param.data, *choice(s.module))
+                        _keep(store, index[s.module], s, qt, param)
                 for group in groups:
-                    compensated += _quantize_group(stream, b, hidden, group, linears, specs,
+                    compensated += _quantize_group(stream, b, hidden, group, targets, specs,
                                                    index, choice, store)
                 hidden = stream.run_block(b, hidden)
             finally:
@@ -83,16 +130,46 @@ def sequential_gptq(stream: BlockStream, specs: list[TensorSpec], quantized: set
     return compensated
 
 
+def _targets(block: nn.Module, prefix: str, mine: list[TensorSpec]) -> dict[str, _Target]:
+    """The block's plain Linears (weight [out, in] as stored) and expert banks (3-D)."""
+    out = {}
+    for s in mine:
+        rel = s.name[len(prefix):]
+        param = block.get_parameter(rel)
+        if param.ndim == 3 and tuple(param.shape) == tuple(s.shape):
+            out[s.module] = _Target(param, None)
+            continue
+        owner = block.get_submodule(rel.rpartition(".")[0]) if "." in rel else block
+        if (isinstance(owner, nn.Linear) and rel.endswith(".weight")
+                and tuple(param.shape) == tuple(s.shape)):
+            out[s.module] = _Target(param, owner)
+    return out
+
+
 def _quantize_group(stream: BlockStream, b: int, hidden: list[torch.Tensor], group: list[str],
-                    linears: dict[str, nn.Linear], specs: list[TensorSpec], index: dict,
+                    targets: dict[str, _Target], specs: list[TensorSpec], index: dict,
                     choice: Choice, store: ResumeStore) -> int:
     done = {m: _finished(store, index[m]) for m in group}
-    moments = None if all(done.values()) else _group_moments(stream, b, hidden, group, linears)
-    for m in group:
-        weight = linears[m].weight
-        qt = done[m] or gptq_quantize(weight.data.float(), moments[m], *choice(m))
-        _keep(store, index[m], specs[index[m]], qt, weight)
-    return sum(1 for m in group if done[m] is None)
+    todo = [m for m in group if done[m] is None]
+    moments = _group_moments(stream, b, hidden, group, targets) if todo else None
+    for m in group:  # the group shares its input, so its moments
+        t = targets[m]
+        qt = done[m] or _compensate(t, moments, *choice(m))
+        _keep(store, index[m], specs[index[m]], qt, t.param)
+    return len(todo)
+
+
+def _compensate(t: _Target, moments, bits: int, group_size: int) -> QuantizedTensor:
+    w = t.param.data.float()
+    if not t.bank:
+        return gptq_quantize(w, moments, bits, group_size)
+    parts = []
+    for e, h in enumerate(moments):
+        if h is None:  # too few routed tokens: round to nearest
+            h = torch.eye(w.shape[1] if t.rows else w.shape[2])
+        quantize = gptq_quantize_rows if t.rows else gptq_quantize
+        parts.append(quantize(w[e], h, bits, group_size))
+    return concat_rows(parts, tuple(w.shape))
 
 
 def _keep(store: ResumeStore, i: int, spec: TensorSpec, qt: QuantizedTensor,
@@ -113,38 +190,29 @@ def _finished(store: ResumeStore, i: int) -> QuantizedTensor | None:
                            meta.clipped_fraction, meta.clip_improvement)
 
 
-def _is_linear(block: nn.Module, rel: str, spec: TensorSpec) -> bool:
-    """A plain Linear whose weight is this tensor (2-D, [out, in], as stored)."""
-    try:
-        mod = block.get_submodule(rel)
-    except AttributeError:
-        return False
-    return (isinstance(mod, nn.Linear) and spec.name.endswith(".weight")
-            and tuple(mod.weight.shape) == tuple(spec.shape))
-
-
-def _param(block: nn.Module, spec: TensorSpec, prefix: str) -> nn.Parameter:
-    return block.get_parameter(spec.name[len(prefix):])
-
-
-def _groups(stream: BlockStream, b: int, first: torch.Tensor, linears: dict[str, nn.Linear]
+def _groups(stream: BlockStream, b: int, first: torch.Tensor, targets: dict[str, _Target]
             ) -> list[list[str]]:
-    """The Linears in the order the block's forward reaches them, grouped by shared input
-    (those it never reaches are left out: they round to nearest)."""
+    """The targets in the order the block's forward reaches them, grouped by shared input
+    (those it never reaches are left out: they round to nearest). A bank's position is its
+    first expert's product; banks learn here whether they are used as x @ W[e]."""
     seen: list[tuple[str, tuple]] = []
     alive: list[torch.Tensor] = []  # no input freed and its memory reused by a later one
 
-    def hook(name):
-        def fn(_mod, inputs):
-            x = inputs[0]
-            alive.append(x)
-            seen.append((name, (x.data_ptr(), tuple(x.shape), tuple(x.stride()))))
-        return fn
+    def record(name: str, x: torch.Tensor) -> None:
+        alive.append(x)
+        seen.append((name, (x.data_ptr(), tuple(x.shape), tuple(x.stride()))))
 
-    hooks = [m.register_forward_pre_hook(hook(n)) for n, m in linears.items()]
+    def bank_seen(name: str, _expert: int, x: torch.Tensor, rows: bool) -> None:
+        if all(n != name for n, _ in seen):
+            targets[name].rows = rows
+            record(name, x)
+
+    hooks = [t.owner.register_forward_pre_hook(lambda _m, inputs, n=n: record(n, inputs[0]))
+             for n, t in targets.items() if t.owner is not None]
+    banks = {n: t.param for n, t in targets.items() if t.bank}
     args, kwargs = stream.args[b][0]
     try:
-        with torch.no_grad():
+        with torch.no_grad(), _BankProducts(banks, bank_seen):
             stream.blocks[b](first.to(stream.dtype), *args, **kwargs)
     finally:
         for h in hooks:
@@ -154,13 +222,15 @@ def _groups(stream: BlockStream, b: int, first: torch.Tensor, linears: dict[str,
         if all(name not in g for g in groups.values()):
             groups.setdefault(key, []).append(name)
     return list(groups.values())
-
-
 def _group_moments(stream: BlockStream, b: int, hidden: list[torch.Tensor], group: list[str],
-                   linears: dict[str, nn.Linear]) -> dict[str, torch.Tensor]:
-    """X^T X / tokens of the input the modules of ``group`` share, over every calibration
-    chunk, the block run only as far as that input."""
-    width = linears[group[0]].in_features
+                   targets: dict[str, _Target]):
+    """The second moments X^T X / tokens of the input the modules of ``group`` share, over
+    every calibration chunk: one matrix for Linears (the block run only as far as that input),
+    per expert for banks (None where an expert saw too few tokens)."""
+    lead = targets[group[0]]
+    if lead.bank:
+        return _expert_moments(stream, b, hidden, group[0], lead)
+    width = lead.param.shape[1]
     total, count = torch.zeros(width, width), 0
 
     def hook(_mod, inputs):
@@ -170,14 +240,37 @@ def _group_moments(stream: BlockStream, b: int, hidden: list[torch.Tensor], grou
         count += x.shape[0]
         raise _GroupDone
 
-    handle = linears[group[0]].register_forward_pre_hook(hook)
-    block = stream.blocks[b]
+    handle = lead.owner.register_forward_pre_hook(hook)
     try:
-        with torch.no_grad():
-            for h, (args, kwargs) in zip(hidden, stream.args[b], strict=True):
-                with contextlib.suppress(_GroupDone):
-                    block(h.to(stream.dtype), *args, **kwargs)
+        _run(stream, b, hidden)
     finally:
         handle.remove()
-    moments = total / max(count, 1)
-    return dict.fromkeys(group, moments)
+    return total / max(count, 1)
+
+
+def _expert_moments(stream: BlockStream, b: int, hidden: list[torch.Tensor], name: str,
+                    bank: _Target) -> list[torch.Tensor | None]:
+    experts = bank.param.shape[0]
+    width = bank.param.shape[1] if bank.rows else bank.param.shape[2]
+    totals = [torch.zeros(width, width) for _ in range(experts)]
+    counts = [0] * experts
+
+    def seen(n: str, e: int, x: torch.Tensor, _rows: bool) -> None:
+        if n == name:
+            x = x.detach().float().reshape(-1, width)
+            totals[e].addmm_(x.T, x)
+            counts[e] += x.shape[0]
+
+    with _BankProducts({name: bank.param}, seen):
+        _run(stream, b, hidden)
+    return [t / c if c >= MIN_EXPERT_TOKENS else None
+            for t, c in zip(totals, counts, strict=True)]
+
+
+def _run(stream: BlockStream, b: int, hidden: list[torch.Tensor]) -> None:
+    """The block over every chunk, each stopped where a hook raises ``_GroupDone``."""
+    block = stream.blocks[b]
+    with torch.no_grad():
+        for h, (args, kwargs) in zip(hidden, stream.args[b], strict=True):
+            with contextlib.suppress(_GroupDone):
+                block(h.to(stream.dtype), *args, **kwargs)
