@@ -135,6 +135,15 @@ def output_error(weight: torch.Tensor, qt: QuantizedTensor, hessian: torch.Tenso
     return float(((d @ h) * d).sum(dtype=torch.float64)) / den if den > 0 else 0.0
 
 
+def _inverse_factor_ref(hessian: np.ndarray, damp: float) -> np.ndarray:
+    """The upper U with U^T U = (H + damp * mean(diag H) * I)^-1, plainly (dead inputs: 1)."""
+    h = np.asarray(hessian, dtype=np.float64).copy()
+    dead = np.diag(h) <= 0
+    h[dead, dead] = 1.0
+    h += damp * np.mean(np.diag(h)) * np.eye(len(h))
+    return np.linalg.cholesky(np.linalg.inv(h)).T
+
+
 def gptq_quantize_ref(weight: np.ndarray, hessian: np.ndarray, bits: int, group_size: int = 128,
                       damp: float = DAMP) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
     """Plain reference: codes [out, in], scales and offsets [out, groups] (float32 values of the
@@ -142,12 +151,8 @@ def gptq_quantize_ref(weight: np.ndarray, hessian: np.ndarray, bits: int, group_
     from dynquant.numerics.reference import quantize_group_ref
 
     w = np.asarray(weight, dtype=np.float64).copy()
-    h = np.asarray(hessian, dtype=np.float64).copy()
     rows, cols = w.shape
-    dead = np.diag(h) <= 0
-    h[dead, dead] = 1.0
-    h += damp * np.mean(np.diag(h)) * np.eye(cols)
-    u = np.linalg.cholesky(np.linalg.inv(h)).T  # upper: Hinv = U^T U
+    u = _inverse_factor_ref(hessian, damp)
     importance = np.clip(np.diag(np.asarray(hessian, dtype=np.float64)), 0, None)
     groups = -(-cols // group_size)
     codes = np.zeros((rows, cols), dtype=np.int64)
@@ -217,12 +222,8 @@ def gptq_quantize_rows_ref(weight: np.ndarray, hessian: np.ndarray, bits: int,
     from dynquant.numerics.reference import quantize_group_ref
 
     w = np.asarray(weight, dtype=np.float64).copy()
-    h = np.asarray(hessian, dtype=np.float64).copy()
     rows, cols = w.shape
-    dead = np.diag(h) <= 0
-    h[dead, dead] = 1.0
-    h += damp * np.mean(np.diag(h)) * np.eye(rows)
-    u = np.linalg.cholesky(np.linalg.inv(h)).T
+    u = _inverse_factor_ref(hessian, damp)
     groups = -(-cols // group_size)
     codes = np.zeros((rows, cols), dtype=np.int64)
     scales = np.zeros((rows, groups), dtype=np.float32)
