@@ -11,7 +11,8 @@ quantization (``numerics/gptq.py``) of the 2-D Linears, two ways:
   ``moments`` set): X^T X / n of the *float* model's inputs, written by the calibration pass
   (``MAPS_STEM.moments/block_NNN.safetensors``), each module on its own.
 
-Embeddings, the head and modules without moments round to nearest.
+Untied input embeddings and modules without moments round to nearest (the sequential pass
+also compensates the output head, a tied embedding included).
 """
 
 from __future__ import annotations

