@@ -292,8 +292,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--quantizer", choices=("auto", "rtn", "gptq"), default="auto",
                    help="how codes are chosen: gptq (error-compensating, block by block over "
                    "the quantized model's own activations on --gptq-seqs calibration windows; "
-                   "Linears and expert banks, embeddings rtn), rtn (round-to-nearest with a "
-                   "clip search), auto (default: gptq when calibrating on text, rtn data-free)")
+                   "Linears, expert banks and the output head; an untied input embedding rtn), "
+                   "rtn (round-to-nearest with a clip search), auto (default: gptq when "
+                   "calibrating on text, rtn data-free)")
     p.add_argument("--gptq-seqs", type=int, default=48,
                    help="calibration windows the gptq pass streams (default 48 x --calib-len "
                    "tokens; cost: about one forward per Linear group over them)")
