@@ -210,6 +210,7 @@ class Widths:
     importance: dict | None = None
     files: list[Path] = field(default_factory=list)  # shipped inside the checkpoint
     calibration: dict | None = None  # the maps' record of the calibration text
+    priced_with: str | None = None  # the quantizer the maps priced candidates with
 
 
 def resolve_widths(source: ModelSource, req: QuantizeRequest, workdir: Path) -> Widths:
@@ -247,7 +248,7 @@ def resolve_widths(source: ModelSource, req: QuantizeRequest, workdir: Path) -> 
         files += [stats_path] if measured_now else []
     where = maps_path.name if measured_now else str(maps_path)
     return Widths(dict(alloc.widths), allocator, f"{where} [{tag}]", importance, files,
-                  maps.get("calibration"))
+                  maps.get("calibration"), maps.get("quantizer", "rtn"))
 
 
 def auto_quantizer(source: ModelSource, req: QuantizeRequest, record: dict | None) -> str:
@@ -325,6 +326,10 @@ def run_quantize(source: ModelSource, req: QuantizeRequest) -> dict:
         sequential = (gptq_calibration(source, req, w.calibration)
                       if quantizer == "gptq" else None)
         chooser = CodeChooser(quantizer, w.importance or {}, sequential=sequential)
+        if quantizer == "gptq" and w.priced_with == "rtn" and w.allocator == "sensitivity" \
+                and req.progress:
+            print("dynquant: gptq codes; the predicted KL is for round-to-nearest codes (gptq's "
+                  "measured 0.3-0.6x of it at 2.5-4.25 bits, BENCHMARKS.md)", file=sys.stderr)
         return quantize_model(
             source, w.widths, req.output, group_size=req.group_size,
             random_init=req.random_init, seed=req.seed, overwrite=req.overwrite,
