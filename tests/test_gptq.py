@@ -104,7 +104,7 @@ def test_compensation_beats_round_to_nearest_on_held_out_activations():
                 return float((x @ (w - qt.dequantize(torch.float32)).T).square().sum())
 
             ratio = out_err(comp) / out_err(rtn)
-            assert ratio < 0.6, (name, bits, ratio)  # measured 0.11-0.43
+            assert ratio < 0.6, (name, bits, ratio)  # measured 0.12-0.39
 
 
 def test_quantize_with_gptq_end_to_end(tmp_path):
