@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import subprocess
 import sys
+from pathlib import Path
 
 import pytest
 
@@ -84,3 +85,24 @@ def test_openmp_spins_briefly_unless_told_otherwise(order, env, expect):
     out = subprocess.run([sys.executable, "-c", _SPIN, order], env={**base, **env}, check=True,
                          capture_output=True, text=True, timeout=120)
     assert out.stdout.strip() == expect
+
+
+def test_one_version_everywhere(tmp_path, capsys):
+    """pyproject.toml's version is the package's, the CLI's and every checkpoint's."""
+    import json
+    import tomllib
+    from importlib.metadata import version
+
+    import dynquant
+    from dynquant.cli import main
+
+    declared = tomllib.loads((Path(__file__).parents[1] / "pyproject.toml").read_text())
+    expected = declared["project"]["version"]
+    assert dynquant.__version__ == version("dynquant") == expected
+    with pytest.raises(SystemExit) as exit_info:
+        main(["--version"])
+    assert exit_info.value.code == 0 and capsys.readouterr().out.strip() == f"dynquant {expected}"
+    assert main(["quantize", "tiny", "--random-init", "--uniform", "4", "-o",
+                 str(tmp_path / "q"), "--quiet"]) == 0
+    doc = json.loads((tmp_path / "q" / "dynquant.json").read_text())
+    assert doc["provenance"]["dynquant_core"] == expected

@@ -24,7 +24,18 @@ from dynquant.errors import (  # noqa: E402
     QuantizationError,
 )
 
-__version__ = "0.1.0"
+
+def _version() -> str:
+    """The installed distribution's version: pyproject.toml is the one place it is written."""
+    from importlib.metadata import PackageNotFoundError, version
+
+    try:
+        return version("dynquant")
+    except PackageNotFoundError:  # a source tree on sys.path, never installed
+        return "0.0.0+source"
+
+
+__version__ = _version()
 
 _LAZY = {
     "allocate": "dynquant.api",

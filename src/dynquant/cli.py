@@ -255,7 +255,10 @@ def _calibration_options(p: argparse.ArgumentParser) -> None:
 
 
 def build_parser() -> argparse.ArgumentParser:
+    from dynquant import __version__
+
     parser = argparse.ArgumentParser(prog="dynquant", description=__doc__.splitlines()[0])
+    parser.add_argument("--version", action="version", version=f"dynquant {__version__}")
     sub = parser.add_subparsers(dest="command", required=True)
 
     p = sub.add_parser("plan", help="predicted layers table and accounting, touching no weight")
