@@ -8,11 +8,11 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import torch
-from rich.progress import Progress
 from safetensors.torch import save_file
 
 from dynquant.pipeline.block_stream import ActivationStore, BlockStream
 from dynquant.pipeline.calibration import InputStatistics
+from dynquant.pipeline.progress import StageProgress
 
 
 @dataclass
@@ -34,7 +34,7 @@ def run_calibration_pass(stream: BlockStream, modules: set[str],
     store = ActivationStore(activation_limit)
     hidden = stream.record()
     try:
-        with Progress(disable=not progress, transient=True) as bar:
+        with StageProgress(enabled=progress) as bar:
             task = bar.add_task("calibration pass", total=len(stream.blocks))
             for i, block in enumerate(stream.blocks):
                 store.put(i, hidden)

@@ -11,11 +11,11 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 
 import torch
-from rich.progress import Progress
 from torch import nn
 
 from dynquant.errors import ModelError
 from dynquant.format.metadata import METADATA_FILE
+from dynquant.pipeline.progress import StageProgress
 
 
 @dataclass
@@ -111,7 +111,7 @@ def evaluate_many(models: dict[str, nn.Module], base: nn.Module, ids: torch.Tens
     """Compare several models against one base; the base runs once per window."""
     tallies = {name: _Tally() for name in models}
     windows = (len(ids) - 1) // ctx
-    with torch.no_grad(), Progress(disable=not progress, transient=True) as bar:
+    with torch.no_grad(), StageProgress(enabled=progress) as bar:
         task = bar.add_task("evaluating", total=windows)
         for w in range(windows):
             x = ids[w * ctx : (w + 1) * ctx + 1]

@@ -23,13 +23,13 @@ from __future__ import annotations
 from collections.abc import Callable
 
 import torch
-from rich.progress import Progress
 from torch import nn
 
 from dynquant.format.planner import TensorSpec
 from dynquant.numerics.quantizer import QuantizedTensor, dequantize_rows
 from dynquant.pipeline.block_stream import BlockStream, _first_output, _parameter_slots
 from dynquant.pipeline.calibration_pass import CalibrationPass
+from dynquant.pipeline.progress import StageProgress
 
 # module's spec, its float32 weight -> the module quantized at the probe width
 ProbeWeight = Callable[[TensorSpec, torch.Tensor], QuantizedTensor]
@@ -120,7 +120,7 @@ def fisher_kl(cal: CalibrationPass, modules: set[str], probe_weight: ProbeWeight
     acc = _Accumulator(stream.ids.shape[0], draws)
     gen = torch.Generator().manual_seed(seed)
     grads = _head_backward(stream, cal, modules, probe_weight, acc, gen, draws)
-    with Progress(disable=not progress, transient=True) as bar:
+    with StageProgress(enabled=progress) as bar:
         task = bar.add_task("Fisher pass", total=len(stream.blocks))
         for i in reversed(range(len(stream.blocks))):
             grads = _block_backward(stream, i, cal.inputs.get(i), grads, modules, probe_weight,

@@ -25,7 +25,6 @@ from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 
 import torch
-from rich.progress import Progress
 from torch import nn
 
 from dynquant.checkpoint.resume import PartialDir
@@ -60,6 +59,7 @@ from dynquant.pipeline.fisher import fisher_kl
 from dynquant.pipeline.generate import has_tokenizer, load_tokenizer
 from dynquant.pipeline.heap import return_freed_memory
 from dynquant.pipeline.priors import block_index, data_free_sensitivity
+from dynquant.pipeline.progress import StageProgress
 from dynquant.pipeline.weights import WeightSource, weight_source
 
 MAPS_SCHEMA = "dynquant_maps_v1"
@@ -264,7 +264,7 @@ def measure(source: ModelSource, opts: MeasureOptions, out: str | Path | None = 
                                      partial)
         chooser = _chooser(opts, stats, out)
         modules = {}
-        with Progress(disable=not progress, transient=True) as bar:
+        with StageProgress(enabled=progress) as bar:
             task = bar.add_task("measuring", total=len(quantizable))
             for index, spec in enumerate(quantizable):
                 done = None if partial is None else partial.read_json(f"m{index:06d}.json")

@@ -12,7 +12,7 @@ from dataclasses import dataclass, field, replace
 from pathlib import Path
 
 import torch
-from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
+from rich.progress import BarColumn, MofNCompleteColumn, TextColumn, TimeElapsedColumn
 
 from dynquant.checkpoint.resume import ResumeStore
 from dynquant.checkpoint.writer import SIDE_FILES, CheckpointWriter, dense_storage_dtype
@@ -22,13 +22,14 @@ from dynquant.format.planner import WidthChoice, plan_document, split_choice
 from dynquant.models.sources import ModelSource
 from dynquant.pipeline.code_chooser import CodeChooser, check_quantizer
 from dynquant.pipeline.forecast import Forecast, forecast
+from dynquant.pipeline.progress import StageProgress
 from dynquant.pipeline.sequential_gptq import SequentialCalibration
 from dynquant.pipeline.weights import WeightSource, weight_source
 
 
-def _progress(enabled: bool) -> Progress:
-    return Progress(TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(),
-                    TimeElapsedColumn(), disable=not enabled, transient=True)
+def _progress(enabled: bool) -> StageProgress:
+    return StageProgress(TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(),
+                         TimeElapsedColumn(), enabled=enabled)
 
 
 def quantize_model(

@@ -31,7 +31,6 @@ from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
-from rich.progress import Progress
 from torch import nn
 from torch.nn import functional as F
 from torch.overrides import TorchFunctionMode
@@ -41,6 +40,7 @@ from dynquant.format.planner import TensorSpec
 from dynquant.numerics.gptq import concat_rows, gptq_quantize, gptq_quantize_rows
 from dynquant.numerics.quantizer import QuantizedTensor
 from dynquant.pipeline.block_stream import BlockStream
+from dynquant.pipeline.progress import StageProgress
 
 Choice = Callable[[str], tuple[int, int]]  # module -> (bits, group size)
 Rounder = Callable[[TensorSpec, torch.Tensor, int, int], QuantizedTensor]
@@ -105,7 +105,7 @@ def sequential_gptq(stream: BlockStream, specs: list[TensorSpec], quantized: set
     index = {s.module: i for i, s in enumerate(specs) if s.module in quantized}
     compensated = 0
     hidden = stream.record()
-    with Progress(disable=not progress, transient=True) as bar:
+    with StageProgress(enabled=progress) as bar:
         task = bar.add_task("gptq, block by block", total=len(stream.blocks))
         for b, block in enumerate(stream.blocks):
             prefix = stream.block_prefix(b) + "."

@@ -1,0 +1,82 @@
+"""Progress that shows everywhere: rich bars on a terminal; in a log (CI, ``nohup``, ``> log``),
+where rich's bars print nothing, one stderr line when a stage starts, one every ``EVERY``
+seconds while it runs and one when it ends, with counts and elapsed time. ``enabled=False``
+(``--quiet``) silences both."""
+
+from __future__ import annotations
+
+import sys
+import time
+from dataclasses import dataclass, field
+
+from rich import get_console
+from rich.progress import Progress, ProgressColumn
+
+EVERY = 10.0  # seconds between lines of a long stage in a log
+
+
+@dataclass
+class _Stage:
+    description: str
+    total: int | None
+    completed: int = 0
+    start: float = field(default_factory=time.monotonic)
+    said: float = field(default_factory=time.monotonic)
+    ended: bool = False
+
+
+class StageProgress:
+    """The subset of ``rich.progress.Progress`` the pipeline uses (a context manager with
+    ``add_task``, ``advance``, ``update``), for a terminal or a log."""
+
+    def __init__(self, *columns: ProgressColumn, enabled: bool = True) -> None:
+        self.live = enabled and get_console().is_terminal
+        self.log = enabled and not self.live
+        self.bar = Progress(*columns, transient=True) if self.live else None
+        self.stages: list[_Stage] = []
+
+    def __enter__(self) -> StageProgress:
+        if self.bar is not None:
+            self.bar.__enter__()
+        return self
+
+    def __exit__(self, *exc) -> None:
+        if self.bar is not None:
+            self.bar.__exit__(*exc)
+        elif exc[0] is None:
+            for i, stage in enumerate(self.stages):
+                if not stage.ended:
+                    self._end(i)
+
+    def add_task(self, description: str, total: int | None = None, completed: int = 0) -> int:
+        self.stages.append(_Stage(description, total, completed))
+        if self.bar is not None:
+            return self.bar.add_task(description, total=total, completed=completed)
+        self._say(len(self.stages) - 1, "started")
+        return len(self.stages) - 1
+
+    def advance(self, task: int, advance: int = 1) -> None:
+        self.update(task, completed=self.stages[task].completed + advance)
+
+    def update(self, task: int, completed: int) -> None:
+        stage = self.stages[task]
+        stage.completed = completed
+        if self.bar is not None:
+            self.bar.update(task, completed=completed)
+        elif stage.total is not None and completed >= stage.total:
+            self._end(task)
+        elif time.monotonic() - stage.said >= EVERY:
+            self._say(task, "running")
+
+    def _end(self, task: int) -> None:
+        self.stages[task].ended = True
+        self._say(task, "done")
+
+    def _say(self, task: int, state: str) -> None:
+        if not self.log:
+            return
+        stage = self.stages[task]
+        stage.said = time.monotonic()
+        count = f"{stage.completed}/{stage.total}" if stage.total else f"{stage.completed}"
+        print(f"dynquant: {stage.description}: {state}, {count}, "
+              f"{stage.said - stage.start:.0f} s", file=sys.stderr, flush=True)
