@@ -138,13 +138,13 @@ def _cmd_measure(args: argparse.Namespace) -> int:
                           dtype=args.dtype, second_moments=args.second_moments,
                           moment_seqs=args.moment_seqs, quantizer=args.quantizer,
                           fisher_draws=args.fisher_draws)
-    doc = measure(resolve_model(args.model), opts, args.output, progress=not args.json,
-                  random_init=args.random_init)
+    doc = measure(resolve_model(args.model), opts, args.output,
+                  progress=not (args.json or args.quiet), random_init=args.random_init)
     summary = measure_summary(doc)
     if args.json:
         print(json.dumps({"maps": args.output, **summary}, indent=1))
         return 0
-    for line in summary_lines(summary):
+    for line in [] if args.quiet else summary_lines(summary):
         print(line)
     print(f"maps: {args.output}")
     return 0
@@ -334,11 +334,14 @@ def build_parser() -> argparse.ArgumentParser:
                    help="label draws per sequence for --method fisher (noise ~ sqrt(2 / "
                    "(sequences x draws)); each costs one backward pass)")
     p.add_argument("--second-moments", action="store_true",
-                   help="also write each Linear's X^T X / tokens to OUTPUT_STEM.moments/ (for "
-                   "quantize --quantizer gptq)")
+                   help="also write each Linear's X^T X / tokens (of the float model) to "
+                   "OUTPUT_STEM.moments/ (what measure --quantizer gptq prices with)")
     p.add_argument("--quantizer", choices=("rtn", "gptq"), default="rtn",
-                   help="the quantizer the candidates are priced with (use the same in quantize "
-                   "--widths MAPS:B); gptq implies --second-moments")
+                   help="the quantizer the candidates are priced with: rtn (default; what "
+                   "quantize --quantizer auto uses), gptq (each candidate width compensated "
+                   "on the float model's inputs: about twice the measuring time; implies "
+                   "--second-moments)")
+    p.add_argument("--quiet", action="store_true", help="no progress and no summary")
     p.add_argument("--moment-seqs", type=int, default=48,
                    help="calibration sequences for the second moments (default 48: X^T X needs "
                    "many more tokens than the sensitivities; a forward-only pass of its own)")
