@@ -78,7 +78,7 @@ def test_sequential_gptq_beats_round_to_nearest_at_every_width(tmp_path):
                                1024, "float32")
     for bits in (2, 3, 4, 8):
         ratio = res[f"gptq{bits}"].kl_mean / res[f"rtn{bits}"].kl_mean
-        assert ratio < 0.9, (bits, ratio)  # measured 0.78-0.83 (1,024 calibration tokens)
+        assert ratio < 0.7, (bits, ratio)  # measured 0.38-0.49 (1,024 calibration tokens)
 
 
 def _checkpoint_bytes(path: Path) -> dict[str, bytes]:
