@@ -142,3 +142,17 @@ def test_nothing_is_unpickled():
         assert "import pickle" not in text, path
         if "torch.load(" in text:
             assert "weights_only=True" in text, path
+
+
+def test_every_option_says_what_it_does():
+    """Issue 15: every subcommand's options and positionals carry a help line."""
+    import argparse
+
+    from dynquant.cli import build_parser
+
+    parser = build_parser()
+    sub = next(a for a in parser._actions if isinstance(a, argparse._SubParsersAction))
+    missing = [f"{name} {a.option_strings or a.dest}" for name, p in sub.choices.items()
+               for a in p._actions if not isinstance(a, argparse._HelpAction) and not a.help]
+    assert missing == []
+    assert all(action.help for action in sub._choices_actions)  # one line per command

@@ -254,6 +254,14 @@ def _calibration_options(p: argparse.ArgumentParser) -> None:
                    help="print the result (sizes, predicted KL per budget, warnings) as JSON")
 
 
+def _constraint_options(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--pin", action="append", default=[], metavar="GLOB=BITS",
+                   help="fix the width of matching modules, e.g. 'model.embed_tokens=8'; "
+                   "repeatable")
+    p.add_argument("--min-bits", type=int, help="no module narrower than this")
+    p.add_argument("--max-bits", type=int, help="no module wider than this")
+
+
 def build_parser() -> argparse.ArgumentParser:
     from dynquant import __version__
 
@@ -266,12 +274,14 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--widths", required=True,
                    help="dynquant.json, widths JSON {module: bits}, or MAPS.json:BUDGET (allocated "
                    "from the maps, its predicted KL printed)")
-    p.add_argument("--group-size", type=int, default=128)
+    p.add_argument("--group-size", type=int, default=128,
+                   help="weights per scale/offset pair where --widths gives bare widths "
+                   "(default 128)")
     p.add_argument("--json", action="store_true", help="print the predicted dynquant.json")
     p.set_defaults(func=_cmd_plan)
 
     p = sub.add_parser("inspect", help="summarise a checkpoint or dynquant.json")
-    p.add_argument("checkpoint")
+    p.add_argument("checkpoint", help="checkpoint directory or a bare dynquant.json")
     p.add_argument("--json", action="store_true", help="print the metadata as JSON")
     p.set_defaults(func=_cmd_inspect)
 
@@ -281,7 +291,8 @@ def build_parser() -> argparse.ArgumentParser:
 
     p = sub.add_parser("quantize", help="(measure ->) allocate -> quantize -> write")
     p.add_argument("model", help="model directory, config.json, or preset")
-    p.add_argument("-o", "--output", required=True)
+    p.add_argument("-o", "--output", required=True,
+                   help="checkpoint directory to write (atomically; a killed run resumes)")
     p.add_argument("--widths", help="maps.json[:BUDGET] | dynquant.json | widths.json")
     p.add_argument("--budget", type=float, help="average bits per weight (scale overhead counted)")
     p.add_argument("--uniform", type=int, help="every module at this width (for comparison)")
@@ -290,7 +301,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--calib-seqs", type=int, default=8, help="calibration sequences")
     p.add_argument("--calib-len", type=int, default=256, help="tokens per sequence")
     _calibration_options(p)
-    p.add_argument("--group-size", type=int, default=128)
+    p.add_argument("--group-size", type=int, default=128,
+                   help="weights per scale/offset pair (default 128; smaller: more accurate, "
+                   "0.25 bits per weight more per halving)")
     p.add_argument("--group-sizes", help="allocate group sizes too, e.g. 32,64,128")
     p.add_argument("--quantizer", choices=("auto", "rtn", "gptq"), default="auto",
                    help="how codes are chosen: gptq (error-compensating, block by block over "
@@ -301,35 +314,45 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--gptq-seqs", type=int, default=48,
                    help="calibration windows the gptq pass streams (default 48 x --calib-len "
                    "tokens; cost: about one forward per Linear group over them)")
-    p.add_argument("--pin", action="append", default=[], metavar="GLOB=BITS")
-    p.add_argument("--min-bits", type=int)
-    p.add_argument("--max-bits", type=int)
+    _constraint_options(p)
     p.add_argument("--random-init", action="store_true",
                    help="i.i.d. Gaussian weights, generated module by module (presets)")
-    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--seed", type=int, default=0, help="seed of --random-init's weights")
     p.add_argument("--lm-head", action="store_true",
                    help="quantize an untied lm_head too (lm_head_quantized)")
     p.add_argument("--not-convert", action="append", default=[], metavar="GLOB",
                    help="keep matching modules dense (modules_to_not_convert); repeatable")
-    p.add_argument("--overwrite", action="store_true")
-    p.add_argument("--quiet", action="store_true")
+    p.add_argument("--overwrite", action="store_true",
+                   help="replace an existing checkpoint at --output")
+    p.add_argument("--quiet", action="store_true",
+                   help="no progress, forecast or summary (warnings still print)")
     _dtype_option(p, "float32", "the calibration passes (float32: bf16 noise is of the size "
                   "of the sensitivities)")
     p.set_defaults(func=_cmd_quantize)
 
     p = sub.add_parser("measure", help="errors and sensitivities per module -> maps.json")
-    p.add_argument("model")
-    p.add_argument("-o", "--output", required=True)
+    p.add_argument("model", help="model directory, config.json, or preset")
+    p.add_argument("-o", "--output", required=True,
+                   help="maps.json to write (statistics beside it; a killed run resumes)")
     p.add_argument("--calib", action="append", default=[],
                    help="calibration text file(s) (default: the English text dynquant ships)")
-    p.add_argument("--calib-seqs", type=int, default=8)
-    p.add_argument("--calib-len", type=int, default=256)
+    p.add_argument("--calib-seqs", type=int, default=8,
+                   help="calibration sequences for the statistics and sensitivities (default 8; "
+                   "cost: linear in them)")
+    p.add_argument("--calib-len", type=int, default=256,
+                   help="tokens per calibration sequence (default 256)")
     _calibration_options(p)
-    p.add_argument("--widths", default="2,3,4,8")
-    p.add_argument("--group-sizes", default="128")
-    p.add_argument("--budgets", default="2.5,3,3.25,3.5,4.25")
-    p.add_argument("--not-convert", action="append", default=[], metavar="GLOB")
-    p.add_argument("--random-init", action="store_true")
+    p.add_argument("--widths", default="2,3,4,8",
+                   help="candidate widths per module (default 2,3,4,8)")
+    p.add_argument("--group-sizes", default="128",
+                   help="candidate group sizes (default 128; each one more set of candidates)")
+    p.add_argument("--budgets", default="2.5,3,3.25,3.5,4.25",
+                   help="budgets (average bits) pre-allocated into maps.json (default "
+                   "2.5,3,3.25,3.5,4.25)")
+    p.add_argument("--not-convert", action="append", default=[], metavar="GLOB",
+                   help="keep matching modules dense (not measured); repeatable")
+    p.add_argument("--random-init", action="store_true",
+                   help="i.i.d. Gaussian weights (presets): data-free only")
     p.add_argument("--fisher-draws", type=int, default=2,
                    help="label draws per sequence for --method fisher (noise ~ sqrt(2 / "
                    "(sequences x draws)); each costs one backward pass)")
@@ -350,22 +373,22 @@ def build_parser() -> argparse.ArgumentParser:
     p.set_defaults(func=_cmd_measure)
 
     p = sub.add_parser("allocate", help="widths for a budget from maps.json (exact optimum)")
-    p.add_argument("maps")
-    p.add_argument("--budget", type=float)
-    p.add_argument("--uniform", type=int)
-    p.add_argument("--group-sizes")
-    p.add_argument("--pin", action="append", default=[], metavar="GLOB=BITS")
-    p.add_argument("--min-bits", type=int)
-    p.add_argument("--max-bits", type=int)
-    p.add_argument("-o", "--output")
+    p.add_argument("maps", help="maps.json of dynquant measure")
+    p.add_argument("--budget", type=float,
+                   help="average bits per weight, scale overhead counted (exact MILP, HiGHS)")
+    p.add_argument("--uniform", type=int, help="every module at this width instead")
+    p.add_argument("--group-sizes", help="group sizes allowed, e.g. 64,128 (default: all measured)")
+    _constraint_options(p)
+    p.add_argument("-o", "--output", help="widths JSON to write (default: print a table)")
     p.set_defaults(func=_cmd_allocate)
 
     p = sub.add_parser("generate", help="complete a prompt with a checkpoint (streams tokens)")
-    p.add_argument("checkpoint")
-    p.add_argument("--prompt", required=True)
-    p.add_argument("--max-new-tokens", type=int, default=64)
+    p.add_argument("checkpoint", help="dynquant checkpoint directory")
+    p.add_argument("--prompt", required=True, help="the text to continue")
+    p.add_argument("--max-new-tokens", type=int, default=64,
+                   help="tokens to generate (default 64)")
     p.add_argument("--temperature", type=float, default=0.0, help="0 = greedy (default)")
-    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--seed", type=int, default=0, help="sampling seed (default 0)")
     _dtype_option(p, "auto", "the model")
     p.set_defaults(func=_cmd_generate)
 
@@ -373,14 +396,17 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("model", help="dynquant checkpoint or transformers model folder")
     p.add_argument("--base", required=True, help="the reference model (checkpoint or folder)")
     p.add_argument("--text", required=True, help="a plain text file")
-    p.add_argument("--ctx", type=int, default=512)
-    p.add_argument("--max-tokens", type=int, default=None)
-    p.add_argument("--json", action="store_true")
+    p.add_argument("--ctx", type=int, default=512,
+                   help="tokens per evaluation window (default 512)")
+    p.add_argument("--max-tokens", type=int, default=None,
+                   help="evaluate at most this many tokens of --text (default: all)")
+    p.add_argument("--json", action="store_true", help="print the result as JSON")
     _dtype_option(p, "auto", "both models")
     p.set_defaults(func=_cmd_eval)
 
     p = sub.add_parser("demo", help="the main job on the bundled default")
-    p.add_argument("-o", "--output", default="out/demo")
+    p.add_argument("-o", "--output", default="out/demo",
+                   help="where the checkpoints, table and plot go (default out/demo)")
     _dtype_option(p, "auto", "the evaluations and the sample")
     p.set_defaults(func=_cmd_demo)
     return parser
