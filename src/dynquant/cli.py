@@ -379,7 +379,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--uniform", type=int, help="every module at this width instead")
     p.add_argument("--group-sizes", help="group sizes allowed, e.g. 64,128 (default: all measured)")
     _constraint_options(p)
-    p.add_argument("-o", "--output", help="widths JSON to write (default: print a table)")
+    p.add_argument("-o", "--output", help="widths JSON to write (default: print it)")
     p.set_defaults(func=_cmd_allocate)
 
     p = sub.add_parser("generate", help="complete a prompt with a checkpoint (streams tokens)")
