@@ -156,3 +156,26 @@ def test_every_option_says_what_it_does():
                for a in p._actions if not isinstance(a, argparse._HelpAction) and not a.help]
     assert missing == []
     assert all(action.help for action in sub._choices_actions)  # one line per command
+
+
+def test_readme_use_and_help_agree():
+    """The README's "Use" block names the commands in --help's order, with options they have."""
+    import argparse
+    import shlex
+    from pathlib import Path
+
+    from dynquant.cli import build_parser
+
+    readme = (Path(__file__).parents[1] / "README.md").read_text()
+    use = readme.split("## Use", 1)[1].split("```python", 1)[0]
+    lines = [shlex.split(line.split("  #")[0]) for line in use.splitlines()
+             if line.startswith("dynquant ")]
+    parser = build_parser()
+    sub = next(a for a in parser._actions if isinstance(a, argparse._SubParsersAction))
+    seen = list(dict.fromkeys(words[1] for words in lines))
+    assert seen == [c for c in sub.choices if c != "demo"]  # demo: `make demo`, README Set-up
+    for words in lines:
+        options = {o for a in sub.choices[words[1]]._actions for o in a.option_strings}
+        used = {w for w in words[2:] if w.startswith("-")}
+        assert used <= options, (words, used - options)
+    assert "make demo" in readme

@@ -269,6 +269,7 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--version", action="version", version=f"dynquant {__version__}")
     sub = parser.add_subparsers(dest="command", required=True)
 
+    # in pipeline order: what --help lists and the README's "Use" follows
     p = sub.add_parser("plan", help="predicted layers table and accounting, touching no weight")
     p.add_argument("model", help="model directory, config.json, or preset (seed, tiny, small)")
     p.add_argument("--widths", required=True,
@@ -279,56 +280,6 @@ def build_parser() -> argparse.ArgumentParser:
                    "(default 128)")
     p.add_argument("--json", action="store_true", help="print the predicted dynquant.json")
     p.set_defaults(func=_cmd_plan)
-
-    p = sub.add_parser("inspect", help="summarise a checkpoint or dynquant.json")
-    p.add_argument("checkpoint", help="checkpoint directory or a bare dynquant.json")
-    p.add_argument("--json", action="store_true", help="print the metadata as JSON")
-    p.set_defaults(func=_cmd_inspect)
-
-    p = sub.add_parser("validate", help="check a checkpoint (exit 1 with one line per problem)")
-    p.add_argument("checkpoint", help="checkpoint directory or a bare dynquant.json")
-    p.set_defaults(func=_cmd_validate)
-
-    p = sub.add_parser("quantize", help="(measure ->) allocate -> quantize -> write")
-    p.add_argument("model", help="model directory, config.json, or preset")
-    p.add_argument("-o", "--output", required=True,
-                   help="checkpoint directory to write (atomically; a killed run resumes)")
-    p.add_argument("--widths", help="maps.json[:BUDGET] | dynquant.json | widths.json")
-    p.add_argument("--budget", type=float, help="average bits per weight (scale overhead counted)")
-    p.add_argument("--uniform", type=int, help="every module at this width (for comparison)")
-    p.add_argument("--calib", action="append", default=[],
-                   help="calibration text file(s) (default: the English text dynquant ships)")
-    p.add_argument("--calib-seqs", type=int, default=8, help="calibration sequences")
-    p.add_argument("--calib-len", type=int, default=256, help="tokens per sequence")
-    _calibration_options(p)
-    p.add_argument("--group-size", type=int, default=128,
-                   help="weights per scale/offset pair (default 128; smaller: more accurate, "
-                   "0.25 bits per weight more per halving)")
-    p.add_argument("--group-sizes", help="allocate group sizes too, e.g. 32,64,128")
-    p.add_argument("--quantizer", choices=("auto", "rtn", "gptq"), default="auto",
-                   help="how codes are chosen: gptq (error-compensating, block by block over "
-                   "the quantized model's own activations on --gptq-seqs calibration windows; "
-                   "Linears, expert banks and the output head; an untied input embedding rtn), "
-                   "rtn (round-to-nearest with a clip search), auto (default: gptq when "
-                   "calibrating on text, rtn data-free)")
-    p.add_argument("--gptq-seqs", type=int, default=48,
-                   help="calibration windows the gptq pass streams (default 48 x --calib-len "
-                   "tokens; cost: about one forward per Linear group over them)")
-    _constraint_options(p)
-    p.add_argument("--random-init", action="store_true",
-                   help="i.i.d. Gaussian weights, generated module by module (presets)")
-    p.add_argument("--seed", type=int, default=0, help="seed of --random-init's weights")
-    p.add_argument("--lm-head", action="store_true",
-                   help="quantize an untied lm_head too (lm_head_quantized)")
-    p.add_argument("--not-convert", action="append", default=[], metavar="GLOB",
-                   help="keep matching modules dense (modules_to_not_convert); repeatable")
-    p.add_argument("--overwrite", action="store_true",
-                   help="replace an existing checkpoint at --output")
-    p.add_argument("--quiet", action="store_true",
-                   help="no progress, forecast or summary (warnings still print)")
-    _dtype_option(p, "float32", "the calibration passes (float32: bf16 noise is of the size "
-                  "of the sensitivities)")
-    p.set_defaults(func=_cmd_quantize)
 
     p = sub.add_parser("measure", help="errors and sensitivities per module -> maps.json")
     p.add_argument("model", help="model directory, config.json, or preset")
@@ -382,15 +333,55 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("-o", "--output", help="widths JSON to write (default: print it)")
     p.set_defaults(func=_cmd_allocate)
 
-    p = sub.add_parser("generate", help="complete a prompt with a checkpoint (streams tokens)")
-    p.add_argument("checkpoint", help="dynquant checkpoint directory")
-    p.add_argument("--prompt", required=True, help="the text to continue")
-    p.add_argument("--max-new-tokens", type=int, default=64,
-                   help="tokens to generate (default 64)")
-    p.add_argument("--temperature", type=float, default=0.0, help="0 = greedy (default)")
-    p.add_argument("--seed", type=int, default=0, help="sampling seed (default 0)")
-    _dtype_option(p, "auto", "the model")
-    p.set_defaults(func=_cmd_generate)
+    p = sub.add_parser("quantize", help="(measure ->) allocate -> quantize -> write")
+    p.add_argument("model", help="model directory, config.json, or preset")
+    p.add_argument("-o", "--output", required=True,
+                   help="checkpoint directory to write (atomically; a killed run resumes)")
+    p.add_argument("--widths", help="maps.json[:BUDGET] | dynquant.json | widths.json")
+    p.add_argument("--budget", type=float, help="average bits per weight (scale overhead counted)")
+    p.add_argument("--uniform", type=int, help="every module at this width (for comparison)")
+    p.add_argument("--calib", action="append", default=[],
+                   help="calibration text file(s) (default: the English text dynquant ships)")
+    p.add_argument("--calib-seqs", type=int, default=8, help="calibration sequences")
+    p.add_argument("--calib-len", type=int, default=256, help="tokens per sequence")
+    _calibration_options(p)
+    p.add_argument("--group-size", type=int, default=128,
+                   help="weights per scale/offset pair (default 128; smaller: more accurate, "
+                   "0.25 bits per weight more per halving)")
+    p.add_argument("--group-sizes", help="allocate group sizes too, e.g. 32,64,128")
+    p.add_argument("--quantizer", choices=("auto", "rtn", "gptq"), default="auto",
+                   help="how codes are chosen: gptq (error-compensating, block by block over "
+                   "the quantized model's own activations on --gptq-seqs calibration windows; "
+                   "Linears, expert banks and the output head; an untied input embedding rtn), "
+                   "rtn (round-to-nearest with a clip search), auto (default: gptq when "
+                   "calibrating on text, rtn data-free)")
+    p.add_argument("--gptq-seqs", type=int, default=48,
+                   help="calibration windows the gptq pass streams (default 48 x --calib-len "
+                   "tokens; cost: about one forward per Linear group over them)")
+    _constraint_options(p)
+    p.add_argument("--random-init", action="store_true",
+                   help="i.i.d. Gaussian weights, generated module by module (presets)")
+    p.add_argument("--seed", type=int, default=0, help="seed of --random-init's weights")
+    p.add_argument("--lm-head", action="store_true",
+                   help="quantize an untied lm_head too (lm_head_quantized)")
+    p.add_argument("--not-convert", action="append", default=[], metavar="GLOB",
+                   help="keep matching modules dense (modules_to_not_convert); repeatable")
+    p.add_argument("--overwrite", action="store_true",
+                   help="replace an existing checkpoint at --output")
+    p.add_argument("--quiet", action="store_true",
+                   help="no progress, forecast or summary (warnings still print)")
+    _dtype_option(p, "float32", "the calibration passes (float32: bf16 noise is of the size "
+                  "of the sensitivities)")
+    p.set_defaults(func=_cmd_quantize)
+
+    p = sub.add_parser("inspect", help="summarise a checkpoint or dynquant.json")
+    p.add_argument("checkpoint", help="checkpoint directory or a bare dynquant.json")
+    p.add_argument("--json", action="store_true", help="print the metadata as JSON")
+    p.set_defaults(func=_cmd_inspect)
+
+    p = sub.add_parser("validate", help="check a checkpoint (exit 1 with one line per problem)")
+    p.add_argument("checkpoint", help="checkpoint directory or a bare dynquant.json")
+    p.set_defaults(func=_cmd_validate)
 
     p = sub.add_parser("eval", help="perplexity and KL(base || model) on a text")
     p.add_argument("model", help="dynquant checkpoint or transformers model folder")
@@ -403,6 +394,16 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--json", action="store_true", help="print the result as JSON")
     _dtype_option(p, "auto", "both models")
     p.set_defaults(func=_cmd_eval)
+
+    p = sub.add_parser("generate", help="complete a prompt with a checkpoint (streams tokens)")
+    p.add_argument("checkpoint", help="dynquant checkpoint directory")
+    p.add_argument("--prompt", required=True, help="the text to continue")
+    p.add_argument("--max-new-tokens", type=int, default=64,
+                   help="tokens to generate (default 64)")
+    p.add_argument("--temperature", type=float, default=0.0, help="0 = greedy (default)")
+    p.add_argument("--seed", type=int, default=0, help="sampling seed (default 0)")
+    _dtype_option(p, "auto", "the model")
+    p.set_defaults(func=_cmd_generate)
 
     p = sub.add_parser("demo", help="the main job on the bundled default")
     p.add_argument("-o", "--output", default="out/demo",
