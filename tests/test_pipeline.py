@@ -94,20 +94,34 @@ def test_uniform_pins_and_unreachable_budget(tmp_path, capsys):
     assert not (tmp_path / "x").exists()
 
 
+KILLING = """
+import os, signal, sys
+from dynquant.pipeline import quantize as q
+real = q.quantize_model
+
+def killing(*args, **kwargs):
+    def hook(index):
+        if {kill_after} and index + 1 >= {kill_after}:
+            os.kill(os.getpid(), signal.SIGKILL)
+    return real(*args, on_tensor=hook, **kwargs)
+
+q.quantize_model = killing
+from dynquant.cli import main
+sys.exit(main(["quantize", "tiny", "--random-init", "--uniform", "4", "-o", {out!r}, "--quiet"]))
+"""
+
+
 def test_killed_quantize_resumes_to_identical_bytes(tmp_path):
     import hashlib
-    import os
     import signal
     import subprocess
     import sys
 
     def run(out, kill_after=None):
-        env = dict(os.environ)
-        if kill_after:
-            env["DYNQUANT_KILL_AFTER"] = str(kill_after)
-        return subprocess.run([sys.executable, "-m", "dynquant", "quantize", "tiny",
-                               "--random-init", "--uniform", "4", "-o", str(out), "--quiet"],
-                              env=env, capture_output=True)
+        # the killed run: quantize_model's on_tensor hook sends SIGKILL once tensor
+        # ``kill_after`` is in the resume store (from outside the production loop)
+        script = KILLING.format(kill_after=kill_after or 0, out=str(out))
+        return subprocess.run([sys.executable, "-c", script], capture_output=True)
 
     killed = run(tmp_path / "a", kill_after=20)
     assert killed.returncode == -signal.SIGKILL

@@ -2,9 +2,7 @@
 
 from __future__ import annotations
 
-import os
 import shutil
-import signal
 import sys
 import tempfile
 from collections.abc import Callable, Mapping, Sequence
@@ -51,9 +49,12 @@ def quantize_model(
     calibration: dict | None = None,
     extra_files: Sequence[Path] = (),
     progress: bool = True,
+    on_tensor: Callable[[int], None] | None = None,
 ) -> dict:
     """Quantize every quantizable tensor of ``source`` with ``widths``; returns the metadata.
-    Codes by ``chooser`` (default: round-to-nearest weighted by ``importance``)."""
+    Codes by ``chooser`` (default: round-to-nearest weighted by ``importance``). ``on_tensor``
+    is told the index of each tensor once it is in the resume store (progress hooks, and the
+    test that kills a run at a chosen tensor)."""
     specs = source.tensor_specs(lm_head_quantized)
     plan = plan_document(specs, widths, model=source.name, group_size=group_size,
                          tied=source.tied, modules_to_not_convert=modules_to_not_convert,
@@ -67,7 +68,6 @@ def quantize_model(
                               "not_convert": sorted(modules_to_not_convert),
                               "random_init": random_init, "seed": seed,
                               "codes": chooser.digest(), "version": md.core_version()})
-    kill_after = int(os.environ.get("DYNQUANT_KILL_AFTER", "0"))  # tests: a real kill -9
     weights = weight_source(source, random_init, seed)
     try:
         if chooser.sequential is not None:
@@ -79,8 +79,8 @@ def quantize_model(
                 _quantize_one(index, spec, store, writer, weights, plan, widths, group_size,
                               chooser)
                 bar.update(task, completed=index + 1)
-                if kill_after and index + 1 >= kill_after:
-                    os.kill(os.getpid(), signal.SIGKILL)
+                if on_tensor is not None:
+                    on_tensor(index)
     finally:
         weights.close()
     side = [] if source.directory is None else [
