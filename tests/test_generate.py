@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import re
+
 import torch
 
 from dynquant.cli import main
@@ -26,8 +28,13 @@ def test_generate_streams_the_greedy_completion(tmp_path, capsys):
     printed = captured.out
     assert printed.startswith("Once upon a time")  # the text alone; what runs is on stderr
     assert "\n[compute dtype float32 (CPU " in "\n" + captured.err
+    # llama.cpp's three: prefill and decode speed, resident weights
+    assert re.search(r"^\[prefill \d+ tokens [\d.]+ tok/s; decode \d+ tokens [\d.]+ tok/s; "
+                     r"weights [\d.]+ MiB resident\]$", captured.err, re.M), captured.err
 
-    completion = generate_text(tmp_path / "q", "Once upon a time", 6, stream=False)
+    stats = []
+    completion = generate_text(tmp_path / "q", "Once upon a time", 6, stream=False,
+                               stats=stats)
     tok = load_tokenizer(tmp_path / "q")
     ids = tok("Once upon a time", return_tensors="pt").input_ids
     with torch.no_grad():
@@ -35,6 +42,32 @@ def test_generate_streams_the_greedy_completion(tmp_path, capsys):
                                                         pad_token_id=tok.eos_token_id)
     assert completion == tok.decode(ref[0, ids.shape[1]:], skip_special_tokens=True)
     assert printed.strip().endswith(completion.strip())
+    new = ref.shape[1] - ids.shape[1]
+    assert (stats[0].prompt_tokens, stats[0].new_tokens) == (ids.shape[1], new)
+    assert stats[0].prefill_s > 0 and stats[0].weight_nbytes > 0
+
+
+def test_chat_uses_the_models_template(tmp_path, capsys):
+    import json
+
+    src = save_tiny_model("llama", tmp_path / "src")
+    save_tiny_tokenizer(src)
+    source = resolve_model(str(src))
+    quantize_model(source, {s.module: 8 for s in source.tensor_specs() if s.quantizable},
+                   tmp_path / "q", progress=False)
+    args = ["generate", str(tmp_path / "q"), "--prompt", "hi", "--max-new-tokens", "2", "--chat"]
+    capsys.readouterr()
+    assert main(args) == 2  # no template: one line
+    err = capsys.readouterr().err
+    assert "chat template" in err and err.count("\n") == 1
+    config = tmp_path / "q" / "tokenizer_config.json"
+    doc = json.loads(config.read_text())
+    doc["chat_template"] = "{% for m in messages %}<user>{{ m['content'] }}{% endfor %}<bot>"
+    config.write_text(json.dumps(doc))
+    stats = []
+    generate_text(tmp_path / "q", "hi", 2, stream=False, chat=True, stats=stats)
+    tok = load_tokenizer(tmp_path / "q")
+    assert stats[0].prompt_tokens == len(tok("<user>hi<bot>")["input_ids"])
 
 
 def test_generate_without_tokenizer_is_a_clear_error(tmp_path, capsys):

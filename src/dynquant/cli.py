@@ -195,7 +195,7 @@ def _cmd_generate(args: argparse.Namespace) -> int:
     from dynquant.pipeline.generate import generate_text
 
     generate_text(args.checkpoint, args.prompt, args.max_new_tokens, args.temperature, args.seed,
-                  dtype=args.dtype)
+                  dtype=args.dtype, chat=args.chat)
     return 0
 
 
@@ -402,6 +402,9 @@ def build_parser() -> argparse.ArgumentParser:
                    help="tokens to generate (default 64)")
     p.add_argument("--temperature", type=float, default=0.0, help="0 = greedy (default)")
     p.add_argument("--seed", type=int, default=0, help="sampling seed (default 0)")
+    p.add_argument("--chat", action="store_true",
+                   help="the prompt is one user turn through the model's chat template "
+                   "(instruct models)")
     _dtype_option(p, "auto", "the model")
     p.set_defaults(func=_cmd_generate)
 
