@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import math
+from pathlib import Path
 
 import pytest
 
@@ -169,3 +170,29 @@ def test_calibration_text_errors(tmp_path, capsys):
                      str(tmp_path / "m.json")]) == 2
         err = capsys.readouterr().err
         assert needle in err and err.count("\n") == 1
+
+
+def test_hub_names_resolve_from_the_local_cache(tmp_path, monkeypatch, capsys):
+    """Issue 15: org/name from the Hugging Face cache, no network; the revision in provenance;
+    one line naming the cache when the model is not there."""
+    import shutil
+
+    commit = "0123456789abcdef" * 2 + "01234567"
+    repo = tmp_path / "hub" / "models--acme--tiny-llama"
+    snapshot = repo / "snapshots" / commit
+    shutil.copytree(Path(__file__).parents[1] / "models" / "llama-ref", snapshot)
+    (repo / "refs").mkdir()
+    (repo / "refs" / "main").write_text(commit)
+    monkeypatch.setenv("HF_HUB_CACHE", str(tmp_path / "hub"))
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    out = tmp_path / "q"
+    assert main(["quantize", "acme/tiny-llama", "--uniform", "4", "--no-calib", "-o", str(out),
+                 "--quiet"]) == 0
+    doc = json.loads((out / "dynquant.json").read_text())
+    assert doc["provenance"]["model"] == f"acme/tiny-llama@{commit}"
+    assert main(["quantize", f"acme/tiny-llama@{commit}", "--uniform", "4", "--no-calib", "-o",
+                 str(tmp_path / "q2"), "--quiet"]) == 0
+    capsys.readouterr()
+    assert main(["plan", "acme/absent", "--widths", str(out / "dynquant.json")]) == 2
+    err = capsys.readouterr().err
+    assert "acme/absent" in err and str(tmp_path / "hub") in err and err.count("\n") == 1

@@ -271,7 +271,8 @@ def build_parser() -> argparse.ArgumentParser:
 
     # in pipeline order: what --help lists and the README's "Use" follows
     p = sub.add_parser("plan", help="predicted layers table and accounting, touching no weight")
-    p.add_argument("model", help="model directory, config.json, or preset (seed, tiny, small)")
+    p.add_argument("model", help="model directory, config.json, preset (seed, tiny, small), or hub "
+                   "name in the local Hugging Face cache")
     p.add_argument("--widths", required=True,
                    help="dynquant.json, widths JSON {module: bits}, or MAPS.json:BUDGET (allocated "
                    "from the maps, its predicted KL printed)")
@@ -282,7 +283,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.set_defaults(func=_cmd_plan)
 
     p = sub.add_parser("measure", help="errors and sensitivities per module -> maps.json")
-    p.add_argument("model", help="model directory, config.json, or preset")
+    p.add_argument("model", help="model directory, config.json, preset, or hub name (org/name[@rev]) "
+                   "already in the local Hugging Face cache")
     p.add_argument("-o", "--output", required=True,
                    help="maps.json to write (statistics beside it; a killed run resumes)")
     p.add_argument("--calib", action="append", default=[],
@@ -334,7 +336,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.set_defaults(func=_cmd_allocate)
 
     p = sub.add_parser("quantize", help="(measure ->) allocate -> quantize -> write")
-    p.add_argument("model", help="model directory, config.json, or preset")
+    p.add_argument("model", help="model directory, config.json, preset, or hub name (org/name[@rev]) "
+                   "already in the local Hugging Face cache")
     p.add_argument("-o", "--output", required=True,
                    help="checkpoint directory to write (atomically; a killed run resumes)")
     p.add_argument("--widths", help="maps.json[:BUDGET] | dynquant.json | widths.json")

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import re
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -44,13 +45,19 @@ class ModelSource:
         return {}
 
 
+HUB_NAME = re.compile(r"^[\w.-]+/[\w.-]+(@[\w.-]+)?$")
+
+
 def resolve_model(model: str) -> ModelSource:
-    """A preset name, a directory holding config.json, or a config.json file."""
+    """A preset name, a directory holding config.json, a config.json file, or a hub name
+    (``org/name[@revision]``) already in the local Hugging Face cache."""
     register()
     path = Path(model)
     if not path.exists():
         if model in PRESETS:
             return ModelSource(model, preset_config(model), None)
+        if HUB_NAME.match(model):
+            return _from_hub_cache(model)
         raise ModelError(f"no such model directory, config.json or preset "
                          f"(presets: {', '.join(PRESETS)})", file=model)
     directory = path if path.is_dir() else path.parent
@@ -62,3 +69,26 @@ def resolve_model(model: str) -> ModelSource:
     except (ValueError, OSError, KeyError) as exc:
         raise ModelError(f"cannot read the model config ({exc})", file=str(cfg_file)) from exc
     return ModelSource(model, config, directory if os.path.isdir(directory) else None)
+
+
+def _from_hub_cache(name: str) -> ModelSource:
+    """``org/name[@revision]`` from the local Hugging Face cache only (no network): the
+    snapshot folder of that revision (default ``main``), named ``org/name@COMMIT`` so that
+    provenance pins what was quantized."""
+    from huggingface_hub import constants, snapshot_download
+    from huggingface_hub.errors import LocalEntryNotFoundError
+
+    repo, _, revision = name.partition("@")
+    home = os.environ.get("HF_HOME")  # read now: huggingface_hub read it at its import
+    cache = os.environ.get("HF_HUB_CACHE") or (
+        os.path.join(home, "hub") if home else constants.HF_HUB_CACHE)
+    try:
+        folder = Path(snapshot_download(repo, revision=revision or None, cache_dir=cache,
+                                        local_files_only=True))
+    except (LocalEntryNotFoundError, FileNotFoundError, ValueError) as exc:
+        raise ModelError(f"not a local path or preset, and not in the Hugging Face cache "
+                         f"{cache} (download it first, e.g. `hf download {repo}`)",
+                         file=name) from exc
+    source = resolve_model(str(folder))
+    source.name = f"{repo}@{folder.name}"
+    return source
