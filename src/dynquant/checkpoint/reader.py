@@ -12,7 +12,7 @@ from dynquant.errors import CheckpointError
 from dynquant.format import metadata as md
 from dynquant.format.layout import LayerLayout, tensor_names
 from dynquant.format.safetensors_header import read_header
-from dynquant.format.validate import load_metadata, validate_checkpoint
+from dynquant.format.validate import load_metadata, read_checkpoint
 from dynquant.numerics.quantizer import QuantizedTensor
 
 
@@ -21,20 +21,21 @@ class Checkpoint:
 
     def __init__(self, path: str | Path, *, validate: bool = True) -> None:
         self.path = Path(path)
-        meta_path = str(self.path / md.METADATA_FILE)
-        if validate:
-            problems = validate_checkpoint(str(self.path))
+        if validate:  # the metadata and every header, read once for the checks and for us
+            doc, tensors, problems = read_checkpoint(str(self.path))
             if problems:
                 raise problems[0]
-        self.metadata: dict = load_metadata(meta_path)
+            self.metadata: dict = doc
+            self._where = {name: os.path.relpath(info.file, self.path)
+                           for name, info in tensors.items()}
+        else:
+            self.metadata = load_metadata(str(self.path / md.METADATA_FILE))
+            self._where = {name: f for f in self.metadata["files"]
+                           for name in read_header(os.path.join(self.path, f))}
         self.layers: dict[str, LayerLayout] = {
             name: LayerLayout.create(e["logical_shape"], e["bits"], e["group_size"], module=name)
             for name, e in self.metadata["layers"].items()
         }
-        self._where: dict[str, str] = {}
-        for f in self.metadata["files"]:
-            for name in read_header(os.path.join(self.path, f)):
-                self._where[name] = f
         self._handles: dict[str, object] = {}
 
     @property

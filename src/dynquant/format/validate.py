@@ -233,23 +233,30 @@ def _read_tensors(c: _Checker, root: str, files: list[str]) -> dict[str, TensorI
 
 def validate_checkpoint(path: str) -> Problems:
     """Every problem of a checkpoint directory (or of a bare metadata JSON file)."""
+    return read_checkpoint(path)[2]
+
+
+def read_checkpoint(path: str) -> tuple[dict | None, dict[str, TensorInfo], Problems]:
+    """A checkpoint's metadata, every tensor's place (each file's header parsed once), and
+    every problem: what both ``validate`` and a reader need."""
     if not os.path.isdir(path):
         try:
-            return validate_metadata(load_metadata(path), path)
+            doc = load_metadata(path)
         except CheckpointError as exc:
-            return [exc]
+            return None, {}, [exc]
+        return doc, {}, validate_metadata(doc, path)
     meta_path = os.path.join(path, md.METADATA_FILE)
     try:
         doc = load_metadata(meta_path)
     except CheckpointError as exc:
-        return [exc]
+        return None, {}, [exc]
     problems = validate_metadata(doc, meta_path)
     if problems:
-        return problems  # tensor checks need a sound document
+        return doc, {}, problems  # tensor checks need a sound document
     c = _Checker(meta_path)
     tensors = _read_tensors(c, path, doc["files"])
     if c.problems:
-        return c.problems
+        return doc, tensors, c.problems
     quantized: set[str] = set()
     for name, e in doc["layers"].items():
         lay = LayerLayout.create(e["logical_shape"], e["bits"], e["group_size"])
@@ -263,7 +270,7 @@ def validate_checkpoint(path: str) -> Problems:
              f"dense tensors hold {dense} bytes, accounting says "
              f"{doc['accounting']['dense_nbytes']}", "accounting", "dense_nbytes")
     _check_config(c, path, doc)
-    return c.problems
+    return doc, tensors, c.problems
 
 
 def _check_config(c: _Checker, root: str, doc: dict) -> None:
