@@ -215,41 +215,54 @@ class Widths:
 
 
 def resolve_widths(source: ModelSource, req: QuantizeRequest, workdir: Path) -> Widths:
+    """The widths a quantize request asks for: given as a widths file, or allocated (uniform
+    or at a budget) from a maps document, measured now when none is given."""
     from dynquant.format.widths_file import load_widths
-    from dynquant.pipeline.allocate import Constraints, allocate_widths, parse_pins
-    from dynquant.pipeline.allocate import uniform_widths as uniform
-    from dynquant.pipeline.measure import maps_modules
 
     if req.widths is not None and not is_maps(req.widths):
         return Widths(dict(load_widths(req.widths)), "manual", req.widths)
     if req.widths is None and req.budget is None and req.uniform is None:
         raise DynquantError("give --widths, --budget or --uniform", field="widths")
     maps, maps_path, budget = _maps_for(source, req, workdir)
+    widths, allocator, tag = _allocate(req, maps, maps_path, budget)
+    measured_now = req.widths is None
+    importance, stats_path = _statistics(maps, maps_path)
+    files = [] if not measured_now else [maps_path, *([stats_path] if stats_path else [])]
+    where = maps_path.name if measured_now else str(maps_path)
+    return Widths(widths, allocator, f"{where} [{tag}]", importance, files,
+                  maps.get("calibration"), maps.get("quantizer", "rtn"))
+
+
+def _allocate(req: QuantizeRequest, maps: dict, maps_path: Path, budget: float | None
+              ) -> tuple[dict, str, str]:
+    """(widths, allocator, tag): uniform, or the sensitivity allocation at ``budget`` (its
+    forecast told before anything is written)."""
+    from dynquant.pipeline.allocate import Constraints, allocate_widths, parse_pins
+    from dynquant.pipeline.allocate import uniform_widths as uniform
+    from dynquant.pipeline.measure import maps_modules
+
     cons = Constraints(pins=parse_pins(req.pins), min_bits=req.min_bits,
                        max_bits=req.max_bits, group_sizes=req.group_sizes)
+    modules = maps_modules(maps)
     if req.uniform is not None:
-        alloc = uniform(maps_modules(maps), req.uniform, req.group_size, cons)
-        allocator, tag = "uniform", f"uniform {req.uniform}"
-    elif budget is None:
+        alloc = uniform(modules, req.uniform, req.group_size, cons)
+        return dict(alloc.widths), "uniform", f"uniform {req.uniform}"
+    if budget is None:
         raise DynquantError("maps.json needs a budget (PATH:BUDGET or --budget)",
                             file=str(maps_path), field="budget")
-    else:
-        modules = maps_modules(maps)
-        alloc = allocate_widths(modules, budget, cons)
-        allocator, tag = "sensitivity", f"{budget}"
-        _report(req, forecast(maps, modules, budget, cons, alloc))
-    measured_now = req.widths is None
-    files = [maps_path] if measured_now else []
-    importance = None
-    if maps.get("stats"):
-        from safetensors.torch import load_file
+    alloc = allocate_widths(modules, budget, cons)
+    _report(req, forecast(maps, modules, budget, cons, alloc))
+    return dict(alloc.widths), "sensitivity", f"{budget}"
 
-        stats_path = maps_path.parent / maps["stats"]  # recorded beside maps.json
-        importance = load_file(stats_path)
-        files += [stats_path] if measured_now else []
-    where = maps_path.name if measured_now else str(maps_path)
-    return Widths(dict(alloc.widths), allocator, f"{where} [{tag}]", importance, files,
-                  maps.get("calibration"), maps.get("quantizer", "rtn"))
+
+def _statistics(maps: dict, maps_path: Path) -> tuple[dict | None, Path | None]:
+    """The calibration statistics the maps recorded beside themselves, and their path."""
+    if not maps.get("stats"):
+        return None, None
+    from safetensors.torch import load_file
+
+    stats_path = maps_path.parent / maps["stats"]
+    return load_file(stats_path), stats_path
 
 
 def auto_quantizer(source: ModelSource, req: QuantizeRequest, record: dict | None) -> str:
