@@ -144,26 +144,17 @@ def _head(stream: BlockStream, final: list[torch.Tensor], specs: list[TensorSpec
     module = stream.source.tied.get(name, name)
     if module not in index or _finished(store, index[module]) is not None:
         return 0
-    width = head.in_features
-    total, count = torch.zeros(width, width), 0
-
-    def hook(_mod, inputs):
-        nonlocal count
-        x = inputs[0].detach().float().reshape(-1, width)
-        total.addmm_(x.T, x)
-        count += x.shape[0]
-        raise _GroupDone
-
+    moments = _InputMoments(head.in_features)
     parts = stream.head_modules()
     for n, m in parts:
         stream.materialize(m, n)
-    handle = head.register_forward_pre_hook(hook)
+    handle = head.register_forward_pre_hook(moments.hook)
     try:
         with torch.no_grad():
             for h, ids in zip(final, stream.chunks(), strict=True):
                 with contextlib.suppress(_GroupDone):
                     stream.head_logits(h.to(stream.dtype), ids)
-        qt = gptq_quantize(head.weight.data.float(), total / max(count, 1), *choice(module))
+        qt = gptq_quantize(head.weight.data.float(), moments.mean(), *choice(module))
     finally:
         handle.remove()
         for _, m in parts:
@@ -272,22 +263,30 @@ def _group_moments(stream: BlockStream, b: int, hidden: list[torch.Tensor], grou
     lead = targets[group[0]]
     if lead.bank:
         return _expert_moments(stream, b, hidden, group[0], lead)
-    width = lead.param.shape[1]
-    total, count = torch.zeros(width, width), 0
-
-    def hook(_mod, inputs):
-        nonlocal count
-        x = inputs[0].detach().float().reshape(-1, width)
-        total.addmm_(x.T, x)
-        count += x.shape[0]
-        raise _GroupDone
-
-    handle = lead.owner.register_forward_pre_hook(hook)
+    moments = _InputMoments(lead.param.shape[1])
+    handle = lead.owner.register_forward_pre_hook(moments.hook)
     try:
         _run(stream, b, hidden)
     finally:
         handle.remove()
-    return total / max(count, 1)
+    return moments.mean()
+
+
+class _InputMoments:
+    """X^T X of a module's input, summed by a forward pre-hook that then stops the forward
+    (nothing after the module is needed)."""
+
+    def __init__(self, width: int) -> None:
+        self.total, self.count = torch.zeros(width, width), 0
+
+    def hook(self, _module: nn.Module, inputs: tuple) -> None:
+        x = inputs[0].detach().float().reshape(-1, self.total.shape[0])
+        self.total.addmm_(x.T, x)
+        self.count += x.shape[0]
+        raise _GroupDone
+
+    def mean(self) -> torch.Tensor:
+        return self.total / max(self.count, 1)
 
 
 def _expert_moments(stream: BlockStream, b: int, hidden: list[torch.Tensor], name: str,
