@@ -192,6 +192,10 @@ def test_hub_names_resolve_from_the_local_cache(tmp_path, monkeypatch, capsys):
     assert doc["provenance"]["model"] == f"acme/tiny-llama@{commit}"
     assert main(["quantize", f"acme/tiny-llama@{commit}", "--uniform", "4", "--no-calib", "-o",
                  str(tmp_path / "q2"), "--quiet"]) == 0
+    text = tmp_path / "t.txt"
+    text.write_text((Path(__file__).parents[1] / "data" / "heldout.txt").read_text()[:6000])
+    assert main(["eval", str(out), "--base", "acme/tiny-llama", "--text", str(text), "--ctx",
+                 "128", "--max-tokens", "256", "--json"]) == 0
     capsys.readouterr()
     assert main(["plan", "acme/absent", "--widths", str(out / "dynquant.json")]) == 2
     err = capsys.readouterr().err

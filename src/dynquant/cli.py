@@ -388,7 +388,9 @@ def build_parser() -> argparse.ArgumentParser:
 
     p = sub.add_parser("eval", help="perplexity and KL(base || model) on a text")
     p.add_argument("model", help="dynquant checkpoint or transformers model folder")
-    p.add_argument("--base", required=True, help="the reference model (checkpoint or folder)")
+    p.add_argument("--base", required=True,
+                   help="the reference model (checkpoint, folder, or hub name in the local "
+                   "Hugging Face cache)")
     p.add_argument("--text", required=True, help="a plain text file")
     p.add_argument("--ctx", type=int, default=512,
                    help="tokens per evaluation window (default 512)")

@@ -71,10 +71,25 @@ def resolve_model(model: str) -> ModelSource:
     return ModelSource(model, config, directory if os.path.isdir(directory) else None)
 
 
+def model_folder(name: str | Path) -> Path:
+    """A local folder as it is; a hub name ``org/name[@revision]`` (not a local path) as its
+    snapshot folder in the local Hugging Face cache (no network)."""
+    if Path(name).exists() or not HUB_NAME.match(str(name)):
+        return Path(name)
+    return _snapshot(str(name))
+
+
 def _from_hub_cache(name: str) -> ModelSource:
-    """``org/name[@revision]`` from the local Hugging Face cache only (no network): the
-    snapshot folder of that revision (default ``main``), named ``org/name@COMMIT`` so that
+    """``org/name[@revision]`` from the local cache, named ``org/name@COMMIT`` so that
     provenance pins what was quantized."""
+    folder = _snapshot(name)
+    source = resolve_model(str(folder))
+    source.name = f"{name.partition('@')[0]}@{folder.name}"
+    return source
+
+
+def _snapshot(name: str) -> Path:
+    """The snapshot folder of that revision (default ``main``), from the cache only."""
     from huggingface_hub import constants, snapshot_download
     from huggingface_hub.errors import LocalEntryNotFoundError
 
@@ -83,12 +98,9 @@ def _from_hub_cache(name: str) -> ModelSource:
     cache = os.environ.get("HF_HUB_CACHE") or (
         os.path.join(home, "hub") if home else constants.HF_HUB_CACHE)
     try:
-        folder = Path(snapshot_download(repo, revision=revision or None, cache_dir=cache,
-                                        local_files_only=True))
+        return Path(snapshot_download(repo, revision=revision or None, cache_dir=cache,
+                                      local_files_only=True))
     except (LocalEntryNotFoundError, FileNotFoundError, ValueError) as exc:
         raise ModelError(f"not a local path or preset, and not in the Hugging Face cache "
                          f"{cache} (download it first, e.g. `hf download {repo}`)",
                          file=name) from exc
-    source = resolve_model(str(folder))
-    source.name = f"{repo}@{folder.name}"
-    return source

@@ -138,8 +138,10 @@ def evaluate(model: str | Path, base: str | Path, text: str | Path, ctx: int = 5
              dtype: str | torch.dtype | None = None) -> EvalResult:
     """``dynquant eval``: MODEL and BASE may each be a dynquant checkpoint or a model folder; both
     run in the compute dtype ``dtype`` (None/"auto": the CPU's)."""
+    from dynquant.models.sources import model_folder
     from dynquant.pipeline.generate import load_tokenizer
 
+    model, base = model_folder(model), model_folder(base)  # hub names from the local cache
     text_path = Path(text)
     if not text_path.is_file():
         raise ModelError("no such text file", file=str(text_path))
