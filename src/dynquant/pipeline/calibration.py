@@ -33,6 +33,7 @@ def read_calibration(files: list[str | Path]) -> list[str]:
 
 
 DEFAULT_TEXT = "calibration_default.txt"  # in the package's data folder (data/README.md)
+BUNDLED_TEXT = f"dynquant:{DEFAULT_TEXT}"  # its name in calibration records
 
 
 def default_calibration() -> Path:
@@ -45,7 +46,7 @@ def calibration_record(files: list[str | Path], seqs: int, length: int) -> dict:
     texts (by file name; the bundled one as ``dynquant:calibration_default.txt``), the SHA-256
     of their joined text, and the token windows taken from it."""
     bundled = default_calibration()
-    names = [f"dynquant:{DEFAULT_TEXT}" if Path(f) == bundled else Path(f).name for f in files]
+    names = [BUNDLED_TEXT if Path(f) == bundled else Path(f).name for f in files]
     digest = hashlib.sha256("\n\n".join(read_calibration(files)).encode()).hexdigest()
     return {"texts": names, "sha256": digest, "sequences": seqs, "tokens_per_sequence": length}
 

@@ -211,7 +211,7 @@ def calibration_plan(source: ModelSource, opts: MeasureOptions, random_init: boo
     if opts.calib:
         return replace(opts, method=method), None
     runnable = not random_init and source.directory is not None
-    blocker = _cannot_calibrate(source, random_init) if method != "weight" else None
+    blocker = calibration_blocker(source, random_init) if method != "weight" else None
     if method != "weight" and blocker is None:
         return (replace(opts, method=method, calib=[str(default_calibration())]),
                 f"calibrating on dynquant's bundled English text ({opts.calib_seqs} x "
@@ -226,7 +226,8 @@ def calibration_plan(source: ModelSource, opts: MeasureOptions, random_init: boo
             "no loss prediction")
 
 
-def _cannot_calibrate(source: ModelSource, random_init: bool) -> str | None:
+def calibration_blocker(source: ModelSource, random_init: bool) -> str | None:
+    """What the model lacks to run calibration text through it (None: nothing)."""
     if random_init or source.directory is None:
         return "model weights (a model directory)"
     if not has_tokenizer(source.directory):

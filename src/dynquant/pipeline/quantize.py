@@ -269,17 +269,15 @@ def auto_quantizer(source: ModelSource, req: QuantizeRequest, record: dict | Non
     """``auto``: gptq when the run has calibration text (``--calib``, or widths measured on the
     bundled text) and a model that can run it; round-to-nearest on the data-free path, and
     (with one line saying so) for widths measured on a text not given again."""
-    from dynquant.pipeline.calibration import DEFAULT_TEXT
-    from dynquant.pipeline.generate import has_tokenizer
+    from dynquant.pipeline.calibration import BUNDLED_TEXT
+    from dynquant.pipeline.measure import calibration_blocker
 
     if req.quantizer != "auto":
         return req.quantizer
-    runnable = (not req.random_init and source.directory is not None
-                and has_tokenizer(source.directory))
     texts = (record or {}).get("texts")
-    if not runnable or not (req.calib or texts):
+    if calibration_blocker(source, req.random_init) or not (req.calib or texts):
         return "rtn"
-    if not req.calib and texts != [f"dynquant:{DEFAULT_TEXT}"]:
+    if not req.calib and texts != [BUNDLED_TEXT]:
         if req.progress:
             print(f"dynquant: rounding to nearest: the widths were measured on "
                   f"{', '.join(texts)}; give it with --calib for gptq codes", file=sys.stderr)
@@ -288,9 +286,9 @@ def auto_quantizer(source: ModelSource, req: QuantizeRequest, record: dict | Non
 
 
 def check_gptq_source(source: ModelSource, req: QuantizeRequest) -> None:
-    from dynquant.pipeline.generate import has_tokenizer
+    from dynquant.pipeline.measure import calibration_blocker
 
-    if req.random_init or source.directory is None or not has_tokenizer(source.directory):
+    if calibration_blocker(source, req.random_init) is not None:
         raise DynquantError("--quantizer gptq needs model weights and a tokenizer (a model "
                             "directory) to calibrate with", file=source.name, field="quantizer")
 
@@ -298,15 +296,15 @@ def check_gptq_source(source: ModelSource, req: QuantizeRequest) -> None:
 def gptq_calibration(source: ModelSource, req: QuantizeRequest, record: dict | None
                      ) -> SequentialCalibration:
     """The windows the sequential gptq pass streams: of ``--calib``, else of the text the
-    widths were measured on when that is dynquant's bundled text (or nothing was measured)."""
-    from dynquant.pipeline.calibration import DEFAULT_TEXT, calibration_ids, default_calibration
+    widths were measured on when that is dynquant's bundled text (or nothing was measured).
+    The model can run them (``check_gptq_source`` / ``auto_quantizer`` made sure)."""
+    from dynquant.pipeline.calibration import BUNDLED_TEXT, calibration_ids, default_calibration
     from dynquant.pipeline.generate import load_tokenizer
 
-    check_gptq_source(source, req)
     texts = list(req.calib)
     if not texts:
-        measured_on = (record or {}).get("texts", [f"dynquant:{DEFAULT_TEXT}"])
-        if measured_on != [f"dynquant:{DEFAULT_TEXT}"]:
+        measured_on = (record or {}).get("texts", [BUNDLED_TEXT])
+        if measured_on != [BUNDLED_TEXT]:
             raise DynquantError(f"--quantizer gptq: the widths were measured on "
                                 f"{', '.join(measured_on)}; give that text again with --calib",
                                 field="calib")

@@ -99,11 +99,10 @@ _PRODUCTS = (F.linear, torch.matmul, torch.Tensor.matmul, torch.Tensor.__matmul_
 
 def sequential_gptq(stream: BlockStream, specs: list[TensorSpec], quantized: set[str],
                     choice: Choice, rounder: Rounder, store: ResumeStore,
-                    progress: bool = False) -> int:
-    """Quantize the ``quantized`` modules inside the decoder blocks into ``store`` (index =
-    the tensor's position in ``specs``); returns how many were compensated."""
+                    progress: bool = False) -> None:
+    """Quantize the ``quantized`` modules inside the decoder blocks, then the output head, into
+    ``store`` (index = the tensor's position in ``specs``)."""
     index = {s.module: i for i, s in enumerate(specs) if s.module in quantized}
-    compensated = 0
     hidden = stream.record()
     with StageProgress(enabled=progress) as bar:
         task = bar.add_task("gptq, block by block", total=len(stream.blocks))
@@ -122,28 +121,28 @@ def sequential_gptq(stream: BlockStream, specs: list[TensorSpec], quantized: set
                             s, param.data, *choice(s.module))
                         _keep(store, index[s.module], s, qt, param)
                 for group in groups:
-                    compensated += _quantize_group(stream, b, hidden, group, targets, specs,
-                                                   index, choice, store)
+                    _quantize_group(stream, b, hidden, group, targets, specs, index, choice,
+                                    store)
                 hidden = stream.run_block(b, hidden)
             finally:
                 stream.release(block)
             bar.advance(task)
-    return compensated + _head(stream, hidden, specs, index, choice, store)
+    _head(stream, hidden, index, choice, store)
 
 
-def _head(stream: BlockStream, final: list[torch.Tensor], specs: list[TensorSpec],
-          index: dict, choice: Choice, store: ResumeStore) -> int:
+def _head(stream: BlockStream, final: list[torch.Tensor], index: dict, choice: Choice,
+          store: ResumeStore) -> None:
     """The output head, when quantized (a tied embedding is: its codes serve both uses),
     compensated on the quantized blocks' final hidden states after the model's final norm.
     It weighs the head's use over the lookup's; on llama-ref (tied, 31% of the weights) the
     sequential KL fell from 0.84x to 0.52x round-to-nearest's at 2.5 bits."""
     head = stream.model.get_output_embeddings()
     if not isinstance(head, nn.Linear):
-        return 0
+        return
     name = stream.module_name(head)
     module = stream.source.tied.get(name, name)
-    if module not in index or _finished(store, index[module]) is not None:
-        return 0
+    if module not in index or store.load(index[module]) is not None:
+        return
     moments = _InputMoments(head.in_features)
     parts = stream.head_modules()
     for n, m in parts:
@@ -160,7 +159,6 @@ def _head(stream: BlockStream, final: list[torch.Tensor], specs: list[TensorSpec
         for _, m in parts:
             stream.release(m)
     store.save_quantized(index[module], module, qt)
-    return 1
 
 
 def _targets(block: nn.Module, prefix: str, mine: list[TensorSpec]) -> dict[str, _Target]:
@@ -181,15 +179,14 @@ def _targets(block: nn.Module, prefix: str, mine: list[TensorSpec]) -> dict[str,
 
 def _quantize_group(stream: BlockStream, b: int, hidden: list[torch.Tensor], group: list[str],
                     targets: dict[str, _Target], specs: list[TensorSpec], index: dict,
-                    choice: Choice, store: ResumeStore) -> int:
+                    choice: Choice, store: ResumeStore) -> None:
     done = {m: _finished(store, index[m]) for m in group}
-    todo = [m for m in group if done[m] is None]
+    todo = any(qt is None for qt in done.values())
     moments = _group_moments(stream, b, hidden, group, targets) if todo else None
     for m in group:  # the group shares its input, so its moments
         t = targets[m]
         qt = done[m] or _compensate(t, moments, *choice(m))
         _keep(store, index[m], specs[index[m]], qt, t.param)
-    return len(todo)
 
 
 def _compensate(t: _Target, moments, bits: int, group_size: int) -> QuantizedTensor:
@@ -279,10 +276,13 @@ class _InputMoments:
     def __init__(self, width: int) -> None:
         self.total, self.count = torch.zeros(width, width), 0
 
-    def hook(self, _module: nn.Module, inputs: tuple) -> None:
-        x = inputs[0].detach().float().reshape(-1, self.total.shape[0])
+    def add(self, x: torch.Tensor) -> None:
+        x = x.detach().float().reshape(-1, self.total.shape[0])
         self.total.addmm_(x.T, x)
         self.count += x.shape[0]
+
+    def hook(self, _module: nn.Module, inputs: tuple) -> None:
+        self.add(inputs[0])
         raise _GroupDone
 
     def mean(self) -> torch.Tensor:
@@ -291,21 +291,16 @@ class _InputMoments:
 
 def _expert_moments(stream: BlockStream, b: int, hidden: list[torch.Tensor], name: str,
                     bank: _Target) -> list[torch.Tensor | None]:
-    experts = bank.param.shape[0]
     width = bank.param.shape[1] if bank.rows else bank.param.shape[2]
-    totals = [torch.zeros(width, width) for _ in range(experts)]
-    counts = [0] * experts
+    experts = [_InputMoments(width) for _ in range(bank.param.shape[0])]
 
     def seen(n: str, e: int, x: torch.Tensor, _rows: bool) -> None:
         if n == name:
-            x = x.detach().float().reshape(-1, width)
-            totals[e].addmm_(x.T, x)
-            counts[e] += x.shape[0]
+            experts[e].add(x)
 
     with _BankProducts({name: bank.param}, seen):
         _run(stream, b, hidden)
-    return [t / c if c >= MIN_EXPERT_TOKENS else None
-            for t, c in zip(totals, counts, strict=True)]
+    return [m.mean() if m.count >= MIN_EXPERT_TOKENS else None for m in experts]
 
 
 def _run(stream: BlockStream, b: int, hidden: list[torch.Tensor]) -> None:
