@@ -40,18 +40,25 @@ def embedding_scratch() -> None:
            "MiB")
 
 
+LLAMA_885M = LlamaConfig(vocab_size=32000, hidden_size=2048, intermediate_size=5632,
+                         num_hidden_layers=16, num_attention_heads=16, num_key_value_heads=8)
+
+
+def save_sharded(cfg: LlamaConfig, src: Path) -> int:
+    """A random model of ``cfg`` saved in bf16 shards of 500 MB; its dense bytes."""
+    torch.manual_seed(0)
+    model = AutoModelForCausalLM.from_config(cfg, dtype=torch.bfloat16)
+    model.save_pretrained(src, max_shard_size="500MB")
+    return sum(p.numel() * 2 for p in model.parameters())
+
+
 def main() -> None:
     print(f"# quantize peak RSS on a multi-shard model, {machine()}")
     embedding_scratch()
-    cfg = LlamaConfig(vocab_size=32000, hidden_size=2048, intermediate_size=5632,
-                      num_hidden_layers=16, num_attention_heads=16, num_key_value_heads=8)
+    cfg = LLAMA_885M
     with tempfile.TemporaryDirectory() as tmp:
         src, out = Path(tmp) / "src", Path(tmp) / "q"
-        torch.manual_seed(0)
-        model = AutoModelForCausalLM.from_config(cfg, dtype=torch.bfloat16)
-        model.save_pretrained(src, max_shard_size="500MB")
-        dense = sum(p.numel() * 2 for p in model.parameters())
-        del model
+        dense = save_sharded(cfg, src)
         shards = len(list(src.glob("*.safetensors")))
         _, baseline = run_child(["-c", "import dynquant.cli, transformers"])
         wall, rss = run_child(["-m", "dynquant", "quantize", str(src), "--budget", "3.25",
@@ -88,11 +95,7 @@ def calibrated_measure(cfg: LlamaConfig) -> None:
     The exact probe (--method kl-exact) holds the whole model in float32: 2x its bf16 size."""
     with tempfile.TemporaryDirectory() as tmp:
         src = Path(tmp) / "src"
-        torch.manual_seed(0)
-        model = AutoModelForCausalLM.from_config(cfg, dtype=torch.bfloat16)
-        model.save_pretrained(src, max_shard_size="500MB")
-        dense = sum(p.numel() * 2 for p in model.parameters())
-        del model
+        dense = save_sharded(cfg, src)
         save_tokenizer(src)
         wall, rss = run_child(["-m", "dynquant", "measure", str(src), "--calib", str(CALIB),
                                "-o", str(Path(tmp) / "m" / "maps.json")])

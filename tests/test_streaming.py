@@ -221,7 +221,7 @@ def test_killed_measure_resumes_to_identical_maps(tmp_path, monkeypatch):
     source = resolve_model(str(model_dir))
     measure(source, opts, tmp_path / "whole" / "maps.json", progress=False)
 
-    original, calls = measure_module._measure_module, []
+    original, calls = measure_module._entry, []
 
     def dies_after_three(*args, **kwargs):
         if len(calls) == 3:
@@ -230,7 +230,7 @@ def test_killed_measure_resumes_to_identical_maps(tmp_path, monkeypatch):
         return original(*args, **kwargs)
 
     out = tmp_path / "resumed" / "maps.json"
-    monkeypatch.setattr(measure_module, "_measure_module", dies_after_three)
+    monkeypatch.setattr(measure_module, "_entry", dies_after_three)
     with pytest.raises(KeyboardInterrupt):
         measure(source, opts, out, progress=False)
     assert not out.exists() and (out.parent / ".maps.json.partial").is_dir()
@@ -240,7 +240,7 @@ def test_killed_measure_resumes_to_identical_maps(tmp_path, monkeypatch):
 
     again: list[str] = []
     monkeypatch.setattr(measure_module, "fisher_kl", no_second_fisher_pass)
-    monkeypatch.setattr(measure_module, "_measure_module",
+    monkeypatch.setattr(measure_module, "_entry",
                         lambda *a, **k: again.append(a[0].module) or original(*a, **k))
     measure(source, opts, out, progress=False)
     assert not set(again) & set(calls)

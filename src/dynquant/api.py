@@ -16,6 +16,7 @@ from dynquant.pipeline.allocate import (
     parse_pins,
     uniform_widths,
 )
+from dynquant.pipeline.executor import Executor, executor_scope
 from dynquant.pipeline.measure import DEFAULT_BUDGETS, DEFAULT_WIDTHS, MeasureOptions, load_maps, maps_modules
 from dynquant.pipeline.measure import measure as _measure
 from dynquant.pipeline.quantize import QuantizeRequest, run_quantize
@@ -26,16 +27,20 @@ def measure(model: str | Path, output: str | Path | None = None, *,
             widths: Sequence[int] = DEFAULT_WIDTHS, group_sizes: Sequence[int] = (128,),
             budgets: Sequence[float] = DEFAULT_BUDGETS, not_convert: Sequence[str] = (),
             calib_seqs: int = 8, calib_len: int = 256, random_init: bool = False,
-            progress: bool = True, dtype: str = "float32", quantizer: str = "rtn") -> dict:
+            progress: bool = True, dtype: str = "float32", quantizer: str = "rtn",
+            executor: str | Executor | None = None, address: str | None = None) -> dict:
     """``dynquant measure``: the maps document (written to ``output`` when given). Without
     ``calib`` it calibrates on the text dynquant ships (``method="weight"``: data-free).
     ``dtype``: the calibration passes' compute dtype (float32 by default on every CPU);
-    ``quantizer``: price the candidates with round-to-nearest ("rtn") or GPTQ codes."""
+    ``quantizer``: price the candidates with round-to-nearest ("rtn") or GPTQ codes;
+    ``executor``: where the modules' candidates are computed ("local", "ray" on the cluster at
+    ``address`` or a local Ray instance, or an ``Executor``)."""
     opts = MeasureOptions(widths=widths, group_sizes=group_sizes, budgets=budgets,
                           method=method, calib=[str(c) for c in calib], calib_seqs=calib_seqs,
                           calib_len=calib_len, not_convert=not_convert, dtype=dtype,
                           quantizer=quantizer)
-    return _measure(resolve_model(str(model)), opts, output, progress, random_init)
+    with executor_scope(executor, address) as runner:
+        return _measure(resolve_model(str(model)), opts, output, progress, random_init, runner)
 
 
 def allocate(maps: str | Path | dict, budget: float | None = None, *,
@@ -59,15 +64,18 @@ def quantize(model: str | Path, output: str | Path, *, budget: float | None = No
              group_size: int = 128, group_sizes: Sequence[int] | None = None,
              pins: Sequence[str] = (), not_convert: Sequence[str] = (),
              lm_head: bool = False, random_init: bool = False, overwrite: bool = False,
-             progress: bool = True, quantizer: str = "auto") -> dict:
+             progress: bool = True, quantizer: str = "auto",
+             executor: str | Executor | None = None, address: str | None = None) -> dict:
     """``dynquant quantize``: (measure ->) allocate -> quantize -> write; returns the metadata.
     ``quantizer``: "gptq" (error-compensating, sequential over the blocks, on the calibration
     text), "rtn" (round-to-nearest with the clip search), "auto" (gptq when calibrating on
-    text, rtn on the data-free path)."""
+    text, rtn on the data-free path). ``executor``: where the per-module work runs ("local",
+    "ray" on the cluster at ``address`` or a local Ray instance, or an ``Executor``): the
+    checkpoint is byte-identical either way."""
     req = QuantizeRequest(output=str(output), widths=None if widths is None else str(widths),
                           budget=budget, uniform=uniform, calib=[str(c) for c in calib],
                           method=method, group_size=group_size, group_sizes=group_sizes,
                           pins=pins, not_convert=not_convert, lm_head=lm_head,
                           random_init=random_init, overwrite=overwrite, progress=progress,
-                          quantizer=quantizer)
+                          quantizer=quantizer, executor=executor, address=address)
     return run_quantize(resolve_model(str(model)), req)

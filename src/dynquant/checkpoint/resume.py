@@ -70,6 +70,9 @@ class ResumeStore(PartialDir):
     def _path(self, index: int) -> Path:
         return self.dir / f"{index:06d}.safetensors"
 
+    def has(self, index: int) -> bool:
+        return self._path(index).is_file()
+
     def done(self) -> int:
         return sum(1 for _ in self.dir.glob("*.safetensors"))
 

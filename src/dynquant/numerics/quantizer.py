@@ -18,6 +18,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from functools import cache
 
+import numpy as np
 import torch
 
 from dynquant.errors import QuantizationError
@@ -347,7 +348,9 @@ def squared_norm(weight: torch.Tensor) -> float:
 def relative_error(weight: torch.Tensor, qt: QuantizedTensor,
                    importance: torch.Tensor | None = None) -> float:
     """||W - W_hat||^2 / ||W||^2 (W_hat in float32), weighted per input column by
-    ``importance`` when given. Computed a block of rows at a time: never a full float copy."""
+    ``importance`` when given. Computed a block of rows at a time: never a full float copy.
+    Summed by numpy in a fixed order: the same bits on any number of threads (a Ray worker's
+    one thread and a local run's several write the same maps)."""
     lay = qt.layout
     rows = weight.detach().reshape(lay.num_rows, lay.in_features)
     col = None if importance is None else importance.detach().to(torch.float32)
@@ -364,8 +367,8 @@ def relative_error(weight: torch.Tensor, qt: QuantizedTensor,
         if col is not None:
             c = col[torch.arange(r, r + w.shape[0]) // rows_per] if per_expert else col
             d2, w2 = d2 * c, w2 * c
-        num += float(d2.sum(dtype=torch.float64))
-        den += float(w2.sum(dtype=torch.float64))
+        num += float(d2.numpy().sum(dtype=np.float64))
+        den += float(w2.numpy().sum(dtype=np.float64))
     return num / den if den > 0 else 0.0
 
 

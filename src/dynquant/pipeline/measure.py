@@ -55,12 +55,13 @@ from dynquant.pipeline.calibration import (
 )
 from dynquant.pipeline.calibration_pass import run_calibration_pass
 from dynquant.pipeline.code_chooser import CodeChooser, SecondMoments, check_quantizer
+from dynquant.pipeline.executor import Executor, LocalExecutor
 from dynquant.pipeline.fisher import fisher_kl
 from dynquant.pipeline.generate import has_tokenizer, load_tokenizer
 from dynquant.pipeline.heap import return_freed_memory
 from dynquant.pipeline.priors import block_index, data_free_sensitivity
 from dynquant.pipeline.progress import StageProgress
-from dynquant.pipeline.weights import WeightSource, weight_source
+from dynquant.pipeline.weights import WeightsAt, WeightSource, weight_source
 
 MAPS_SCHEMA = "dynquant_maps_v1"
 METHODS = ("weight", "fisher", "kl-exact")
@@ -236,8 +237,10 @@ def calibration_blocker(source: ModelSource, random_init: bool) -> str | None:
 
 
 def measure(source: ModelSource, opts: MeasureOptions, out: str | Path | None = None,
-            progress: bool = True, random_init: bool = False) -> dict:
-    """Measure every quantizable module; returns (and writes to ``out``) the maps document."""
+            progress: bool = True, random_init: bool = False,
+            executor: Executor | None = None) -> dict:
+    """Measure every quantizable module; returns (and writes to ``out``) the maps document.
+    The modules' candidates are computed on ``executor`` (default: this process)."""
     opts, note = calibration_plan(source, opts, random_init)
     if note and progress:
         print(f"dynquant: {note}", file=sys.stderr)
@@ -263,22 +266,14 @@ def measure(source: ModelSource, opts: MeasureOptions, out: str | Path | None = 
     try:
         stats, probe_kl = _calibrate(source, weights, quantizable, opts, method, out, progress,
                                      partial)
-        chooser = _chooser(opts, stats, out)
-        modules = {}
-        with StageProgress(enabled=progress) as bar:
-            task = bar.add_task("measuring", total=len(quantizable))
-            for index, spec in enumerate(quantizable):
-                done = None if partial is None else partial.read_json(f"m{index:06d}.json")
-                if done is None:
-                    done = _measure_module(spec, weights.get(spec), opts, chooser, probe_kl,
-                                           data_free_sensitivity(spec, blocks,
-                                                                 bool(source.tied)))
-                    if partial is not None:  # a killed run starts again from here
-                        partial.write_json(f"m{index:06d}.json", done)
-                modules[spec.module] = done
-                bar.advance(task)
+        entries = _measure_modules(quantizable, WeightsAt.of(source, random_init),
+                                   opts, _chooser(opts, stats, out), probe_kl, partial,
+                                   executor or LocalExecutor(), progress,
+                                   lambda spec: data_free_sensitivity(spec, blocks,
+                                                                      bool(source.tied)))
     finally:
         weights.close()
+    modules = {spec.module: entry for spec, entry in zip(quantizable, entries, strict=True)}
     stats_name = Path(out).stem + ".stats.safetensors" if out is not None and stats else None
     doc = {"schema": MAPS_SCHEMA, "model": source.name, "method": method,
            "quantizer": opts.quantizer,
@@ -322,8 +317,7 @@ def probe_bits(opts: MeasureOptions) -> tuple[int, int]:
 def _calibrate(source: ModelSource, weights: WeightSource, quantizable: list[TensorSpec],
                opts: MeasureOptions, method: str, out: str | Path | None, progress: bool,
                partial: PartialDir | None = None
-               ) -> tuple[dict[str, torch.Tensor], Callable[[TensorSpec, torch.Tensor], float]
-                          | None]:
+               ) -> tuple[dict[str, torch.Tensor], Callable[[TensorSpec], float] | None]:
     """Input statistics (saved beside ``out``) and how to get a module's KL at the probe width:
     nothing without text or synthetic tokens; else one streamed pass for the statistics, then
     (with text) the Fisher pass over the same stream or the exact probe on the dense model. The
@@ -337,7 +331,7 @@ def _calibrate(source: ModelSource, weights: WeightSource, quantizable: list[Ten
     if kept is not None and method == "fisher":
         kls = {k.removeprefix("kl:"): float(v) for k, v in kept.items() if k.startswith("kl:")}
         return ({k: v for k, v in kept.items() if not k.startswith("kl:")},
-                lambda spec, _w: kls[spec.module])
+                lambda spec: kls[spec.module])
     modules = {s.module for s in quantizable}
     return_freed_memory()
     moments = (Path(out).with_name(Path(out).stem + ".moments")
@@ -373,12 +367,12 @@ def _calibrate(source: ModelSource, weights: WeightSource, quantizable: list[Ten
                 partial.write_tensors("calibration.safetensors", {
                     **stats, **{f"kl:{m}": torch.tensor(v, dtype=torch.float64)
                                 for m, v in kls.items()}})
-            return stats, lambda spec, _w: kls[spec.module]
+            return stats, lambda spec: kls[spec.module]
     finally:
         cal.close()
     probe = KLProbe(_dense_model(source, opts.dtype), ids)
-    return stats, lambda spec, w: probe.kl_with(
-        spec.module, probe_quantized(spec, w.float()).dequantize(torch.float32))
+    return stats, lambda spec: probe.kl_with(  # the weight read again here, on the driver
+        spec.module, probe_quantized(spec, weights.get(spec).float()).dequantize(torch.float32))
 
 
 def _chooser(opts: MeasureOptions, stats: dict[str, torch.Tensor], out: str | Path | None
@@ -397,21 +391,70 @@ def _ids(source: ModelSource, opts: MeasureOptions, seqs: int) -> torch.Tensor:
                            opts.calib_len)
 
 
-def _measure_module(spec: TensorSpec, weight: torch.Tensor, opts: MeasureOptions,
-                    chooser: CodeChooser,
-                    probe_kl: Callable[[TensorSpec, torch.Tensor], float] | None,
-                    prior: float) -> dict:
+@dataclass
+class CandidatesWork:
+    """What every module's candidates job shares (sent to a worker once)."""
+
+    weights: WeightsAt
+    widths: Sequence[int]
+    group_sizes: Sequence[int]
+    chooser: CodeChooser
+    weighted: bool
+    # gptq-priced candidates: the driver's torch threads, which a worker takes on too (its
+    # matrix products round differently on another number of threads; round-to-nearest's
+    # errors are the same bits on any number)
+    threads: int | None = None
+
+
+def candidates_job(spec: TensorSpec, work: CandidatesWork) -> list[Candidate]:
+    """The pure per-module work (run by an executor, here or on a worker)."""
+    if work.threads is not None and torch.get_num_threads() != work.threads:
+        torch.set_num_threads(work.threads)
+    return module_candidates(spec, work.weights.open().get(spec), work.widths,
+                             work.group_sizes, work.chooser, work.weighted)
+
+
+def _measure_modules(quantizable: list[TensorSpec], weights: WeightsAt, opts: MeasureOptions,
+                     chooser: CodeChooser, probe_kl: Callable[[TensorSpec], float] | None,
+                     partial: PartialDir | None, executor: Executor, progress: bool,
+                     prior: Callable[[TensorSpec], float]) -> list[dict]:
+    """Each module's maps entry, in order: from ``partial`` when a killed run finished it,
+    else its candidates from ``executor`` and its sensitivity here."""
+    entries: list[dict | None] = [None if partial is None else partial.read_json(
+        f"m{index:06d}.json") for index in range(len(quantizable))]
+    todo = [index for index, entry in enumerate(entries) if entry is None]
     # data-free: random-token statistics steer the clip search, but the priors price plain
     # relative errors (weighting them by those statistics misled the allocation on SmolLM2:
     # KL 0.69 vs 0.53 at 4.25 bits)
-    cands = module_candidates(spec, weight, opts.widths, opts.group_sizes, chooser,
-                              weighted_errors=opts.method != "weight")
+    work = CandidatesWork(weights, opts.widths, opts.group_sizes, chooser,
+                          weighted=opts.method != "weight",
+                          threads=torch.get_num_threads() if chooser.moments else None)
+    with StageProgress(enabled=progress) as bar:
+        task = bar.add_task("measuring", total=len(quantizable),
+                            completed=len(quantizable) - len(todo))
+
+        def keep(index: int, cands: list[Candidate]) -> None:
+            spec = quantizable[index]
+            entries[index] = _entry(spec, cands, opts, probe_kl, prior(spec))
+            if partial is not None:  # a killed run starts again from here
+                partial.write_json(f"m{index:06d}.json", entries[index])
+            bar.advance(task)
+
+        results = executor.map(candidates_job, [quantizable[i] for i in todo], work)
+        for index, cands in zip(todo, results, strict=True):
+            keep(index, cands)
+    return [e for e in entries if e is not None]
+
+
+def _entry(spec: TensorSpec, cands: list[Candidate], opts: MeasureOptions,
+           probe_kl: Callable[[TensorSpec], float] | None, prior: float) -> dict:
+    """A module's maps entry from its candidates and its sensitivity."""
     if probe_kl is not None:
         # KL of the module's own probe-width weights over their (possibly importance-weighted)
         # error: predicted KL = sensitivity * error reproduces that KL exactly at the probe.
         bits, gs = probe_bits(opts)
         probe_err = next(c.error for c in cands if (c.bits, c.group_size) == (bits, gs))
-        sensitivity = probe_kl(spec, weight) / max(probe_err, 1e-12)
+        sensitivity = probe_kl(spec) / max(probe_err, 1e-12)
     else:
         sensitivity = prior
     if not math.isfinite(sensitivity):

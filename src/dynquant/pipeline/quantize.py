@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 import shutil
 import sys
 import tempfile
@@ -16,18 +17,48 @@ from dynquant.checkpoint.resume import ResumeStore
 from dynquant.checkpoint.writer import SIDE_FILES, CheckpointWriter, dense_storage_dtype
 from dynquant.errors import DynquantError
 from dynquant.format import metadata as md
-from dynquant.format.planner import WidthChoice, plan_document, split_choice
+from dynquant.format.layout import LayerLayout
+from dynquant.format.planner import TensorSpec, WidthChoice, plan_document, split_choice
 from dynquant.models.sources import ModelSource
+from dynquant.numerics.quantizer import QuantizedTensor
 from dynquant.pipeline.code_chooser import CodeChooser, check_quantizer
+from dynquant.pipeline.executor import Executor, LocalExecutor, executor_scope, run_jobs
 from dynquant.pipeline.forecast import Forecast, forecast
 from dynquant.pipeline.progress import StageProgress
 from dynquant.pipeline.sequential_gptq import SequentialCalibration
-from dynquant.pipeline.weights import WeightSource, weight_source
+from dynquant.pipeline.weights import WeightsAt, WeightSource, weight_source
 
 
 def _progress(enabled: bool) -> StageProgress:
     return StageProgress(TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(),
                          TimeElapsedColumn(), enabled=enabled)
+
+
+@dataclass(frozen=True)
+class TensorJob:
+    """One tensor of a quantization: stored dense (``bits`` None) or quantized."""
+
+    index: int
+    spec: TensorSpec
+    bits: int | None = None
+    group_size: int = 0
+
+
+@dataclass
+class QuantizeWork:
+    """What every tensor job of a quantization shares (sent to a worker once)."""
+
+    weights: WeightsAt
+    chooser: CodeChooser
+
+
+def quantize_job(job: TensorJob, work: QuantizeWork) -> QuantizedTensor | torch.Tensor:
+    """The pure per-tensor work (run by an executor, here or on a worker): read the tensor,
+    return its codes, or the tensor itself in its storage dtype."""
+    tensor = work.weights.open().get(job.spec)
+    if job.bits is None:
+        return tensor.to(dense_storage_dtype(tensor.dtype))
+    return work.chooser.quantize(job.spec, tensor, job.bits, job.group_size)
 
 
 def quantize_model(
@@ -50,11 +81,13 @@ def quantize_model(
     extra_files: Sequence[Path] = (),
     progress: bool = True,
     on_tensor: Callable[[int], None] | None = None,
+    executor: Executor | None = None,
 ) -> dict:
     """Quantize every quantizable tensor of ``source`` with ``widths``; returns the metadata.
-    Codes by ``chooser`` (default: round-to-nearest weighted by ``importance``). ``on_tensor``
-    is told the index of each tensor once it is in the resume store (progress hooks, and the
-    test that kills a run at a chosen tensor)."""
+    Codes by ``chooser`` (default: round-to-nearest weighted by ``importance``); the tensors
+    the sequential pass does not compute run on ``executor`` (default: this process).
+    ``on_tensor`` is told the index of each tensor this run puts in the resume store (progress
+    hooks, and the test that kills a run at a chosen tensor)."""
     specs = source.tensor_specs(lm_head_quantized)
     plan = plan_document(specs, widths, model=source.name, group_size=group_size,
                          tied=source.tied, modules_to_not_convert=modules_to_not_convert,
@@ -68,21 +101,33 @@ def quantize_model(
                               "not_convert": sorted(modules_to_not_convert),
                               "random_init": random_init, "seed": seed,
                               "codes": chooser.digest(), "version": md.core_version()})
-    weights = weight_source(source, random_init, seed)
-    try:
-        if chooser.sequential is not None:
+    if chooser.sequential is not None:
+        weights = weight_source(source, random_init, seed)
+        try:
             _sequential(source, weights, specs, plan, widths, group_size, chooser, store,
                         progress)
-        with _progress(progress) as bar:
-            task = bar.add_task("quantizing", total=len(specs), completed=store.done())
-            for index, spec in enumerate(specs):
-                _quantize_one(index, spec, store, writer, weights, plan, widths, group_size,
-                              chooser)
-                bar.update(task, completed=index + 1)
-                if on_tensor is not None:
-                    on_tensor(index)
-    finally:
-        weights.close()
+        finally:
+            weights.close()
+    jobs = [_job(index, spec, plan, widths, group_size) for index, spec in enumerate(specs)
+            if not store.has(index)]
+    work = QuantizeWork(WeightsAt.of(source, random_init, seed),
+                        replace(chooser, sequential=None, _cached=None))
+    with _progress(progress) as bar:
+        task = bar.add_task("quantizing", total=len(specs), completed=len(specs) - len(jobs))
+
+        def keep(job: TensorJob, result: QuantizedTensor | torch.Tensor) -> None:
+            if isinstance(result, QuantizedTensor):
+                store.save_quantized(job.index, job.spec.module, result)
+            else:
+                store.save_dense(job.index, job.spec.name, result)
+            bar.advance(task)
+            if on_tensor is not None:
+                on_tensor(job.index)
+
+        run_jobs(executor or LocalExecutor(), quantize_job, jobs, work, keep, job_nbytes)
+    for index in range(len(specs)):  # the writer keeps a way to load each, not the data
+        kind, name, value, load = store.load(index)
+        (writer.add_quantized if kind == "quantized" else writer.add_dense)(name, value, load)
     side = [] if source.directory is None else [
         source.directory / f for f in SIDE_FILES if (source.directory / f).is_file()]
     provenance = md.Provenance(model=source.name, allocator=allocator, widths_from=widths_from,
@@ -93,6 +138,20 @@ def quantize_model(
                         side_files=[*side, *extra_files])
     store.discard()
     return doc
+
+
+def job_nbytes(job: TensorJob) -> int:
+    """The bytes of a job's result (the executor's backpressure counts them)."""
+    if job.bits is None:
+        return math.prod(job.spec.shape) * 4  # at most float32
+    return LayerLayout.create(job.spec.shape, job.bits, job.group_size).nbytes
+
+
+def _job(index: int, spec: TensorSpec, plan: dict, widths: Mapping, group_size: int
+         ) -> TensorJob:
+    if spec.module not in plan["layers"]:
+        return TensorJob(index, spec)
+    return TensorJob(index, spec, *split_choice(widths[spec.module], group_size))
 
 
 def _sequential(source: ModelSource, weights: WeightSource, specs: list, plan: dict,
@@ -107,29 +166,6 @@ def _sequential(source: ModelSource, weights: WeightSource, specs: list, plan: d
     sequential_gptq(stream, specs, set(plan["layers"]),
                     lambda m: split_choice(widths[m], group_size), chooser.quantize, store,
                     progress)
-
-
-def _quantize_one(index: int, spec, store: ResumeStore, writer: CheckpointWriter,
-                  weights: WeightSource, plan: dict, widths: Mapping, group_size: int,
-                  chooser: CodeChooser) -> None:
-    """One tensor: from the resume store if an earlier run finished it, else computed now.
-    Either way the writer keeps only a way to load it from the store, not the data."""
-    saved = store.load(index)
-    if saved is None:
-        tensor = weights.get(spec)
-        if spec.module in plan["layers"]:
-            bits, gs = split_choice(widths[spec.module], group_size)
-            qt = chooser.quantize(spec, tensor, bits, gs)
-            store.save_quantized(index, spec.module, qt)
-        else:
-            store.save_dense(index, spec.name, tensor.to(dense_storage_dtype(tensor.dtype)))
-        del tensor
-        saved = store.load(index)
-    kind, name, value, load = saved
-    if kind == "quantized":
-        writer.add_quantized(name, value, load)
-    else:
-        writer.add_dense(name, value, load)
 
 
 @dataclass
@@ -163,6 +199,10 @@ class QuantizeRequest:
     # gptq when calibrating on text, else rtn
     quantizer: str = "auto"
     gptq_seqs: int = 48  # calibration windows the sequential gptq pass streams
+    # where the per-module work runs (pipeline/executor.py): None/"local", "ray" (on the
+    # cluster at ``address``, or a local Ray instance), or an Executor
+    executor: Executor | str | None = None
+    address: str | None = None
 
 
 def split_maps_arg(arg: str) -> tuple[str, float | None]:
@@ -175,8 +215,8 @@ def split_maps_arg(arg: str) -> tuple[str, float | None]:
     return arg, None
 
 
-def _maps_for(source: ModelSource, req: QuantizeRequest, workdir: Path
-              ) -> tuple[dict, Path, float | None]:
+def _maps_for(source: ModelSource, req: QuantizeRequest, workdir: Path,
+              executor: Executor | None = None) -> tuple[dict, Path, float | None]:
     """The maps document to allocate from (given, or measured now), its path, and the budget."""
     from dynquant.pipeline.measure import MeasureOptions, load_maps, measure
 
@@ -190,7 +230,8 @@ def _maps_for(source: ModelSource, req: QuantizeRequest, workdir: Path
                           budgets=[req.budget] if req.budget else [],
                           quantizer=req.quantizer,
                           not_convert=req.not_convert, dtype=req.dtype)
-    return measure(source, opts, maps_path, req.progress, req.random_init), maps_path, req.budget
+    return (measure(source, opts, maps_path, req.progress, req.random_init, executor),
+            maps_path, req.budget)
 
 
 def is_maps(path: str) -> bool:
@@ -214,7 +255,8 @@ class Widths:
     priced_with: str | None = None  # the quantizer the maps priced candidates with
 
 
-def resolve_widths(source: ModelSource, req: QuantizeRequest, workdir: Path) -> Widths:
+def resolve_widths(source: ModelSource, req: QuantizeRequest, workdir: Path,
+                   executor: Executor | None = None) -> Widths:
     """The widths a quantize request asks for: given as a widths file, or allocated (uniform
     or at a budget) from a maps document, measured now when none is given."""
     from dynquant.format.widths_file import load_widths
@@ -223,7 +265,7 @@ def resolve_widths(source: ModelSource, req: QuantizeRequest, workdir: Path) -> 
         return Widths(dict(load_widths(req.widths)), "manual", req.widths)
     if req.widths is None and req.budget is None and req.uniform is None:
         raise DynquantError("give --widths, --budget or --uniform", field="widths")
-    maps, maps_path, budget = _maps_for(source, req, workdir)
+    maps, maps_path, budget = _maps_for(source, req, workdir, executor)
     widths, allocator, tag = _allocate(req, maps, maps_path, budget)
     measured_now = req.widths is None
     importance, stats_path = _statistics(maps, maps_path)
@@ -329,25 +371,31 @@ def run_quantize(source: ModelSource, req: QuantizeRequest) -> dict:
         check_gptq_source(source, req)
     workdir = Path(tempfile.mkdtemp(prefix="dynquant-measure-"))
     try:
-        # auto: the widths priced with round-to-nearest (half the measuring time of gptq
-        # pricing, and as good with sequential codes: BENCHMARKS.md)
-        pricing = "rtn" if req.quantizer == "auto" else req.quantizer
-        w = resolve_widths(source, replace(req, quantizer=pricing), workdir)
-        stats = next((f.name for f in w.files if f.name.endswith(".stats.safetensors")), None)
-        quantizer = auto_quantizer(source, req, w.calibration)
-        sequential = (gptq_calibration(source, req, w.calibration)
-                      if quantizer == "gptq" else None)
-        chooser = CodeChooser(quantizer, w.importance or {}, sequential=sequential)
-        if quantizer == "gptq" and w.priced_with == "rtn" and w.allocator == "sensitivity" \
-                and req.progress:
-            print("dynquant: gptq codes; the predicted KL is for round-to-nearest codes (gptq's "
-                  "measured 0.3-0.6x of it at 2.5-4.25 bits, BENCHMARKS.md)", file=sys.stderr)
-        return quantize_model(
-            source, w.widths, req.output, group_size=req.group_size,
-            random_init=req.random_init, seed=req.seed, overwrite=req.overwrite,
-            allocator=w.allocator, widths_from=w.widths_from,
-            lm_head_quantized=req.lm_head, modules_to_not_convert=tuple(req.not_convert),
-            chooser=chooser, stats=stats, calibration=w.calibration,
-            extra_files=w.files, progress=req.progress)
+        with executor_scope(req.executor, req.address) as executor:
+            return _run(source, req, workdir, executor)
     finally:
         shutil.rmtree(workdir, ignore_errors=True)
+
+
+def _run(source: ModelSource, req: QuantizeRequest, workdir: Path, executor: Executor) -> dict:
+    """The work of ``run_quantize``, on ``executor``."""
+    # auto: the widths priced with round-to-nearest (half the measuring time of gptq
+    # pricing, and as good with sequential codes: BENCHMARKS.md)
+    pricing = "rtn" if req.quantizer == "auto" else req.quantizer
+    w = resolve_widths(source, replace(req, quantizer=pricing), workdir, executor)
+    stats = next((f.name for f in w.files if f.name.endswith(".stats.safetensors")), None)
+    quantizer = auto_quantizer(source, req, w.calibration)
+    sequential = (gptq_calibration(source, req, w.calibration)
+                  if quantizer == "gptq" else None)
+    chooser = CodeChooser(quantizer, w.importance or {}, sequential=sequential)
+    if quantizer == "gptq" and w.priced_with == "rtn" and w.allocator == "sensitivity" \
+            and req.progress:
+        print("dynquant: gptq codes; the predicted KL is for round-to-nearest codes (gptq's "
+              "measured 0.3-0.6x of it at 2.5-4.25 bits, BENCHMARKS.md)", file=sys.stderr)
+    return quantize_model(
+        source, w.widths, req.output, group_size=req.group_size,
+        random_init=req.random_init, seed=req.seed, overwrite=req.overwrite,
+        allocator=w.allocator, widths_from=w.widths_from,
+        lm_head_quantized=req.lm_head, modules_to_not_convert=tuple(req.not_convert),
+        chooser=chooser, stats=stats, calibration=w.calibration,
+        extra_files=w.files, progress=req.progress, executor=executor)

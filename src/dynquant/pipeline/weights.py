@@ -5,6 +5,7 @@ from __future__ import annotations
 import hashlib
 import json
 from collections.abc import Iterator
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
@@ -117,6 +118,38 @@ def weight_source(source: ModelSource, random_init: bool, seed: int = 0) -> Weig
     if source.directory is None:
         raise ModelError("a preset has no weights: pass --random-init", file=source.name)
     return SafetensorsWeights(source.directory, source.conversion_transforms())
+
+
+@dataclass(frozen=True)
+class WeightsAt:
+    """Where a run's weights come from, small enough to send to a worker process, which opens
+    it itself (once per process: ``open``)."""
+
+    source: ModelSource = field(compare=False)
+    random_init: bool = False
+    seed: int = 0
+    key: tuple = ()
+
+    @classmethod
+    def of(cls, source: ModelSource, random_init: bool, seed: int = 0) -> WeightsAt:
+        # the files' sizes and times in the key: a folder written again is opened again
+        files = () if source.directory is None else tuple(sorted(
+            (p.name, p.stat().st_size, p.stat().st_mtime_ns)
+            for p in source.directory.glob("*.safetensors*")))
+        return cls(source, random_init, seed,
+                   (source.name, str(source.directory), files, random_init, seed))
+
+    def open(self) -> WeightSource:
+        """This process's ``WeightSource`` for it (opened once: a safetensors folder's headers
+        and the model's conversion transforms are read on first use)."""
+        if self.key not in _OPENED:
+            if len(_OPENED) >= 4:
+                _OPENED.pop(next(iter(_OPENED))).close()
+            _OPENED[self.key] = weight_source(self.source, self.random_init, self.seed)
+        return _OPENED[self.key]
+
+
+_OPENED: dict[tuple, WeightSource] = {}
 
 
 def iter_tensors(source: WeightSource, specs: list[TensorSpec]) -> Iterator[tuple[TensorSpec,

@@ -1,0 +1,192 @@
+"""Local executor vs Ray: `dynquant quantize --budget 3.25` of the 885 M-parameter 4-shard Llama.
+
+Each run is a child process (the driver); it reports its own wall time and its own peak RSS
+(RUSAGE_SELF: Ray's raylet, object store and workers are other processes). While it runs, the
+RSS of its whole process tree is sampled (the cluster's memory beside the driver's). The two
+checkpoints must be byte-identical. Then one worker's throughput (one thread, as a Ray task
+gets) for the two per-tensor jobs, and the cost model of docs/distributed.md from it.
+
+    python -m benchmarks.distributed_quantize [--repeat N] [--workers W]
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import hashlib
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+from pathlib import Path
+
+import torch
+
+from benchmarks.common import figure, machine
+from benchmarks.quantize_memory import LLAMA_885M, save_sharded
+
+DRIVER = """
+import resource, sys, time
+from dynquant.cli import main
+start = time.perf_counter()
+code = main({args!r})
+print("wall", time.perf_counter() - start, flush=True)
+print("driver_maxrss", resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024, flush=True)
+sys.exit(code)
+"""
+
+
+def _tree_rss(pid: int) -> int:
+    import psutil
+
+    try:
+        root = psutil.Process(pid)
+        procs = [root, *root.children(recursive=True)]
+    except psutil.NoSuchProcess:
+        return 0
+    total = 0
+    for p in procs:
+        with contextlib.suppress(psutil.NoSuchProcess):
+            total += p.memory_info().rss
+    return total
+
+
+def run_driver(args: list[str]) -> dict:
+    """Wall time and peak RSS of the driver, and the peak RSS of its process tree."""
+    # through GNU time, a tiny process that forks the driver: a driver forked straight from
+    # this process would inherit this process's peak RSS (kept across exec)
+    proc = subprocess.Popen(["/usr/bin/time", "-f", "", sys.executable, "-c",
+                             DRIVER.format(args=args)],
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    peak, done = [0], threading.Event()
+
+    def sample() -> None:
+        while not done.is_set():
+            peak[0] = max(peak[0], _tree_rss(proc.pid))
+            time.sleep(0.2)
+
+    sampler = threading.Thread(target=sample)
+    sampler.start()
+    out, err = proc.communicate()
+    done.set()
+    sampler.join()
+    if proc.returncode != 0:
+        raise RuntimeError(f"driver failed ({proc.returncode}): {err[-2000:]}")
+    values = dict(line.split() for line in out.splitlines() if line.startswith(("wall", "driver")))
+    return {"wall": float(values["wall"]), "driver_rss": int(values["driver_maxrss"]),
+            "tree_rss": peak[0]}
+
+
+def digest(folder: Path) -> dict[str, str]:
+    return {p.name: hashlib.sha256(p.read_bytes()).hexdigest() for p in sorted(folder.iterdir())}
+
+
+def worker_throughput(src: Path) -> dict[str, float]:
+    """Weights per second of one worker (one thread) for the two per-tensor jobs, on one
+    decoder block's tensors (read from the shards, page cache warm)."""
+    from dynquant.models.sources import resolve_model
+    from dynquant.pipeline.code_chooser import CodeChooser
+    from dynquant.pipeline.measure import CandidatesWork, candidates_job
+    from dynquant.pipeline.quantize import QuantizeWork, TensorJob, quantize_job
+    from dynquant.pipeline.weights import WeightsAt
+
+    source = resolve_model(str(src))
+    specs = [s for s in source.tensor_specs() if s.quantizable and ".layers.3." in s.name]
+    weights = WeightsAt.of(source, False)
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        n = sum(torch.Size(s.shape).numel() for s in specs)
+        start = time.perf_counter()
+        for s in specs:
+            weights.open().get(s)
+        read = time.perf_counter() - start
+        work = CandidatesWork(weights, (2, 3, 4, 8), (128,), CodeChooser(), weighted=False)
+        start = time.perf_counter()
+        for s in specs:
+            candidates_job(s, work)
+        measure = time.perf_counter() - start
+        qwork = QuantizeWork(weights, CodeChooser())
+        start = time.perf_counter()
+        for i, s in enumerate(specs):
+            quantize_job(TensorJob(i, s, 3, 128), qwork)
+        quant = time.perf_counter() - start
+    finally:
+        torch.set_num_threads(threads)
+    return {"read": n / read, "measure": n / measure, "quantize": n / quant}
+
+
+# (name, weights quantized, largest tensor's weights): Llama-3-8B, Llama-3-70B (untied
+# 128256-token embedding and head), Qwen3-235B-A22B (94 blocks of 128 experts; transformers
+# keeps each block's experts as one [128, 3072, 4096] gate_up bank)
+MODELS = [("8B (Llama-3-8B)", 8.03e9, 128256 * 4096),
+          ("70B (Llama-3-70B)", 70.6e9, 128256 * 8192),
+          ("235B-A22B (Qwen3)", 235e9, 128 * 3072 * 4096)]
+WORKERS = (1, 8, 64)
+BITS = 3.25
+DRIVER_WRITE = 1.0e9  # bytes/s the driver writes (a local NVMe: ~1-3 GB/s)
+FS_READ = 10e9  # bytes/s a shared filesystem serves all workers together
+
+
+def cost_model(rate: dict[str, float]) -> None:
+    """Projected wall time of measure (data-free) + quantize, from one worker's measured
+    rates; bounded by the workers' compute, the shared filesystem's read bandwidth (bf16
+    weights read twice: measure and quantize) and the driver's writes (the packed checkpoint
+    twice: resume store, then the checkpoint)."""
+    per_weight = 1 / rate["measure"] + 1 / rate["quantize"]
+    print("| model | workers | compute | read bound | driver-write bound | projected wall | "
+          "worker memory | driver memory |")
+    print("|---|---|---|---|---|---|---|---|")
+    for name, n, largest in MODELS:
+        packed = n * BITS / 8
+        for w in WORKERS:
+            compute = n * per_weight / w
+            read = 2 * 2 * n / FS_READ
+            write = 2 * packed / DRIVER_WRITE
+            wall = max(compute, read, write)
+            # a worker: the largest tensor as stored (bf16) + its packed codes + scratch
+            worker_mem = largest * 2 + largest * BITS / 8 + 0.5e9
+            print(f"| {name} | {w} | {compute / 60:.1f} min | {read / 60:.1f} min | "
+                  f"{write / 60:.1f} min | {wall / 60:.1f} min | {worker_mem / 2**30:.1f} GiB | "
+                  f"~0.5 GiB + one result |")
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--repeat", type=int, default=1)
+    parser.add_argument("--workers", type=int, default=2)
+    args = parser.parse_args()
+    print(f"# local vs Ray quantize, {machine()}")
+    with tempfile.TemporaryDirectory() as tmp:
+        src = Path(tmp) / "src"
+        dense = save_sharded(LLAMA_885M, src)
+        figure("dense bf16 model", dense / 2**20, "MiB")
+        runs: dict[str, list[dict]] = {"local": [], "ray": []}
+        for r in range(args.repeat):
+            for kind in ("local", "ray"):  # alternating: drift hits both alike
+                out = Path(tmp) / f"{kind}{r}"
+                extra = ["--ray"] if kind == "ray" else []
+                runs[kind].append(run_driver(["quantize", str(src), "--budget", "3.25", "-o",
+                                              str(out), "--quiet", *extra]))
+        same = digest(Path(tmp) / "local0") == digest(Path(tmp) / "ray0")
+        for kind, rs in runs.items():
+            best = min(rs, key=lambda x: x["wall"])
+            figure(f"{kind}: wall (best of {len(rs)})", best["wall"], "s")
+            figure(f"{kind}: driver peak RSS", best["driver_rss"] / 2**20, "MiB")
+            figure(f"{kind}: driver peak RSS / dense bf16", best["driver_rss"] / dense, "x")
+            figure(f"{kind}: process tree peak RSS (driver + Ray's processes)",
+                   best["tree_rss"] / 2**20, "MiB")
+        wall = {k: min(x["wall"] for x in rs) for k, rs in runs.items()}
+        figure("ray / local wall", wall["ray"] / wall["local"], "x")
+        print(f"byte-identical checkpoints: {same}")
+        rate = worker_throughput(src)
+    for k, v in rate.items():
+        figure(f"one worker (1 thread): {k}", v / 1e6, "M weights/s")
+    cost_model(rate)
+    if not same:
+        sys.exit("the Ray checkpoint differs from the local one")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,79 @@
+"""Where the per-tensor work of measure and quantize runs: this process, or a Ray cluster.
+
+The work is a pure function ``fn(job, shared) -> result``: ``job`` names one tensor (its spec,
+its widths), ``shared`` is what every job of a run needs (where the weights are, how codes are
+chosen); the function reads its tensor itself. An executor maps the function over the jobs and
+yields the results **in the jobs' order**, so the driver writes the same bytes whichever
+executor ran them. ``LocalExecutor`` is the plain loop (the default); ``RayExecutor``
+(``pipeline/ray_executor.py``) runs the same function on Ray workers.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterable, Iterator
+from contextlib import contextmanager
+from typing import Any, TypeVar
+
+from dynquant.errors import DynquantError
+
+J = TypeVar("J")
+R = TypeVar("R")
+S = TypeVar("S")
+
+
+class Executor:
+    """Maps a pure function over jobs; results come back in the jobs' order."""
+
+    name = "local"
+
+    def map(self, fn: Callable[[J, S], R], jobs: Iterable[J], shared: S,
+            nbytes: Callable[[J], int] | None = None) -> Iterator[R]:
+        """``fn(job, shared)`` for every job, in order. ``nbytes``: the size of a job's result,
+        for executors that bound the bytes of results not yet collected."""
+        raise NotImplementedError
+
+    def close(self) -> None:
+        """Release what the executor started (a local Ray instance)."""
+
+
+class LocalExecutor(Executor):
+    """One job after the other, in this process (its kernels use this process's threads)."""
+
+    def map(self, fn: Callable[[J, S], R], jobs: Iterable[J], shared: S,
+            nbytes: Callable[[J], int] | None = None) -> Iterator[R]:
+        for job in jobs:
+            yield fn(job, shared)
+
+
+def executor_for(spec: Executor | str | None, address: str | None = None) -> Executor:
+    """``None``/``"local"``: this process; ``"ray"``: a Ray cluster (``address``: an existing
+    one, e.g. ``ray://head:10001`` or ``auto``; None: a local one started for the run)."""
+    if isinstance(spec, Executor):
+        return spec
+    if spec in (None, "local"):
+        return LocalExecutor()
+    if spec == "ray":
+        from dynquant.pipeline.ray_executor import RayExecutor
+
+        return RayExecutor(address)
+    raise DynquantError(f"unknown executor {spec!r} (local or ray)", field="executor")
+
+
+@contextmanager
+def executor_scope(spec: Executor | str | None, address: str | None = None
+                   ) -> Iterator[Executor]:
+    """``executor_for``, closed afterwards when it was made here (not a caller's executor)."""
+    executor = executor_for(spec, address)
+    try:
+        yield executor
+    finally:
+        if executor is not spec:
+            executor.close()
+
+
+def run_jobs(executor: Executor, fn: Callable[[J, S], R], jobs: list[J], shared: S,
+             on_result: Callable[[J, R], Any], nbytes: Callable[[J], int] | None = None
+             ) -> None:
+    """Every job's result handed to ``on_result`` in the jobs' order, as it arrives."""
+    for job, result in zip(jobs, executor.map(fn, jobs, shared, nbytes), strict=True):
+        on_result(job, result)

@@ -1,0 +1,142 @@
+"""The Ray executor on a local Ray cluster (2 workers): the same bytes as a local run, results in
+order with bounded in-flight tasks, a killed worker survived, workers' typed errors kept."""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import signal
+import sys
+import threading
+import time
+from pathlib import Path
+
+import pytest
+
+ray = pytest.importorskip("ray", reason="the Ray executor needs ray (pip install "
+                          "'dynquant[ray]'; make test installs it)")
+
+from dynquant.cli import main  # noqa: E402
+from dynquant.pipeline.ray_executor import RayExecutor  # noqa: E402
+from model_zoo import TOKENIZER_TEXT, save_tiny_model, save_tiny_tokenizer  # noqa: E402
+
+
+@pytest.fixture(scope="module")
+def cluster():
+    """One local Ray instance with 2 worker CPUs for the module's tests, up."""
+    ray.cloudpickle.register_pickle_by_value(sys.modules[__name__])  # workers lack tests/
+    executor = RayExecutor(workers=2)
+    assert list(executor.map(_shifted, range(2), 0)) == [0, 1]
+    yield executor
+    executor.close()
+
+
+def _shifted(job: int, shift: int) -> int:
+    time.sleep(0.01 * (job % 3))  # later jobs often finish first
+    return job + shift
+
+
+def _digest(folder: Path) -> dict[str, str]:
+    return {p.name: hashlib.sha256(p.read_bytes()).hexdigest() for p in sorted(folder.iterdir())}
+
+
+def _quantize(model: Path, out: Path, *extra: str) -> None:
+    assert main(["quantize", str(model), "-o", str(out), "--quiet", *extra]) == 0
+
+
+def test_results_come_back_in_order_with_bounded_tasks_in_flight(cluster):
+    bounded = RayExecutor(max_in_flight=3)
+    assert list(bounded.map(_shifted, range(25), 100)) == list(range(100, 125))
+    assert bounded.peak_in_flight == 3  # never more submitted and not yet collected
+    by_bytes = RayExecutor(max_in_flight_bytes=10)  # results of 4 bytes: 2 fit, a third not
+    assert list(by_bytes.map(_shifted, range(9), 1, nbytes=lambda _job: 4)) == list(range(1, 10))
+    assert by_bytes.peak_in_flight == 2
+
+
+@pytest.mark.parametrize("family,calibrated", [("llama", False), ("qwen3_moe", True),
+                                               ("dynquant_hybrid", True)])
+def test_ray_run_is_byte_identical_to_a_local_run(cluster, tmp_path, family, calibrated):
+    """measure (candidates on the workers) -> allocate -> quantize (tensors on the workers;
+    with text, the gptq pass on the driver): the same files, byte for byte."""
+    model = save_tiny_model(family, tmp_path / "src")
+    extra = ["--budget", "5.0"]
+    if calibrated:  # fisher sensitivities, gptq codes for the blocks, the rest on the workers
+        save_tiny_tokenizer(model, vocab_size=512 if family == "dynquant_hybrid" else 384)
+        (tmp_path / "calib.txt").write_text(TOKENIZER_TEXT * 3)
+        extra += ["--calib", str(tmp_path / "calib.txt"), "--calib-seqs", "2", "--calib-len",
+                  "32", "--gptq-seqs", "2"]
+    _quantize(model, tmp_path / "local", *extra)
+    _quantize(model, tmp_path / "ray", *extra, "--ray")
+    assert _digest(tmp_path / "local") == _digest(tmp_path / "ray")
+    doc = json.loads((tmp_path / "ray" / "dynquant.json").read_text())
+    assert doc["provenance"]["allocator"] == "sensitivity"
+
+
+def _kill_first_task(prefixes: tuple[str, ...], stop: threading.Event, killed: list[int]) -> None:
+    """SIGKILL the first Ray worker seen running one of the tasks (process title ray::NAME)."""
+    while not stop.is_set() and not killed:
+        for pid in filter(str.isdigit, os.listdir("/proc")):
+            try:
+                title = Path(f"/proc/{pid}/cmdline").read_bytes().split(b"\0")[0].decode()
+            except OSError:
+                continue
+            if title.startswith(prefixes):
+                os.kill(int(pid), signal.SIGKILL)
+                killed.append(int(pid))
+                return
+
+
+def test_a_killed_worker_is_survived(cluster, tmp_path):
+    """A worker killed in the middle of a task: Ray runs the task again, the checkpoint is the
+    local run's, byte for byte. (The embedding's tasks take long enough to be caught.)"""
+    from transformers import AutoModelForCausalLM, LlamaConfig
+
+    cfg = LlamaConfig(vocab_size=16384, hidden_size=256, intermediate_size=512,
+                      num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2)
+    AutoModelForCausalLM.from_config(cfg).save_pretrained(tmp_path / "src")
+    _quantize(tmp_path / "src", tmp_path / "local", "--uniform", "3")
+    stop, killed = threading.Event(), []
+    watcher = threading.Thread(target=_kill_first_task, args=(
+        ("ray::candidates_job", "ray::quantize_job"), stop, killed))
+    watcher.start()
+    try:
+        _quantize(tmp_path / "src", tmp_path / "ray", "--uniform", "3", "--ray")
+    finally:
+        stop.set()
+        watcher.join()
+    assert killed, "no worker was caught running a task"
+    assert _digest(tmp_path / "local") == _digest(tmp_path / "ray")
+
+
+def test_a_workers_error_is_one_typed_line(cluster, tmp_path, capsys):
+    """A tensor missing from the model's files, found by the worker reading it: the CLI prints
+    the worker's own error (file and module named) in one line and exits 2."""
+    from safetensors.torch import load_file, save_file
+
+    model = save_tiny_model("llama", tmp_path / "src")
+    _quantize(model, tmp_path / "whole", "--uniform", "4")
+    weights = load_file(model / "model.safetensors")
+    del weights["model.layers.1.mlp.down_proj.weight"]
+    save_file(weights, model / "model.safetensors", metadata={"format": "pt"})
+    capsys.readouterr()
+    assert main(["quantize", str(model), "-o", str(tmp_path / "q"), "--quiet", "--widths",
+                 str(tmp_path / "whole" / "dynquant.json"), "--ray"]) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1, err
+    assert "model.layers.1.mlp.down_proj.weight" in err and "missing" in err
+    assert not (tmp_path / "q").exists()
+
+
+def test_gptq_priced_measure_is_byte_identical(cluster, tmp_path):
+    """Candidates priced with compensated codes (matrix products: the worker takes on the
+    driver's thread count) give the same maps on Ray as here."""
+    model = save_tiny_model("qwen3", tmp_path / "src")
+    save_tiny_tokenizer(model)
+    (tmp_path / "calib.txt").write_text(TOKENIZER_TEXT * 3)
+    args = ["--calib", str(tmp_path / "calib.txt"), "--calib-seqs", "2", "--calib-len", "32",
+            "--moment-seqs", "2", "--quantizer", "gptq", "--quiet"]
+    assert main(["measure", str(model), "-o", str(tmp_path / "a" / "maps.json"), *args]) == 0
+    assert main(["measure", str(model), "-o", str(tmp_path / "b" / "maps.json"), *args,
+                 "--ray"]) == 0
+    assert (tmp_path / "a" / "maps.json").read_bytes() == (tmp_path / "b" / "maps.json").read_bytes()
