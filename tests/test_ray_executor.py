@@ -38,7 +38,9 @@ def _shifted(job: int, shift: int) -> int:
 
 
 def _digest(folder: Path) -> dict[str, str]:
-    return {p.name: hashlib.sha256(p.read_bytes()).hexdigest() for p in sorted(folder.iterdir())}
+    """Every file under ``folder`` by its path there -> SHA-256."""
+    return {str(p.relative_to(folder)): hashlib.sha256(p.read_bytes()).hexdigest()
+            for p in sorted(folder.rglob("*")) if p.is_file()}
 
 
 def _quantize(model: Path, out: Path, *extra: str) -> None:
@@ -128,15 +130,19 @@ def test_a_workers_error_is_one_typed_line(cluster, tmp_path, capsys):
     assert not (tmp_path / "q").exists()
 
 
-def test_gptq_priced_measure_is_byte_identical(cluster, tmp_path):
-    """Candidates priced with compensated codes (matrix products: the worker takes on the
-    driver's thread count) give the same maps on Ray as here."""
-    model = save_tiny_model("qwen3", tmp_path / "src")
+def test_calibrated_measure_in_shards_is_byte_identical(cluster, tmp_path):
+    """The calibration passes in shards of 8 sequences (10 for the statistics, 20 for X^T X:
+    2 and 3 shards per block, run on the workers), candidates priced with compensated codes
+    (matrix products: the workers take on the driver's thread count): the same maps,
+    statistics and second moments on Ray as here."""
+    model = save_tiny_model("qwen3_moe", tmp_path / "src")
     save_tiny_tokenizer(model)
-    (tmp_path / "calib.txt").write_text(TOKENIZER_TEXT * 3)
-    args = ["--calib", str(tmp_path / "calib.txt"), "--calib-seqs", "2", "--calib-len", "32",
-            "--moment-seqs", "2", "--quantizer", "gptq", "--quiet"]
+    (tmp_path / "calib.txt").write_text(TOKENIZER_TEXT * 12)
+    args = ["--calib", str(tmp_path / "calib.txt"), "--calib-seqs", "10", "--calib-len", "32",
+            "--moment-seqs", "20", "--quantizer", "gptq", "--quiet"]
     assert main(["measure", str(model), "-o", str(tmp_path / "a" / "maps.json"), *args]) == 0
     assert main(["measure", str(model), "-o", str(tmp_path / "b" / "maps.json"), *args,
                  "--ray"]) == 0
-    assert (tmp_path / "a" / "maps.json").read_bytes() == (tmp_path / "b" / "maps.json").read_bytes()
+    files = _digest(tmp_path / "a")
+    assert "maps.stats.safetensors" in files and "maps.moments/block_001.safetensors" in files
+    assert files == _digest(tmp_path / "b")

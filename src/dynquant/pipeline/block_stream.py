@@ -139,15 +139,16 @@ class BlockStream:
         yield from self.ids.split(self.chunk)
 
     # -- weights in and out -------------------------------------------------------------------
-    def materialize(self, module: nn.Module, prefix: str, grad: set[str] = frozenset()) -> None:
-        """Read ``module``'s parameters (full names ``prefix.NAME``) from disk; those in
-        ``grad`` require gradients."""
+    def materialize(self, module: nn.Module, prefix: str, grad: set[str] = frozenset(),
+                    stored_dtype: bool = False) -> None:
+        """Read ``module``'s parameters (full names ``prefix.NAME``) from disk, in the compute
+        dtype (or as stored); those in ``grad`` require gradients."""
         for name, owner, leaf in _parameter_slots(module):
             full = f"{prefix}.{name}" if prefix else name
             stored = self.tied.get(full, full)
             if stored not in self.specs:
                 raise ModelError("parameter not in the model's tensors", module=full)
-            value = self.weights.get(self.specs[stored], self.dtype)
+            value = self.weights.get(self.specs[stored], None if stored_dtype else self.dtype)
             owner._parameters[leaf] = nn.Parameter(value, requires_grad=full in grad)
 
     def release(self, module: nn.Module) -> None:
@@ -168,7 +169,15 @@ class BlockStream:
         prefix = self.module_name(embed)
         stands = self._stand_in()
         stands[-1].stop = True
-        self.materialize(embed, prefix)
+        hook = None
+        if type(embed) is nn.Embedding:
+            # a plain lookup copies rows: read in its stored dtype (bf16: half of float32's
+            # bytes, the largest tensor of most models), its output cast to the compute dtype
+            # gives the same values
+            self.materialize(embed, prefix, stored_dtype=True)
+            hook = embed.register_forward_hook(lambda _m, _i, out: out.to(self.dtype))
+        else:
+            self.materialize(embed, prefix)
         first: list[torch.Tensor] = []
         try:
             with torch.no_grad():
@@ -177,17 +186,21 @@ class BlockStream:
                         self.model(input_ids=ids, use_cache=False)
                     first.append(stands[0].calls[-1][0].float())
         finally:
+            if hook is not None:
+                hook.remove()
             self.release(embed)
             self._put_back(stands)
         self.args = [[(a, k) for _, a, k in s.calls] for s in stands]
         return first
 
-    def run_block(self, index: int, hidden: list[torch.Tensor]) -> list[torch.Tensor]:
-        """The block's outputs for every chunk (its weights must be materialized)."""
+    def run_block(self, index: int, hidden: list[torch.Tensor],
+                  recorded: list[tuple] | None = None) -> list[torch.Tensor]:
+        """The block's outputs for every chunk (its weights must be materialized); ``recorded``:
+        the chunks' (args, kwargs) when not this stream's own (a worker's shard)."""
         block = self.blocks[index]
         out = []
         with torch.no_grad():
-            for h, (args, kwargs) in zip(hidden, self.args[index], strict=True):
+            for h, (args, kwargs) in zip(hidden, recorded or self.args[index], strict=True):
                 out.append(_first_output(block(h.to(self.dtype), *args, **kwargs)).float())
         return out
 

@@ -128,6 +128,19 @@ class InputStatistics:
         for h in self.hooks:
             h.remove()
 
+    def partial(self) -> dict[str, dict]:
+        """The raw sums so far (a shard of the calibration sequences), for ``add``."""
+        return {"sums": self.sums, "counts": self.counts, "moments": self.moments,
+                "routed": self.routed}
+
+    def add(self, part: dict[str, dict]) -> None:
+        """Fold a shard's raw sums into these. Shards folded in the same order give the same
+        bits however they were computed (0 + x is x: one shard is exactly the hooks' sums)."""
+        for key in ("sums", "counts", "moments", "routed"):
+            mine = getattr(self, key)
+            for name, value in part[key].items():
+                mine[name] = mine.get(name, 0) + value
+
     def result(self) -> dict[str, torch.Tensor]:
         """module -> [in] mean squares; ``BANKS.routed_tokens`` -> [E] counts (float32) and
         ``BANKS.expert_inputs`` -> [E, in] per-expert mean squares of the routed tokens."""

@@ -27,9 +27,10 @@ class Executor:
     name = "local"
 
     def map(self, fn: Callable[[J, S], R], jobs: Iterable[J], shared: S,
-            nbytes: Callable[[J], int] | None = None) -> Iterator[R]:
+            nbytes: Callable[[J], int] | None = None, cpus: int = 1) -> Iterator[R]:
         """``fn(job, shared)`` for every job, in order. ``nbytes``: the size of a job's result,
-        for executors that bound the bytes of results not yet collected."""
+        for executors that bound the bytes of results not yet collected; ``cpus``: the threads
+        one job uses (a cluster reserves them)."""
         raise NotImplementedError
 
     def close(self) -> None:
@@ -40,7 +41,7 @@ class LocalExecutor(Executor):
     """One job after the other, in this process (its kernels use this process's threads)."""
 
     def map(self, fn: Callable[[J, S], R], jobs: Iterable[J], shared: S,
-            nbytes: Callable[[J], int] | None = None) -> Iterator[R]:
+            nbytes: Callable[[J], int] | None = None, cpus: int = 1) -> Iterator[R]:
         for job in jobs:
             yield fn(job, shared)
 

@@ -265,7 +265,7 @@ def measure(source: ModelSource, opts: MeasureOptions, out: str | Path | None = 
     partial = None if out is None else PartialDir(out, _job(source, opts, method, random_init))
     try:
         stats, probe_kl = _calibrate(source, weights, quantizable, opts, method, out, progress,
-                                     partial)
+                                     partial, executor)
         entries = _measure_modules(quantizable, WeightsAt.of(source, random_init),
                                    opts, _chooser(opts, stats, out), probe_kl, partial,
                                    executor or LocalExecutor(), progress,
@@ -316,7 +316,7 @@ def probe_bits(opts: MeasureOptions) -> tuple[int, int]:
 
 def _calibrate(source: ModelSource, weights: WeightSource, quantizable: list[TensorSpec],
                opts: MeasureOptions, method: str, out: str | Path | None, progress: bool,
-               partial: PartialDir | None = None
+               partial: PartialDir | None = None, executor: Executor | None = None
                ) -> tuple[dict[str, torch.Tensor], Callable[[TensorSpec], float] | None]:
     """Input statistics (saved beside ``out``) and how to get a module's KL at the probe width:
     nothing without text or synthetic tokens; else one streamed pass for the statistics, then
@@ -341,12 +341,12 @@ def _calibrate(source: ModelSource, weights: WeightSource, quantizable: list[Ten
         # forward-only pass of its own
         stream = BlockStream(source, weights, _ids(source, opts, opts.moment_seqs), chunk=1,
                              dtype=resolve_dtype(opts.dtype))
-        run_calibration_pass(stream, modules, moments, progress).close()
+        run_calibration_pass(stream, modules, moments, progress, executor=executor).close()
         moments = None
         return_freed_memory()
     ids = _ids(source, opts, opts.calib_seqs)
     stream = BlockStream(source, weights, ids, chunk=1, dtype=resolve_dtype(opts.dtype))
-    cal = run_calibration_pass(stream, modules, moments, progress)
+    cal = run_calibration_pass(stream, modules, moments, progress, executor=executor)
     try:
         stats = cal.stats
         if out is not None:

@@ -74,9 +74,13 @@ class RayExecutor(Executor):
         return max(2, 2 * int(ray.cluster_resources().get("CPU", 1)))
 
     def map(self, fn: Callable[[J, S], R], jobs: Iterable[J], shared: S,
-            nbytes: Callable[[J], int] | None = None) -> Iterator[R]:
+            nbytes: Callable[[J], int] | None = None, cpus: int = 1) -> Iterator[R]:
         ray = self._connect()
-        task = ray.remote(num_cpus=1, max_retries=self.max_retries, retry_exceptions=False)(fn)
+        # no more than the largest node has: a task asking for more would never be scheduled
+        widest = max((n["Resources"].get("CPU", 1) for n in ray.nodes() if n["Alive"]),
+                     default=1)
+        task = ray.remote(num_cpus=min(cpus, widest), max_retries=self.max_retries,
+                          retry_exceptions=False)(fn)
         shared_ref = ray.put(shared)  # sent to the object store once, not with every job
         limit = self._limit(ray)
         pending: deque = deque()  # (ref, bytes of its result), oldest first
