@@ -12,7 +12,7 @@ import hashlib
 import json
 import os
 import shutil
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import torch
@@ -20,7 +20,8 @@ from safetensors import safe_open
 from safetensors.torch import load_file, save_file
 
 from dynquant.format.layout import tensor_names
-from dynquant.format.safetensors_writer import TORCH_DTYPES
+from dynquant.format.safetensors_header import TensorInfo, byte_chunks, read_header
+from dynquant.format.safetensors_writer import TORCH_DTYPES, PendingTensor, write_safetensors
 from dynquant.numerics.quantizer import QuantizedTensor
 
 
@@ -76,14 +77,16 @@ class ResumeStore(PartialDir):
     def done(self) -> int:
         return sum(1 for _ in self.dir.glob("*.safetensors"))
 
-    def loader(self, index: int, name: str) -> Callable[[], torch.Tensor]:
-        """Load tensor ``name`` of finished tensor ``index`` again, when it is needed."""
-        path = str(self._path(index))
+    def tensor(self, index: int, name: str) -> torch.Tensor:
+        """Tensor ``name`` of finished tensor ``index``."""
+        with safe_open(str(self._path(index)), framework="pt") as fh:
+            return fh.get_tensor(name)
 
-        def load() -> torch.Tensor:
-            with safe_open(path, framework="pt") as fh:
-                return fh.get_tensor(name)
-        return load
+    def loader(self, index: int, name: str) -> Callable[[], Iterator[bytes]]:
+        """The bytes of tensor ``name`` of finished tensor ``index``, when they are needed, in
+        chunks (the checkpoint writer copies them; a 1 GB tensor is never held whole)."""
+        path = str(self._path(index))
+        return lambda: byte_chunks(read_header(path)[name])
 
     def load(self, index: int) -> tuple[str, str, object, object] | None:
         """What an earlier run finished for tensor ``index``, without reading its data:
@@ -126,3 +129,12 @@ class ResumeStore(PartialDir):
 
     def save_dense(self, index: int, name: str, tensor: torch.Tensor) -> None:
         self._save(index, {name: tensor}, {"kind": "dense", "name": name})
+
+    def save_dense_bytes(self, index: int, name: str, info: TensorInfo) -> None:
+        """A dense tensor copied as stored from another safetensors file, a chunk at a time."""
+        tmp = self.dir / f".{index:06d}.tmp"
+        pending = PendingTensor(name, TORCH_DTYPES[info.dtype], info.shape,
+                                lambda: byte_chunks(info))
+        write_safetensors(tmp, [pending], {"dynquant": json.dumps({"kind": "dense",
+                                                                    "name": name})})
+        os.replace(tmp, self._path(index))

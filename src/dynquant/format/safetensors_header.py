@@ -11,6 +11,7 @@ import json
 import math
 import os
 import struct
+from collections.abc import Iterator
 from dataclasses import dataclass
 
 import numpy as np
@@ -102,3 +103,20 @@ def bf16_nonfinite_count(info: TensorInfo) -> int:
         return 0
     bits = np.memmap(info.file, dtype="<u2", mode="r", offset=info.start, shape=(info.nbytes // 2,))
     return int(np.count_nonzero((bits & 0x7F80) == 0x7F80))
+
+
+CHUNK_BYTES = 16 << 20  # read and written at once when a tensor's bytes are copied
+
+
+def byte_chunks(info: TensorInfo, chunk: int = CHUNK_BYTES) -> Iterator[bytes]:
+    """A tensor's data as stored, ``chunk`` bytes at a time (copied, never held whole)."""
+    with open(info.file, "rb") as fh:
+        fh.seek(info.start)
+        left = info.nbytes
+        while left:
+            data = fh.read(min(chunk, left))
+            if not data:
+                raise CheckpointError("file ends before the tensor does", file=info.file,
+                                      module=info.name)
+            left -= len(data)
+            yield data

@@ -10,7 +10,7 @@ from __future__ import annotations
 import json
 import math
 import struct
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -26,12 +26,13 @@ TORCH_DTYPES = {name: dtype for dtype, name in SAFETENSORS_DTYPES.items()}
 
 @dataclass(frozen=True)
 class PendingTensor:
-    """A tensor to write: its name, dtype and shape now, its data when ``load`` is called."""
+    """A tensor to write: its name, dtype and shape now, its data when ``load`` is called (a
+    tensor, or its bytes as stored in chunks: copied without holding the tensor whole)."""
 
     name: str
     dtype: torch.dtype
     shape: tuple[int, ...]
-    load: Callable[[], torch.Tensor]
+    load: Callable[[], torch.Tensor | Iterable[bytes]]
 
     @property
     def nbytes(self) -> int:
@@ -54,6 +55,11 @@ def write_safetensors(path: Path, tensors: Sequence[PendingTensor], metadata: di
         fh.write(raw)
         for t in order:
             data = t.load()
+            if not isinstance(data, torch.Tensor):
+                written = sum(fh.write(chunk) for chunk in data)
+                if written != t.nbytes:
+                    raise ValueError(f"{t.name}: expected {t.nbytes} bytes, got {written}")
+                continue
             if data.dtype != t.dtype or tuple(data.shape) != t.shape:
                 raise ValueError(f"{t.name}: expected {t.dtype} {list(t.shape)}, got "
                                  f"{data.dtype} {list(data.shape)}")

@@ -12,7 +12,7 @@ from __future__ import annotations
 
 from collections.abc import Callable, Iterable, Iterator
 from contextlib import contextmanager
-from typing import Any, TypeVar
+from typing import TypeVar
 
 from dynquant.errors import DynquantError
 
@@ -32,6 +32,9 @@ class Executor:
         for executors that bound the bytes of results not yet collected; ``cpus``: the threads
         one job uses (a cluster reserves them)."""
         raise NotImplementedError
+
+    def idle(self) -> None:
+        """No more jobs for a while: release what can be started again by the next ``map``."""
 
     def close(self) -> None:
         """Release what the executor started (a local Ray instance)."""
@@ -70,11 +73,3 @@ def executor_scope(spec: Executor | str | None, address: str | None = None
     finally:
         if executor is not spec:
             executor.close()
-
-
-def run_jobs(executor: Executor, fn: Callable[[J, S], R], jobs: list[J], shared: S,
-             on_result: Callable[[J, R], Any], nbytes: Callable[[J], int] | None = None
-             ) -> None:
-    """Every job's result handed to ``on_result`` in the jobs' order, as it arrives."""
-    for job, result in zip(jobs, executor.map(fn, jobs, shared, nbytes), strict=True):
-        on_result(job, result)

@@ -19,10 +19,12 @@ from dynquant.errors import DynquantError
 from dynquant.format import metadata as md
 from dynquant.format.layout import LayerLayout
 from dynquant.format.planner import TensorSpec, WidthChoice, plan_document, split_choice
+from dynquant.format.safetensors_header import TensorInfo
+from dynquant.format.safetensors_writer import TORCH_DTYPES
 from dynquant.models.sources import ModelSource
 from dynquant.numerics.quantizer import QuantizedTensor
 from dynquant.pipeline.code_chooser import CodeChooser, check_quantizer
-from dynquant.pipeline.executor import Executor, LocalExecutor, executor_scope, run_jobs
+from dynquant.pipeline.executor import Executor, LocalExecutor, executor_scope
 from dynquant.pipeline.forecast import Forecast, forecast
 from dynquant.pipeline.progress import StageProgress
 from dynquant.pipeline.sequential_gptq import SequentialCalibration
@@ -112,19 +114,25 @@ def quantize_model(
             if not store.has(index)]
     work = QuantizeWork(WeightsAt.of(source, random_init, seed),
                         replace(chooser, sequential=None, _cached=None))
+    executor = executor or LocalExecutor()
+    # dense tensors stored as they will be written: copied here, a chunk at a time
+    direct = {job.index: info for job in jobs if job.bits is None
+              and (info := _copyable(work.weights.open(), job.spec)) is not None}
+    computed = executor.map(quantize_job, [j for j in jobs if j.index not in direct], work,
+                            job_nbytes)
     with _progress(progress) as bar:
         task = bar.add_task("quantizing", total=len(specs), completed=len(specs) - len(jobs))
-
-        def keep(job: TensorJob, result: QuantizedTensor | torch.Tensor) -> None:
-            if isinstance(result, QuantizedTensor):
+        for job in jobs:  # in order: results come back in the jobs' order
+            if job.index in direct:
+                store.save_dense_bytes(job.index, job.spec.name, direct[job.index])
+            elif isinstance(result := next(computed), QuantizedTensor):
                 store.save_quantized(job.index, job.spec.module, result)
             else:
                 store.save_dense(job.index, job.spec.name, result)
             bar.advance(task)
             if on_tensor is not None:
                 on_tensor(job.index)
-
-        run_jobs(executor or LocalExecutor(), quantize_job, jobs, work, keep, job_nbytes)
+    executor.idle()  # writing the checkpoint needs no workers
     for index in range(len(specs)):  # the writer keeps a way to load each, not the data
         kind, name, value, load = store.load(index)
         (writer.add_quantized if kind == "quantized" else writer.add_dense)(name, value, load)
@@ -138,6 +146,16 @@ def quantize_model(
                         side_files=[*side, *extra_files])
     store.discard()
     return doc
+
+
+def _copyable(weights: WeightSource, spec: TensorSpec) -> TensorInfo | None:
+    """Where a dense tensor lies in the model's files, when it is stored in its checkpoint
+    dtype already (bf16, narrower, or not a float)."""
+    info = weights.stored_as_is(spec)
+    if info is None:
+        return None
+    dtype = TORCH_DTYPES[info.dtype]
+    return info if dense_storage_dtype(dtype) == dtype else None
 
 
 def job_nbytes(job: TensorJob) -> int:

@@ -111,6 +111,12 @@ class RayExecutor(Executor):
             raise DynquantError(f"a Ray worker died {self.max_retries + 1} times on one task "
                                 f"({type(exc).__name__})", field="ray") from None
 
+    def idle(self) -> None:
+        """Stop the Ray instance this executor started (the next ``map`` starts one): the
+        driver has mapped the object store's pages its results passed through, and they count
+        in its memory until then (~180 MiB after the 885 M-parameter model's quantize)."""
+        self.close()
+
     def close(self) -> None:
         if self._started:
             _ray().shutdown()

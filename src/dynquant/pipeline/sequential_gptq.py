@@ -215,7 +215,7 @@ def _finished(store: ResumeStore, i: int) -> QuantizedTensor | None:
     if saved is None or saved[0] != "quantized":
         return None
     _, _, meta, loaders = saved
-    q, s, o = (loaders[n]() for n in loaders)
+    q, s, o = (store.tensor(i, n) for n in loaders)
     return QuantizedTensor(q, s, o, meta.logical_shape, meta.bits, meta.group_size,
                            meta.clipped_fraction, meta.clip_improvement)
 

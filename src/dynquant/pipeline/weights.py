@@ -12,7 +12,7 @@ import torch
 
 from dynquant.errors import ModelError
 from dynquant.format.planner import TensorSpec
-from dynquant.format.safetensors_header import read_header
+from dynquant.format.safetensors_header import TensorInfo, read_header
 from dynquant.format.safetensors_writer import TORCH_DTYPES
 from dynquant.models.disk_layout import DiskLayout
 from dynquant.models.sources import ModelSource
@@ -29,6 +29,11 @@ class WeightSource:
                  ) -> torch.Tensor:
         """Rows ``rows`` of the 2-D tensor of ``spec`` (what an embedding lookup needs)."""
         return self.get(spec, dtype)[rows]
+
+    def stored_as_is(self, spec: TensorSpec) -> TensorInfo | None:
+        """Where the tensor of ``spec`` lies in a file, when it is stored there as is (one
+        stored tensor of its shape): its bytes can be copied without reading it whole."""
+        return None
 
     def close(self) -> None:
         """Release open files."""
@@ -106,15 +111,21 @@ class SafetensorsWeights(WeightSource):
                 flat[i : i + n] = torch.frombuffer(buf, dtype=source)
         return out
 
+    def stored_as_is(self, spec: TensorSpec) -> TensorInfo | None:
+        stored = self.layout.direct.get(spec.name)
+        info = None if stored is None else self._info[stored]
+        if info is None or info.dtype not in TORCH_DTYPES or tuple(info.shape) != spec.shape:
+            return None
+        return info
+
     def get_rows(self, spec: TensorSpec, rows: torch.Tensor, dtype: torch.dtype | None = None
                  ) -> torch.Tensor:
         """Only the asked rows read from the file (a 128k-token embedding is 1-2 GB; a
         calibration run looks up a few thousand of its rows), when the tensor is stored as is."""
-        stored = self.layout.direct.get(spec.name)
-        info = None if stored is None else self._info[stored]
-        if info is None or len(info.shape) != 2 or info.dtype not in TORCH_DTYPES \
-                or tuple(info.shape) != spec.shape:
+        info = self.stored_as_is(spec)
+        if info is None or len(info.shape) != 2:
             return super().get_rows(spec, rows, dtype)
+        stored = info.name
         source = TORCH_DTYPES[info.dtype]
         row_bytes = info.shape[1] * source.itemsize
         out = torch.empty(len(rows), info.shape[1], dtype=source)
