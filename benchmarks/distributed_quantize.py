@@ -129,26 +129,33 @@ DRIVER_WRITE = 1.0e9  # bytes/s the driver writes (a local NVMe: ~1-3 GB/s)
 FS_READ = 10e9  # bytes/s a shared filesystem serves all workers together
 
 
+def _duration(seconds: float) -> str:
+    if seconds < 90:
+        return f"{seconds:.0f} s"
+    return f"{seconds / 60:.1f} min" if seconds < 5400 else f"{seconds / 3600:.1f} h"
+
+
 def cost_model(rate: dict[str, float]) -> None:
     """Projected wall time of measure (data-free) + quantize, from one worker's measured
-    rates; bounded by the workers' compute, the shared filesystem's read bandwidth (bf16
-    weights read twice: measure and quantize) and the driver's writes (the packed checkpoint
-    twice: resume store, then the checkpoint)."""
+    rates; bounded by the workers' compute, the largest tensor (one task), the shared
+    filesystem's read bandwidth (bf16 weights read twice: measure and quantize) and the
+    driver's writes (the packed checkpoint twice: resume store, then the checkpoint)."""
     per_weight = 1 / rate["measure"] + 1 / rate["quantize"]
-    print("| model | workers | compute | read bound | driver-write bound | projected wall | "
-          "worker memory | driver memory |")
-    print("|---|---|---|---|---|---|---|---|")
+    print("| model | workers | compute | largest task | read bound | driver-write bound | "
+          "projected wall | worker memory | driver memory |")
+    print("|---|---|---|---|---|---|---|---|---|")
     for name, n, largest in MODELS:
         packed = n * BITS / 8
         for w in WORKERS:
             compute = n * per_weight / w
             read = 2 * 2 * n / FS_READ
             write = 2 * packed / DRIVER_WRITE
-            wall = max(compute, read, write)
+            task = largest * per_weight  # one tensor is one task
+            wall = max(compute, task, read, write)
             # a worker: the largest tensor as stored (bf16) + its packed codes + scratch
             worker_mem = largest * 2 + largest * BITS / 8 + 0.5e9
-            print(f"| {name} | {w} | {compute / 60:.1f} min | {read / 60:.1f} min | "
-                  f"{write / 60:.1f} min | {wall / 60:.1f} min | {worker_mem / 2**30:.1f} GiB | "
+            print(f"| {name} | {w} | {_duration(compute)} | {_duration(task)} | {_duration(read)} | "
+                  f"{_duration(write)} | **{_duration(wall)}** | {worker_mem / 2**30:.1f} GiB | "
                   f"~0.5 GiB + one result |")
 
 

@@ -146,3 +146,40 @@ def test_calibrated_measure_in_shards_is_byte_identical(cluster, tmp_path):
     files = _digest(tmp_path / "a")
     assert "maps.stats.safetensors" in files and "maps.moments/block_001.safetensors" in files
     assert files == _digest(tmp_path / "b")
+
+
+KILLING = """
+import os, signal, sys
+from dynquant.pipeline import quantize as q
+real = q.quantize_model
+
+def killing(*args, **kwargs):
+    def hook(index):
+        if {kill_after} and index + 1 >= {kill_after}:
+            os.kill(os.getpid(), signal.SIGKILL)
+    return real(*args, on_tensor=hook, **kwargs)
+
+q.quantize_model = killing
+from dynquant.cli import main
+sys.exit(main(["quantize", "tiny", "--random-init", "--uniform", "4", "-o", {out!r}, "--quiet",
+               *{extra!r}]))
+"""
+
+
+def test_a_killed_driver_resumes_to_identical_bytes(cluster, tmp_path):
+    """The driver killed (SIGKILL) after 20 tensors of a run on the cluster at an address: the
+    cluster lives on, the rerun resumes from the resume store and writes the local run's
+    bytes."""
+    import subprocess
+
+    address = ray.get_runtime_context().gcs_address
+
+    def run(out: Path, kill_after: int = 0, *extra: str) -> int:
+        script = KILLING.format(kill_after=kill_after, out=str(out), extra=list(extra))
+        return subprocess.run([sys.executable, "-c", script], capture_output=True).returncode
+
+    assert run(tmp_path / "a", 20, "--ray", address) == -signal.SIGKILL
+    assert len(list((tmp_path / ".a.partial").glob("*.safetensors"))) == 20
+    assert run(tmp_path / "a", 0, "--ray", address) == 0
+    assert run(tmp_path / "b") == 0
+    assert _digest(tmp_path / "a") == _digest(tmp_path / "b")
