@@ -179,3 +179,17 @@ def test_readme_use_and_help_agree():
         used = {w for w in words[2:] if w.startswith("-")}
         assert used <= options, (words, used - options)
     assert "make demo" in readme
+
+
+def test_ray_without_ray_installed_is_one_line(tmp_path, capsys, monkeypatch):
+    """--ray where the ray package is missing: one line naming the extra, exit 2, nothing
+    written."""
+    import sys
+
+    monkeypatch.setitem(sys.modules, "ray", None)  # import ray raises ImportError
+    out = tmp_path / "q"
+    assert main(["quantize", "tiny", "--random-init", "--uniform", "4", "-o", str(out),
+                 "--quiet", "--ray"]) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and "dynquant[ray]" in err, err
+    assert not out.exists()

@@ -108,7 +108,8 @@ def killing(*args, **kwargs):
 
 q.quantize_model = killing
 from dynquant.cli import main
-sys.exit(main(["quantize", "tiny", "--random-init", "--uniform", "4", "-o", {out!r}, "--quiet"]))
+sys.exit(main(["quantize", "tiny", "--random-init", "--uniform", "4", "-o", {out!r}, "--quiet",
+               *{extra!r}]))
 """
 
 
@@ -121,7 +122,7 @@ def test_killed_quantize_resumes_to_identical_bytes(tmp_path):
     def run(out, kill_after=None):
         # the killed run: quantize_model's on_tensor hook sends SIGKILL once tensor
         # ``kill_after`` is in the resume store (from outside the production loop)
-        script = KILLING.format(kill_after=kill_after or 0, out=str(out))
+        script = KILLING.format(kill_after=kill_after or 0, out=str(out), extra=[])
         return subprocess.run([sys.executable, "-c", script], capture_output=True)
 
     killed = run(tmp_path / "a", kill_after=20)

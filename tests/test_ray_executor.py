@@ -17,6 +17,8 @@ import pytest
 ray = pytest.importorskip("ray", reason="the Ray executor needs ray (pip install "
                           "'dynquant[ray]'; make test installs it)")
 
+from test_pipeline import KILLING  # noqa: E402  (the script that kills a run at a tensor)
+
 from dynquant.cli import main  # noqa: E402
 from dynquant.pipeline.ray_executor import RayExecutor  # noqa: E402
 from model_zoo import TOKENIZER_TEXT, save_tiny_model, save_tiny_tokenizer  # noqa: E402
@@ -146,24 +148,6 @@ def test_calibrated_measure_in_shards_is_byte_identical(cluster, tmp_path):
     files = _digest(tmp_path / "a")
     assert "maps.stats.safetensors" in files and "maps.moments/block_001.safetensors" in files
     assert files == _digest(tmp_path / "b")
-
-
-KILLING = """
-import os, signal, sys
-from dynquant.pipeline import quantize as q
-real = q.quantize_model
-
-def killing(*args, **kwargs):
-    def hook(index):
-        if {kill_after} and index + 1 >= {kill_after}:
-            os.kill(os.getpid(), signal.SIGKILL)
-    return real(*args, on_tensor=hook, **kwargs)
-
-q.quantize_model = killing
-from dynquant.cli import main
-sys.exit(main(["quantize", "tiny", "--random-init", "--uniform", "4", "-o", {out!r}, "--quiet",
-               *{extra!r}]))
-"""
 
 
 def test_a_killed_driver_resumes_to_identical_bytes(cluster, tmp_path):
