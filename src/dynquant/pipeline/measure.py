@@ -433,16 +433,14 @@ def _measure_modules(quantizable: list[TensorSpec], weights: WeightsAt, opts: Me
         task = bar.add_task("measuring", total=len(quantizable),
                             completed=len(quantizable) - len(todo))
 
-        def keep(index: int, cands: list[Candidate]) -> None:
+        results = executor.map(candidates_job, [quantizable[i] for i in todo], work,
+                               cpus=work.threads or 1)
+        for index, cands in zip(todo, results, strict=True):
             spec = quantizable[index]
             entries[index] = _entry(spec, cands, opts, probe_kl, prior(spec))
             if partial is not None:  # a killed run starts again from here
                 partial.write_json(f"m{index:06d}.json", entries[index])
             bar.advance(task)
-
-        results = executor.map(candidates_job, [quantizable[i] for i in todo], work)
-        for index, cands in zip(todo, results, strict=True):
-            keep(index, cands)
     return [e for e in entries if e is not None]
 
 

@@ -115,23 +115,15 @@ def quantize_model(
     work = QuantizeWork(WeightsAt.of(source, random_init, seed),
                         replace(chooser, sequential=None, _cached=None))
     executor = executor or LocalExecutor()
-    # dense tensors stored as they will be written: copied here, a chunk at a time
-    direct = {job.index: info for job in jobs if job.bits is None
-              and (info := _copyable(work.weights.open(), job.spec)) is not None}
-    computed = executor.map(quantize_job, [j for j in jobs if j.index not in direct], work,
-                            job_nbytes)
     with _progress(progress) as bar:
         task = bar.add_task("quantizing", total=len(specs), completed=len(specs) - len(jobs))
-        for job in jobs:  # in order: results come back in the jobs' order
-            if job.index in direct:
-                store.save_dense_bytes(job.index, job.spec.name, direct[job.index])
-            elif isinstance(result := next(computed), QuantizedTensor):
-                store.save_quantized(job.index, job.spec.module, result)
-            else:
-                store.save_dense(job.index, job.spec.name, result)
+
+        def done(index: int) -> None:
             bar.advance(task)
             if on_tensor is not None:
-                on_tensor(job.index)
+                on_tensor(index)
+
+        _fill_store(store, jobs, work, executor, done)
     executor.idle()  # writing the checkpoint needs no workers
     for index in range(len(specs)):  # the writer keeps a way to load each, not the data
         kind, name, value, load = store.load(index)
@@ -146,6 +138,25 @@ def quantize_model(
                         side_files=[*side, *extra_files])
     store.discard()
     return doc
+
+
+def _fill_store(store: ResumeStore, jobs: list[TensorJob], work: QuantizeWork,
+                executor: Executor, done: Callable[[int], None]) -> None:
+    """Every job's result into the store, in the jobs' order (``done`` told each index).
+    Dense tensors stored as they will be written are copied here a chunk at a time; the rest
+    run on ``executor``."""
+    direct = {job.index: info for job in jobs if job.bits is None
+              and (info := _copyable(work.weights.open(), job.spec)) is not None}
+    computed = executor.map(quantize_job, [j for j in jobs if j.index not in direct], work,
+                            job_nbytes)
+    for job in jobs:
+        if job.index in direct:
+            store.save_dense_bytes(job.index, job.spec.name, direct[job.index])
+        elif isinstance(result := next(computed), QuantizedTensor):
+            store.save_quantized(job.index, job.spec.module, result)
+        else:
+            store.save_dense(job.index, job.spec.name, result)
+        done(job.index)
 
 
 def _copyable(weights: WeightSource, spec: TensorSpec) -> TensorInfo | None:
