@@ -87,7 +87,7 @@ def worker_throughput(src: Path) -> dict[str, float]:
     decoder block's tensors (read from the shards, page cache warm)."""
     from dynquant.models.sources import resolve_model
     from dynquant.pipeline.code_chooser import CodeChooser
-    from dynquant.pipeline.measure import CandidatesWork, candidates_job
+    from dynquant.pipeline.measure import CandidatesWork, ModuleJob, candidates_job
     from dynquant.pipeline.quantize import QuantizeWork, TensorJob, quantize_job
     from dynquant.pipeline.weights import WeightsAt
 
@@ -105,7 +105,7 @@ def worker_throughput(src: Path) -> dict[str, float]:
         work = CandidatesWork(weights, (2, 3, 4, 8), (128,), CodeChooser(), weighted=False)
         start = time.perf_counter()
         for s in specs:
-            candidates_job(s, work)
+            candidates_job(ModuleJob(s), work)
         measure = time.perf_counter() - start
         qwork = QuantizeWork(weights, CodeChooser())
         start = time.perf_counter()

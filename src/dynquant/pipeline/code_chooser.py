@@ -67,11 +67,22 @@ class SecondMoments:
         return h.hexdigest()
 
 
+class GivenMoments:
+    """One module's second moments, handed over with its job (a worker on another machine
+    cannot read the driver's files)."""
+
+    def __init__(self, module: str, hessian: torch.Tensor) -> None:
+        self.module, self.hessian = module, hessian
+
+    def get(self, module: str) -> torch.Tensor | None:
+        return self.hessian if module == self.module else None
+
+
 @dataclass
 class CodeChooser:
     quantizer: str = "rtn"
     importance: Mapping[str, torch.Tensor] = field(default_factory=dict)
-    moments: SecondMoments | None = None
+    moments: SecondMoments | GivenMoments | None = None
     sequential: SequentialCalibration | None = None
     _cached: tuple[str, torch.Tensor] | None = field(default=None, repr=False)
 

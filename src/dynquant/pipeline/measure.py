@@ -54,7 +54,12 @@ from dynquant.pipeline.calibration import (
     synthetic_record,
 )
 from dynquant.pipeline.calibration_pass import run_calibration_pass
-from dynquant.pipeline.code_chooser import CodeChooser, SecondMoments, check_quantizer
+from dynquant.pipeline.code_chooser import (
+    CodeChooser,
+    GivenMoments,
+    SecondMoments,
+    check_quantizer,
+)
 from dynquant.pipeline.executor import Executor, LocalExecutor
 from dynquant.pipeline.fisher import fisher_kl
 from dynquant.pipeline.generate import has_tokenizer, load_tokenizer
@@ -406,12 +411,23 @@ class CandidatesWork:
     threads: int | None = None
 
 
-def candidates_job(spec: TensorSpec, work: CandidatesWork) -> list[Candidate]:
+@dataclass
+class ModuleJob:
+    """One module to measure, with its second moments when gptq prices it (read by the
+    driver: a worker on another machine cannot read the driver's files)."""
+
+    spec: TensorSpec
+    hessian: torch.Tensor | None = None
+
+
+def candidates_job(job: ModuleJob, work: CandidatesWork) -> list[Candidate]:
     """The pure per-module work (run by an executor, here or on a worker)."""
     if work.threads is not None and torch.get_num_threads() != work.threads:
         torch.set_num_threads(work.threads)
-    return module_candidates(spec, work.weights.open().get(spec), work.widths,
-                             work.group_sizes, work.chooser, work.weighted)
+    chooser = work.chooser if job.hessian is None else replace(
+        work.chooser, moments=GivenMoments(job.spec.module, job.hessian))
+    return module_candidates(job.spec, work.weights.open().get(job.spec), work.widths,
+                             work.group_sizes, chooser, work.weighted)
 
 
 def _measure_modules(quantizable: list[TensorSpec], weights: WeightsAt, opts: MeasureOptions,
@@ -426,15 +442,18 @@ def _measure_modules(quantizable: list[TensorSpec], weights: WeightsAt, opts: Me
     # data-free: random-token statistics steer the clip search, but the priors price plain
     # relative errors (weighting them by those statistics misled the allocation on SmolLM2:
     # KL 0.69 vs 0.53 at 4.25 bits)
-    work = CandidatesWork(weights, opts.widths, opts.group_sizes, chooser,
-                          weighted=opts.method != "weight",
-                          threads=torch.get_num_threads() if chooser.moments else None)
+    moments = chooser.moments
+    work = CandidatesWork(weights, opts.widths, opts.group_sizes,
+                          replace(chooser, moments=None), weighted=opts.method != "weight",
+                          threads=torch.get_num_threads() if moments else None)
+    # read as they are submitted (the executor pulls jobs as tasks finish), not all at once
+    jobs = (ModuleJob(quantizable[i], None if moments is None
+                      else moments.get(quantizable[i].module)) for i in todo)
     with StageProgress(enabled=progress) as bar:
         task = bar.add_task("measuring", total=len(quantizable),
                             completed=len(quantizable) - len(todo))
 
-        results = executor.map(candidates_job, [quantizable[i] for i in todo], work,
-                               cpus=work.threads or 1)
+        results = executor.map(candidates_job, jobs, work, cpus=work.threads or 1)
         for index, cands in zip(todo, results, strict=True):
             spec = quantizable[index]
             entries[index] = _entry(spec, cands, opts, probe_kl, prior(spec))
