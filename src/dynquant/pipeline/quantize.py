@@ -103,18 +103,18 @@ def quantize_model(
                               "not_convert": sorted(modules_to_not_convert),
                               "random_init": random_init, "seed": seed,
                               "codes": chooser.digest(), "version": md.core_version()})
+    executor = executor or LocalExecutor()
     if chooser.sequential is not None:
         weights = weight_source(source, random_init, seed)
         try:
             _sequential(source, weights, specs, plan, widths, group_size, chooser, store,
-                        progress)
+                        progress, executor)
         finally:
             weights.close()
     jobs = [_job(index, spec, plan, widths, group_size) for index, spec in enumerate(specs)
             if not store.has(index)]
     work = QuantizeWork(WeightsAt.of(source, random_init, seed),
                         replace(chooser, sequential=None, _cached=None))
-    executor = executor or LocalExecutor()
     with _progress(progress) as bar:
         task = bar.add_task("quantizing", total=len(specs), completed=len(specs) - len(jobs))
 
@@ -185,7 +185,7 @@ def _job(index: int, spec: TensorSpec, plan: dict, widths: Mapping, group_size: 
 
 def _sequential(source: ModelSource, weights: WeightSource, specs: list, plan: dict,
                 widths: Mapping, group_size: int, chooser: CodeChooser, store: ResumeStore,
-                progress: bool) -> None:
+                progress: bool, executor: Executor) -> None:
     """The decoder blocks' tensors, compensated block by block into ``store``."""
     from dynquant.pipeline.block_stream import BlockStream
     from dynquant.pipeline.sequential_gptq import sequential_gptq
@@ -194,7 +194,7 @@ def _sequential(source: ModelSource, weights: WeightSource, specs: list, plan: d
     stream = BlockStream(source, weights, chooser.sequential.ids, chunk=1)
     sequential_gptq(stream, specs, set(plan["layers"]),
                     lambda m: split_choice(widths[m], group_size), chooser.quantize, store,
-                    progress)
+                    progress, executor)
 
 
 @dataclass

@@ -40,6 +40,7 @@ from dynquant.format.planner import TensorSpec
 from dynquant.numerics.gptq import concat_rows, gptq_quantize, gptq_quantize_rows
 from dynquant.numerics.quantizer import QuantizedTensor
 from dynquant.pipeline.block_stream import BlockStream
+from dynquant.pipeline.executor import Executor, LocalExecutor
 from dynquant.pipeline.progress import StageProgress
 
 Choice = Callable[[str], tuple[int, int]]  # module -> (bits, group size)
@@ -99,9 +100,11 @@ _PRODUCTS = (F.linear, torch.matmul, torch.Tensor.matmul, torch.Tensor.__matmul_
 
 def sequential_gptq(stream: BlockStream, specs: list[TensorSpec], quantized: set[str],
                     choice: Choice, rounder: Rounder, store: ResumeStore,
-                    progress: bool = False) -> None:
+                    progress: bool = False, executor: Executor | None = None) -> None:
     """Quantize the ``quantized`` modules inside the decoder blocks, then the output head, into
-    ``store`` (index = the tensor's position in ``specs``)."""
+    ``store`` (index = the tensor's position in ``specs``). Each group's matrices (a Linear,
+    an expert of a bank) are compensated as jobs on ``executor`` (default: here)."""
+    executor = executor or LocalExecutor()
     index = {s.module: i for i, s in enumerate(specs) if s.module in quantized}
     hidden = stream.record()
     with StageProgress(enabled=progress) as bar:
@@ -122,7 +125,7 @@ def sequential_gptq(stream: BlockStream, specs: list[TensorSpec], quantized: set
                         _keep(store, index[s.module], s, qt, param)
                 for group in groups:
                     _quantize_group(stream, b, hidden, group, targets, specs, index, choice,
-                                    store)
+                                    store, executor)
                 hidden = stream.run_block(b, hidden)
             finally:
                 stream.release(block)
@@ -177,29 +180,52 @@ def _targets(block: nn.Module, prefix: str, mine: list[TensorSpec]) -> dict[str,
     return out
 
 
+@dataclass
+class CompensateJob:
+    """One matrix to compensate: a Linear's weight, or one expert of a bank."""
+
+    weight: torch.Tensor  # float32, [out, in] (or [in, out] with ``rows``)
+    hessian: torch.Tensor | None  # None: too few routed tokens, round to nearest
+    bits: int
+    group_size: int
+    rows: bool = False
+
+
+def compensate_job(job: CompensateJob, threads: int) -> QuantizedTensor:
+    """The pure per-matrix work (run by an executor, here or on a worker, on the driver's
+    number of threads: the products round differently on another)."""
+    if torch.get_num_threads() != threads:
+        torch.set_num_threads(threads)
+    w = job.weight
+    h = job.hessian if job.hessian is not None else torch.eye(w.shape[0 if job.rows else 1])
+    return (gptq_quantize_rows if job.rows else gptq_quantize)(w, h, job.bits, job.group_size)
+
+
 def _quantize_group(stream: BlockStream, b: int, hidden: list[torch.Tensor], group: list[str],
                     targets: dict[str, _Target], specs: list[TensorSpec], index: dict,
-                    choice: Choice, store: ResumeStore) -> None:
+                    choice: Choice, store: ResumeStore, executor: Executor) -> None:
     done = {m: _finished(store, index[m]) for m in group}
-    todo = any(qt is None for qt in done.values())
+    todo = [m for m in group if done[m] is None]
     moments = _group_moments(stream, b, hidden, group, targets) if todo else None
-    for m in group:  # the group shares its input, so its moments
+    # the group shares its input, so its moments; its matrices are compensated independently
+    jobs = {m: _jobs(targets[m], moments, *choice(m)) for m in todo}
+    results = executor.map(compensate_job, [j for m in todo for j in jobs[m]],
+                           torch.get_num_threads(), cpus=torch.get_num_threads())
+    for m in group:  # each kept (in the store) as soon as its matrices are back
         t = targets[m]
-        qt = done[m] or _compensate(t, moments, *choice(m))
-        _keep(store, index[m], specs[index[m]], qt, t.param)
+        if done[m] is None:
+            parts = [next(results) for _ in jobs[m]]
+            done[m] = parts[0] if not t.bank else concat_rows(parts, tuple(t.param.shape))
+        _keep(store, index[m], specs[index[m]], done[m], t.param)
 
 
-def _compensate(t: _Target, moments, bits: int, group_size: int) -> QuantizedTensor:
+def _jobs(t: _Target, moments, bits: int, group_size: int) -> list[CompensateJob]:
+    """A Linear's one job, or a bank's one per expert (with that expert's moments)."""
     w = t.param.data.float()
     if not t.bank:
-        return gptq_quantize(w, moments, bits, group_size)
-    parts = []
-    for e, h in enumerate(moments):
-        if h is None:  # too few routed tokens: round to nearest
-            h = torch.eye(w.shape[1] if t.rows else w.shape[2])
-        quantize = gptq_quantize_rows if t.rows else gptq_quantize
-        parts.append(quantize(w[e], h, bits, group_size))
-    return concat_rows(parts, tuple(w.shape))
+        return [CompensateJob(w, moments, bits, group_size)]
+    return [CompensateJob(w[e].contiguous(), h, bits, group_size, t.rows)
+            for e, h in enumerate(moments)]
 
 
 def _keep(store: ResumeStore, i: int, spec: TensorSpec, qt: QuantizedTensor,
