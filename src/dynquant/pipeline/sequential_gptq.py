@@ -37,7 +37,12 @@ from torch.overrides import TorchFunctionMode
 
 from dynquant.checkpoint.resume import ResumeStore
 from dynquant.format.planner import TensorSpec
-from dynquant.numerics.gptq import concat_rows, gptq_quantize, gptq_quantize_rows
+from dynquant.numerics.gptq import (
+    concat_rows,
+    gptq_quantize,
+    gptq_quantize_rows,
+    inverse_factor,
+)
 from dynquant.numerics.quantizer import QuantizedTensor
 from dynquant.pipeline.block_stream import BlockStream
 from dynquant.pipeline.executor import Executor, LocalExecutor
@@ -182,23 +187,23 @@ def _targets(block: nn.Module, prefix: str, mine: list[TensorSpec]) -> dict[str,
 
 @dataclass
 class CompensateJob:
-    """One matrix to compensate: a Linear's weight, or one expert of a bank."""
+    """One matrix to compensate: a Linear's weight, or one expert of a bank, with its second
+    moments and their inverse factor (computed by the driver, once per shared input)."""
 
     weight: torch.Tensor  # float32, [out, in] (or [in, out] with ``rows``)
-    hessian: torch.Tensor | None  # None: too few routed tokens, round to nearest
+    hessian: torch.Tensor
+    factor: torch.Tensor
     bits: int
     group_size: int
     rows: bool = False
 
 
-def compensate_job(job: CompensateJob, threads: int) -> QuantizedTensor:
-    """The pure per-matrix work (run by an executor, here or on a worker, on the driver's
-    number of threads: the products round differently on another)."""
-    if torch.get_num_threads() != threads:
-        torch.set_num_threads(threads)
-    w = job.weight
-    h = job.hessian if job.hessian is not None else torch.eye(w.shape[0 if job.rows else 1])
-    return (gptq_quantize_rows if job.rows else gptq_quantize)(w, h, job.bits, job.group_size)
+def compensate_job(job: CompensateJob, _shared: None = None) -> QuantizedTensor:
+    """The pure per-matrix work (run by an executor, here or on a worker). Given the factor,
+    its products round the same on any number of threads (the factor's Cholesky does not: the
+    driver computes it)."""
+    quantize = gptq_quantize_rows if job.rows else gptq_quantize
+    return quantize(job.weight, job.hessian, job.bits, job.group_size, factor=job.factor)
 
 
 def _quantize_group(stream: BlockStream, b: int, hidden: list[torch.Tensor], group: list[str],
@@ -207,10 +212,11 @@ def _quantize_group(stream: BlockStream, b: int, hidden: list[torch.Tensor], gro
     done = {m: _finished(store, index[m]) for m in group}
     todo = [m for m in group if done[m] is None]
     moments = _group_moments(stream, b, hidden, group, targets) if todo else None
-    # the group shares its input, so its moments; its matrices are compensated independently
-    jobs = {m: _jobs(targets[m], moments, *choice(m)) for m in todo}
-    results = executor.map(compensate_job, [j for m in todo for j in jobs[m]],
-                           torch.get_num_threads(), cpus=torch.get_num_threads())
+    # the group shares its input, so its moments and their factor (one per expert for banks);
+    # its matrices are compensated independently
+    factors = _Factors()
+    jobs = {m: _jobs(targets[m], moments, *choice(m), factors) for m in todo}
+    results = executor.map(compensate_job, [j for m in todo for j in jobs[m]], None)
     for m in group:  # each kept (in the store) as soon as its matrices are back
         t = targets[m]
         if done[m] is None:
@@ -219,13 +225,32 @@ def _quantize_group(stream: BlockStream, b: int, hidden: list[torch.Tensor], gro
         _keep(store, index[m], specs[index[m]], done[m], t.param)
 
 
-def _jobs(t: _Target, moments, bits: int, group_size: int) -> list[CompensateJob]:
-    """A Linear's one job, or a bank's one per expert (with that expert's moments)."""
+class _Factors:
+    """Inverse factors of a group's second moments, each computed once (q/k/v share one)."""
+
+    def __init__(self) -> None:
+        self.known: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
+
+    def of(self, hessian: torch.Tensor) -> torch.Tensor:
+        if id(hessian) not in self.known:
+            self.known[id(hessian)] = (hessian, inverse_factor(hessian, dtype=torch.float32))
+        return self.known[id(hessian)][1]
+
+
+def _jobs(t: _Target, moments, bits: int, group_size: int, factors: _Factors
+          ) -> list[CompensateJob]:
+    """A Linear's one job, or a bank's one per expert (with that expert's moments; an expert
+    with too few routed tokens rounds to nearest: identity moments)."""
     w = t.param.data.float()
     if not t.bank:
-        return [CompensateJob(w, moments, bits, group_size)]
-    return [CompensateJob(w[e].contiguous(), h, bits, group_size, t.rows)
-            for e, h in enumerate(moments)]
+        return [CompensateJob(w, moments, factors.of(moments), bits, group_size)]
+    jobs = []
+    for e, h in enumerate(moments):
+        if h is None:
+            h = torch.eye(w.shape[1] if t.rows else w.shape[2])
+        jobs.append(CompensateJob(w[e].contiguous(), h, factors.of(h), bits, group_size,
+                                  t.rows))
+    return jobs
 
 
 def _keep(store: ResumeStore, i: int, spec: TensorSpec, qt: QuantizedTensor,
