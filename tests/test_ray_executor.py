@@ -102,7 +102,7 @@ def test_a_killed_worker_is_survived(cluster, tmp_path):
     _quantize(tmp_path / "src", tmp_path / "local", "--uniform", "3")
     stop, killed = threading.Event(), []
     watcher = threading.Thread(target=_kill_first_task, args=(
-        ("ray::candidates_job", "ray::quantize_job"), stop, killed))
+        ("ray::block_shard_job", "ray::candidates_job", "ray::quantize_job"), stop, killed))
     watcher.start()
     try:
         _quantize(tmp_path / "src", tmp_path / "ray", "--uniform", "3", "--ray")
