@@ -161,7 +161,10 @@ def _executor(args: argparse.Namespace) -> tuple[str | None, str | None]:
     return "ray", None if args.ray == "local" else args.ray
 
 
-def _ray_option(p: argparse.ArgumentParser) -> None:
+def _work_options(p: argparse.ArgumentParser) -> None:
+    """How measure's and quantize's work runs: the calibration passes' dtype, and where."""
+    _dtype_option(p, "float32", "the calibration passes (float32: bf16 noise is of the size "
+                  "of the sensitivities)")
     p.add_argument("--ray", nargs="?", const="local", metavar="ADDRESS",
                    help="run the per-module work as Ray tasks: on the cluster at ADDRESS (auto, "
                    "ray://HOST:10001), or without one on a Ray instance started on this "
@@ -340,9 +343,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--moment-seqs", type=int, default=48,
                    help="calibration sequences for the second moments (default 48: X^T X needs "
                    "many more tokens than the sensitivities; a forward-only pass of its own)")
-    _dtype_option(p, "float32", "the calibration passes (float32: bf16 noise is of the size "
-                  "of the sensitivities)")
-    _ray_option(p)
+    _work_options(p)
     p.set_defaults(func=_cmd_measure)
 
     p = sub.add_parser("allocate", help="widths for a budget from maps.json (exact optimum)")
@@ -393,9 +394,7 @@ def build_parser() -> argparse.ArgumentParser:
                    help="replace an existing checkpoint at --output")
     p.add_argument("--quiet", action="store_true",
                    help="no progress, forecast or summary (warnings still print)")
-    _dtype_option(p, "float32", "the calibration passes (float32: bf16 noise is of the size "
-                  "of the sensitivities)")
-    _ray_option(p)
+    _work_options(p)
     p.set_defaults(func=_cmd_quantize)
 
     p = sub.add_parser("inspect", help="summarise a checkpoint or dynquant.json")

@@ -20,7 +20,7 @@ from safetensors.torch import save_file
 
 from dynquant.pipeline.block_stream import ActivationStore, BlockStream
 from dynquant.pipeline.calibration import InputStatistics
-from dynquant.pipeline.executor import Executor, LocalExecutor
+from dynquant.pipeline.executor import Executor, LocalExecutor, use_threads
 from dynquant.pipeline.progress import StageProgress
 from dynquant.pipeline.weights import WeightsAt
 
@@ -73,8 +73,7 @@ def block_shard_job(job: BlockShard, work: BlockWork
                     ) -> tuple[list[torch.Tensor], dict[str, dict]]:
     """The shard's outputs of the block and its raw input sums (the block's weights read for
     the job, released after)."""
-    if torch.get_num_threads() != work.threads:
-        torch.set_num_threads(work.threads)
+    use_threads(work.threads)
     stream = _stream(work)
     block = stream.blocks[job.block]
     stats = InputStatistics(stream.model, set(work.modules), work.second_moments)

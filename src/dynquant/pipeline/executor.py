@@ -49,6 +49,16 @@ class LocalExecutor(Executor):
             yield fn(job, shared)
 
 
+def use_threads(threads: int) -> None:
+    """Run this process's torch work on ``threads`` threads: what a job whose float results
+    depend on the thread count (a block's forward, GPTQ's factor) does on a worker, to compute
+    the driver's bits (the task reserves that many CPUs: ``map(..., cpus=threads)``)."""
+    import torch
+
+    if torch.get_num_threads() != threads:
+        torch.set_num_threads(threads)
+
+
 def executor_for(spec: Executor | str | None, address: str | None = None) -> Executor:
     """``None``/``"local"``: this process; ``"ray"``: a Ray cluster (``address``: an existing
     one, e.g. ``ray://head:10001`` or ``auto``; None: a local one started for the run)."""

@@ -60,13 +60,13 @@ from dynquant.pipeline.code_chooser import (
     SecondMoments,
     check_quantizer,
 )
-from dynquant.pipeline.executor import Executor, LocalExecutor
+from dynquant.pipeline.executor import Executor, LocalExecutor, use_threads
 from dynquant.pipeline.fisher import fisher_kl
 from dynquant.pipeline.generate import has_tokenizer, load_tokenizer
 from dynquant.pipeline.heap import return_freed_memory
 from dynquant.pipeline.priors import block_index, data_free_sensitivity
 from dynquant.pipeline.progress import StageProgress
-from dynquant.pipeline.weights import WeightsAt, WeightSource, weight_source
+from dynquant.pipeline.weights import WeightsAt, WeightSource
 
 MAPS_SCHEMA = "dynquant_maps_v1"
 METHODS = ("weight", "fisher", "kl-exact")
@@ -266,18 +266,15 @@ def measure(source: ModelSource, opts: MeasureOptions, out: str | Path | None = 
     dense_out = set(excluded_modules(specs, opts.not_convert))
     quantizable = [s for s in specs if s.quantizable and s.module not in dense_out]
     blocks = 1 + max((block_index(s.module) or 0 for s in quantizable), default=0)
-    weights = weight_source(source, random_init)
+    at = WeightsAt.of(source, random_init)  # this process's source, the one jobs run here use
+    weights = at.open()
     partial = None if out is None else PartialDir(out, _job(source, opts, method, random_init))
-    try:
-        stats, probe_kl = _calibrate(source, weights, quantizable, opts, method, out, progress,
-                                     partial, executor)
-        entries = _measure_modules(quantizable, WeightsAt.of(source, random_init),
-                                   opts, _chooser(opts, stats, out), probe_kl, partial,
-                                   executor or LocalExecutor(), progress,
-                                   lambda spec: data_free_sensitivity(spec, blocks,
-                                                                      bool(source.tied)))
-    finally:
-        weights.close()
+    stats, probe_kl = _calibrate(source, weights, quantizable, opts, method, out, progress,
+                                 partial, executor)
+    entries = _measure_modules(quantizable, at, opts, _chooser(opts, stats, out), probe_kl,
+                               partial, executor or LocalExecutor(), progress,
+                               lambda spec: data_free_sensitivity(spec, blocks,
+                                                                  bool(source.tied)))
     modules = {spec.module: entry for spec, entry in zip(quantizable, entries, strict=True)}
     stats_name = Path(out).stem + ".stats.safetensors" if out is not None and stats else None
     doc = {"schema": MAPS_SCHEMA, "model": source.name, "method": method,
@@ -422,8 +419,8 @@ class ModuleJob:
 
 def candidates_job(job: ModuleJob, work: CandidatesWork) -> list[Candidate]:
     """The pure per-module work (run by an executor, here or on a worker)."""
-    if work.threads is not None and torch.get_num_threads() != work.threads:
-        torch.set_num_threads(work.threads)
+    if work.threads is not None:
+        use_threads(work.threads)
     chooser = work.chooser if job.hessian is None else replace(
         work.chooser, moments=GivenMoments(job.spec.module, job.hessian))
     return module_candidates(job.spec, work.weights.open().get(job.spec), work.widths,
@@ -452,7 +449,6 @@ def _measure_modules(quantizable: list[TensorSpec], weights: WeightsAt, opts: Me
     with StageProgress(enabled=progress) as bar:
         task = bar.add_task("measuring", total=len(quantizable),
                             completed=len(quantizable) - len(todo))
-
         results = executor.map(candidates_job, jobs, work, cpus=work.threads or 1)
         for index, cands in zip(todo, results, strict=True):
             spec = quantizable[index]

@@ -28,7 +28,7 @@ from dynquant.pipeline.executor import Executor, LocalExecutor, executor_scope
 from dynquant.pipeline.forecast import Forecast, forecast
 from dynquant.pipeline.progress import StageProgress
 from dynquant.pipeline.sequential_gptq import SequentialCalibration
-from dynquant.pipeline.weights import WeightsAt, WeightSource, weight_source
+from dynquant.pipeline.weights import WeightsAt, WeightSource
 
 
 def _progress(enabled: bool) -> StageProgress:
@@ -104,17 +104,14 @@ def quantize_model(
                               "random_init": random_init, "seed": seed,
                               "codes": chooser.digest(), "version": md.core_version()})
     executor = executor or LocalExecutor()
-    if chooser.sequential is not None:
-        weights = weight_source(source, random_init, seed)
-        try:
-            _sequential(source, weights, specs, plan, widths, group_size, chooser, store,
-                        progress, executor)
-        finally:
-            weights.close()
-    jobs = [_job(index, spec, plan, widths, group_size) for index, spec in enumerate(specs)
-            if not store.has(index)]
+    # this process's source, the one the sequential pass and jobs run here use
     work = QuantizeWork(WeightsAt.of(source, random_init, seed),
                         replace(chooser, sequential=None, _cached=None))
+    if chooser.sequential is not None:
+        _sequential(source, work.weights.open(), specs, plan, widths, group_size, chooser,
+                    store, progress, executor)
+    jobs = [_job(index, spec, plan, widths, group_size) for index, spec in enumerate(specs)
+            if not store.has(index)]
     with _progress(progress) as bar:
         task = bar.add_task("quantizing", total=len(specs), completed=len(specs) - len(jobs))
 

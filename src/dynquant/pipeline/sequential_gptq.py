@@ -229,6 +229,8 @@ class _Factors:
     """Inverse factors of a group's second moments, each computed once (q/k/v share one)."""
 
     def __init__(self) -> None:
+        # by the moments' identity (the group's modules hold the same tensor); each kept
+        # beside its factor so that no id is reused by a later tensor
         self.known: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
 
     def of(self, hessian: torch.Tensor) -> torch.Tensor:
