@@ -186,3 +186,19 @@ def test_row_variant_stays_with_its_reference(rows, cols, bits, gs):
     rtn = quantize_tensor(w, bits, gs)
     d_comp, d_rtn = qt.dequantize(torch.float32) - w, rtn.dequantize(torch.float32) - w
     assert float((d_comp.T @ h @ d_comp).trace()) < 0.8 * float((d_rtn.T @ h @ d_rtn).trace())
+
+
+def test_row_variant_takes_rows_by_decreasing_input_energy():
+    """Act-order for banks: the rows are taken by decreasing diagonal of H, so the codes do not
+    depend on the order the input features are stored in (shuffle them: same codes, shuffled)."""
+    from dynquant.numerics.gptq import gptq_quantize_rows, row_order
+
+    w, h = _problem(64, 96, seed=5)
+    w = w.T.contiguous()  # [96 (in), 64 (out)]
+    order = row_order(h)
+    assert bool((torch.diagonal(h)[order].diff() <= 0).all())
+    shuffle = torch.randperm(96, generator=torch.Generator().manual_seed(1))
+    a = gptq_quantize_rows(w, h, 3, 32)
+    b = gptq_quantize_rows(w[shuffle].contiguous(), h[shuffle][:, shuffle].contiguous(), 3, 32)
+    assert torch.equal(a.qweight[shuffle], b.qweight)
+    assert torch.equal(a.scales[shuffle], b.scales) and torch.equal(a.offsets[shuffle], b.offsets)

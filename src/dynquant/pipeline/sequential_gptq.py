@@ -42,6 +42,7 @@ from dynquant.numerics.gptq import (
     gptq_quantize,
     gptq_quantize_rows,
     inverse_factor,
+    rows_factor,
 )
 from dynquant.numerics.quantizer import QuantizedTensor
 from dynquant.pipeline.block_stream import BlockStream
@@ -226,17 +227,21 @@ def _quantize_group(stream: BlockStream, b: int, hidden: list[torch.Tensor], gro
 
 
 class _Factors:
-    """Inverse factors of a group's second moments, each computed once (q/k/v share one)."""
+    """Inverse factors of a group's second moments, each computed once (q/k/v share one);
+    ``rows``: the factor ``gptq_quantize_rows`` takes (of the moments in its row order)."""
 
     def __init__(self) -> None:
         # by the moments' identity (the group's modules hold the same tensor); each kept
         # beside its factor so that no id is reused by a later tensor
-        self.known: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
+        self.known: dict[tuple[int, bool], tuple[torch.Tensor, torch.Tensor]] = {}
 
-    def of(self, hessian: torch.Tensor) -> torch.Tensor:
-        if id(hessian) not in self.known:
-            self.known[id(hessian)] = (hessian, inverse_factor(hessian, dtype=torch.float32))
-        return self.known[id(hessian)][1]
+    def of(self, hessian: torch.Tensor, rows: bool = False) -> torch.Tensor:
+        key = (id(hessian), rows)
+        if key not in self.known:
+            factor = rows_factor(hessian) if rows else inverse_factor(hessian,
+                                                                      dtype=torch.float32)
+            self.known[key] = (hessian, factor)
+        return self.known[key][1]
 
 
 def _jobs(t: _Target, moments, bits: int, group_size: int, factors: _Factors
@@ -250,8 +255,8 @@ def _jobs(t: _Target, moments, bits: int, group_size: int, factors: _Factors
     for e, h in enumerate(moments):
         if h is None:
             h = torch.eye(w.shape[1] if t.rows else w.shape[2])
-        jobs.append(CompensateJob(w[e].contiguous(), h, factors.of(h), bits, group_size,
-                                  t.rows))
+        jobs.append(CompensateJob(w[e].contiguous(), h, factors.of(h, t.rows), bits,
+                                  group_size, t.rows))
     return jobs
 
 
