@@ -11,7 +11,8 @@ Expert banks (3-D parameters, one matrix per expert) take part the same way, eac
 the second moments of the tokens routed to it: a torch function mode sees every product whose
 weight is a view of one expert of a watched bank (``F.linear(x, bank[e])`` in transformers'
 experts modules, stored ``[E, out, in]``; ``x @ bank[e]`` in the reference hybrid model, stored
-``[E, in, out]`` and compensated along its rows, ``gptq_quantize_rows``), whatever the model's
+``[E, in, out]`` and compensated along its rows, taken by decreasing input energy,
+``gptq_quantize_rows``), whatever the model's
 routing code looks like. An expert that saw fewer than ``MIN_EXPERT_TOKENS`` tokens rounds to
 nearest. The block's remaining quantized tensors (convolutions, anything the forward does not
 reach) round to nearest first, with the calibration importance. After the last block, the
