@@ -269,13 +269,23 @@ def test_expert_banks_quantize_each_expert_with_its_own_inputs():
 def test_importance_of_a_bank_comes_from_its_routed_tokens():
     from dynquant.pipeline.calibration import importance_of
 
-    stats = {"m.experts.expert_inputs": torch.tensor([[1.0, 2.0], [0.0, 0.0], [3.0, 4.0]]),
-             "m.experts.routed_tokens": torch.tensor([1.0, 0.0, 3.0]), "m.q": torch.ones(2)}
-    got = importance_of(stats, "m.experts.gate_up_proj", (3, 8, 2))
+    stats = {"m.experts.down_proj.expert_inputs": torch.tensor([[1.0, 2.0], [0.0, 0.0],
+                                                                 [3.0, 4.0]]),
+             "m.experts.down_proj.routed_tokens": torch.tensor([1.0, 0.0, 3.0]),
+             "m.moe.w1.expert_row_inputs": torch.ones(3, 2),
+             "m.moe.w1.routed_tokens": torch.ones(3), "m.q": torch.ones(2)}
+    got = importance_of(stats, "m.experts.down_proj", (3, 8, 2))
     # the expert no token reached takes the token-weighted mean of the others
     torch.testing.assert_close(got, torch.tensor([[1.0, 2.0], [2.5, 3.5], [3.0, 4.0]]))
-    assert importance_of(stats, "m.experts.down_proj", (3, 2, 8)) is None
+    # a bank used as x @ W[e]: its inputs run along its rows, not the groups' columns
+    assert importance_of(stats, "m.moe.w1", (3, 2, 2)) is None
+    assert importance_of(stats, "m.experts.gate_up_proj", (3, 8, 2)) is None
     assert importance_of(stats, "m.q", (2, 2)) is stats["m.q"]
+    # a stats file from before banks had their own keys: per owner, first projections only
+    old = {"m.experts.expert_inputs": stats["m.experts.down_proj.expert_inputs"],
+           "m.experts.routed_tokens": stats["m.experts.down_proj.routed_tokens"]}
+    torch.testing.assert_close(importance_of(old, "m.experts.gate_up_proj", (3, 8, 2)), got)
+    assert importance_of(old, "m.experts.down_proj", (3, 2, 8)) is None
 
 
 def test_measure_weights_expert_banks_by_their_tokens(tmp_path):
@@ -289,11 +299,54 @@ def test_measure_weights_expert_banks_by_their_tokens(tmp_path):
     plain = measure(source, MeasureOptions(budgets=[3.25], method="weight"), None,
                     progress=False)
     stats = load_file(tmp_path / "c" / "maps.stats.safetensors")
-    bank = "model.layers.0.mlp.experts.gate_up_proj"
-    assert int(stats["model.layers.0.mlp.experts.routed_tokens"].sum()) == 2 * 32 * 2
-    errors = [[c["error"] for c in doc["modules"][bank]["candidates"]]
-              for doc in (calibrated, plain)]
-    assert errors[0] != errors[1]  # weighted by each expert's own inputs
+    for leaf in ("gate_up_proj", "down_proj"):  # up and down projections alike
+        bank = f"model.layers.0.mlp.experts.{leaf}"
+        assert int(stats[f"{bank}.routed_tokens"].sum()) == 2 * 32 * 2
+        errors = [[c["error"] for c in doc["modules"][bank]["candidates"]]
+                  for doc in (calibrated, plain)]
+        assert errors[0] != errors[1], leaf  # weighted by each expert's own inputs
+
+
+@pytest.mark.parametrize("family", ["qwen3_moe", "dynquant_hybrid"])
+def test_every_bank_gets_each_experts_own_statistics(family, tmp_path):
+    """Per expert of every bank (down projections too): routed tokens, mean squares and
+    X^T X over that expert's own inputs, streamed == whole model; for the hybrid model's first
+    projections, equal to the tokens its router sends (computed here from the gate)."""
+    model_dir = save_tiny_model(family, tmp_path / family)
+    ids = torch.randint(0, 384, (3, 24), generator=torch.Generator().manual_seed(4))
+    stream, modules = _stream(model_dir, ids)
+    cal = run_calibration_pass(stream, modules, moments_dir=tmp_path / "moments")
+    saved = load_file(tmp_path / "moments" / "block_000.safetensors")
+    model = load_any(model_dir, dtype="float32")
+    k = model.config.num_experts_per_tok
+    params = dict(model.named_parameters())
+    banks = sorted(m for m in modules if m.startswith(stream.block_prefix(0) + ".")
+                   and m in params and params[m].ndim == 3)
+    assert len(banks) == (3 if family == "dynquant_hybrid" else 2)
+    rows = family == "dynquant_hybrid"
+    for bank in banks:
+        per = cal.stats[f"{bank}.{'expert_row_inputs' if rows else 'expert_inputs'}"]
+        tokens = cal.stats[f"{bank}.routed_tokens"]
+        assert int(tokens.sum()) == ids.numel() * k
+        h = saved[bank]
+        assert h.shape == (len(tokens), per.shape[1], per.shape[1])
+        # each expert's diagonal of X^T X / n is its mean squares
+        torch.testing.assert_close(torch.diagonal(h, dim1=1, dim2=2), per, rtol=1e-4,
+                                   atol=1e-6)
+    if rows:  # independent: the MoE block's own router over its inputs
+        moe = model.model.layers[0].moe
+        seen = []
+        handle = moe.register_forward_pre_hook(lambda _m, i: seen.append(i[0].detach()))
+        with torch.no_grad():
+            model(ids)
+        handle.remove()
+        x = seen[0].reshape(-1, seen[0].shape[-1]).float()
+        top = moe.gate(x).topk(moe.top_k, dim=-1).indices
+        for e in range(len(moe.w1)):
+            xe = x[(top == e).any(-1)]
+            torch.testing.assert_close(saved[f"{stream.block_prefix(0)}.moe.w1"][e],
+                                       xe.T @ xe / max(len(xe), 1), rtol=1e-4, atol=1e-5)
+    cal.close()
 
 
 def test_labels_are_drawn_from_the_models_distribution():

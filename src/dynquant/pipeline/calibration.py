@@ -16,6 +16,7 @@ from safetensors.torch import save_file
 from torch import nn
 
 from dynquant.errors import ModelError
+from dynquant.pipeline.bank_products import BankProducts
 
 
 def read_calibration(files: list[str | Path]) -> list[str]:
@@ -81,7 +82,10 @@ def calibration_ids(tokenizer, files: list[str | Path], seqs: int, length: int) 
 class InputStatistics:
     """Forward hooks that gather, per quantizable Linear, the mean squared input of each column
     (the quantizer's importance) and optionally the input second-moment matrix X^T X; and per
-    expert bank, the tokens routed to each expert and each expert's mean squared input.
+    expert bank, the tokens routed to each expert, each expert's mean squared input and
+    optionally its own X^T X, from the products each expert's routed tokens go through
+    (``BankProducts``, entered for the forward of the module that owns the banks: up and down
+    projections alike, whatever the routing code).
 
     The same hooks serve a whole-model run and the block-streamed one (``block_stream.py``):
     they only see module inputs, whichever way the model runs."""
@@ -93,13 +97,14 @@ class InputStatistics:
         self.routed: dict[str, torch.Tensor] = {}
         self.second = second_moments
         self.hooks = []
+        self._active: list[BankProducts] = []
         for name, module in model.named_modules():
             if name in modules and isinstance(module, nn.Linear):
                 self.hooks.append(module.register_forward_hook(self._linear(name)))
-            banks = [f"{name}.{p}" for p, t in module.named_parameters(recurse=False)
+            banks = [p for p, t in module.named_parameters(recurse=False)
                      if t.ndim == 3 and f"{name}.{p}" in modules]
             if banks:
-                self.hooks.append(module.register_forward_hook(self._bank(name, module)))
+                self._watch(module, name, banks)
 
     def _linear(self, name: str):
         def fn(_module, inputs, _output):
@@ -110,19 +115,35 @@ class InputStatistics:
                 self.moments[name] = self.moments.get(name, 0) + x.T @ x
         return fn
 
-    def _bank(self, name: str, module: nn.Module):
-        def fn(_module, inputs, _output):
-            routing = expert_routing(module, inputs)
-            if routing is None:
-                return
-            x, experts = routing
-            count = torch.bincount(experts.reshape(-1), minlength=_experts(module))
-            sq = torch.zeros(len(count), x.shape[-1]).index_add_(
-                0, experts.reshape(-1), x.square().repeat_interleave(experts.shape[-1], 0))
-            key = f"{name}.routed_tokens"
-            self.routed[key] = self.routed.get(key, 0) + count
-            self.sums[f"{name}.expert_inputs"] = self.sums.get(f"{name}.expert_inputs", 0) + sq
-        return fn
+    def _watch(self, module: nn.Module, name: str, banks: list[str]) -> None:
+        """The banks' products seen for the duration of ``module``'s forward (the banks looked
+        up then: a streamed run puts new parameters in place for each block)."""
+        def enter(_module, _inputs):
+            watched = {f"{name}.{p}": module.get_parameter(p) for p in banks}
+            mode = BankProducts(watched, self._expert)
+            mode.__enter__()
+            self._active.append(mode)
+
+        def leave(_module, _inputs, _output):
+            self._active.pop().__exit__(None, None, None)
+
+        self.hooks.append(module.register_forward_pre_hook(enter))
+        self.hooks.append(module.register_forward_hook(leave, always_call=True))
+
+    def _expert(self, bank: str, expert: int, x: torch.Tensor, rows: bool) -> None:
+        """One expert's product: its routed tokens ``x`` [tokens, in]."""
+        x = x.detach().float().reshape(-1, x.shape[-1])
+        tokens = f"{bank}.routed_tokens"
+        if tokens not in self.routed:
+            experts = self._active[-1].banks[bank].shape[0]
+            self.routed[tokens] = torch.zeros(experts, dtype=torch.long)
+            self.sums[_expert_key(bank, rows)] = torch.zeros(experts, x.shape[1])
+            if self.second:
+                self.moments[bank] = torch.zeros(experts, x.shape[1], x.shape[1])
+        self.routed[tokens][expert] += x.shape[0]
+        self.sums[_expert_key(bank, rows)][expert] += x.square().sum(0)
+        if self.second:
+            self.moments[bank][expert] += x.T @ x
 
     def remove(self) -> None:
         for h in self.hooks:
@@ -142,40 +163,41 @@ class InputStatistics:
                 mine[name] = mine.get(name, 0) + value
 
     def result(self) -> dict[str, torch.Tensor]:
-        """module -> [in] mean squares; ``BANKS.routed_tokens`` -> [E] counts (float32) and
-        ``BANKS.expert_inputs`` -> [E, in] per-expert mean squares of the routed tokens."""
+        """module -> [in] mean squares; per expert bank ``BANK.routed_tokens`` -> [E] counts
+        (float32) and ``BANK.expert_inputs`` -> [E, in] each expert's mean squares of its
+        routed inputs (``BANK.expert_row_inputs`` for a bank used as ``x @ bank[e]``, whose
+        inputs run along its rows, not along the format's groups)."""
         out = {}
         for name, total in self.sums.items():
-            if name.endswith(".expert_inputs"):
-                tokens = self.routed[name.removesuffix(".expert_inputs") + ".routed_tokens"]
-                out[name] = total / tokens.clamp(min=1)[:, None]
+            bank = _bank_of(name)
+            if bank is not None:
+                out[name] = total / self.routed[f"{bank}.routed_tokens"].clamp(min=1)[:, None]
             else:
                 out[name] = total / self.counts[name]
         out.update({k: v.float() for k, v in self.routed.items()})
         return {k: out[k].contiguous() for k in sorted(out)}
 
     def second_moments(self) -> dict[str, torch.Tensor]:
-        """module -> X^T X / tokens [in, in] (empty unless asked for)."""
-        return {k: (v / self.counts[k]).contiguous() for k, v in sorted(self.moments.items())}
+        """module -> X^T X / tokens [in, in]; bank -> [E, in, in], each expert's over its own
+        routed tokens (empty unless asked for)."""
+        out = {}
+        for k, v in sorted(self.moments.items()):
+            if v.ndim == 3:
+                out[k] = v / self.routed[f"{k}.routed_tokens"].clamp(min=1)[:, None, None]
+            else:
+                out[k] = v / self.counts[k]
+        return {k: v.contiguous() for k, v in out.items()}
 
 
-def _experts(module: nn.Module) -> int:
-    return next(p.shape[0] for p in module.parameters(recurse=False) if p.ndim == 3)
+_EXPERT_SUFFIXES = (".expert_inputs", ".expert_row_inputs")
 
 
-def expert_routing(module: nn.Module, inputs: tuple) -> tuple[torch.Tensor, torch.Tensor] | None:
-    """(tokens [N, H] float32, routed experts [N, k]) of an expert-bank module's call: a
-    transformers experts module (called with hidden states and top-k indices) or the reference
-    hybrid model's MoE block (routes with its own ``gate``)."""
-    if len(inputs) >= 2 and inputs[1].dtype in (torch.int64, torch.int32):
-        x, experts = inputs[0], inputs[1]
-    elif hasattr(module, "gate") and hasattr(module, "top_k"):
-        x = inputs[0].reshape(-1, inputs[0].shape[-1])
-        experts = module.gate(x).float().topk(module.top_k, dim=-1).indices
-    else:
-        return None
-    x = x.detach().float().reshape(-1, x.shape[-1])
-    return x, experts.reshape(x.shape[0], -1).long()
+def _expert_key(bank: str, rows: bool) -> str:
+    return f"{bank}{_EXPERT_SUFFIXES[rows]}"
+
+
+def _bank_of(key: str) -> str | None:
+    return next((key.removesuffix(s) for s in _EXPERT_SUFFIXES if key.endswith(s)), None)
 
 
 def collect_stats(model: nn.Module, ids: torch.Tensor, modules: set[str]
@@ -191,22 +213,25 @@ def collect_stats(model: nn.Module, ids: torch.Tensor, modules: set[str]
     return stats.result()
 
 
-# 3-D expert parameters [E, out, in] whose input is the tokens routed to the expert (the
-# transformers names); the others (down projections, the reference model's [E, in, out] banks)
-# read activations no hook sees, and stay unweighted.
+# Stats files written before each bank had its own statistics kept them per owner module, for
+# the first projections only (the transformers names); still read.
 FIRST_PROJECTIONS = ("gate_up_proj", "gate_proj", "up_proj")
 
 
 def importance_of(stats: dict[str, torch.Tensor], module: str, shape: tuple[int, ...]
                   ) -> torch.Tensor | None:
     """The quantizer's importance for ``module`` of ``shape``: its column statistics, or for an
-    expert bank's first projection each expert's own routed inputs ([E, in]; an expert no
-    calibration token reached takes the bank's token-weighted mean)."""
+    expert bank whose inputs run along its last axis (``[E, out, in]``) each expert's own
+    routed inputs ([E, in]; an expert no calibration token reached takes the bank's
+    token-weighted mean). None for a bank used as ``x @ bank[e]``: its inputs run along its
+    rows, and the clip search weighs the columns of a group."""
     if module in stats:
         return stats[module]
+    per, tokens = stats.get(f"{module}.expert_inputs"), stats.get(f"{module}.routed_tokens")
     owner, _, leaf = module.rpartition(".")
-    per, tokens = stats.get(f"{owner}.expert_inputs"), stats.get(f"{owner}.routed_tokens")
-    if (per is None or tokens is None or leaf not in FIRST_PROJECTIONS or len(shape) != 3
+    if per is None and leaf in FIRST_PROJECTIONS:
+        per, tokens = stats.get(f"{owner}.expert_inputs"), stats.get(f"{owner}.routed_tokens")
+    if (per is None or tokens is None or len(shape) != 3
             or tuple(per.shape) != (shape[0], shape[-1])):
         return None
     mean = (per * tokens[:, None]).sum(0) / tokens.sum().clamp(min=1)

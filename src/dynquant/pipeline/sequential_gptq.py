@@ -33,8 +33,6 @@ from dataclasses import dataclass
 
 import torch
 from torch import nn
-from torch.nn import functional as F
-from torch.overrides import TorchFunctionMode
 
 from dynquant.checkpoint.resume import ResumeStore
 from dynquant.format.planner import TensorSpec
@@ -46,6 +44,7 @@ from dynquant.numerics.gptq import (
     rows_factor,
 )
 from dynquant.numerics.quantizer import QuantizedTensor
+from dynquant.pipeline.bank_products import BankProducts
 from dynquant.pipeline.block_stream import BlockStream
 from dynquant.pipeline.executor import Executor, LocalExecutor
 from dynquant.pipeline.progress import StageProgress
@@ -80,29 +79,6 @@ class _Target:
     @property
     def bank(self) -> bool:
         return self.owner is None
-
-
-class _BankProducts(TorchFunctionMode):
-    """Calls ``seen(name, expert, input, rows)`` for every product whose weight is one expert
-    of a watched bank."""
-
-    def __init__(self, banks: dict[str, nn.Parameter], seen: Callable) -> None:
-        super().__init__()
-        self.banks, self.seen = banks, seen
-
-    def __torch_function__(self, func, types, args=(), kwargs=None):
-        if func in _PRODUCTS and len(args) >= 2 and isinstance(args[1], torch.Tensor):
-            w = args[1]
-            for name, bank in self.banks.items():
-                if (tuple(w.shape) == tuple(bank.shape[1:]) and w.numel()
-                        and w.untyped_storage().data_ptr() == bank.untyped_storage().data_ptr()):
-                    expert = (w.storage_offset() - bank.storage_offset()) // bank.stride(0)
-                    self.seen(name, expert, args[0], func is not F.linear)
-        return func(*args, **(kwargs or {}))
-
-
-# x @ w reaches the mode as the tensor method ``matmul``
-_PRODUCTS = (F.linear, torch.matmul, torch.Tensor.matmul, torch.Tensor.__matmul__)
 
 
 def sequential_gptq(stream: BlockStream, specs: list[TensorSpec], quantized: set[str],
@@ -301,7 +277,7 @@ def _groups(stream: BlockStream, b: int, first: torch.Tensor, targets: dict[str,
     banks = {n: t.param for n, t in targets.items() if t.bank}
     args, kwargs = stream.args[b][0]
     try:
-        with torch.no_grad(), _BankProducts(banks, bank_seen):
+        with torch.no_grad(), BankProducts(banks, bank_seen):
             stream.blocks[b](first.to(stream.dtype), *args, **kwargs)
     finally:
         for h in hooks:
@@ -357,7 +333,7 @@ def _expert_moments(stream: BlockStream, b: int, hidden: list[torch.Tensor], nam
         if n == name:
             experts[e].add(x)
 
-    with _BankProducts({name: bank.param}, seen):
+    with BankProducts({name: bank.param}, seen):
         _run(stream, b, hidden)
     return [m.mean() if m.count >= MIN_EXPERT_TOKENS else None for m in experts]
 
