@@ -7,7 +7,10 @@ fisher`` and ``--method kl-exact`` in child processes (wall time, peak RSS), bes
 float32 forward+backward of the dense model over the same calibration tokens; the rank
 correlation of the modules' 3-bit KLs (estimated vs probed); then each method's allocations at
 every budget quantized and evaluated on held-out text (mean KL against the base), and the rank
-correlation of predicted vs measured KL over the budgets.
+correlation of predicted vs measured KL over the budgets. The frontier's checkpoints are
+round-to-nearest codes (what the sensitivities are defined on); at ``DEFAULT_CODES_BUDGETS``
+both methods' widths are also written with the codes a calibrated ``quantize`` writes by
+default (sequential GPTQ on the bundled text) and compared the same way.
 """
 
 from __future__ import annotations
@@ -19,20 +22,28 @@ import time
 from pathlib import Path
 
 import torch
+from safetensors.torch import load_file
 from scipy.stats import spearmanr
 
 from benchmarks.common import figure, machine, real_model, run_child
-from dynquant.pipeline.calibration import calibration_ids
+from dynquant.models.sources import resolve_model
+from dynquant.pipeline.allocate import allocate_widths
+from dynquant.pipeline.calibration import calibration_ids, default_calibration
+from dynquant.pipeline.code_chooser import CodeChooser
 from dynquant.pipeline.evaluate import load_any
-from dynquant.pipeline.frontier import size_quality_frontier
+from dynquant.pipeline.frontier import evaluate_checkpoints, size_quality_frontier
 from dynquant.pipeline.generate import load_tokenizer
-from dynquant.pipeline.measure import MeasureOptions, probe_bits
+from dynquant.pipeline.measure import MeasureOptions, maps_modules, probe_bits
+from dynquant.pipeline.quantize import quantize_model
+from dynquant.pipeline.sequential_gptq import SequentialCalibration
 
 ROOT = Path(__file__).parents[1]
 CALIB = ROOT / "data" / "calibration.txt"
 HELDOUT = ROOT / "data" / "heldout.txt"
 SEQS, LENGTH = 8, 256
 EVAL_TOKENS = 16384
+DEFAULT_CODES_BUDGETS = (3.25,)
+GPTQ_SEQS = 48  # quantize --gptq-seqs's default
 
 
 def forward_backward_seconds(model_dir: Path) -> float:
@@ -88,6 +99,31 @@ def compare(name: str, model_dir: Path, tmp: Path) -> None:
     for budget in kls["fisher"]:
         figure(f"{name} @{budget}: measured KL fisher / kl-exact allocation",
                kls["fisher"][budget] / kls["kl-exact"][budget], "x")
+    default_codes(name, model_dir, tmp)
+
+
+def default_codes(name: str, model_dir: Path, tmp: Path) -> None:
+    """Both methods' allocations written with the default calibrated codes (sequential GPTQ)."""
+    source = resolve_model(str(model_dir))
+    ids = calibration_ids(load_tokenizer(model_dir), [str(default_calibration())], GPTQ_SEQS,
+                          256)
+    tags = []
+    for budget in DEFAULT_CODES_BUDGETS:
+        for method in ("fisher", "kl-exact"):
+            maps_path = tmp / f"{name}-{method}" / "maps.json"
+            maps = json.loads(maps_path.read_text())
+            chooser = CodeChooser("gptq", load_file(maps_path.parent / maps["stats"]),
+                                  sequential=SequentialCalibration(ids))
+            tag = f"{name}-{method}-gptq-{budget}"
+            quantize_model(source, allocate_widths(maps_modules(maps), budget).widths,
+                           tmp / tag, overwrite=True, progress=False, chooser=chooser)
+            tags.append(tag)
+    kl = {t: r.kl_mean for t, r in evaluate_checkpoints(model_dir, tmp, tags, HELDOUT, 512,
+                                                         EVAL_TOKENS, None).items()}
+    for budget in DEFAULT_CODES_BUDGETS:
+        fisher, exact = (kl[f"{name}-{m}-gptq-{budget}"] for m in ("fisher", "kl-exact"))
+        figure(f"{name} @{budget}, GPTQ codes: measured KL fisher / kl-exact allocation "
+               f"({fisher:.4g} / {exact:.4g})", fisher / exact, "x")
 
 
 def main() -> None:
