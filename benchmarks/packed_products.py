@@ -5,7 +5,10 @@ and MKL_ENABLE_INSTRUCTIONS; the nearest this AVX-512 machine gets to a real AVX
 
 - one token: the packed matvec at 2/3/4/8 bits vs the dense float32 GEMV (target >= 2x);
 - 9, 64 and 512 tokens: the packed GEMM vs the dense float32 GEMM (target >= 1x);
-- beside them: torch's int4 kernel with bf16 and float32 activations, and dense bf16.
+- beside them: torch's int4 kernel with bf16 and float32 activations, and dense bf16;
+- hand-off: the one-token matvec on 1 and 2 threads at 64 K - 4 M weights, each call after
+  60 us of other work (as in a decode step, where the pool's worker has gone to sleep) and
+  back to back: where splitting a decode product pays (``PARALLEL_MIN_ELEMENTS``).
 """
 
 from __future__ import annotations
@@ -13,13 +16,20 @@ from __future__ import annotations
 import os
 import subprocess
 import sys
+import time
 
 import torch
 import torch.nn.functional as F
 
 from benchmarks.common import best_time, figure, machine
 from dynquant import quantize_tensor
-from dynquant.numerics.packed_matvec import packed_gemm, packed_matvec, simd_path
+from dynquant.numerics import native
+from dynquant.numerics.packed_matvec import (
+    OneTokenMatvec,
+    packed_gemm,
+    packed_matvec,
+    simd_path,
+)
 from dynquant.runtime.int4_cpu import pack_int4
 
 AVX2_LIMITS = {"DYNQUANT_NATIVE_ARCH": "x86-64-v3", "ATEN_CPU_CAPABILITY": "avx2",
@@ -66,6 +76,38 @@ def main(n: int = 4096) -> None:
     dense_bf16, x_bf16 = dense.to(torch.bfloat16), x1.to(torch.bfloat16)
     figure("dense bf16 GEMV", best_time(lambda: F.linear(x_bf16, dense_bf16), repeat=30) * 1e3,
            "ms")
+    hand_off()
+
+
+def _busy(microseconds: float) -> None:
+    end = time.perf_counter_ns() + microseconds * 1000
+    while time.perf_counter_ns() < end:
+        pass
+
+
+def hand_off(gap_us: float = 60, calls: int = 200) -> None:
+    """One-token 3-bit matvec on 1 vs 2 threads, with ``gap_us`` of other work before each call
+    (the worker asleep when it comes) and back to back (the worker spinning)."""
+    lib = native.library()
+    g = torch.Generator().manual_seed(1)
+    for rows, cols in ((256, 256), (512, 1024), (1024, 1024), (2048, 2048)):
+        q = quantize_tensor(torch.randn(rows, cols, generator=g), 3)
+        f = OneTokenMatvec(q.qweight, q.scales, q.offsets, q.layout)
+        x = torch.randn(1, cols, generator=g)
+        for gap in (gap_us, 0):
+            for threads in (1, 2):
+                f.threads = threads
+                best = float("inf")
+                for _ in range(5):
+                    total = 0
+                    for _ in range(calls):
+                        _busy(gap)
+                        start = time.perf_counter_ns()
+                        f(lib, x)
+                        total += time.perf_counter_ns() - start
+                    best = min(best, total / calls / 1000)
+                figure(f"hand-off: {rows * cols // 1024} K weights, {gap:g} us before each "
+                       f"call, {threads} thread(s)", best, "us")
 
 
 if __name__ == "__main__":
