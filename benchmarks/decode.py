@@ -2,9 +2,10 @@
 model holding the same decoded weights, both in one compute dtype (``--dtype``, default the CPU's:
 bfloat16 only with native bf16 dot products).
 
-Models: both trained reference models (hybrid MoE and Llama) and a random transformers Qwen3-MoE
-of similar size. Widths: uniform 4-bit (Linears on the int4 kernel), uniform 3-bit (the packed
-matvec kernels) and a mixed allocation (attention 8, expert banks 3, others 4). Then the seed
+Models: both trained reference models (hybrid MoE and Llama), a random transformers Qwen3-MoE
+of similar size and, when prepared (``make real-model``), the real SmolLM2-135M-Instruct.
+Widths: uniform 4-bit (Linears on the int4 kernel), uniform 3-bit (the packed matvec kernels)
+and a mixed allocation (attention 8, expert banks 3, others 4). Then the seed
 architecture at full size (1.69 B, random weights) with the seed checkpoint's own widths.
 """
 
@@ -19,7 +20,7 @@ from pathlib import Path
 import torch
 from transformers import AutoModelForCausalLM, Qwen3MoeConfig
 
-from benchmarks.common import figure, machine
+from benchmarks.common import figure, machine, real_model
 from dynquant.models.sources import resolve_model
 from dynquant.pipeline.demo import demo_widths
 from dynquant.pipeline.quantize import quantize_model
@@ -110,6 +111,9 @@ def main() -> None:
         sources = {"hybrid-ref": (resolve_model(str(models / "hybrid-ref")), False, 4096),
                    "llama-ref": (resolve_model(str(models / "llama-ref")), False, 4096),
                    "qwen3-moe": (resolve_model(str(qwen3_moe_dir(root))), False, 4096)}
+        real = real_model()
+        if real is not None:
+            sources["smollm2-135m"] = (resolve_model(str(real)), False, 49152)
         for name, (source, random_init, vocab) in ({} if args.only_seed else sources).items():
             modules = [s.module for s in source.tensor_specs() if s.quantizable]
             for label, widths in (("uniform-4", {m: 4 for m in modules}),
