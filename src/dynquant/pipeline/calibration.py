@@ -142,8 +142,8 @@ class InputStatistics:
                 self.moments[bank] = torch.zeros(experts, x.shape[1], x.shape[1])
         self.routed[tokens][expert] += x.shape[0]
         self.sums[_expert_key(bank, rows)][expert] += x.square().sum(0)
-        if self.second:
-            self.moments[bank][expert] += x.T @ x
+        if self.second:  # summed into in place, as sequential GPTQ's moments always were
+            self.moments[bank][expert].addmm_(x.T, x)
 
     def remove(self) -> None:
         for h in self.hooks:

@@ -46,6 +46,7 @@ from dynquant.numerics.gptq import (
 from dynquant.numerics.quantizer import QuantizedTensor
 from dynquant.pipeline.bank_products import BankProducts
 from dynquant.pipeline.block_stream import BlockStream
+from dynquant.pipeline.calibration import InputStatistics
 from dynquant.pipeline.executor import Executor, LocalExecutor
 from dynquant.pipeline.progress import StageProgress
 
@@ -326,16 +327,20 @@ class _InputMoments:
 
 def _expert_moments(stream: BlockStream, b: int, hidden: list[torch.Tensor], name: str,
                     bank: _Target) -> list[torch.Tensor | None]:
-    width = bank.param.shape[1] if bank.rows else bank.param.shape[2]
-    experts = [_InputMoments(width) for _ in range(bank.param.shape[0])]
-
-    def seen(n: str, e: int, x: torch.Tensor, _rows: bool) -> None:
-        if n == name:
-            experts[e].add(x)
-
-    with BankProducts({name: bank.param}, seen):
+    """Each expert's X^T X / tokens over the tokens routed to it, as the calibration statistics
+    gather it (``InputStatistics``); None where an expert saw too few."""
+    stats = InputStatistics(stream.model, {name}, second_moments=True)
+    try:
         _run(stream, b, hidden)
-    return [m.mean() if m.count >= MIN_EXPERT_TOKENS else None for m in experts]
+    finally:
+        stats.remove()
+    tokens = stats.routed.get(f"{name}.routed_tokens")
+    if tokens is None:  # no token reached the bank
+        return [None] * bank.param.shape[0]
+    moments = stats.second_moments()[name]
+    # each its own tensor: a view would carry the whole bank's moments to a worker
+    return [moments[e].clone() if n >= MIN_EXPERT_TOKENS else None
+            for e, n in enumerate(tokens.tolist())]
 
 
 def _run(stream: BlockStream, b: int, hidden: list[torch.Tensor]) -> None:
