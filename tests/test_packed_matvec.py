@@ -27,7 +27,7 @@ from dynquant.numerics.packed_matvec import (
     simd_path,
 )
 from dynquant.numerics.quantizer import dequantize_rows, dequantize_rows_torch
-from dynquant.runtime.packed_modules import QuantLinear
+from dynquant.runtime.packed_modules import QuantLinear, _decode_product
 from quantizer_backends import backend
 
 
@@ -276,6 +276,12 @@ def test_the_one_token_fast_path_gives_the_kernels_bits_and_follows_new_buffers(
     x = torch.randn(1, 1, 256)
     general = packed_matvec(x[0], lin.qweight, lin.scales, lin.offsets, lin.layout)
     assert torch.equal(lin.matvec(x)[0], general) and lin._fast[0] is not None
+    xb = x.to(torch.bfloat16)  # bf16 activations: through float32, as the general path does
+    y = lin.matvec(xb)
+    assert y.dtype == torch.bfloat16 and y.shape == (1, 1, 96)
+    expect_bf16 = _decode_product(packed_matvec, xb, lin.qweight, lin.scales, lin.offsets,
+                                  lin.layout)
+    assert torch.equal(y, expect_bf16)
     other = quantize_tensor(torch.randn(96, 256), 3)
     lin.qweight, lin.scales, lin.offsets = other.qweight, other.scales, other.offsets
     expect = packed_matvec(x[0], other.qweight, other.scales, other.offsets, other.layout)

@@ -12,6 +12,8 @@ functions are the plain definitions the kernels are held to. Beyond ``MAX_TOKENS
 
 from __future__ import annotations
 
+import ctypes
+
 import torch
 import torch.nn.functional as F
 
@@ -92,10 +94,11 @@ def packed_gemm(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor,
 
 class OneTokenMatvec:
     """``packed_matvec`` of one float32 token with the per-call work done once: the block's
-    checks, pointers, arguments and thread count are fixed when it is made (it keeps the tensors
-    alive; callers rebuild it when a buffer is replaced). A decode step calls it once per Linear;
-    on small matrices (256 x 256) the general call's checks and conversions cost more than the
-    product. Same kernel, same bits. Only for blocks without padding."""
+    checks, pointers, arguments and thread count are fixed when it is made, in one argument block
+    the kernel reads (``dq_matvec_one``: three converted arguments per call, not thirteen); it
+    keeps the tensors alive, and callers rebuild it when a buffer is replaced. A decode step calls
+    it once per Linear; on small matrices (256 x 256) the general call's checks and conversions
+    cost more than the product. Same kernel, same bits. Only for blocks without padding."""
 
     def __init__(self, qweight: torch.Tensor, scales: torch.Tensor, offsets: torch.Tensor,
                  layout: LayerLayout) -> None:
@@ -105,19 +108,31 @@ class OneTokenMatvec:
             raise ValueError("OneTokenMatvec needs contiguous tensors")
         self.rows, self.n = qweight.shape[0], layout.in_features
         self.tensors = (qweight, scales, offsets)  # kept alive while their pointers are used
-        self.args = (qweight.data_ptr(), scales.data_ptr(), offsets.data_ptr(), self.rows,
-                     layout.padded_in_features, layout.group_size, layout.bits)
-        self.threads = native.threads_for(self.rows * self.n, PARALLEL_MIN_ELEMENTS)
+        threads = native.threads_for(self.rows * self.n, PARALLEL_MIN_ELEMENTS)
+        self.args = (ctypes.c_int64 * 8)(qweight.data_ptr(), scales.data_ptr(),
+                                         offsets.data_ptr(), self.rows,
+                                         layout.padded_in_features, layout.group_size,
+                                         layout.bits, threads)
+        self.address = ctypes.addressof(self.args)
+
+    @property
+    def threads(self) -> int:
+        return self.args[7]
+
+    @threads.setter
+    def threads(self, value: int) -> None:
+        self.args[7] = value
 
     @staticmethod
     def applies(layout: LayerLayout) -> bool:
         return layout.padded_in_features == layout.in_features
 
-    def __call__(self, lib, x: torch.Tensor) -> torch.Tensor:
-        """float32 [1, rows] for a contiguous float32 x of ``in_features`` values."""
-        y = torch.empty(1, self.rows)
-        if lib.dq_matvec_mt(*self.args, x.data_ptr(), 1, y.data_ptr(), self.rows, 0,
-                            self.threads):
+    def __call__(self, lib, x: torch.Tensor, shape: tuple[int, ...] | None = None
+                 ) -> torch.Tensor:
+        """float32 ``shape`` (default [1, rows]; its last axis: rows) for a contiguous float32 x
+        of ``in_features`` values."""
+        y = torch.empty(shape or (1, self.rows))
+        if lib.dq_matvec_one(self.address, x.data_ptr(), y.data_ptr()):
             raise RuntimeError("dq_matvec failed (out of memory)")
         return y
 

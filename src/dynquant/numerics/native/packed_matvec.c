@@ -147,3 +147,12 @@ int dq_matvec_mt(const uint32_t *qweight, const uint16_t *scales, const uint16_t
                       .m = m, .y = y, .y_stride = y_stride};
     return dq_parallel_rows(dq_matvec, &j, threads);
 }
+
+/* One token, the block's fixed arguments prepared once by the caller (decode calls this once per
+ * Linear per step: 13 converted arguments cost more than a 256 x 256 product). a: qweight,
+ * scales, offsets (addresses), rows, padded_n, gs, bits, threads. Same product as dq_matvec_mt. */
+int dq_matvec_one(const int64_t *a, const float *x, float *y) {
+    return dq_matvec_mt((const uint32_t *)(intptr_t)a[0], (const uint16_t *)(intptr_t)a[1],
+                        (const uint16_t *)(intptr_t)a[2], a[3], a[4], a[5], (int)a[6], x, 1, y,
+                        a[3], 0, (int)a[7]);
+}
