@@ -65,8 +65,37 @@ def test_pairs_split_across_threads_give_the_same_bits(monkeypatch):
     one = (bank.pairs_linear(x_in, ids), bank.pairs_matmul(x_out, ids))
     monkeypatch.setattr(pm, "PARALLEL_MIN_ELEMENTS", 0)
     monkeypatch.setattr(pm, "VECMAT_PARALLEL_MIN_ELEMENTS", 0)
+    bank, _ = _bank(4, 256, 384, 3, 1)  # its prepared products read the thresholds when made
+    assert bank._prepared(True)[0].args[9] == 0
     assert torch.equal(bank.pairs_linear(x_in, ids), one[0])
     assert torch.equal(bank.pairs_matmul(x_out, ids), one[1])
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_a_banks_prepared_pairs_give_the_general_calls_bits(dtype):
+    """Decode's prepared pair products (``ExpertPairs``, one per bank and kind) against the
+    general calls, and their own check of the expert indices."""
+    bank, qt = _bank(5, 64, 256, 3, 4)  # no padding: the prepared path applies
+    ids = torch.tensor([4, 0, 4, 2])
+    g = torch.Generator().manual_seed(5)
+    x_in, x_out = torch.randn(4, 256, generator=g), torch.randn(4, 64, generator=g)
+    lin = packed_matvec_experts(x_in.to(dtype), ids, qt.qweight, qt.scales, qt.offsets, qt.layout)
+    mat = packed_vecmat_experts(x_out.to(dtype), ids, qt.qweight, qt.scales, qt.offsets,
+                                qt.layout)
+    assert torch.equal(bank.pairs_linear(x_in.to(dtype), ids), lin.to(dtype))
+    assert torch.equal(bank.pairs_matmul(x_out.to(dtype), ids), mat.to(dtype))
+    assert set(bank._fast_pairs) == {True, False}
+    with pytest.raises(ValueError, match="expert index out of range"):
+        bank.pairs_linear(x_in, ids + 1)
+    with pytest.raises(ValueError, match="expert index out of range"):
+        bank.pairs_matmul(x_out, torch.tensor([0, -1, 0, 0]))
+    with pytest.raises(ValueError, match="one expert per row"):
+        bank.pairs_matmul(x_out, ids[:3])
+    other = quantize_tensor(torch.randn(5, 64, 256, generator=g), 3)
+    bank.qweight, bank.scales, bank.offsets = other.qweight, other.scales, other.offsets
+    assert torch.equal(bank.pairs_linear(x_in, ids),  # prepared again for the new buffers
+                       packed_matvec_experts(x_in, ids, other.qweight, other.scales,
+                                             other.offsets, other.layout))
 
 
 def test_hybrid_moe_few_pairs_path_equals_the_grouped_path(monkeypatch):

@@ -163,6 +163,7 @@ def _load() -> ctypes.CDLL | None:
     # the decode kernels with their work split by pool.c's threads (last argument: threads)
     lib.dq_matvec_mt.argtypes = [*lib.dq_matvec.argtypes, c_int]
     lib.dq_matvec_one.argtypes = [ptr, ptr, ptr]
+    lib.dq_experts_one.argtypes = [ptr, ptr, i64, ptr, ptr]
     lib.dq_vecmat_mt.argtypes = [ptr, ptr, ptr, i64, i64, i64, c_int, ptr, i64, ptr, c_int, c_int]
     experts_mt = [ptr, ptr, ptr, i64, i64, i64, c_int, ptr, i64, ptr, ptr, c_int, c_int]
     lib.dq_matvec_experts_mt.argtypes = lib.dq_vecmat_experts_mt.argtypes = experts_mt
@@ -170,7 +171,7 @@ def _load() -> ctypes.CDLL | None:
                lib.dq_vecmat, lib.dq_gemm, lib.dq_gemm_t, lib.dq_gemm_tile, lib.dq_matvec_experts,
                lib.dq_vecmat_experts, lib.dq_matvec_mt, lib.dq_vecmat_mt,
                lib.dq_matvec_experts_mt, lib.dq_vecmat_experts_mt, lib.dq_gemm_mt,
-               lib.dq_gemm_t_mt, lib.dq_matvec_one):
+               lib.dq_gemm_t_mt, lib.dq_matvec_one, lib.dq_experts_one):
         fn.restype = c_int
     return lib
 

@@ -277,6 +277,52 @@ def packed_vecmat_experts(x: torch.Tensor, experts: torch.Tensor, qweight: torch
     return y[:, : layout.in_features]
 
 
+class ExpertPairs:
+    """``packed_matvec_experts`` (``F.linear(x[p], W[e_p])``, ``along_groups``) or
+    ``packed_vecmat_experts`` (``x[p] @ W[e_p]``) of one bank with the per-call work done once,
+    as ``OneTokenMatvec`` does for a Linear: the bank's checks, pointers and thread rule fixed
+    in one argument block (``dq_experts_one``, which checks the expert indices itself). A decode
+    step calls it once per bank. Same kernels, same bits. Only for banks without padding."""
+
+    def __init__(self, qweight: torch.Tensor, scales: torch.Tensor, offsets: torch.Tensor,
+                 layout: LayerLayout, along_groups: bool) -> None:
+        per = _expert_rows(layout)
+        native.check_packed_block(qweight[:per], scales[:per], offsets[:per], layout.bits,
+                                  layout.group_size, layout.in_features)
+        if not (qweight.is_contiguous() and scales.is_contiguous() and offsets.is_contiguous()):
+            raise ValueError("ExpertPairs needs contiguous tensors")
+        n = layout.padded_in_features
+        self.contracted, self.width = (n, per) if along_groups else (per, n)
+        self.tensors = (qweight, scales, offsets)  # kept alive while their pointers are used
+        least = PARALLEL_MIN_ELEMENTS if along_groups else VECMAT_PARALLEL_MIN_ELEMENTS
+        self.args = (ctypes.c_int64 * 11)(qweight.data_ptr(), scales.data_ptr(),
+                                          offsets.data_ptr(), per, n, layout.group_size,
+                                          layout.bits, layout.logical_shape[0],
+                                          0 if along_groups else 1, least,
+                                          torch.get_num_threads())
+        self.address = ctypes.addressof(self.args)
+
+    @staticmethod
+    def applies(layout: LayerLayout) -> bool:
+        return layout.padded_in_features == layout.in_features
+
+    def __call__(self, lib, x: torch.Tensor, experts: torch.Tensor) -> torch.Tensor:
+        """float32 [pairs, width] for a contiguous float32 x [pairs, contracted] and int64
+        expert indices [pairs]."""
+        if x.ndim != 2 or x.shape[1] != self.contracted or experts.shape != (x.shape[0],):
+            raise ValueError(f"x must be [pairs, {self.contracted}] with one expert per row, got "
+                             f"x {list(x.shape)}, experts {list(experts.shape)}")
+        ids = experts.to(torch.int64).contiguous()
+        y = torch.empty(x.shape[0], self.width)
+        rc = lib.dq_experts_one(self.address, ids.data_ptr(), x.shape[0], x.data_ptr(),
+                                y.data_ptr())
+        if rc == -2:
+            raise ValueError(f"expert index out of range [0, {self.args[7]})")
+        if rc:
+            raise RuntimeError("expert products failed (out of memory)")
+        return y
+
+
 SIMD_PATHS = {2: "avx512vbmi", 1: "avx2", 0: "portable"}
 
 
@@ -288,6 +334,7 @@ def simd_path() -> str | None:
 
 __all__ = [
     "MAX_TOKENS",
+    "ExpertPairs",
     "OneTokenMatvec",
     "packed_gemm",
     "packed_gemm_t",

@@ -26,6 +26,7 @@ from dynquant.format.layout import LayerLayout
 from dynquant.numerics import native
 from dynquant.numerics.packed_matvec import (
     MAX_TOKENS,
+    ExpertPairs,
     OneTokenMatvec,
     packed_gemm,
     packed_gemm_t,
@@ -262,8 +263,32 @@ class QuantExpertBank(PackedWeight):
                experts: torch.Tensor) -> torch.Tensor | None:
         if x.shape[0] > MAX_PAIRS or _needs_grad(x):
             return None
-        y = product(x, experts, self.qweight, self.scales, self.offsets, self.layout)
+        fast = self._prepared(product is packed_matvec_experts)
+        if fast is not None and x.dtype in _ONE_TOKEN_DTYPES:
+            y = fast[0](fast[1], (x if x.dtype == torch.float32 else x.float()).contiguous(),
+                        experts)
+        else:
+            y = product(x, experts, self.qweight, self.scales, self.offsets, self.layout)
         return None if y is None else y.to(x.dtype)
+
+    def _prepared(self, along_groups: bool) -> tuple[ExpertPairs, object] | None:
+        """The bank's prepared pair products (``ExpertPairs``) and the native library, made on
+        first use and again when a buffer is replaced; None where they do not apply. Decode
+        calls a bank once per step: the general call's checks cost more than a small bank's
+        product (hybrid-ref: ~18 us of Python per call)."""
+        buffers = self._buffers
+        known = self.__dict__.setdefault("_fast_pairs", {})
+        fast = known.get(along_groups)
+        if (fast is None or fast[2] is not buffers["qweight"] or fast[3] is not buffers["scales"]
+                or fast[4] is not buffers["offsets"]):
+            q, s, o = buffers["qweight"], buffers["scales"], buffers["offsets"]
+            lib = native.library()
+            if lib is None or q.device.type != "cpu" or not ExpertPairs.applies(self.layout):
+                return None
+            fast = (ExpertPairs(q.contiguous(), s.contiguous(), o.contiguous(), self.layout,
+                                along_groups), lib, q, s, o)
+            known[along_groups] = fast
+        return fast[0], fast[1]
 
     def pairs_linear(self, x: torch.Tensor, experts: torch.Tensor) -> torch.Tensor | None:
         """Row p: ``F.linear(x[p], W[experts[p]])``, every pair in one native call; None for more

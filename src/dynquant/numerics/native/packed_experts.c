@@ -94,3 +94,22 @@ int dq_vecmat_experts_mt(const uint32_t *qweight, const uint16_t *scales, const 
                                  experts, pairs, x, y, portable);
     return dq_parallel(vecmat_experts_pairs, &j, pairs, threads);
 }
+
+/* A bank's pairs with the bank's fixed arguments prepared once by the caller (decode calls this
+ * once per bank per step). a: qweight, scales, offsets (addresses), rows_per_expert, padded_n,
+ * gs, bits, experts in the bank, kind (0: F.linear(x, W[e]), dq_matvec_experts; 1: x @ W[e],
+ * dq_vecmat_experts), work from which to split, threads then. An expert index outside the bank:
+ * -2, nothing computed. Same products as the *_mt calls. */
+int dq_experts_one(const int64_t *a, const int64_t *experts, int64_t pairs, const float *x,
+                   float *y) {
+    for (int64_t p = 0; p < pairs; p++)
+        if (experts[p] < 0 || experts[p] >= a[7]) return -2;
+    const int threads = pairs * a[3] * a[4] >= a[9] ? (int)a[10] : 1;
+    const uint32_t *q = (const uint32_t *)(intptr_t)a[0];
+    const uint16_t *s = (const uint16_t *)(intptr_t)a[1], *o = (const uint16_t *)(intptr_t)a[2];
+    if (a[8] == 0)
+        return dq_matvec_experts_mt(q, s, o, a[3], a[4], a[5], (int)a[6], experts, pairs, x, y, 0,
+                                    threads);
+    return dq_vecmat_experts_mt(q, s, o, a[3], a[4], a[5], (int)a[6], experts, pairs, x, y, 0,
+                                threads);
+}
