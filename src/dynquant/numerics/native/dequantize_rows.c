@@ -43,6 +43,7 @@ int dq_dequantize_rows(const uint32_t *qweight, const uint16_t *scales, const ui
     for (int64_t r = 0; r < rows; r++) {
         for (int64_t g = 0; g < groups; g++) {
             const uint8_t *bytes = (const uint8_t *)(qweight + (r * groups + g) * words);
+            prefetch_codes(bytes);
             const float s = bf16_value(scales[r * groups + g]);
             const float o = bf16_value(offsets[r * groups + g]);
             const int64_t len = (g + 1) * gs <= n ? gs : n - g * gs;

@@ -116,6 +116,7 @@ int dq_matvec(const uint32_t *qweight, const uint16_t *scales, const uint16_t *o
         for (int64_t t = 0; t < m; t++) y[t * y_stride + r] = 0.0f;
         for (int64_t g = 0; g < groups; g++) {
             const uint8_t *bytes = (const uint8_t *)(qweight + (r * groups + g) * words);
+            prefetch_codes(bytes);
             const float s = bf16_value(scales[r * groups + g]);
             const float o = bf16_value(offsets[r * groups + g]);
 #ifdef DQ_HAVE_VBMI

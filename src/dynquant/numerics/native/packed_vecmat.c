@@ -19,6 +19,7 @@ static void codes_part(const uint32_t *qweight, const uint16_t *scales, int64_t 
     for (int64_t h = 0; h < rows; h++) {
         for (int64_t g = g0; g < g1; g++) {
             const uint8_t *bytes = (const uint8_t *)(qweight + (h * groups + g) * words);
+            prefetch_codes(bytes);
             const float s = bf16_value(scales[h * groups + g]);
 #ifdef DQ_HAVE_VBMI
             if (!portable && m == 1 && gs % 64 == 0) { /* decode: one token, parts unrolled */

@@ -34,6 +34,17 @@ static inline uint16_t bf16_round(float x) {
     return (uint16_t)((u + 0x7FFFu + ((u >> 16) & 1u)) >> 16);
 }
 
+/* Software prefetch of the packed codes ahead of their use. Decode streams every weight from
+ * memory once per token, and the hardware prefetcher alone kept one core at ~4 GB/s here (a 3-bit
+ * matvec over 16 matrices of 4096 x 4096, 100 MB: 9.8 G weights/s; with this, 22.5 G weights/s,
+ * the in-cache rate; 8-bit 5.5 -> 18.7). A prefetch never faults, so running past the end is
+ * harmless. */
+#define DQ_PREFETCH_BYTES 512
+static inline void prefetch_codes(const uint8_t *bytes) {
+    __builtin_prefetch(bytes + DQ_PREFETCH_BYTES, 0, 3);
+    __builtin_prefetch(bytes + DQ_PREFETCH_BYTES + 64, 0, 3);
+}
+
 static inline float lane_sum(const float *acc) {
     float s8[8], s4[4];
     for (int l = 0; l < 8; l++) s8[l] = acc[l] + acc[l + 8];
