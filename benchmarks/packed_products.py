@@ -8,7 +8,10 @@ and MKL_ENABLE_INSTRUCTIONS; the nearest this AVX-512 machine gets to a real AVX
 - beside them: torch's int4 kernel with bf16 and float32 activations, and dense bf16;
 - hand-off: the one-token matvec on 1 and 2 threads at 64 K - 4 M weights, each call after
   60 us of other work (as in a decode step, where the pool's worker has gone to sleep) and
-  back to back: where splitting a decode product pays (``PARALLEL_MIN_ELEMENTS``).
+  back to back: where splitting a decode product pays (``PARALLEL_MIN_ELEMENTS``);
+- from memory: one-token products over 16 distinct 4096 x 4096 matrices (far past the caches, as
+  in a real model's decode step), packed 3/8-bit on 1 and 2 threads vs dense bf16 and float32,
+  in G weights/s, against the same products on one matrix that stays in cache.
 """
 
 from __future__ import annotations
@@ -77,6 +80,35 @@ def main(n: int = 4096) -> None:
     figure("dense bf16 GEMV", best_time(lambda: F.linear(x_bf16, dense_bf16), repeat=30) * 1e3,
            "ms")
     hand_off()
+    from_memory()
+
+
+def from_memory(n: int = 4096, count: int = 16) -> None:
+    """G weights/s of one-token products cycling through ``count`` distinct n x n matrices
+    (each is read from memory, not from the caches) and on one matrix (in cache)."""
+    lib = native.library()
+    g = torch.Generator().manual_seed(2)
+    x = torch.randn(1, n, generator=g)
+    for bits in (3, 8):
+        q = quantize_tensor(torch.randn(n, n, generator=g), bits)
+        copies = [OneTokenMatvec(q.qweight.clone(), q.scales.clone(), q.offsets.clone(),
+                                 q.layout) for _ in range(count)]
+        for threads in (1, 2):
+            for f in copies:
+                f.threads = threads
+            cached = best_time(lambda f=copies[0]: f(lib, x), repeat=20)
+            streamed = best_time(lambda c=copies: [f(lib, x) for f in c], repeat=3) / count
+            figure(f"from memory: packed {bits}-bit matvec, {threads} thread(s)",
+                   n * n / streamed / 1e9, "G weights/s")
+            figure(f"from memory: packed {bits}-bit matvec, {threads} thread(s), vs in cache",
+                   cached / streamed, "x")
+    for dtype in (torch.bfloat16, torch.float32):
+        mats = [torch.randn(n, n, generator=g).to(dtype) for _ in range(count)]
+        xd = x.to(dtype)
+        streamed = best_time(lambda xd=xd, ms=mats: [F.linear(xd, w) for w in ms],
+                             repeat=3) / count
+        figure(f"from memory: dense {str(dtype)[6:]} GEMV", n * n / streamed / 1e9,
+               "G weights/s")
 
 
 def _busy(microseconds: float) -> None:

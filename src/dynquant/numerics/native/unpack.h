@@ -35,11 +35,12 @@ static inline uint16_t bf16_round(float x) {
 }
 
 /* Software prefetch of the packed codes ahead of their use. Decode streams every weight from
- * memory once per token, and the hardware prefetcher alone kept one core at ~4 GB/s here (a 3-bit
- * matvec over 16 matrices of 4096 x 4096, 100 MB: 9.8 G weights/s; with this, 22.5 G weights/s,
- * the in-cache rate; 8-bit 5.5 -> 18.7). A prefetch never faults, so running past the end is
- * harmless. */
-#define DQ_PREFETCH_BYTES 512
+ * memory once per token, and the hardware prefetcher alone kept a 3-bit product at ~4 GB/s a
+ * core here (benchmarks/packed_products.py "from memory": 16 matrices of 4096 x 4096, one token,
+ * 1 / 2 threads: 3-bit 9.5 / 19.1 G weights/s without it, 20.3 / 40.4 with it, about the
+ * in-cache rate; 8-bit 19.9 / 36.6 -> 19.7 / 41.5). 2 KiB ahead: 512 bytes slowed 8-bit down
+ * (15.1 G weights/s). A prefetch never faults, so running past the end is harmless. */
+#define DQ_PREFETCH_BYTES 2048
 static inline void prefetch_codes(const uint8_t *bytes) {
     __builtin_prefetch(bytes + DQ_PREFETCH_BYTES, 0, 3);
     __builtin_prefetch(bytes + DQ_PREFETCH_BYTES + 64, 0, 3);
