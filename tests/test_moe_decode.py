@@ -72,13 +72,14 @@ def test_pairs_split_across_threads_give_the_same_bits(monkeypatch):
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_a_banks_prepared_pairs_give_the_general_calls_bits(dtype):
+@pytest.mark.parametrize("cols", [256, 200])  # 200: groups padded to 256
+def test_a_banks_prepared_pairs_give_the_general_calls_bits(dtype, cols):
     """Decode's prepared pair products (``ExpertPairs``, one per bank and kind) against the
     general calls, and their own check of the expert indices."""
-    bank, qt = _bank(5, 64, 256, 3, 4)  # no padding: the prepared path applies
+    bank, qt = _bank(5, 64, cols, 3, 4)
     ids = torch.tensor([4, 0, 4, 2])
     g = torch.Generator().manual_seed(5)
-    x_in, x_out = torch.randn(4, 256, generator=g), torch.randn(4, 64, generator=g)
+    x_in, x_out = torch.randn(4, cols, generator=g), torch.randn(4, 64, generator=g)
     lin = packed_matvec_experts(x_in.to(dtype), ids, qt.qweight, qt.scales, qt.offsets, qt.layout)
     mat = packed_vecmat_experts(x_out.to(dtype), ids, qt.qweight, qt.scales, qt.offsets,
                                 qt.layout)
@@ -91,7 +92,7 @@ def test_a_banks_prepared_pairs_give_the_general_calls_bits(dtype):
         bank.pairs_matmul(x_out, torch.tensor([0, -1, 0, 0]))
     with pytest.raises(ValueError, match="one expert per row"):
         bank.pairs_matmul(x_out, ids[:3])
-    other = quantize_tensor(torch.randn(5, 64, 256, generator=g), 3)
+    other = quantize_tensor(torch.randn(5, 64, cols, generator=g), 3)
     bank.qweight, bank.scales, bank.offsets = other.qweight, other.scales, other.offsets
     assert torch.equal(bank.pairs_linear(x_in, ids),  # prepared again for the new buffers
                        packed_matvec_experts(x_in, ids, other.qweight, other.scales,

@@ -272,7 +272,7 @@ def test_packed_gemm_on_a_large_matrix_stays_within_float32_rounding():
 
 
 def test_the_one_token_fast_path_gives_the_kernels_bits_and_follows_new_buffers():
-    lin, _ = _linear(3, out=96, inp=256)  # no padding, small: the fast path applies
+    lin, _ = _linear(3, out=96, inp=256)
     x = torch.randn(1, 1, 256)
     general = packed_matvec(x[0], lin.qweight, lin.scales, lin.offsets, lin.layout)
     assert torch.equal(lin.matvec(x)[0], general) and lin._fast[0] is not None
@@ -286,6 +286,10 @@ def test_the_one_token_fast_path_gives_the_kernels_bits_and_follows_new_buffers(
     lin.qweight, lin.scales, lin.offsets = other.qweight, other.scales, other.offsets
     expect = packed_matvec(x[0], other.qweight, other.scales, other.offsets, other.layout)
     assert torch.equal(lin.matvec(x)[0], expect)  # rebuilt for the new buffers
+    padded, _ = _linear(3, out=40, inp=200)  # 200 inputs in two groups of 128: padded to 256
+    x = torch.randn(1, 1, 200)
+    general = packed_matvec(x[0], padded.qweight, padded.scales, padded.offsets, padded.layout)
+    assert torch.equal(padded.matvec(x)[0], general) and padded._fast[0] is not None
 
 
 def test_the_native_pool_splits_any_count_of_parts_and_keeps_the_bits(monkeypatch):

@@ -98,7 +98,8 @@ class OneTokenMatvec:
     the kernel reads (``dq_matvec_one``: three converted arguments per call, not thirteen); it
     keeps the tensors alive, and callers rebuild it when a buffer is replaced. A decode step calls
     it once per Linear; on small matrices (256 x 256) the general call's checks and conversions
-    cost more than the product. Same kernel, same bits. Only for blocks without padding."""
+    cost more than the product. Same kernel, same bits; x need not be padded (the kernel
+    pads a copy where the layout does)."""
 
     def __init__(self, qweight: torch.Tensor, scales: torch.Tensor, offsets: torch.Tensor,
                  layout: LayerLayout) -> None:
@@ -109,10 +110,10 @@ class OneTokenMatvec:
         self.rows, self.n = qweight.shape[0], layout.in_features
         self.tensors = (qweight, scales, offsets)  # kept alive while their pointers are used
         threads = native.threads_for(self.rows * self.n, PARALLEL_MIN_ELEMENTS)
-        self.args = (ctypes.c_int64 * 8)(qweight.data_ptr(), scales.data_ptr(),
+        self.args = (ctypes.c_int64 * 9)(qweight.data_ptr(), scales.data_ptr(),
                                          offsets.data_ptr(), self.rows,
                                          layout.padded_in_features, layout.group_size,
-                                         layout.bits, threads)
+                                         layout.bits, threads, self.n)
         self.address = ctypes.addressof(self.args)
 
     @property
@@ -122,10 +123,6 @@ class OneTokenMatvec:
     @threads.setter
     def threads(self, value: int) -> None:
         self.args[7] = value
-
-    @staticmethod
-    def applies(layout: LayerLayout) -> bool:
-        return layout.padded_in_features == layout.in_features
 
     def __call__(self, lib, x: torch.Tensor, shape: tuple[int, ...] | None = None
                  ) -> torch.Tensor:
@@ -281,8 +278,9 @@ class ExpertPairs:
     """``packed_matvec_experts`` (``F.linear(x[p], W[e_p])``, ``along_groups``) or
     ``packed_vecmat_experts`` (``x[p] @ W[e_p]``) of one bank with the per-call work done once,
     as ``OneTokenMatvec`` does for a Linear: the bank's checks, pointers and thread rule fixed
-    in one argument block (``dq_experts_one``, which checks the expert indices itself). A decode
-    step calls it once per bank. Same kernels, same bits. Only for banks without padding."""
+    in one argument block (``dq_experts_one``, which checks the expert indices itself and pads
+    a copy of x where the layout pads the inputs). A decode step calls it once per bank. Same
+    kernels, same bits."""
 
     def __init__(self, qweight: torch.Tensor, scales: torch.Tensor, offsets: torch.Tensor,
                  layout: LayerLayout, along_groups: bool) -> None:
@@ -292,19 +290,16 @@ class ExpertPairs:
         if not (qweight.is_contiguous() and scales.is_contiguous() and offsets.is_contiguous()):
             raise ValueError("ExpertPairs needs contiguous tensors")
         n = layout.padded_in_features
-        self.contracted, self.width = (n, per) if along_groups else (per, n)
+        self.contracted, self.width = (layout.in_features, per) if along_groups else (per, n)
+        self.keep = None if along_groups or n == layout.in_features else layout.in_features
         self.tensors = (qweight, scales, offsets)  # kept alive while their pointers are used
         least = PARALLEL_MIN_ELEMENTS if along_groups else VECMAT_PARALLEL_MIN_ELEMENTS
-        self.args = (ctypes.c_int64 * 11)(qweight.data_ptr(), scales.data_ptr(),
+        self.args = (ctypes.c_int64 * 12)(qweight.data_ptr(), scales.data_ptr(),
                                           offsets.data_ptr(), per, n, layout.group_size,
                                           layout.bits, layout.logical_shape[0],
                                           0 if along_groups else 1, least,
-                                          torch.get_num_threads())
+                                          torch.get_num_threads(), layout.in_features)
         self.address = ctypes.addressof(self.args)
-
-    @staticmethod
-    def applies(layout: LayerLayout) -> bool:
-        return layout.padded_in_features == layout.in_features
 
     def __call__(self, lib, x: torch.Tensor, experts: torch.Tensor) -> torch.Tensor:
         """float32 [pairs, width] for a contiguous float32 x [pairs, contracted] and int64
@@ -320,7 +315,7 @@ class ExpertPairs:
             raise ValueError(f"expert index out of range [0, {self.args[7]})")
         if rc:
             raise RuntimeError("expert products failed (out of memory)")
-        return y
+        return y if self.keep is None else y[:, :self.keep]
 
 
 SIMD_PATHS = {2: "avx512vbmi", 1: "avx2", 0: "portable"}

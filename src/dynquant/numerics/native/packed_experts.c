@@ -98,8 +98,10 @@ int dq_vecmat_experts_mt(const uint32_t *qweight, const uint16_t *scales, const 
 /* A bank's pairs with the bank's fixed arguments prepared once by the caller (decode calls this
  * once per bank per step). a: qweight, scales, offsets (addresses), rows_per_expert, padded_n,
  * gs, bits, experts in the bank, kind (0: F.linear(x, W[e]), dq_matvec_experts; 1: x @ W[e],
- * dq_vecmat_experts), work from which to split, threads then. An expert index outside the bank:
- * -2, nothing computed. Same products as the *_mt calls. */
+ * dq_vecmat_experts, y [pairs, padded_n]), work from which to split, threads then, in_features.
+ * For kind 0, x holds in_features values a pair, copied beside zeros here where the layout pads
+ * them. An expert index outside the bank: -2, nothing computed. Same products as the *_mt
+ * calls. */
 int dq_experts_one(const int64_t *a, const int64_t *experts, int64_t pairs, const float *x,
                    float *y) {
     for (int64_t p = 0; p < pairs; p++)
@@ -107,9 +109,19 @@ int dq_experts_one(const int64_t *a, const int64_t *experts, int64_t pairs, cons
     const int threads = pairs * a[3] * a[4] >= a[9] ? (int)a[10] : 1;
     const uint32_t *q = (const uint32_t *)(intptr_t)a[0];
     const uint16_t *s = (const uint16_t *)(intptr_t)a[1], *o = (const uint16_t *)(intptr_t)a[2];
-    if (a[8] == 0)
-        return dq_matvec_experts_mt(q, s, o, a[3], a[4], a[5], (int)a[6], experts, pairs, x, y, 0,
+    if (a[8] != 0)
+        return dq_vecmat_experts_mt(q, s, o, a[3], a[4], a[5], (int)a[6], experts, pairs, x, y, 0,
                                     threads);
-    return dq_vecmat_experts_mt(q, s, o, a[3], a[4], a[5], (int)a[6], experts, pairs, x, y, 0,
-                                threads);
+    float *padded = NULL;
+    if (a[11] < a[4]) {
+        padded = calloc((size_t)(pairs * a[4]), sizeof(float));
+        if (!padded) return -1;
+        for (int64_t p = 0; p < pairs; p++)
+            memcpy(padded + p * a[4], x + p * a[11], (size_t)a[11] * sizeof(float));
+        x = padded;
+    }
+    const int rc = dq_matvec_experts_mt(q, s, o, a[3], a[4], a[5], (int)a[6], experts, pairs, x,
+                                        y, 0, threads);
+    free(padded);
+    return rc;
 }
