@@ -5,7 +5,9 @@ table) and a plot of it: ``out/bench/quality_vs_bytes_MODEL.png``.
 
 The widths come from one calibrated measure on the bundled text (``dynquant quantize
 --budget``'s own; candidates priced with round-to-nearest, what ``--quantizer auto`` does), and
-both quantizers write the same widths: equal bytes by construction. HQQ (group 128, a scale and
+both quantizers write the same widths: equal bytes by construction. The allocated rows also get
+GPTQ codes in widths priced with compensated errors (``measure --quantizer gptq``: the
+allocator sees the codes it gets; "gptq-priced"). HQQ (group 128, a scale and
 a zero per group) costs what dynquant's uniform width does. Targets: compensated <= 0.6x
 round-to-nearest's KL at 3.25 and 4.25 bits, <= 0.5x at 2.5; quantize of a 100-300 M model
 with calibration <= 5 minutes.
@@ -58,15 +60,22 @@ def model_table(name: str, model_dir: Path, out: Path) -> list[dict]:
     importance = load_file(out / maps["stats"])
     ids = calibration_ids(load_tokenizer(model_dir), [str(default_calibration())], GPTQ_SEQS,
                           256)
+    start = time.perf_counter()
+    priced = measure(source, MeasureOptions(budgets=[], quantizer="gptq"), out / "gptq.json",
+                     progress=False)
+    figure(f"{name}: calibrated measure (gptq-priced)", time.perf_counter() - start, "s")
     choosers = {"rtn": CodeChooser("rtn", importance),
                 "gptq": CodeChooser("gptq", importance, sequential=SequentialCalibration(ids))}
     rows, names = [], []
     for kind, values in (("uniform", UNIFORM), ("allocated", BUDGETS)):
         for value in values:
-            for codes, chooser in choosers.items():
+            runs = [(codes, chooser, maps) for codes, chooser in choosers.items()]
+            if kind == "allocated":
+                runs.append(("gptq-priced", choosers["gptq"], priced))
+            for codes, chooser, widths_from in runs:
                 tag = f"{codes}-{kind}-{value}"
                 start = time.perf_counter()
-                doc = quantize_model(source, _widths(maps, kind, value), out / tag,
+                doc = quantize_model(source, _widths(widths_from, kind, value), out / tag,
                                      overwrite=True, progress=False, chooser=chooser)
                 figure(f"{name} {kind} {value}: {codes} quantize time",
                        time.perf_counter() - start, "s")
@@ -87,15 +96,23 @@ def model_table(name: str, model_dir: Path, out: Path) -> list[dict]:
 
 def report(name: str, rows: list[dict]) -> None:
     by = {(r["kind"], r["setting"], r["codes"]): r for r in rows}
-    print(f"\n| {name} | bytes (MiB) | RTN KL | GPTQ KL | GPTQ / RTN | HQQ KL |")
-    print("|---|---|---|---|---|---|")
+    print(f"\n| {name} | bytes (MiB) | RTN KL | GPTQ KL | GPTQ / RTN | GPTQ, gptq-priced "
+          f"(MiB, KL, / RTN) | HQQ KL |")
+    print("|---|---|---|---|---|---|---|")
     for kind, values in (("uniform", UNIFORM), ("allocated", BUDGETS)):
         for v in values:
-            rtn, gptq, hqq = (by.get((kind, v, c)) for c in ("rtn", "gptq", "hqq"))
+            rtn, gptq, priced, hqq = (by.get((kind, v, c))
+                                      for c in ("rtn", "gptq", "gptq-priced", "hqq"))
             ratio = gptq["kl"] / rtn["kl"]
             figure(f"{name} {kind} {v}: KL gptq / rtn", ratio, "x")
+            cell = "-"
+            if priced is not None:
+                figure(f"{name} {kind} {v}: KL gptq (gptq-priced) / rtn",
+                       priced["kl"] / rtn["kl"], "x")
+                cell = (f"{priced['nbytes'] / 2**20:.2f}, {priced['kl']:.4f}, "
+                        f"{priced['kl'] / rtn['kl']:.2f}x")
             print(f"| {kind} {v} | {rtn['nbytes'] / 2**20:.2f} | {rtn['kl']:.4f} | "
-                  f"{gptq['kl']:.4f} | {ratio:.2f}x | "
+                  f"{gptq['kl']:.4f} | {ratio:.2f}x | {cell} | "
                   f"{'-' if hqq is None else format(hqq['kl'], '.4f')} |")
 
 
@@ -107,7 +124,8 @@ def plot(name: str, rows: list[dict]) -> Path:
 
     fig, ax = plt.subplots(figsize=(6.4, 4.2), dpi=120)
     styles = {("rtn", "uniform"): "s--", ("gptq", "uniform"): "o--", ("hqq", "uniform"): "^:",
-              ("rtn", "allocated"): "s-", ("gptq", "allocated"): "o-"}
+              ("rtn", "allocated"): "s-", ("gptq", "allocated"): "o-",
+              ("gptq-priced", "allocated"): "d-"}
     for (codes, kind), style in styles.items():
         pts = sorted((r["nbytes"] / 2**20, r["kl"]) for r in rows
                      if r["codes"] == codes and r["kind"] == kind)

@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import threading
 from collections.abc import Callable
+from typing import TypeVar
 
 import torch
 import torch.nn.functional as F
@@ -91,6 +92,7 @@ def _decode_product(product: Callable[..., torch.Tensor | None], x: torch.Tensor
 
 
 _ONE_TOKEN_DTYPES = (torch.float32, torch.bfloat16)
+T = TypeVar("T")
 
 
 class PackedWeight(nn.Module):
@@ -135,23 +137,29 @@ class PackedWeight(nn.Module):
     def _one_token(self, x: torch.Tensor) -> tuple[OneTokenMatvec, object] | None:
         """Decode's common case (one token, a small matrix) without the general call's per-call
         work: the prepared ``OneTokenMatvec`` and the native library; None where it does not
-        apply. A decode step makes this call once per Linear, so it reads its buffers from
-        ``_buffers`` (not through ``nn.Module.__getattr__``): a forward at 256 x 256 13.3 ->
+        apply. A decode step makes this call once per Linear: a forward at 256 x 256 13.3 ->
         10.6 -> 8 us with the prepared argument block (nn.Linear: 6.6-6.9 us)."""
         lib = native.library()  # DYNQUANT_NATIVE=0 switches the kernels off at any call
         if lib is None or _needs_grad(x):
             return None
+        fast = self._kept("matvec", lambda q, s, o: OneTokenMatvec(q, s, o, self.layout))
+        return None if fast is None else (fast, lib)
+
+    def _kept(self, key: str, make: Callable[[torch.Tensor, torch.Tensor, torch.Tensor], T]
+              ) -> T | None:
+        """``make(qweight, scales, offsets)`` (contiguous), made on first use and kept under
+        ``key`` until a buffer is replaced; None off the CPU. Read on every decode product, so
+        the buffers come from ``_buffers``, not through ``nn.Module.__getattr__``."""
         buffers = self._buffers
-        fast = self.__dict__.get("_fast")
-        if (fast is None or fast[1] is not buffers["qweight"] or fast[2] is not buffers["scales"]
-                or fast[3] is not buffers["offsets"]):  # first use, or a buffer was replaced
-            q, s, o = buffers["qweight"], buffers["scales"], buffers["offsets"]
+        q, s, o = buffers["qweight"], buffers["scales"], buffers["offsets"]
+        known = self.__dict__.setdefault("_kept_calls", {})
+        entry = known.get(key)
+        if entry is None or entry[1] is not q or entry[2] is not s or entry[3] is not o:
             if q.device.type != "cpu":
                 return None
-            fast = (OneTokenMatvec(q.contiguous(), s.contiguous(), o.contiguous(), self.layout),
-                    q, s, o)
-            self.__dict__["_fast"] = fast
-        return fast[0], lib
+            entry = (make(q.contiguous(), s.contiguous(), o.contiguous()), q, s, o)
+            known[key] = entry
+        return entry[0]
 
     def extra_repr(self) -> str:
         lay = self.layout
@@ -275,25 +283,15 @@ class QuantExpertBank(PackedWeight):
         return None if y is None else y.to(x.dtype)
 
     def _prepared(self, along_groups: bool) -> tuple[ExpertPairs, object] | None:
-        """The bank's prepared pair products (``ExpertPairs``) and the native library, made on
-        first use and again when a buffer is replaced; None where they do not apply. Decode
-        calls a bank once per step: the general call's checks cost more than a small bank's
-        product (hybrid-ref: ~18 us of Python per call)."""
+        """The bank's prepared pair products (``ExpertPairs``) and the native library; None
+        where they do not apply. Decode calls a bank once per step: the general call's checks
+        cost more than a small bank's product (hybrid-ref: ~18 us of Python per call)."""
         lib = native.library()  # DYNQUANT_NATIVE=0 switches the kernels off at any call
         if lib is None:
             return None
-        buffers = self._buffers
-        known = self.__dict__.setdefault("_fast_pairs", {})
-        fast = known.get(along_groups)
-        if (fast is None or fast[1] is not buffers["qweight"] or fast[2] is not buffers["scales"]
-                or fast[3] is not buffers["offsets"]):
-            q, s, o = buffers["qweight"], buffers["scales"], buffers["offsets"]
-            if q.device.type != "cpu":
-                return None
-            fast = (ExpertPairs(q.contiguous(), s.contiguous(), o.contiguous(), self.layout,
-                                along_groups), q, s, o)
-            known[along_groups] = fast
-        return fast[0], lib
+        fast = self._kept(f"pairs-{along_groups}",
+                          lambda q, s, o: ExpertPairs(q, s, o, self.layout, along_groups))
+        return None if fast is None else (fast, lib)
 
     def pairs_linear(self, x: torch.Tensor, experts: torch.Tensor) -> torch.Tensor | None:
         """Row p: ``F.linear(x[p], W[experts[p]])``, every pair in one native call; None for more
