@@ -274,8 +274,9 @@ class QuantExpertBank(PackedWeight):
                experts: torch.Tensor) -> torch.Tensor | None:
         if x.shape[0] > MAX_PAIRS or _needs_grad(x):
             return None
-        fast = self._prepared(product is packed_matvec_experts)
-        if fast is not None and x.dtype in _ONE_TOKEN_DTYPES:
+        fast = (self._prepared(product is packed_matvec_experts)
+                if x.dtype in _ONE_TOKEN_DTYPES else None)
+        if fast is not None:
             y = fast[0](fast[1], (x if x.dtype == torch.float32 else x.float()).contiguous(),
                         experts)
         else:

@@ -114,10 +114,7 @@ int dq_experts_one(const int64_t *a, const int64_t *experts, int64_t pairs, cons
                                     threads);
     float *padded = NULL;
     if (a[11] < a[4]) {
-        padded = calloc((size_t)(pairs * a[4]), sizeof(float));
-        if (!padded) return -1;
-        for (int64_t p = 0; p < pairs; p++)
-            memcpy(padded + p * a[4], x + p * a[11], (size_t)a[11] * sizeof(float));
+        if (!(padded = padded_rows(x, pairs, a[11], a[4]))) return -1;
         x = padded;
     }
     const int rc = dq_matvec_experts_mt(q, s, o, a[3], a[4], a[5], (int)a[6], experts, pairs, x,

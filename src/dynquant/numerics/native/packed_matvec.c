@@ -157,9 +157,7 @@ int dq_matvec_mt(const uint32_t *qweight, const uint16_t *scales, const uint16_t
 int dq_matvec_one(const int64_t *a, const float *x, float *y) {
     float *padded = NULL;
     if (a[8] < a[4]) {
-        padded = calloc((size_t)a[4], sizeof(float));
-        if (!padded) return -1;
-        memcpy(padded, x, (size_t)a[8] * sizeof(float));
+        if (!(padded = padded_rows(x, 1, a[8], a[4]))) return -1;
         x = padded;
     }
     const int rc = dq_matvec_mt((const uint32_t *)(intptr_t)a[0], (const uint16_t *)(intptr_t)a[1],

@@ -46,6 +46,16 @@ static inline void prefetch_codes(const uint8_t *bytes) {
     __builtin_prefetch(bytes + DQ_PREFETCH_BYTES + 64, 0, 3);
 }
 
+/* ``rows`` inputs of ``n`` values copied beside zeros to ``padded_n`` each (stride padded_n), for
+ * a layout that pads its groups; the caller frees it. NULL if out of memory. */
+static inline float *padded_rows(const float *x, int64_t rows, int64_t n, int64_t padded_n) {
+    float *out = calloc((size_t)(rows * padded_n), sizeof(float));
+    if (out)
+        for (int64_t r = 0; r < rows; r++)
+            memcpy(out + r * padded_n, x + r * n, (size_t)n * sizeof(float));
+    return out;
+}
+
 static inline float lane_sum(const float *acc) {
     float s8[8], s4[4];
     for (int l = 0; l < 8; l++) s8[l] = acc[l] + acc[l + 8];
