@@ -8,15 +8,24 @@ import torch.nn.functional as F
 
 from dynquant import CheckpointError, quantize_tensor, write_checkpoint
 from dynquant.format.layout import LayerLayout
+from dynquant.format.packing import unpack_codes
 from dynquant.models.hybrid.modeling import DynquantHybridForCausalLM
 from dynquant.models.presets import preset_config
 from dynquant.models.sources import resolve_model
 from dynquant.numerics.packed_matvec import MAX_TOKENS
 from dynquant.pipeline.demo import demo_widths
 from dynquant.pipeline.quantize import quantize_model
+from dynquant.runtime.int4_cpu import (
+    dequantize_int4_rows,
+    int4_linear,
+    layout_is_known,
+    pack_int4,
+    unpack_int4_codes,
+)
 from dynquant.runtime.loader import load, load_dequantized
 from dynquant.runtime.memory import resident_weight_nbytes
 from dynquant.runtime.packed_modules import (
+    BF16_GEMM_MAX_TOKENS,
     PackedExpert,
     QuantEmbedding,
     QuantExpertBank,
@@ -46,9 +55,51 @@ def test_int4_kernel_matches_the_dequantize_reference():
     # bf16 tolerance: the kernel takes bf16 zero points and accumulates bf16 activations
     err = (y.float() - ref).abs().max() / ref.abs().max()
     assert err < 1e-2
-    # and the kernel's weights are exactly ours, up to the bf16 zero point
-    torch.testing.assert_close(lin.dequantize(torch.float32), qt.dequantize(torch.float32),
-                               atol=0.02, rtol=0.01)
+    # the weights read back from the kernel's layout are exactly the format's
+    assert layout_is_known()
+    for dtype in (torch.float32, torch.bfloat16):
+        assert torch.equal(lin.dequantize(dtype), qt.dequantize(dtype))
+
+
+@pytest.mark.parametrize("native_on", ["1", "0"])
+def test_rows_read_from_the_int4_layout_are_the_formats(native_on, monkeypatch):
+    """The kernel's layout read back by the native kernel and by the plain reference: the
+    format's values bit for bit, for whole 64-row blocks, a last block of 16 rows and row ranges
+    that cut blocks."""
+    monkeypatch.setenv("DYNQUANT_NATIVE", native_on)
+    g = torch.Generator().manual_seed(5)
+    w = torch.randn(208, 256, generator=g)  # 3 blocks of 64 rows and one of 16
+    qt = quantize_tensor(w, 4, 64)
+    codes = unpack_codes(qt.qweight, 4).to(torch.int32)
+    packed, scale_zero = pack_int4(qt.qweight, qt.scales, qt.offsets)
+    assert torch.equal(unpack_int4_codes(packed, 208, 256), codes)
+    for dtype in (torch.float32, torch.bfloat16):
+        full = qt.dequantize(dtype)
+        for start, stop in ((0, 208), (5, 200), (64, 128), (190, 208), (31, 33)):
+            rows = dequantize_int4_rows(packed, scale_zero, qt.offsets, 64, start, stop, dtype)
+            assert torch.equal(rows, full[start:stop]), (dtype, start, stop)
+
+
+def test_long_bf16_prefills_of_int4_modules_multiply_dequantized_blocks():
+    """Past BF16_GEMM_MAX_TOKENS tokens a 4-bit module on the int4 kernel multiplies its exact
+    dequantized weights with the bf16 GEMM (the kernel is ~2.7x slower there); fewer tokens
+    keep the kernel (bf16 zero points: not the same bits)."""
+    g = torch.Generator().manual_seed(6)
+    w = torch.randn(256, 384, generator=g)
+    bias = torch.randn(256, generator=g).to(torch.bfloat16)
+    lin, qt = _packed(QuantLinear, w, 4, bias=bias)
+    lin.prepare()
+    assert lin._int4 is not None and lin.scales.numel() == 0 and lin.offsets.numel() == 256 * 3
+    wb = qt.dequantize(torch.bfloat16)
+    long = torch.randn(1, BF16_GEMM_MAX_TOKENS + 1, 384, generator=g).to(torch.bfloat16)
+    assert torch.equal(lin(long), F.linear(long, wb) + bias)
+    short = long[:, :BF16_GEMM_MAX_TOKENS]
+    kernel = int4_linear(short, *lin._int4, 128) + bias
+    assert torch.equal(lin(short), kernel)
+    assert not torch.equal(kernel, F.linear(short, wb) + bias)
+    # its resident bytes: the kernel's copy and our offsets
+    assert lin.resident_nbytes() == sum(t.numel() * t.element_size()
+                                        for t in (*lin._int4, lin.offsets, lin.bias))
 
 
 def test_dequantize_path_for_other_widths_and_bias():

@@ -6,6 +6,8 @@ The kernels (``native/*.c``) and their Python sides:
   semantics, no fused multiply-adds) without that path's per-operation overhead, paid 11 times
   per block (once per clip alpha);
 - ``dequantize_rows.c`` (``row_kernels.py``): dequantization, bit-identical to the torch path;
+- ``dequantize_int4pack.c`` (``runtime/int4_cpu.py``): the same from torch's int4 layout, for the
+  long bf16 prefills of 4-bit modules held in that layout;
 - ``packed_matvec.c``, ``packed_vecmat.c`` (``packed_matvec.py``): a few tokens times a packed
   matrix, without dequantizing it (decode);
 - ``packed_gemm.c`` (``packed_matvec.py``): many tokens times a packed matrix (prefill), panels of
@@ -153,6 +155,7 @@ def _load() -> ctypes.CDLL | None:
                                      ptr, ptr, ptr, ptr]
     lib.dq_matvec.argtypes = [ptr, ptr, ptr, i64, i64, i64, c_int, ptr, i64, ptr, i64, c_int]
     lib.dq_dequantize_rows.argtypes = [ptr, ptr, ptr, i64, i64, i64, c_int, ptr, c_int, c_int]
+    lib.dq_dequantize_int4pack.argtypes = [ptr, ptr, ptr, i64, i64, i64, i64, i64, ptr, c_int]
     lib.dq_vecmat.argtypes = [ptr, ptr, ptr, i64, i64, i64, c_int, ptr, i64, i64, i64, ptr, c_int]
     lib.dq_gemm.argtypes = [ptr, ptr, ptr, i64, i64, i64, c_int, ptr, i64, ptr, i64, c_int]
     lib.dq_gemm_t.argtypes = [ptr, ptr, ptr, i64, i64, i64, c_int, ptr, i64, i64, i64, ptr, c_int]
@@ -168,6 +171,7 @@ def _load() -> ctypes.CDLL | None:
     experts_mt = [ptr, ptr, ptr, i64, i64, i64, c_int, ptr, i64, ptr, ptr, c_int, c_int]
     lib.dq_matvec_experts_mt.argtypes = lib.dq_vecmat_experts_mt.argtypes = experts_mt
     for fn in (lib.dq_quantize_rows, lib.dq_matvec, lib.dq_matvec_has_simd, lib.dq_dequantize_rows,
+               lib.dq_dequantize_int4pack,
                lib.dq_vecmat, lib.dq_gemm, lib.dq_gemm_t, lib.dq_gemm_tile, lib.dq_matvec_experts,
                lib.dq_vecmat_experts, lib.dq_matvec_mt, lib.dq_vecmat_mt,
                lib.dq_matvec_experts_mt, lib.dq_vecmat_experts_mt, lib.dq_gemm_mt,
