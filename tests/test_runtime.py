@@ -12,6 +12,7 @@ from dynquant.format.packing import unpack_codes
 from dynquant.models.hybrid.modeling import DynquantHybridForCausalLM
 from dynquant.models.presets import preset_config
 from dynquant.models.sources import resolve_model
+from dynquant.numerics import row_kernels
 from dynquant.numerics.packed_matvec import MAX_TOKENS
 from dynquant.pipeline.demo import demo_widths
 from dynquant.pipeline.quantize import quantize_model
@@ -62,11 +63,14 @@ def test_int4_kernel_matches_the_dequantize_reference():
 
 
 @pytest.mark.parametrize("native_on", ["1", "0"])
-def test_rows_read_from_the_int4_layout_are_the_formats(native_on, monkeypatch):
-    """The kernel's layout read back by the native kernel and by the plain reference: the
-    format's values bit for bit, for whole 64-row blocks, a last block of 16 rows and row ranges
-    that cut blocks."""
+@pytest.mark.parametrize("threads", [1, 2])
+def test_rows_read_from_the_int4_layout_are_the_formats(native_on, threads, monkeypatch):
+    """The kernel's layout read back by the native kernel (on one thread, and split by 64-row
+    blocks over two) and by the plain reference: the format's values bit for bit, for whole
+    64-row blocks, a last block of 16 rows and row ranges that cut blocks."""
     monkeypatch.setenv("DYNQUANT_NATIVE", native_on)
+    monkeypatch.setattr(row_kernels, "DEQUANT_PARALLEL_MIN_ELEMENTS", 1 if threads == 2 else 1 << 40)
+    monkeypatch.setattr(torch, "get_num_threads", lambda: threads)
     g = torch.Generator().manual_seed(5)
     w = torch.randn(208, 256, generator=g)  # 3 blocks of 64 rows and one of 16
     qt = quantize_tensor(w, 4, 64)

@@ -156,6 +156,8 @@ def _load() -> ctypes.CDLL | None:
     lib.dq_matvec.argtypes = [ptr, ptr, ptr, i64, i64, i64, c_int, ptr, i64, ptr, i64, c_int]
     lib.dq_dequantize_rows.argtypes = [ptr, ptr, ptr, i64, i64, i64, c_int, ptr, c_int, c_int]
     lib.dq_dequantize_int4pack.argtypes = [ptr, ptr, ptr, i64, i64, i64, i64, i64, ptr, c_int]
+    lib.dq_dequantize_rows_mt.argtypes = [*lib.dq_dequantize_rows.argtypes, c_int]
+    lib.dq_dequantize_int4pack_mt.argtypes = [*lib.dq_dequantize_int4pack.argtypes, c_int]
     lib.dq_vecmat.argtypes = [ptr, ptr, ptr, i64, i64, i64, c_int, ptr, i64, i64, i64, ptr, c_int]
     lib.dq_gemm.argtypes = [ptr, ptr, ptr, i64, i64, i64, c_int, ptr, i64, ptr, i64, c_int]
     lib.dq_gemm_t.argtypes = [ptr, ptr, ptr, i64, i64, i64, c_int, ptr, i64, i64, i64, ptr, c_int]
@@ -171,7 +173,7 @@ def _load() -> ctypes.CDLL | None:
     experts_mt = [ptr, ptr, ptr, i64, i64, i64, c_int, ptr, i64, ptr, ptr, c_int, c_int]
     lib.dq_matvec_experts_mt.argtypes = lib.dq_vecmat_experts_mt.argtypes = experts_mt
     for fn in (lib.dq_quantize_rows, lib.dq_matvec, lib.dq_matvec_has_simd, lib.dq_dequantize_rows,
-               lib.dq_dequantize_int4pack,
+               lib.dq_dequantize_int4pack, lib.dq_dequantize_rows_mt, lib.dq_dequantize_int4pack_mt,
                lib.dq_vecmat, lib.dq_gemm, lib.dq_gemm_t, lib.dq_gemm_tile, lib.dq_matvec_experts,
                lib.dq_vecmat_experts, lib.dq_matvec_mt, lib.dq_vecmat_mt,
                lib.dq_matvec_experts_mt, lib.dq_vecmat_experts_mt, lib.dq_gemm_mt,

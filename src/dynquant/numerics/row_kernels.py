@@ -84,13 +84,11 @@ def dequantize_rows(qweight: torch.Tensor, scales: torch.Tensor, offsets: torch.
     if rows == 0:
         return out
 
-    def run(lo: int, hi: int) -> int:
-        ptr = native.row_ptr
-        return lib.dq_dequantize_rows(ptr(qweight, lo), ptr(scales, lo), ptr(offsets, lo),
-                                      hi - lo, in_features, group_size, bits, ptr(out, lo),
-                                      native.INPUT_DTYPES[dtype], int(portable))
-
-    if any(native.split_rows(run, rows, out.numel(), DEQUANT_PARALLEL_MIN_ELEMENTS)):
+    rc = lib.dq_dequantize_rows_mt(
+        qweight.data_ptr(), scales.data_ptr(), offsets.data_ptr(), rows, in_features, group_size,
+        bits, out.data_ptr(), native.INPUT_DTYPES[dtype], int(portable),
+        native.threads_for(out.numel(), DEQUANT_PARALLEL_MIN_ELEMENTS))
+    if rc:
         raise RuntimeError("dq_dequantize_rows failed (unsupported group size)")
     return out
 

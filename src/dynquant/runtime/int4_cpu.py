@@ -18,8 +18,7 @@ from functools import cache
 import torch
 
 from dynquant.format.packing import unpack_codes
-from dynquant.numerics import native
-from dynquant.numerics.row_kernels import DEQUANT_PARALLEL_MIN_ELEMENTS
+from dynquant.numerics import native, row_kernels
 
 INNER_K_TILES = 1
 BLOCK_ROWS = 64  # the layout's row blocks (see unpack_int4_codes)
@@ -101,12 +100,9 @@ def dequantize_int4_rows(packed: torch.Tensor, scale_zero: torch.Tensor, offsets
         out = torch.empty(stop - start, in_features, dtype=dtype)
     packed, scale_zero, offsets = packed.contiguous(), scale_zero.contiguous(), offsets.contiguous()
 
-    def run(lo: int, hi: int) -> int:
-        return lib.dq_dequantize_int4pack(
+    if lib.dq_dequantize_int4pack_mt(
             packed.data_ptr(), scale_zero.data_ptr(), offsets.data_ptr(), rows, in_features,
-            group_size, start + lo, start + hi, native.row_ptr(out, lo),
-            native.INPUT_DTYPES[dtype])
-
-    if any(native.split_rows(run, stop - start, out.numel(), DEQUANT_PARALLEL_MIN_ELEMENTS)):
+            group_size, start, stop, out.data_ptr(), native.INPUT_DTYPES[dtype],
+            native.threads_for(out.numel(), row_kernels.DEQUANT_PARALLEL_MIN_ELEMENTS)):
         raise ValueError(f"int4 layout dequantization: unsupported shape {rows} x {in_features}")
     return out

@@ -10,6 +10,7 @@
  * w = q * scale + offset in float32, a multiply then an add, as dequantize_rows.c computes it:
  * scale comes from the kernel's [groups, n, 2] scale/zero pairs (element 0, our bf16 scale),
  * offset from the module's own [n, groups] offsets (the kernel's zero point is rounded). */
+#include "pool.h"
 #include "unpack.h"
 
 #define INT4_BLOCK_ROWS 64
@@ -95,4 +96,35 @@ int dq_dequantize_int4pack(const uint8_t *packed, const uint16_t *scale_zero,
                            row_bytes, out_bf16);
     }
     return 0;
+}
+
+/* The same with whole 64-row blocks split over `threads` threads (pool.c). */
+typedef struct {
+    const uint8_t *packed;
+    const uint16_t *scale_zero, *offsets;
+    int64_t n, k, gs, start, stop;
+    char *out;
+    int out_bf16;
+} int4_job;
+
+static int int4_part(const void *ctx, int64_t b0, int64_t b1) {
+    const int4_job *j = ctx;
+    const int64_t first = j->start / INT4_BLOCK_ROWS * INT4_BLOCK_ROWS;
+    int64_t lo = first + b0 * INT4_BLOCK_ROWS, hi = first + b1 * INT4_BLOCK_ROWS;
+    lo = lo > j->start ? lo : j->start;
+    hi = hi < j->stop ? hi : j->stop;
+    char *out = j->out + (lo - j->start) * j->k * (j->out_bf16 ? 2 : 4);
+    return lo < hi ? dq_dequantize_int4pack(j->packed, j->scale_zero, j->offsets, j->n, j->k,
+                                            j->gs, lo, hi, out, j->out_bf16) : 0;
+}
+
+int dq_dequantize_int4pack_mt(const uint8_t *packed, const uint16_t *scale_zero,
+                              const uint16_t *offsets, int64_t n, int64_t k, int64_t gs,
+                              int64_t start, int64_t stop, void *out, int out_bf16, int threads) {
+    const int64_t first = start / INT4_BLOCK_ROWS * INT4_BLOCK_ROWS;
+    const int64_t blocks = (stop - first + INT4_BLOCK_ROWS - 1) / INT4_BLOCK_ROWS;
+    const int4_job j = {.packed = packed, .scale_zero = scale_zero, .offsets = offsets, .n = n,
+                        .k = k, .gs = gs, .start = start, .stop = stop, .out = out,
+                        .out_bf16 = out_bf16};
+    return stop > start ? dq_parallel(int4_part, &j, blocks, threads) : 0;
 }
