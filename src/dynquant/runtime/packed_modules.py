@@ -90,11 +90,17 @@ def _decode_product(product: Callable[..., torch.Tensor | None], x: torch.Tensor
     if _needs_grad(x):
         return None
     if m > MAX_TOKENS:
-        if gemm is None or (x.dtype != torch.float32 and m > BF16_GEMM_MAX_TOKENS):
+        if gemm is None or not _packed_gemm_serves(x):
             return None
         product = gemm
     y = product(flat, qweight, scales, offsets, layout)
     return None if y is None else y.reshape(*x.shape[:-1], -1).to(x.dtype)
+
+
+def _packed_gemm_serves(x: torch.Tensor) -> bool:
+    """Whether the packed GEMM (or matvec) takes x's tokens: float32 always, else up to
+    BF16_GEMM_MAX_TOKENS (beyond, dequantized blocks and the bf16 GEMM are faster)."""
+    return x.dtype == torch.float32 or x.numel() <= BF16_GEMM_MAX_TOKENS * x.shape[-1]
 
 
 _ONE_TOKEN_DTYPES = (torch.float32, torch.bfloat16)
@@ -360,11 +366,15 @@ class PackedExpert:
 
     def linear(self, x: torch.Tensor) -> torch.Tensor | None:
         """``F.linear(x, self)`` from the packed codes (see :func:`_decode_product`)."""
+        if not _packed_gemm_serves(x):  # before slicing the codes it would not use
+            return None
         return _decode_product(packed_matvec, x, *self._packed(), self.bank.layout,
                                gemm=packed_gemm)
 
     def rmatmul(self, x: torch.Tensor) -> torch.Tensor | None:
         """``x @ self`` from the packed codes (see :func:`_decode_product`)."""
+        if not _packed_gemm_serves(x):
+            return None
         return _decode_product(packed_vecmat, x, *self._packed(), self.bank.layout,
                                gemm=packed_gemm_t)
 
