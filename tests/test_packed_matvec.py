@@ -169,6 +169,13 @@ def test_native_dequantize_is_bit_identical_to_the_torch_path(bits, gs):
         assert fast.dtype == dtype and torch.equal(fast, slow) and torch.equal(portable, slow)
         assert torch.equal(dequantize_rows(*args, dtype), slow)  # the public entry uses it
     assert row_kernels.dequantize_rows(*args, torch.float16) is None  # other dtypes: torch path
+    tiny = qt.scales.clone(), qt.offsets.clone()  # denormal and overflowing values
+    tiny[0][0], tiny[1][0] = torch.tensor(1e-39, dtype=torch.bfloat16), 0.0
+    tiny[0][1], tiny[1][1] = 2e-38, -1e-38
+    tiny[0][2, 0], tiny[1][2, 0] = 3e38, 3e38
+    odd = (qt.qweight, *tiny, bits, gs, 300)
+    assert torch.equal(row_kernels.dequantize_rows(*odd, torch.bfloat16).view(torch.int16),
+                       dequantize_rows_torch(*odd, torch.bfloat16).view(torch.int16))
     big = quantize_tensor(torch.randn(1100, 1024), bits, gs)  # split across threads
     args = (big.qweight, big.scales, big.offsets, bits, gs, 1024)
     assert torch.equal(row_kernels.dequantize_rows(*args, torch.bfloat16),

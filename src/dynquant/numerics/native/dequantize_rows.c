@@ -8,7 +8,7 @@
 
 #ifdef DQ_HAVE_VBMI
 /* bf16_round of 16 floats at once, with the same integer arithmetic (so the same bits). */
-static inline __m256i bf16_round16(__m512 v) {
+static inline __m256i bf16_round16_int(__m512 v) {
     const __m512i u = _mm512_castps_si512(v);
     const __m512i lsb = _mm512_and_si512(_mm512_srli_epi32(u, 16), _mm512_set1_epi32(1));
     const __m512i rounded = _mm512_srli_epi32(
@@ -18,6 +18,22 @@ static inline __m256i bf16_round16(__m512 v) {
     const __m512i quiet = _mm512_or_si512(_mm512_srli_epi32(u, 16), _mm512_set1_epi32(0x40));
     return _mm512_cvtepi32_epi16(_mm512_mask_blend_epi32(nan, rounded, quiet));
 }
+
+#ifdef __AVX512BF16__
+/* The same with the CPU's conversion (VCVTNEPS2BF16: nearest, ties to even, NaNs quietened as
+ * bf16_round does) in one instruction instead of ~8: 3-bit to bf16 19 -> 21.7 G weights/s on
+ * 2 threads (1152 x 1024 and 4096 x 4096). It flushes denormal inputs to zero, so a vector
+ * holding one takes the integer path (the same bits: tests/test_packed_matvec.py). */
+static inline __m256i bf16_round16(__m512 v) {
+    const __m512i u = _mm512_and_si512(_mm512_castps_si512(v), _mm512_set1_epi32(0x7FFFFFFF));
+    const __mmask16 denormal = _mm512_mask_cmplt_epu32_mask(
+        _mm512_test_epi32_mask(u, u), u, _mm512_set1_epi32(0x00800000));
+    if (denormal) return bf16_round16_int(v);
+    return (__m256i)_mm512_cvtneps_pbh(v);
+}
+#else
+#define bf16_round16 bf16_round16_int
+#endif
 
 /* One whole group (gs a multiple of 64) to bf16: codes stay in registers. */
 static inline void group_to_bf16_vbmi(const uint8_t *bytes, int64_t gs, int bits,
