@@ -126,6 +126,15 @@ def pairs_matmul(x: torch.Tensor, bank: torch.Tensor, experts: torch.Tensor) -> 
     return torch.stack([x[p] @ bank[e] for p, e in enumerate(experts.tolist())])
 
 
+def grouped_matmul(xs: list[torch.Tensor], bank: torch.Tensor, experts: list[int]
+                   ) -> list[torch.Tensor]:
+    """``[xs[i] @ bank[experts[i]]]``. A packed bank dequantizes its experts a run at a time for
+    a long bf16 prefill (``grouped_matmul``); otherwise expert by expert."""
+    packed = getattr(bank, "grouped_matmul", None)
+    ys = packed(xs, experts) if packed is not None else None
+    return ys if ys is not None else [x @ bank[e] for x, e in zip(xs, experts, strict=True)]
+
+
 class MoE(nn.Module):
     """Softmax top-k routing over expert banks (SwiGLU, ``x @ W[e]``) plus a shared expert."""
 
@@ -153,10 +162,12 @@ class MoE(nn.Module):
         out = self.sw2(F.silu(self.sw1(flat)) * self.sw3(flat))
         if experts.numel() <= FEW_PAIRS and not self.training:
             return (out + self._few_pairs(flat, experts, weights)).view_as(x)
-        for e in experts.unique().tolist():  # only the experts tokens are routed to
-            token, slot = torch.where(experts == e)
-            h = flat[token]
-            y = (F.silu(h @ self.w1[e]) * (h @ self.w3[e])) @ self.w2[e]
+        ids = experts.unique().tolist()  # only the experts tokens are routed to
+        routed = [torch.where(experts == e) for e in ids]  # (token, slot) of each
+        hs = [flat[token] for token, _ in routed]
+        acts = [F.silu(a) * b for a, b in zip(grouped_matmul(hs, self.w1, ids),
+                                              grouped_matmul(hs, self.w3, ids), strict=True)]
+        for (token, slot), y in zip(routed, grouped_matmul(acts, self.w2, ids), strict=True):
             out.index_add_(0, token, y * weights[token, slot, None])
         return out.view_as(x)
 
