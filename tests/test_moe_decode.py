@@ -190,34 +190,37 @@ def test_bf16_inputs_keep_their_dtype():
     torch.testing.assert_close(y.float(), want, rtol=0.01, atol=0.05)  # bf16 output rounding
 
 
-def test_grouped_products_equal_the_per_expert_products(monkeypatch):
-    """A long bf16 prefill's products, the experts dequantized a run at a time: the per-expert
-    products' bits, whatever the runs (one run, or runs of one and two experts); an expert with
-    few tokens keeps the packed GEMM, and float32 inputs or only such experts get None."""
+def test_grouped_products_multiply_the_dequantized_experts(monkeypatch):
+    """A long bf16 prefill's products, the experts dequantized a run at a time: each product is
+    the bf16 GEMM with the expert's dequantized matrix, whatever the runs (one run, or runs of one
+    and two experts), an expert with few tokens included when its run is dequantized; a run of
+    such experts alone keeps the packed GEMM; float32 inputs or only such experts get None."""
     from dynquant.runtime import packed_modules
 
     bank, qt = _bank(5, 64, 128, 3, 4)
     g = torch.Generator().manual_seed(11)
     ids = [4, 0, 2, 3]
-    xs_in = [torch.randn(n, 128, generator=g).to(torch.bfloat16) for n in (40, 3, 70, 33)]
-    xs_out = [torch.randn(n, 64, generator=g).to(torch.bfloat16) for n in (40, 3, 70, 33)]
+    counts = (40, 3, 70, 33)  # expert 0: 3 tokens
+    xs_in = [torch.randn(n, 128, generator=g).to(torch.bfloat16) for n in counts]
+    xs_out = [torch.randn(n, 64, generator=g).to(torch.bfloat16) for n in counts]
     full = qt.dequantize(torch.bfloat16)
-    for block in (packed_modules.DEQUANT_BLOCK_ELEMENTS, 64 * 128, 2 * 64 * 128):
+    for block, alone in ((packed_modules.DEQUANT_BLOCK_ELEMENTS, False), (64 * 128, True),
+                         (2 * 64 * 128, True)):
         monkeypatch.setattr(packed_modules, "DEQUANT_BLOCK_ELEMENTS", block)
         lin, mat = bank.grouped_linear(xs_in, ids), bank.grouped_matmul(xs_out, ids)
         for i, e in enumerate(ids):
-            w = full[e] if xs_in[i].shape[0] > 32 else bank[e]  # 3 tokens: the packed GEMM's
-            assert torch.equal(lin[i], torch.nn.functional.linear(xs_in[i], w))
-            assert torch.equal(mat[i], xs_out[i] @ w)
+            w = bank[e] if e == 0 and alone else full[e]  # expert 0 alone in its run: packed
+            assert torch.equal(lin[i], torch.nn.functional.linear(xs_in[i], w)), (block, e)
+            assert torch.equal(mat[i], xs_out[i] @ w), (block, e)
     assert bank.grouped_linear([x.float() for x in xs_in], ids) is None
     assert bank.grouped_linear([x[:32] for x in xs_in], ids) is None
 
 
-def test_long_bf16_prefills_group_the_experts_and_keep_the_bits(tmp_path, monkeypatch):
+def test_long_bf16_prefills_group_the_experts(tmp_path, monkeypatch):
     """Packed hybrid and OLMoE models, bf16, 80 tokens: the grouped products serve the routed
-    experts and give the per-expert path's logits bit for bit (OLMoE: transformers' eager loop
-    over the same packed banks; how close that path is to the float model:
-    test_transformers_moe_through_load_stays_within_one_percent)."""
+    experts, and the logits stay within bf16 rounding of the expert-by-expert path's (OLMoE:
+    transformers' eager loop over the same packed banks; how close that path is to the float
+    model: test_transformers_moe_through_load_stays_within_one_percent)."""
     src = save_tiny_model("olmoe", tmp_path / "src")
     models = {}
     for name, source in (("hybrid", resolve_model("tiny")), ("olmoe", resolve_model(str(src)))):
@@ -229,7 +232,6 @@ def test_long_bf16_prefills_group_the_experts_and_keep_the_bits(tmp_path, monkey
     calls = []
     grouped = QuantExpertBank._grouped
 
-
     def counted(self, xs, experts, transposed):
         ys = grouped(self, xs, experts, transposed)
         calls.append(ys is not None)
@@ -239,9 +241,10 @@ def test_long_bf16_prefills_group_the_experts_and_keep_the_bits(tmp_path, monkey
     for name, model in models.items():
         calls.clear()
         with torch.no_grad():
-            got = model(ids).logits
+            got = model(ids).logits.float()
             assert any(calls), name  # some expert had more than 32 tokens
             with monkeypatch.context() as m:
                 m.setattr(QuantExpertBank, "_grouped", lambda *a, **k: None)  # expert by expert
-                per_expert = model(ids).logits
-        assert torch.equal(got, per_expert), name
+                per_expert = model(ids).logits.float()
+        span = (per_expert.max() - per_expert.min()).item()
+        assert (got - per_expert).abs().max().item() <= 0.03 * span, name  # seen: 1.6%, 0.3%
