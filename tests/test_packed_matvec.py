@@ -188,7 +188,7 @@ def test_vecmat_matches_the_reference_and_the_portable_path(bits, gs, monkeypatc
     g = torch.Generator().manual_seed(bits * 10 + gs)
     w = torch.randn(70, 300, generator=g)  # x @ W: contracts the 70 rows, groups along 300
     qt = quantize_tensor(w, bits, gs)
-    for m in (1, MAX_TOKENS):
+    for m in (1, 3, 6, MAX_TOKENS):  # tokens go four at a time: every remainder
         x = torch.randn(m, 70, generator=g)
         ref = packed_vecmat_ref(x, qt.qweight, qt.scales, qt.offsets, qt.layout)
         fast = packed_vecmat(x, qt.qweight, qt.scales, qt.offsets, qt.layout)

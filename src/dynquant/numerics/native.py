@@ -9,7 +9,8 @@ The kernels (``native/*.c``) and their Python sides:
 - ``dequantize_int4pack.c`` (``runtime/int4_cpu.py``): the same from torch's int4 layout, for the
   long bf16 prefills of 4-bit modules held in that layout;
 - ``packed_matvec.c``, ``packed_vecmat.c`` (``packed_matvec.py``): a few tokens times a packed
-  matrix, without dequantizing it (decode);
+  matrix, without dequantizing it (decode); ``packed_matvec_tokens.c``: the matvec's 2-8 token
+  case with VBMI, each group's codes unpacked once for every token;
 - ``packed_gemm.c`` (``packed_matvec.py``): many tokens times a packed matrix (prefill), panels of
   rows dequantized into a per-thread float32 buffer that stays in cache;
 - ``packed_experts.c`` (``packed_matvec.py``): a few (token, expert) pairs of a bank in one call

@@ -118,12 +118,11 @@ static inline float lane_sum_ymm2(__m256 lo, __m256 hi) {
 }
 #endif
 
-/* y [m, rows] (row stride y_stride) for the given block of rows; x [m, padded_n] float32 (zero
- * in the padding). portable != 0 forces the portable unpacking. Returns 0, or -1 if out of
- * memory or gs is unsupported. */
-int dq_matvec(const uint32_t *qweight, const uint16_t *scales, const uint16_t *offsets,
-              int64_t rows, int64_t padded_n, int64_t gs, int bits, const float *x, int64_t m,
-              float *y, int64_t y_stride, int portable) {
+/* dq_matvec's rows for any number of tokens (2..8 tokens with VBMI: dq_matvec_tokens). */
+static __attribute__((noinline)) int matvec_rows(
+    const uint32_t *qweight, const uint16_t *scales, const uint16_t *offsets, int64_t rows,
+    int64_t padded_n, int64_t gs, int bits, const float *x, int64_t m, float *y,
+    int64_t y_stride, int portable) {
     const int64_t groups = padded_n / gs, words = bits * gs / 32;
     if (gs > MAX_GROUP || gs % 32 != 0) return -1;
     /* per token: the group sums of x, the row's 16 running lanes and its offsets' sum */
@@ -188,6 +187,28 @@ int dq_matvec(const uint32_t *qweight, const uint16_t *scales, const uint16_t *o
     }
     free(xsum);
     return 0;
+}
+
+#ifdef DQ_HAVE_VBMI
+int dq_matvec_tokens_vbmi(const uint32_t *qweight, const uint16_t *scales,
+                          const uint16_t *offsets, int64_t rows, int64_t padded_n, int64_t gs,
+                          int bits, const float *x, int64_t m, float *y, int64_t y_stride);
+#endif
+
+/* y [m, rows] (row stride y_stride) for the given block of rows; x [m, padded_n] float32 (zero
+ * in the padding). portable != 0 forces the portable unpacking. Returns 0, or -1 if out of
+ * memory or gs is unsupported. The one-token loop stays in a function of its own: a branch to
+ * the few-tokens path inside it slowed it by ~10%. */
+int dq_matvec(const uint32_t *qweight, const uint16_t *scales, const uint16_t *offsets,
+              int64_t rows, int64_t padded_n, int64_t gs, int bits, const float *x, int64_t m,
+              float *y, int64_t y_stride, int portable) {
+#ifdef DQ_HAVE_VBMI
+    if (!portable && m > 1 && m <= 8 && gs % 64 == 0 && gs <= MAX_GROUP)
+        return dq_matvec_tokens_vbmi(qweight, scales, offsets, rows, padded_n, gs, bits, x, m, y,
+                                     y_stride);
+#endif
+    return matvec_rows(qweight, scales, offsets, rows, padded_n, gs, bits, x, m, y, y_stride,
+                       portable);
 }
 
 /* dq_matvec with its rows split over `threads` threads (pool.c). */
