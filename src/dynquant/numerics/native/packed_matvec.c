@@ -52,28 +52,7 @@ static inline __m512 lanes_codes_vbmi(const uint8_t *bytes, int64_t gs, int bits
 
 #ifdef DQ_HAVE_AVX2
 /* The same for AVX2: unit k (8 codes) goes to lanes 8 * (k % 2) .. + 7 of the 16, so two ymm
- * accumulators hold exactly dot()'s partial sums; combined as lane_sum does. */
-typedef struct {
-    __m256i shuffle, shifts, mask;
-} avx2_unpacker;
-
-static avx2_unpacker make_avx2_unpacker(int bits) {
-    int8_t shuffle[32];
-    int32_t shifts[8];
-    for (int i = 0; i < 8; i++) { /* as unpack_units_avx2: dword i <- the unit's bytes b, b + 1 */
-        const int b = i * bits / 8;
-        shifts[i] = i * bits % 8;
-        shuffle[4 * i] = (int8_t)b;
-        shuffle[4 * i + 1] = (int8_t)(b + 1);
-        shuffle[4 * i + 2] = shuffle[4 * i + 3] = (int8_t)0x80;
-    }
-    avx2_unpacker u = {_mm256_loadu_si256((const __m256i *)shuffle),
-                       _mm256_loadu_si256((const __m256i *)shifts),
-                       _mm256_set1_epi32((1 << bits) - 1)};
-    return u;
-}
-
-/* A group's 16 lane sums (lanes 0-7 in lo, 8-15 in hi) of codes . x for one token. */
+ * accumulators hold exactly dot()'s partial sums; combined as lane_sum does. A group's 16 lane sums (lanes 0-7 in lo, 8-15 in hi) of codes . x for one token. */
 typedef struct {
     __m256 lo, hi;
 } lanes16;
@@ -109,13 +88,6 @@ static inline lanes16 lanes_codes_avx2_bits(const uint8_t *bytes, int64_t gs, in
     }
 }
 
-/* lane_sum of 16 lanes held as two ymm: the same tree, so the same float. */
-static inline float lane_sum_ymm2(__m256 lo, __m256 hi) {
-    const __m256 s8 = _mm256_add_ps(lo, hi);                               /* l + (l + 8) */
-    const __m128 s4 = _mm_add_ps(_mm256_castps256_ps128(s8), _mm256_extractf128_ps(s8, 1));
-    const __m128 t = _mm_add_ps(s4, _mm_movehl_ps(s4, s4));       /* s4[0]+s4[2], s4[1]+s4[3] */
-    return _mm_cvtss_f32(_mm_add_ss(t, _mm_shuffle_ps(t, t, 1)));
-}
 #endif
 
 /* dq_matvec's rows for any number of tokens (2..8 tokens with VBMI: dq_matvec_tokens). */
@@ -190,9 +162,9 @@ static __attribute__((noinline)) int matvec_rows(
 }
 
 #ifdef DQ_HAVE_VBMI
-int dq_matvec_tokens_vbmi(const uint32_t *qweight, const uint16_t *scales,
-                          const uint16_t *offsets, int64_t rows, int64_t padded_n, int64_t gs,
-                          int bits, const float *x, int64_t m, float *y, int64_t y_stride);
+int dq_matvec_tokens(const uint32_t *qweight, const uint16_t *scales, const uint16_t *offsets,
+                     int64_t rows, int64_t padded_n, int64_t gs, int bits, const float *x,
+                     int64_t m, float *y, int64_t y_stride);
 #endif
 
 /* y [m, rows] (row stride y_stride) for the given block of rows; x [m, padded_n] float32 (zero
@@ -204,8 +176,8 @@ int dq_matvec(const uint32_t *qweight, const uint16_t *scales, const uint16_t *o
               float *y, int64_t y_stride, int portable) {
 #ifdef DQ_HAVE_VBMI
     if (!portable && m > 1 && m <= 8 && gs % 64 == 0 && gs <= MAX_GROUP)
-        return dq_matvec_tokens_vbmi(qweight, scales, offsets, rows, padded_n, gs, bits, x, m, y,
-                                     y_stride);
+        return dq_matvec_tokens(qweight, scales, offsets, rows, padded_n, gs, bits, x, m, y,
+                                y_stride);
 #endif
     return matvec_rows(qweight, scales, offsets, rows, padded_n, gs, bits, x, m, y, y_stride,
                        portable);

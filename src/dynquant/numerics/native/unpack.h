@@ -164,7 +164,12 @@ static inline __m256 unit_as_floats_avx2(uint64_t u, __m256i shuffle, __m256i sh
     return _mm256_cvtepi32_ps(_mm256_and_si256(w, mask));
 }
 
-static inline void unpack_units_avx2(const uint8_t *bytes, int64_t gs, int bits, float *q) {
+/* The pshufb and vpsrlvd operands of unit_as_floats_avx2 for one width. */
+typedef struct {
+    __m256i shuffle, shifts, mask;
+} avx2_unpacker;
+
+static inline avx2_unpacker make_avx2_unpacker(int bits) {
     int8_t shuffle[32];
     int32_t shifts[8];
     for (int i = 0; i < 8; i++) { /* dword i <- bytes b, b + 1 of the unit (pshufb indexes within
@@ -175,12 +180,25 @@ static inline void unpack_units_avx2(const uint8_t *bytes, int64_t gs, int bits,
         shuffle[4 * i + 1] = (int8_t)(b + 1);
         shuffle[4 * i + 2] = shuffle[4 * i + 3] = (int8_t)0x80;
     }
-    const __m256i shuf = _mm256_loadu_si256((const __m256i *)shuffle);
-    const __m256i sh = _mm256_loadu_si256((const __m256i *)shifts);
-    const __m256i mask = _mm256_set1_epi32((1 << bits) - 1);
+    avx2_unpacker u = {_mm256_loadu_si256((const __m256i *)shuffle),
+                       _mm256_loadu_si256((const __m256i *)shifts),
+                       _mm256_set1_epi32((1 << bits) - 1)};
+    return u;
+}
+
+/* lane_sum of 16 lanes held as two ymm (lanes 0-7, 8-15): the same tree, so the same float. */
+static inline float lane_sum_ymm2(__m256 lo, __m256 hi) {
+    const __m256 s8 = _mm256_add_ps(lo, hi);                               /* l + (l + 8) */
+    const __m128 s4 = _mm_add_ps(_mm256_castps256_ps128(s8), _mm256_extractf128_ps(s8, 1));
+    const __m128 t = _mm_add_ps(s4, _mm_movehl_ps(s4, s4));       /* s4[0]+s4[2], s4[1]+s4[3] */
+    return _mm_cvtss_f32(_mm_add_ss(t, _mm_shuffle_ps(t, t, 1)));
+}
+
+static inline void unpack_units_avx2(const uint8_t *bytes, int64_t gs, int bits, float *q) {
+    const avx2_unpacker u = make_avx2_unpacker(bits);
     for (int64_t k = 0; k < gs / 8; k++)
         _mm256_storeu_ps(q + 8 * k, unit_as_floats_avx2(load_unit(bytes, k, bits, gs * bits / 8),
-                                                        shuf, sh, mask));
+                                                        u.shuffle, u.shifts, u.mask));
 }
 
 static void unpack_group_avx2(const uint8_t *bytes, int64_t gs, int bits, float *q) {
