@@ -15,7 +15,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from dynquant.runtime.packed_modules import QuantExpertBank
+from dynquant.runtime.packed_modules import QuantExpertBank, packed_gemm_serves
 
 NAME = "dynquant"
 
@@ -67,7 +67,7 @@ def _grouped(module: nn.Module, hidden: torch.Tensor, top_k_index: torch.Tensor,
     each bank's experts dequantized a run at a time for a long bf16 prefill
     (``QuantExpertBank.grouped_linear``); None where that does not apply."""
     up_bank = _packed_up_bank(module)
-    if up_bank is None:
+    if up_bank is None or packed_gemm_serves(hidden):  # then every expert's share is served too
         return None
     ids = [e for e in top_k_index.unique().tolist() if e < len(up_bank)]  # n: "no expert"
     routed = [torch.where((top_k_index == e).T) for e in ids]  # (slot, token) of each

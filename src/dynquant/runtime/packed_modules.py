@@ -90,14 +90,14 @@ def _decode_product(product: Callable[..., torch.Tensor | None], x: torch.Tensor
     if _needs_grad(x):
         return None
     if m > MAX_TOKENS:
-        if gemm is None or not _packed_gemm_serves(x):
+        if gemm is None or not packed_gemm_serves(x):
             return None
         product = gemm
     y = product(flat, qweight, scales, offsets, layout)
     return None if y is None else y.reshape(*x.shape[:-1], -1).to(x.dtype)
 
 
-def _packed_gemm_serves(x: torch.Tensor) -> bool:
+def packed_gemm_serves(x: torch.Tensor) -> bool:
     """Whether the packed GEMM (or matvec) takes x's tokens: float32 always, else up to
     BF16_GEMM_MAX_TOKENS (beyond, dequantized blocks and the bf16 GEMM are faster)."""
     return x.dtype == torch.float32 or x.numel() <= BF16_GEMM_MAX_TOKENS * x.shape[-1]
@@ -359,7 +359,7 @@ class QuantExpertBank(PackedWeight):
         keeps the packed GEMM. None where the per-expert products serve better (float32, or only
         experts with few tokens) or can't (gradients, mixed dtypes)."""
         if (not xs or any(_needs_grad(x) or x.dtype != xs[0].dtype for x in xs)
-                or all(_packed_gemm_serves(x) for x in xs)):
+                or all(packed_gemm_serves(x) for x in xs)):
             return None
         n, a, c = self.shape
         per = self.layout.num_rows // n
@@ -373,7 +373,7 @@ class QuantExpertBank(PackedWeight):
             while j < len(order) and experts[order[j]] - first < run:
                 j += 1
             members = order[i:j]
-            if all(_packed_gemm_serves(xs[k]) for k in members):
+            if all(packed_gemm_serves(xs[k]) for k in members):
                 for k in members:
                     w = self[experts[k]]
                     ys[k] = xs[k] @ w if transposed else F.linear(xs[k], w)
@@ -415,14 +415,14 @@ class PackedExpert:
 
     def linear(self, x: torch.Tensor) -> torch.Tensor | None:
         """``F.linear(x, self)`` from the packed codes (see :func:`_decode_product`)."""
-        if not _packed_gemm_serves(x):  # before slicing the codes it would not use
+        if not packed_gemm_serves(x):  # before slicing the codes it would not use
             return None
         return _decode_product(packed_matvec, x, *self._packed(), self.bank.layout,
                                gemm=packed_gemm)
 
     def rmatmul(self, x: torch.Tensor) -> torch.Tensor | None:
         """``x @ self`` from the packed codes (see :func:`_decode_product`)."""
-        if not _packed_gemm_serves(x):
+        if not packed_gemm_serves(x):
             return None
         return _decode_product(packed_vecmat, x, *self._packed(), self.bank.layout,
                                gemm=packed_gemm_t)
