@@ -242,3 +242,19 @@ def test_gradients_flow_through_packed_modules_to_their_inputs():
     (x @ bank[1]).sum().backward()
     torch.testing.assert_close(x.grad[0], qb.dequantize(torch.float32)[1].sum(1),
                                rtol=1e-5, atol=1e-4)
+
+
+def test_an_unknown_int4_layout_keeps_the_kernel_for_every_size(monkeypatch):
+    """Where torch writes another int4 layout than the one dynquant reads, the module never reads
+    it: long prefills stay on the kernel and the weights are rebuilt through it (its bf16 zero
+    points: within their rounding of the format's values)."""
+    from dynquant.runtime import packed_modules
+
+    monkeypatch.setattr(packed_modules, "layout_is_known", lambda: False)
+    g = torch.Generator().manual_seed(7)
+    lin, qt = _packed(QuantLinear, torch.randn(64, 256, generator=g), 4)
+    lin.prepare()
+    long = torch.randn(1, BF16_GEMM_MAX_TOKENS + 8, 256, generator=g).to(torch.bfloat16)
+    assert torch.equal(lin(long), int4_linear(long, *lin._int4, 128))
+    torch.testing.assert_close(lin.dequantize(torch.float32), qt.dequantize(torch.float32),
+                               atol=0.02, rtol=0.01)
