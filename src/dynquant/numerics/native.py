@@ -156,7 +156,8 @@ def _load() -> ctypes.CDLL | None:
                                      ptr, ptr, ptr, ptr]
     lib.dq_matvec.argtypes = [ptr, ptr, ptr, i64, i64, i64, c_int, ptr, i64, ptr, i64, c_int]
     lib.dq_dequantize_rows.argtypes = [ptr, ptr, ptr, i64, i64, i64, c_int, ptr, c_int, c_int]
-    lib.dq_dequantize_int4pack.argtypes = [ptr, ptr, ptr, i64, i64, i64, i64, i64, ptr, c_int]
+    lib.dq_dequantize_int4pack.argtypes = [ptr, ptr, ptr, i64, i64, i64, i64, i64, i64, ptr,
+                                           c_int]
     lib.dq_dequantize_rows_mt.argtypes = [*lib.dq_dequantize_rows.argtypes, c_int]
     lib.dq_dequantize_int4pack_mt.argtypes = [*lib.dq_dequantize_int4pack.argtypes, c_int]
     lib.dq_vecmat.argtypes = [ptr, ptr, ptr, i64, i64, i64, c_int, ptr, i64, i64, i64, ptr, c_int]
