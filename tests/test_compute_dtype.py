@@ -28,7 +28,8 @@ GRAVITON2 = "fp asimd evtstrm aes pmull sha1 sha2 crc32 atomics fphp asimdhp asi
     (GRAVITON2, torch.float32, "arm"),
     ("", torch.float32, "portable"),  # flags that cannot be read: the safe choice
 ])
-def test_the_dtype_decision_from_flag_sets(flags, dtype, cls):
+def test_the_dtype_decision_from_flag_sets(flags, dtype, cls, monkeypatch):
+    monkeypatch.delenv("DYNQUANT_DTYPE", raising=False)  # the override has its own test
     flags = flags.split()
     assert cd.auto_dtype(flags) == dtype
     assert cd.cpu_class(flags) == cls
