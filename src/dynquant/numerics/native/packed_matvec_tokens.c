@@ -64,21 +64,13 @@ static void row_vbmi_m(const uint8_t *row, const uint16_t *scales, const uint16_
 #undef DQ_ROW
 }
 
-static inline float dot16(const float *x, int64_t gs) { /* packed_matvec.c's dot(ones, x) */
-    float acc[LANES] = {0};
-    for (int64_t j = 0; j < gs; j += LANES)
-        for (int l = 0; l < LANES; l++) acc[l] += 1.0f * x[j + l];
-    return lane_sum(acc);
-}
-
 int dq_matvec_tokens(const uint32_t *qweight, const uint16_t *scales, const uint16_t *offsets,
                      int64_t rows, int64_t padded_n, int64_t gs, int bits, const float *x,
                      int64_t m, float *y, int64_t y_stride) {
     const int64_t groups = padded_n / gs, words = bits * gs / 32;
     float *xsum = malloc((size_t)(m * groups) * sizeof(float));
     if (!xsum) return -1;
-    for (int64_t t = 0; t < m; t++)
-        for (int64_t g = 0; g < groups; g++) xsum[t * groups + g] = dot16(x + t * padded_n + g * gs, gs);
+    group_sums(x, m, groups, gs, padded_n, xsum);
     const unpacker u = make_unpacker(bits);
     for (int64_t r = 0; r < rows; r++)
         row_vbmi_m((const uint8_t *)(qweight + r * groups * words), scales + r * groups,

@@ -63,6 +63,22 @@ static inline float lane_sum(const float *acc) {
     return (s4[0] + s4[2]) + (s4[1] + s4[3]);
 }
 
+/* xsum[t * groups + g]: the sum of token t's group g of x [m, padded_n], in 16 lanes combined as
+ * lane_sum does (the offsets' part of the packed matvecs). Not inlined: inlined before the
+ * one-token loop of packed_matvec.c it slowed that loop by ~10% (code placement). */
+static __attribute__((noinline, unused)) void group_sums(const float *x, int64_t m,
+                                                         int64_t groups, int64_t gs,
+                                                         int64_t padded_n, float *xsum) {
+    for (int64_t t = 0; t < m; t++)
+        for (int64_t g = 0; g < groups; g++) {
+            const float *xg = x + t * padded_n + g * gs;
+            float acc[LANES] = {0};
+            for (int64_t j = 0; j < gs; j += LANES)
+                for (int l = 0; l < LANES; l++) acc[l] += xg[j + l];
+            xsum[t * groups + g] = lane_sum(acc);
+        }
+}
+
 /* 8 codes fill `bits` bytes. Unit k of a group, from its first byte: one 8-byte load where that
  * stays inside the group (the bytes past the unit are masked off by the callers), else byte by
  * byte (a narrower copy into a wider variable would stall on store-to-load forwarding). */
