@@ -97,10 +97,15 @@ def _decode_product(product: Callable[..., torch.Tensor | None], x: torch.Tensor
     return None if y is None else y.reshape(*x.shape[:-1], -1).to(x.dtype)
 
 
+def _past_bf16_gemm_tokens(x: torch.Tensor) -> bool:
+    """More tokens than BF16_GEMM_MAX_TOKENS: where the bf16 GEMM of dequantized blocks wins."""
+    return x.numel() > BF16_GEMM_MAX_TOKENS * x.shape[-1]
+
+
 def packed_gemm_serves(x: torch.Tensor) -> bool:
     """Whether the packed GEMM (or matvec) takes x's tokens: float32 always, else up to
     BF16_GEMM_MAX_TOKENS (beyond, dequantized blocks and the bf16 GEMM are faster)."""
-    return x.dtype == torch.float32 or x.numel() <= BF16_GEMM_MAX_TOKENS * x.shape[-1]
+    return x.dtype == torch.float32 or not _past_bf16_gemm_tokens(x)
 
 
 _ONE_TOKEN_DTYPES = (torch.float32, torch.bfloat16)
@@ -251,7 +256,7 @@ class QuantLinear(PackedWeight):
         if not self._int4_rows():
             return (F.linear(x, self.dequantize(x.dtype)) if _needs_grad(x)
                     else int4_linear(x, *self._int4, self.layout.group_size))
-        if _needs_grad(x) or x.numel() > BF16_GEMM_MAX_TOKENS * x.shape[-1]:
+        if _needs_grad(x) or _past_bf16_gemm_tokens(x):
             return None
         return int4_linear(x, *self._int4, self.layout.group_size)
 
@@ -366,6 +371,10 @@ class QuantExpertBank(PackedWeight):
         run = max(1, DEQUANT_BLOCK_ELEMENTS // (per * self.layout.in_features))
         order = sorted(range(len(xs)), key=lambda k: experts[k])
         ys: list[torch.Tensor] = [xs[0]] * len(xs)
+
+        def product(x: torch.Tensor, w: torch.Tensor | PackedExpert) -> torch.Tensor:
+            return x @ w if transposed else F.linear(x, w)
+
         i = 0
         while i < len(order):
             first = experts[order[i]]
@@ -375,15 +384,13 @@ class QuantExpertBank(PackedWeight):
             members = order[i:j]
             if all(packed_gemm_serves(xs[k]) for k in members):
                 for k in members:
-                    w = self[experts[k]]
-                    ys[k] = xs[k] @ w if transposed else F.linear(xs[k], w)
+                    ys[k] = product(xs[k], self[experts[k]])
             else:
                 block = self.dequantize_rows(first * per, (experts[order[j - 1]] + 1) * per,
                                              xs[0].dtype, scratch=True)
                 for k in members:
-                    w = block[(experts[k] - first) * per:(experts[k] - first + 1) * per]
-                    w = w.view(a, c)
-                    ys[k] = xs[k] @ w if transposed else F.linear(xs[k], w)
+                    e = experts[k] - first
+                    ys[k] = product(xs[k], block[e * per:(e + 1) * per].view(a, c))
             i = j
         return ys
 
