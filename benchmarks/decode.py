@@ -51,17 +51,24 @@ def decode_seconds(model: torch.nn.Module, vocab: int, new_tokens: int) -> float
 
 
 def tokens_per_second(models: tuple[torch.nn.Module, ...], vocab: int,
-                      new_tokens: int = NEW_TOKENS, rounds: int = ROUNDS) -> list[float]:
-    """Best of ``rounds`` for each model, the models taking turns (this machine's speed drifts by
-    tens of percent over minutes: turns keep a drift from favouring one of them)."""
+                      new_tokens: int = NEW_TOKENS, rounds: int = ROUNDS
+                      ) -> tuple[list[float], list[float]]:
+    """(tokens/s of a whole ``generate`` with its 16-token prompt, tokens/s of the decode steps
+    alone) for each model: best of ``rounds``, the models taking turns (this machine's speed
+    drifts by tens of percent over minutes: turns keep a drift from favouring one of them). The
+    steps alone are the difference between ``new_tokens`` and one new token, which leaves out
+    the prompt's forward and generate's set-up."""
     best = [float("inf")] * len(models)
+    first = [float("inf")] * len(models)
     with torch.no_grad():
         for model in models:
             decode_seconds(model, vocab, 4)  # warm-up
         for _ in range(rounds):
             for i, model in enumerate(models):
                 best[i] = min(best[i], decode_seconds(model, vocab, new_tokens))
-    return [new_tokens / b for b in best]
+                first[i] = min(first[i], decode_seconds(model, vocab, 1))
+    return ([new_tokens / b for b in best],
+            [(new_tokens - 1) / (b - f) for b, f in zip(best, first, strict=True)])
 
 
 def prefill_seconds(models: tuple[torch.nn.Module, ...], vocab: int, tokens: int,
@@ -83,12 +90,13 @@ def prefill_seconds(models: tuple[torch.nn.Module, ...], vocab: int, tokens: int
 def compare(name: str, ck: Path, vocab: int, dtype: torch.dtype,
             new_tokens: int = NEW_TOKENS) -> None:
     packed, dense = load(ck, dtype=dtype), load_dequantized(ck, dtype)
-    tp, td = tokens_per_second((packed, dense), vocab, new_tokens)
+    (tp, td), (sp, sd) = tokens_per_second((packed, dense), vocab, new_tokens)
     pp, pd = prefill_seconds((packed, dense), vocab, PREFILL_TOKENS)
     mp, md = resident_weight_nbytes(packed), resident_weight_nbytes(dense)
     figure(f"{name}: packed decode", tp, "tok/s")
     figure(f"{name}: dense decode", td, "tok/s")
     figure(f"{name}: decode speed packed / dense", tp / td, "x")
+    figure(f"{name}: decode steps alone packed / dense", sp / sd, "x")
     figure(f"{name}: prefill {PREFILL_TOKENS} speed packed / dense", pd / pp, "x")
     figure(f"{name}: prefill {PREFILL_TOKENS} packed", PREFILL_TOKENS / pp, "tok/s")
     figure(f"{name}: resident weights packed / dense", mp / md, "x")

@@ -63,7 +63,7 @@ for bits in (2, 3, 4, 5, 6, 8):
         w = (torch.randn(40, 300, generator=g) * 8).round() / 8
         qt = quantize_tensor(w, bits, gs)
         parts = [qt.qweight, qt.scales.view(torch.int16), qt.offsets.view(torch.int16)]
-        for m in (1, 3):
+        for m in (1, 3, 6):
             parts.append(packed_matvec(torch.randn(m, 300, generator=g), qt.qweight, qt.scales,
                                        qt.offsets, qt.layout))
             parts.append(packed_vecmat(torch.randn(m, 40, generator=g), qt.qweight, qt.scales,
@@ -107,7 +107,7 @@ def test_matvec_matches_the_reference_and_the_portable_path(bits, gs):
     g = torch.Generator().manual_seed(bits * 100 + gs)
     w = torch.randn(45, 300, generator=g)  # 300: the last group is padded
     qt = quantize_tensor(w, bits, gs)
-    for m in (1, 3, MAX_TOKENS):
+    for m in (1, 2, 3, 5, MAX_TOKENS):  # the few-token kernels: 1 and 2 passes (AVX2: 4 a pass)
         x = torch.randn(m, 300, generator=g)
         ref = packed_matvec_ref(x, qt.qweight, qt.scales, qt.offsets, qt.layout)
         fast = packed_matvec(x, qt.qweight, qt.scales, qt.offsets, qt.layout)

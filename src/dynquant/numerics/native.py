@@ -10,7 +10,8 @@ The kernels (``native/*.c``) and their Python sides:
   long bf16 prefills of 4-bit modules held in that layout;
 - ``packed_matvec.c``, ``packed_vecmat.c`` (``packed_matvec.py``): a few tokens times a packed
   matrix, without dequantizing it (decode); ``packed_matvec_tokens.c``: the matvec's 2-8 token
-  case with VBMI, each group's codes unpacked once for every token;
+  case (VBMI or AVX2), each group's codes unpacked once for every token, reached through its own
+  entry ``dq_matvec_tokens_mt``;
 - ``packed_gemm.c`` (``packed_matvec.py``): many tokens times a packed matrix (prefill), panels of
   rows dequantized into a per-thread float32 buffer that stays in cache;
 - ``packed_experts.c`` (``packed_matvec.py``): a few (token, expert) pairs of a bank in one call
@@ -169,6 +170,7 @@ def _load() -> ctypes.CDLL | None:
     lib.dq_matvec_experts.argtypes = lib.dq_vecmat_experts.argtypes = experts
     # the decode kernels with their work split by pool.c's threads (last argument: threads)
     lib.dq_matvec_mt.argtypes = [*lib.dq_matvec.argtypes, c_int]
+    lib.dq_matvec_tokens_mt.argtypes = [*lib.dq_matvec.argtypes[:-1], c_int]
     lib.dq_matvec_one.argtypes = [ptr, ptr, ptr]
     lib.dq_experts_one.argtypes = [ptr, ptr, i64, ptr, ptr]
     lib.dq_vecmat_mt.argtypes = [ptr, ptr, ptr, i64, i64, i64, c_int, ptr, i64, ptr, c_int, c_int]
@@ -179,7 +181,7 @@ def _load() -> ctypes.CDLL | None:
                lib.dq_vecmat, lib.dq_gemm, lib.dq_gemm_t, lib.dq_gemm_tile, lib.dq_matvec_experts,
                lib.dq_vecmat_experts, lib.dq_matvec_mt, lib.dq_vecmat_mt,
                lib.dq_matvec_experts_mt, lib.dq_vecmat_experts_mt, lib.dq_gemm_mt,
-               lib.dq_gemm_t_mt, lib.dq_matvec_one, lib.dq_experts_one):
+               lib.dq_gemm_t_mt, lib.dq_matvec_one, lib.dq_experts_one, lib.dq_matvec_tokens_mt):
         fn.restype = c_int
     return lib
 

@@ -61,9 +61,14 @@ def packed_matvec(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor,
     y = torch.empty(xf.shape[0], rows)
 
     threads = native.threads_for(rows * layout.padded_in_features, PARALLEL_MIN_ELEMENTS)
-    if lib.dq_matvec_mt(qweight.data_ptr(), scales.data_ptr(), offsets.data_ptr(), rows,
-                        layout.padded_in_features, layout.group_size, layout.bits, xf.data_ptr(),
-                        xf.shape[0], y.data_ptr(), rows, int(portable), threads):
+    args = (qweight.data_ptr(), scales.data_ptr(), offsets.data_ptr(), rows,
+            layout.padded_in_features, layout.group_size, layout.bits, xf.data_ptr(),
+            xf.shape[0], y.data_ptr(), rows)
+    # 2-8 tokens: the few-token kernels' own entry (-2: none for this build or group size)
+    rc = -2 if portable or xf.shape[0] == 1 else lib.dq_matvec_tokens_mt(*args, threads)
+    if rc == -2:
+        rc = lib.dq_matvec_mt(*args, int(portable), threads)
+    if rc:
         raise RuntimeError("dq_matvec failed (out of memory or unsupported group size)")
     return y
 

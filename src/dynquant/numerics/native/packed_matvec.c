@@ -84,7 +84,8 @@ static inline lanes16 lanes_codes_avx2_bits(const uint8_t *bytes, int64_t gs, in
 
 #endif
 
-/* dq_matvec's rows for any number of tokens (2..8 tokens with VBMI: dq_matvec_tokens). */
+/* dq_matvec's rows for any number of tokens (2..8 tokens with VBMI: dq_matvec_tokens; the AVX2
+ * build's few-token kernel is reached only through dq_matvec_tokens_mt). */
 static __attribute__((noinline)) int matvec_rows(
     const uint32_t *qweight, const uint16_t *scales, const uint16_t *offsets, int64_t rows,
     int64_t padded_n, int64_t gs, int bits, const float *x, int64_t m, float *y,
