@@ -56,14 +56,7 @@ static inline lanes16 lanes_codes_avx2(const uint8_t *bytes, int64_t gs, int bit
     __m256 acc0 = _mm256_setzero_ps(), acc1 = _mm256_setzero_ps();
     for (int64_t k = 0; k < gs / 8; k += 2) {
         __m256 q0, q1;
-        if (bits == 8) {
-            q0 = _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_loadl_epi64((const __m128i *)(bytes + 8 * k))));
-            q1 = _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_loadl_epi64((const __m128i *)(bytes + 8 * k + 8))));
-        } else {
-            const int64_t gb = gs * bits / 8;
-            q0 = unit_as_floats_avx2(load_unit(bytes, k, bits, gb), u->shuffle, u->shifts, u->mask);
-            q1 = unit_as_floats_avx2(load_unit(bytes, k + 1, bits, gb), u->shuffle, u->shifts, u->mask);
-        }
+        unit_pair_avx2(bytes, k, bits, gs * bits / 8, u, &q0, &q1);
         acc0 = _mm256_add_ps(acc0, _mm256_mul_ps(q0, _mm256_loadu_ps(x + 8 * k)));
         acc1 = _mm256_add_ps(acc1, _mm256_mul_ps(q1, _mm256_loadu_ps(x + 8 * k + 8)));
     }

@@ -67,21 +67,6 @@ static void row_vbmi_m(const uint8_t *row, const uint16_t *scales, const uint16_
 #undef DQ_ROW
 }
 
-int dq_matvec_tokens(const uint32_t *qweight, const uint16_t *scales, const uint16_t *offsets,
-                     int64_t rows, int64_t padded_n, int64_t gs, int bits, const float *x,
-                     int64_t m, float *y, int64_t y_stride) {
-    const int64_t groups = padded_n / gs, words = bits * gs / 32;
-    float *xsum = malloc((size_t)(m * groups) * sizeof(float));
-    if (!xsum) return -1;
-    group_sums(x, m, groups, gs, padded_n, xsum);
-    const unpacker u = make_unpacker(bits);
-    for (int64_t r = 0; r < rows; r++)
-        row_vbmi_m((const uint8_t *)(qweight + r * groups * words), scales + r * groups,
-                   offsets + r * groups, groups, gs, bits, &u, x, padded_n, xsum, m, y + r,
-                   y_stride);
-    free(xsum);
-    return 0;
-}
 #endif
 
 #ifdef DQ_HAVE_AVX2
@@ -101,13 +86,7 @@ static inline __attribute__((always_inline)) void row_avx2(
         for (int t = 0; t < M; t++) lo[t] = hi[t] = _mm256_setzero_ps();
         for (int64_t k = 0; k < gs / 8; k += 2) {
             __m256 q0, q1;
-            if (bits == 8) {
-                q0 = _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_loadl_epi64((const __m128i *)(bytes + 8 * k))));
-                q1 = _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_loadl_epi64((const __m128i *)(bytes + 8 * k + 8))));
-            } else {
-                q0 = unit_as_floats_avx2(load_unit(bytes, k, bits, group_bytes), u->shuffle, u->shifts, u->mask);
-                q1 = unit_as_floats_avx2(load_unit(bytes, k + 1, bits, group_bytes), u->shuffle, u->shifts, u->mask);
-            }
+            unit_pair_avx2(bytes, k, bits, group_bytes, u, &q0, &q1);
             for (int t = 0; t < M; t++) {
                 const float *xt = x + t * padded_n + g * gs + 8 * k;
                 lo[t] = _mm256_add_ps(lo[t], _mm256_mul_ps(q0, _mm256_loadu_ps(xt)));
@@ -144,6 +123,23 @@ static void row_avx2_bm(const uint8_t *row, const uint16_t *scales, const uint16
 #undef DQ_ROW
 }
 
+/* Row r for m (2..8) tokens: four tokens a pass over the row's codes, written to y[t * y_stride]. */
+static void row_avx2_m(const uint8_t *row, const uint16_t *scales, const uint16_t *offsets,
+                       int64_t groups, int64_t gs, int bits, const avx2_unpacker *u,
+                       const float *x, int64_t padded_n, const float *xsum, int64_t m, float *y,
+                       int64_t y_stride) {
+    float tot[8 * LANES] = {0}, o_sum[8] = {0};
+    for (int64_t t0 = 0; t0 < m; t0 += 4)
+        row_avx2_bm(row, scales, offsets, groups, gs, bits, u, x + t0 * padded_n, padded_n,
+                    xsum + t0 * groups, (int)(m - t0 < 4 ? m - t0 : 4), tot + t0 * LANES,
+                    o_sum + t0);
+    for (int64_t t = 0; t < m; t++)
+        y[t * y_stride] = lane_sum_ymm2(_mm256_loadu_ps(tot + t * LANES),
+                                        _mm256_loadu_ps(tot + t * LANES + 8)) + o_sum[t];
+}
+#endif
+
+#if defined(DQ_HAVE_VBMI) || defined(DQ_HAVE_AVX2)
 int dq_matvec_tokens(const uint32_t *qweight, const uint16_t *scales, const uint16_t *offsets,
                      int64_t rows, int64_t padded_n, int64_t gs, int bits, const float *x,
                      int64_t m, float *y, int64_t y_stride) {
@@ -151,27 +147,22 @@ int dq_matvec_tokens(const uint32_t *qweight, const uint16_t *scales, const uint
     float *xsum = malloc((size_t)(m * groups) * sizeof(float));
     if (!xsum) return -1;
     group_sums(x, m, groups, gs, padded_n, xsum);
+#ifdef DQ_HAVE_VBMI
+    const unpacker u = make_unpacker(bits);
+#define DQ_TOKENS_ROW row_vbmi_m
+#else
     const avx2_unpacker u = make_avx2_unpacker(bits);
-    float tot[8 * LANES], o_sum[8];
-    for (int64_t r = 0; r < rows; r++) {
-        const uint8_t *row = (const uint8_t *)(qweight + r * groups * words);
-        for (int64_t i = 0; i < m * LANES; i++) tot[i] = 0.0f;
-        for (int64_t t = 0; t < m; t++) o_sum[t] = 0.0f;
-        for (int64_t t0 = 0; t0 < m; t0 += 4) /* 5..8 tokens: two passes over the codes */
-            row_avx2_bm(row, scales + r * groups, offsets + r * groups, groups, gs, bits, &u,
-                        x + t0 * padded_n, padded_n, xsum + t0 * groups,
-                        (int)(m - t0 < 4 ? m - t0 : 4), tot + t0 * LANES, o_sum + t0);
-        for (int64_t t = 0; t < m; t++) {
-            const __m256 lo = _mm256_loadu_ps(tot + t * LANES), hi = _mm256_loadu_ps(tot + t * LANES + 8);
-            y[t * y_stride + r] = lane_sum_ymm2(lo, hi) + o_sum[t];
-        }
-    }
+#define DQ_TOKENS_ROW row_avx2_m
+#endif
+    for (int64_t r = 0; r < rows; r++)
+        DQ_TOKENS_ROW((const uint8_t *)(qweight + r * groups * words), scales + r * groups,
+                      offsets + r * groups, groups, gs, bits, &u, x, padded_n, xsum, m, y + r,
+                      y_stride);
+#undef DQ_TOKENS_ROW
     free(xsum);
     return 0;
 }
-#endif
 
-#if defined(DQ_HAVE_VBMI) || defined(DQ_HAVE_AVX2)
 static int tokens_rows(const uint32_t *qweight, const uint16_t *scales, const uint16_t *offsets,
                        int64_t rows, int64_t padded_n, int64_t gs, int bits, const float *x,
                        int64_t m, float *y, int64_t y_stride, int portable) {

@@ -202,6 +202,19 @@ static inline avx2_unpacker make_avx2_unpacker(int bits) {
     return u;
 }
 
+/* Units k and k + 1 of a group (codes 8k .. 8k + 15) as floats: q0 the first 8, q1 the next. */
+static inline __attribute__((always_inline)) void unit_pair_avx2(
+    const uint8_t *bytes, int64_t k, int bits, int64_t group_bytes, const avx2_unpacker *u,
+    __m256 *q0, __m256 *q1) {
+    if (bits == 8) {
+        *q0 = _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_loadl_epi64((const __m128i *)(bytes + 8 * k))));
+        *q1 = _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_loadl_epi64((const __m128i *)(bytes + 8 * k + 8))));
+    } else {
+        *q0 = unit_as_floats_avx2(load_unit(bytes, k, bits, group_bytes), u->shuffle, u->shifts, u->mask);
+        *q1 = unit_as_floats_avx2(load_unit(bytes, k + 1, bits, group_bytes), u->shuffle, u->shifts, u->mask);
+    }
+}
+
 /* lane_sum of 16 lanes held as two ymm (lanes 0-7, 8-15): the same tree, so the same float. */
 static inline float lane_sum_ymm2(__m256 lo, __m256 hi) {
     const __m256 s8 = _mm256_add_ps(lo, hi);                               /* l + (l + 8) */
