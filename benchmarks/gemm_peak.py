@@ -55,8 +55,8 @@ def peak_rates(threads: int) -> dict[str, float]:
     return rates
 
 
-def quant_linear(w: torch.Tensor, dtype: torch.dtype) -> QuantLinear:
-    q = quantize_tensor(w, 3)
+def quant_linear(q, dtype: torch.dtype) -> QuantLinear:
+    """A QuantLinear holding the quantized tensor ``q``."""
     module = QuantLinear(q.layout, None, dtype)
     module.load_state_dict({"qweight": q.qweight, "scales": q.scales, "offsets": q.offsets},
                            assign=True)
@@ -93,7 +93,7 @@ def main() -> None:
         if not bf16_native(cpu_flags()):
             continue
         xb, db = x.bfloat16(), dense.bfloat16()
-        module = quant_linear(w, torch.bfloat16)
+        module = quant_linear(q, torch.bfloat16)
         t_dense_bf16 = best_time(lambda xb=xb, db=db: F.linear(xb, db), repeat=REPEAT)
         t_packed_bf16 = best_time(lambda xb=xb, m=module: m(xb), repeat=REPEAT)
         t_dequant = best_time(lambda m=module, o=out_f: m.dequantize_rows(0, o, scratch=True),

@@ -77,8 +77,7 @@ static inline lanes16 lanes_codes_avx2_bits(const uint8_t *bytes, int64_t gs, in
 
 #endif
 
-/* dq_matvec's rows for any number of tokens (2..8 tokens with VBMI: dq_matvec_tokens; the AVX2
- * build's few-token kernel is reached only through dq_matvec_tokens_mt). */
+/* dq_matvec's rows for any number of tokens (2..8 tokens: see dq_matvec). */
 static __attribute__((noinline)) int matvec_rows(
     const uint32_t *qweight, const uint16_t *scales, const uint16_t *offsets, int64_t rows,
     int64_t padded_n, int64_t gs, int bits, const float *x, int64_t m, float *y,
@@ -147,24 +146,14 @@ static __attribute__((noinline)) int matvec_rows(
     return 0;
 }
 
-#ifdef DQ_HAVE_VBMI
-int dq_matvec_tokens(const uint32_t *qweight, const uint16_t *scales, const uint16_t *offsets,
-                     int64_t rows, int64_t padded_n, int64_t gs, int bits, const float *x,
-                     int64_t m, float *y, int64_t y_stride);
-#endif
-
 /* y [m, rows] (row stride y_stride) for the given block of rows; x [m, padded_n] float32 (zero
  * in the padding). portable != 0 forces the portable unpacking. Returns 0, or -1 if out of
- * memory or gs is unsupported. The one-token loop stays in a function of its own: a branch to
- * the few-tokens path inside it slowed it by ~10%. */
+ * memory or gs is unsupported. 2..8 tokens are faster through dq_matvec_tokens_mt
+ * (packed_matvec_tokens.c, same bits), which Python calls first; a branch to it here slowed the
+ * one-token loop by ~10-15% (code placement). */
 int dq_matvec(const uint32_t *qweight, const uint16_t *scales, const uint16_t *offsets,
               int64_t rows, int64_t padded_n, int64_t gs, int bits, const float *x, int64_t m,
               float *y, int64_t y_stride, int portable) {
-#ifdef DQ_HAVE_VBMI
-    if (!portable && m > 1 && m <= 8 && gs % 64 == 0 && gs <= MAX_GROUP)
-        return dq_matvec_tokens(qweight, scales, offsets, rows, padded_n, gs, bits, x, m, y,
-                                y_stride);
-#endif
     return matvec_rows(qweight, scales, offsets, rows, padded_n, gs, bits, x, m, y, y_stride,
                        portable);
 }

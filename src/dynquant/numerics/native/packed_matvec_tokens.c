@@ -2,7 +2,7 @@
  * registers, for every token (VBMI: all tokens at once; AVX2: up to 4 tokens a pass, the 16 ymm
  * registers hold no more), each token's sums in registers. Same bits as packed_matvec.c. A file
  * of its own: compiled beside the one-token loop, it slowed that loop by ~10% (the same source;
- * code placement). For the same reason the AVX2 build reaches it only through its own entry,
+ * code placement). For the same reason it is reached only through its own entry,
  * dq_matvec_tokens_mt, called from Python (a branch to it inside dq_matvec slowed the AVX2
  * one-token products by ~15%).
  */
@@ -70,7 +70,8 @@ static void row_vbmi_m(const uint8_t *row, const uint16_t *scales, const uint16_
 #endif
 
 #ifdef DQ_HAVE_AVX2
-/* Row r for M (1..4) tokens from token t0 on with AVX2, the width a constant: unit k (8 codes) of
+/* A row for M (1..4) tokens (x, xsum, tot and o_sum start at the pass's first token) with AVX2,
+ * the width a constant: unit k (8 codes) of
  * a group is unpacked once for the M tokens and goes to lanes 8 * (k % 2) .. + 7, as in
  * packed_matvec.c's lanes_codes_avx2; each group's lanes are scaled and added to the token's
  * running lanes (tot, in memory: 4 tokens' accumulators fill the registers). */
