@@ -3,13 +3,14 @@
  *
  * W is [rows, padded_n] in groups of gs codes along each row; w = q * scale + offset (float32
  * multiply, then add: the format's dequantization). Rows are taken a strip at a time (NRV rows,
- * two vectors' worth): the strip's codes are unpacked and dequantized once (unpack.h: VBMI, AVX2
- * or portable) into a per-thread buffer, stored k-major (the NRV values of one column k side by
- * side), then every block of MR tokens is multiplied with it in registers: for each k, two
+ * two vectors' worth), and a strip a chunk of columns at a time (128 KB of floats): the chunk's
+ * codes are unpacked and dequantized once (unpack.h: VBMI, AVX2 or portable) row by row, then
+ * transposed 8 x 8 into a per-thread buffer stored k-major (the NRV values of one column k side
+ * by side), and every block of MR tokens is multiplied with it in registers: for each k, two
  * vectors of the strip times x[t, k] broadcast, into MR x 2 vector accumulators (fused
  * multiply-adds where the CPU has them). No horizontal sums: a row of accumulators is a row of y.
- * The strip (NRV x padded_n floats, 256-512 KB at 4096 columns) stays in L2 while the tokens
- * stream past it.
+ * The chunk stays in L2 while the tokens stream past it. A few tokens take panels of rows
+ * instead (the dot form).
  *
  * The result is the exact product of x and the dequantized W up to float32 rounding in another
  * summation order than the reference's BLAS (held to it within a stated tolerance).
@@ -23,6 +24,7 @@ typedef __m512 vf;
 #define VW 16
 #define MR 12
 #define DOT_MR 4
+#define DOT_MAX_TOKENS 9
 #define DOT_NR 4
 #define FMADD(a, b, c) _mm512_fmadd_ps((a), (b), (c))
 #define BCAST(v) _mm512_set1_ps(v)
@@ -33,6 +35,7 @@ typedef __m256 vf;
 #define MR 6
 #define DOT_MR 3
 #define DOT_NR 3
+#define DOT_MAX_TOKENS 10
 #define FMADD(a, b, c) _mm256_fmadd_ps((a), (b), (c))
 #define BCAST(v) _mm256_set1_ps(v)
 #else
@@ -41,16 +44,17 @@ typedef float vf __attribute__((vector_size(16)));
 #define MR 6
 #define DOT_MR 3
 #define DOT_NR 3
+#define DOT_MAX_TOKENS 12
 #define FMADD(a, b, c) ((a) * (b) + (c))
 #define BCAST(v) ((vf){(v), (v), (v), (v)})
 #endif
 
 #define NRV (2 * VW)
-/* Fewer tokens than this take the dot form (panels of rows stored as rows: dequantized with
- * contiguous stores, each output a vector of partial sums along k summed at the end): below it
- * the k-major strip's scattered stores cost more than they save (4096 x 4096, 9 tokens: 2.5 vs
- * 5.7 ms with AVX-512). */
-#define DOT_MAX_TOKENS (2 * MR)
+/* Fewer tokens than DOT_MAX_TOKENS take the dot form (panels of rows stored as rows, each output
+ * a vector of partial sums along k summed at the end); more, the strips and register tiles below.
+ * 4096 x 4096, 3-bit, one thread: with AVX-512 (MR 12) strips win from 9 tokens (9 / 20 tokens:
+ * 3.9 / 5.8 ms vs 5.0 / 7.3 ms as panels; 8 tokens: 3.75 vs 3.67), with AVX2 (MR 6) from 10
+ * (9 tokens: 5.8 vs 5.0 ms; 10-11 even). */
 #define PANEL_BYTES (256 * 1024)
 
 static inline vf load_vf(const float *p) {
@@ -61,13 +65,13 @@ static inline vf load_vf(const float *p) {
 
 static inline void store_vf(float *p, vf v) { memcpy(p, &v, sizeof v); }
 
-/* out[t][j] = sum_k x[t, k] * strip[k * ldb + j] for MR tokens (rows of x, stride ldx), k < n,
- * j < NRV. The
- * registers sum KC columns at a time and out sums the blocks: float32 error grows with KC +
- * n / KC terms rather than n (at 2048 columns: 2e-6 of the largest output -> 4e-7, the BLAS's). */
+/* out[t][j] (+)= sum_k x[t, k] * strip[k * ldb + j] for MR tokens (rows of x, stride ldx),
+ * k < n, j < NRV; `carry`: out holds the sum of earlier columns, added to. The registers sum KC
+ * columns at a time and out sums the blocks: float32 error grows with KC + n / KC terms rather
+ * than n (at 2048 columns: 2e-6 of the largest output -> 4e-7, the BLAS's). */
 #define KC 256
 static inline void tile(const float *x, int64_t ldx, const float *strip, int64_t ldb, int64_t n,
-                        float out[MR][NRV]) {
+                        float out[MR][NRV], int carry) {
     for (int64_t k0 = 0; k0 < n; k0 += KC) {
         const int64_t k1 = n - k0 < KC ? n : k0 + KC;
         vf acc[MR][2];
@@ -81,7 +85,7 @@ static inline void tile(const float *x, int64_t ldx, const float *strip, int64_t
             }
         }
         for (int t = 0; t < MR; t++) {
-            if (k0) {
+            if (k0 || carry) {
                 acc[t][0] += load_vf(out[t]);
                 acc[t][1] += load_vf(out[t] + VW);
             }
@@ -91,23 +95,56 @@ static inline void tile(const float *x, int64_t ldx, const float *strip, int64_t
     }
 }
 
-/* Rows [0, count) of a strip from the packed rows, k-major: strip[k * NRV + j] = w[j, k];
- * rows [count, NRV) are zero. */
+/* dst[i * ldd + j] = src[j * lds + i] for an 8 x 8 block of floats: one strip column's
+ * values of 8 rows side by side. */
+#if defined(__AVX2__)
+#include <immintrin.h>
+#endif
+static inline void transpose8(const float *src, int64_t lds, float *dst, int64_t ldd) {
+#if defined(__AVX2__)
+    __m256 r[8], t[8], s[8];
+    for (int i = 0; i < 8; i++) r[i] = _mm256_loadu_ps(src + i * lds);
+    for (int i = 0; i < 8; i += 2) {
+        t[i] = _mm256_unpacklo_ps(r[i], r[i + 1]);
+        t[i + 1] = _mm256_unpackhi_ps(r[i], r[i + 1]);
+    }
+    for (int h = 0; h < 8; h += 4) {
+        s[h] = _mm256_shuffle_ps(t[h], t[h + 2], _MM_SHUFFLE(1, 0, 1, 0));
+        s[h + 1] = _mm256_shuffle_ps(t[h], t[h + 2], _MM_SHUFFLE(3, 2, 3, 2));
+        s[h + 2] = _mm256_shuffle_ps(t[h + 1], t[h + 3], _MM_SHUFFLE(1, 0, 1, 0));
+        s[h + 3] = _mm256_shuffle_ps(t[h + 1], t[h + 3], _MM_SHUFFLE(3, 2, 3, 2));
+    }
+    for (int i = 0; i < 4; i++) {
+        _mm256_storeu_ps(dst + i * ldd, _mm256_permute2f128_ps(s[i], s[i + 4], 0x20));
+        _mm256_storeu_ps(dst + (i + 4) * ldd, _mm256_permute2f128_ps(s[i], s[i + 4], 0x31));
+    }
+#else
+    for (int i = 0; i < 8; i++)
+        for (int j = 0; j < 8; j++) dst[i * ldd + j] = src[j * lds + i];
+#endif
+}
+
+/* Groups [g0, g1) of rows [0, count) of a strip from the packed rows, k-major: strip[k * NRV + j]
+ * = w[j, g0 * gs + k]; rows [count, NRV) are zero. A group of every row is dequantized row by row
+ * into `rows` (NRV x gs floats, contiguous stores), then transposed into the strip 8 x 8 at a
+ * time: storing each value at its k-major place one by one cost more than the products of 64
+ * tokens (4096 x 4096, 3-bit, one thread: 8.5-8.8 ms of dequantization, AVX2 and VBMI builds). */
 static void dequantize_strip(const uint32_t *qweight, const uint16_t *scales,
-                             const uint16_t *offsets, int64_t count, int64_t padded_n,
-                             int64_t gs, int bits, int portable, float *strip) {
-    const int64_t groups = padded_n / gs, words = bits * gs / 32;
+                             const uint16_t *offsets, int64_t count, int64_t groups, int64_t g0,
+                             int64_t g1, int64_t gs, int bits, int portable, float *strip,
+                             float *rows) {
+    const int64_t words = bits * gs / 32;
     const group_unpacker unpack = make_group_unpacker(bits, portable);
-    float q[MAX_GROUP];
-    for (int64_t j = 0; j < count; j++)
-        for (int64_t g = 0; g < groups; g++) {
+    memset(rows + count * gs, 0, (size_t)((NRV - count) * gs) * sizeof(float));
+    for (int64_t g = g0; g < g1; g++) {
+        for (int64_t j = 0; j < count; j++)
             dequantize_group(&unpack, (const uint8_t *)(qweight + (j * groups + g) * words), gs,
-                             scales[j * groups + g], offsets[j * groups + g], q);
-            float *dst = strip + g * gs * NRV + j;
-            for (int64_t i = 0; i < gs; i++) dst[i * NRV] = q[i];
-        }
-    for (int64_t j = count; j < NRV; j++)
-        for (int64_t k = 0; k < padded_n; k++) strip[k * NRV + j] = 0.0f;
+                             scales[j * groups + g], offsets[j * groups + g], rows + j * gs);
+        float *dst = strip + (g - g0) * gs * NRV;
+        for (int64_t j = 0; j < NRV; j += 8)
+            for (int64_t i = 0; i < gs; i += 8)
+                transpose8(rows + j * gs + i, gs, dst + i * NRV + j, NRV);
+    }
 }
 
 static inline float sum_vf(vf v) {
@@ -204,25 +241,41 @@ static int gemm_panels(const uint32_t *qweight, const uint16_t *scales, const ui
     return 0;
 }
 
+/* Strips of NRV rows, each STRIP_KC columns (or one longer group) at a time: the chunk's k-major
+ * values (128 KB) are dequantized and every block of MR tokens passes them while they
+ * are in L2 (a whole-row strip, 512 KB, was evicted by the tokens streaming past: VBMI build, one
+ * thread, 24 / 48 tokens 8.9 / 11.8 -> 6.9 / 10.4 ms at 4096 x 4096). y carries each token
+ * block's sums from chunk to chunk, in the order `tile` adds its KC blocks: the same bits as one
+ * pass over the whole row. */
+#define STRIP_KC (32 * 1024 / NRV)
 static int gemm_strips(const uint32_t *qweight, const uint16_t *scales, const uint16_t *offsets,
                        int64_t rows, int64_t padded_n, int64_t gs, int bits, const float *x,
                        int64_t m, float *y, int64_t y_stride, int portable) {
     const int64_t groups = padded_n / gs, words = bits * gs / 32;
-    float *strip = thread_buffer((size_t)((NRV + MR) * padded_n));
+    const int64_t chunk_groups = gs < STRIP_KC ? STRIP_KC / gs : 1;
+    float *strip = thread_buffer((size_t)(NRV * chunk_groups * gs + MR * padded_n + NRV * gs));
     if (!strip) return -1;
-    float *xtail = strip + NRV * padded_n;
+    float *xtail = strip + NRV * chunk_groups * gs, *rows_buf = xtail + MR * padded_n;
     const int64_t m_full = pad_token_tail(x, m, padded_n, MR, xtail);
     float out[MR][NRV];
     for (int64_t r0 = 0; r0 < rows; r0 += NRV) {
         const int64_t count = rows - r0 < NRV ? rows - r0 : NRV;
-        dequantize_strip(qweight + r0 * groups * words, scales + r0 * groups, offsets + r0 * groups,
-                         count, padded_n, gs, bits, portable, strip);
-        for (int64_t t0 = 0; t0 < m; t0 += MR) {
-            const float *xt = t0 < m_full ? x + t0 * padded_n : xtail;
-            const int64_t mt = m - t0 < MR ? m - t0 : MR;
-            tile(xt, padded_n, strip, NRV, padded_n, out);
-            for (int64_t t = 0; t < mt; t++)
-                memcpy(y + (t0 + t) * y_stride + r0, out[t], (size_t)count * sizeof(float));
+        for (int64_t g0 = 0; g0 < groups; g0 += chunk_groups) {
+            const int64_t g1 = groups - g0 < chunk_groups ? groups : g0 + chunk_groups;
+            const int64_t k0 = g0 * gs, kn = (g1 - g0) * gs;
+            dequantize_strip(qweight + r0 * groups * words, scales + r0 * groups,
+                             offsets + r0 * groups, count, groups, g0, g1, gs, bits, portable,
+                             strip, rows_buf);
+            for (int64_t t0 = 0; t0 < m; t0 += MR) {
+                const float *xt = (t0 < m_full ? x + t0 * padded_n : xtail) + k0;
+                const int64_t mt = m - t0 < MR ? m - t0 : MR;
+                if (k0)
+                    for (int64_t t = 0; t < mt; t++)
+                        memcpy(out[t], y + (t0 + t) * y_stride + r0, (size_t)count * sizeof(float));
+                tile(xt, padded_n, strip, NRV, kn, out, k0 > 0);
+                for (int64_t t = 0; t < mt; t++)
+                    memcpy(y + (t0 + t) * y_stride + r0, out[t], (size_t)count * sizeof(float));
+            }
         }
     }
     return 0;
@@ -271,7 +324,7 @@ int dq_gemm_t(const uint32_t *qweight, const uint16_t *scales, const uint16_t *o
             const float *xt = t0 < m_full ? x + t0 * rows : xtail;
             const int64_t mt = m - t0 < MR ? m - t0 : MR;
             for (int64_t j = 0; j < gs; j += NRV) {
-                tile(xt, rows, panel + j, gs, rows, out);
+                tile(xt, rows, panel + j, gs, rows, out, 0);
                 for (int64_t t = 0; t < mt; t++)
                     memcpy(y + (t0 + t) * padded_n + g * gs + j, out[t], NRV * sizeof(float));
             }
