@@ -1,4 +1,5 @@
-"""Shared helpers: a best-of timer, peak RSS of a child run, and one-line figures."""
+"""Shared helpers: a best-of timer, peak RSS of a child run, one-line figures, and a rerun as on
+an AVX2-only CPU."""
 
 from __future__ import annotations
 
@@ -9,6 +10,21 @@ import time
 from collections.abc import Callable
 
 import torch
+
+# As on an AVX2-only CPU: dynquant's kernels built for x86-64-v3 and torch's own kernels capped at
+# AVX2 (the nearest an AVX-512 machine gets to a real AVX2 part; it keeps its caches and clock).
+AVX2_LIMITS = {"DYNQUANT_NATIVE_ARCH": "x86-64-v3", "ATEN_CPU_CAPABILITY": "avx2",
+               "ONEDNN_MAX_CPU_ISA": "AVX2", "MKL_ENABLE_INSTRUCTIONS": "AVX2"}
+
+
+def rerun_as_avx2(module: str, args: list[str]) -> None:
+    """Run ``python -m module args`` again under AVX2_LIMITS in float32 (what ``auto`` picks on
+    such a CPU), with its own kernel cache, and exit with its status."""
+    import os
+
+    env = {**os.environ, **AVX2_LIMITS, "DYNQUANT_DTYPE": "float32"}
+    env.setdefault("DYNQUANT_CACHE_DIR", os.path.expanduser("~/.cache/dynquant-avx2"))
+    sys.exit(subprocess.run([sys.executable, "-m", module, *args], env=env).returncode)
 
 
 def best_time(fn: Callable[[], object], repeat: int = 5, warmup: int = 2) -> float:

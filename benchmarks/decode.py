@@ -1,6 +1,6 @@
 """Decode tokens/s, 512-token prefill and resident weight memory: packed checkpoint vs the dense
 model holding the same decoded weights, both in one compute dtype (``--dtype``, default the CPU's:
-bfloat16 only with native bf16 dot products).
+bfloat16 only with native bf16 dot products; ``--as-avx2``: as on an AVX2-only CPU, float32).
 
 Models: both trained reference models (hybrid MoE and Llama), a random transformers Qwen3-MoE
 of similar size and, when prepared (``make real-model``), the real SmolLM2-135M-Instruct.
@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import sys
 import tempfile
 import time
 from pathlib import Path
@@ -20,7 +21,7 @@ from pathlib import Path
 import torch
 from transformers import AutoModelForCausalLM, Qwen3MoeConfig
 
-from benchmarks.common import figure, machine, real_model
+from benchmarks.common import figure, machine, real_model, rerun_as_avx2
 from dynquant.models.sources import resolve_model
 from dynquant.pipeline.demo import demo_widths
 from dynquant.pipeline.quantize import quantize_model
@@ -109,7 +110,12 @@ def main() -> None:
     parser.add_argument("--dtype", default="auto", choices=("auto", "bfloat16", "float32"))
     parser.add_argument("--skip-seed", action="store_true", help="leave out the 1.69 B model")
     parser.add_argument("--only-seed", action="store_true", help="the 1.69 B model alone")
+    parser.add_argument("--as-avx2", action="store_true",
+                        help="as on an AVX2-only CPU (kernels for x86-64-v3, torch capped at "
+                             "AVX2, float32)")
     args = parser.parse_args()
+    if args.as_avx2:
+        rerun_as_avx2("benchmarks.decode", [a for a in sys.argv[1:] if a != "--as-avx2"])
     dtype = resolve_dtype(args.dtype)
     print(f"# decode, batch 1, {NEW_TOKENS} new tokens, {dtype_name(dtype)}, {machine()}")
     torch.set_grad_enabled(False)

@@ -16,15 +16,13 @@ and MKL_ENABLE_INSTRUCTIONS; the nearest this AVX-512 machine gets to a real AVX
 
 from __future__ import annotations
 
-import os
-import subprocess
 import sys
 import time
 
 import torch
 import torch.nn.functional as F
 
-from benchmarks.common import best_time, figure, machine
+from benchmarks.common import best_time, figure, machine, rerun_as_avx2
 from dynquant import quantize_tensor
 from dynquant.numerics import native
 from dynquant.numerics.packed_matvec import (
@@ -35,16 +33,10 @@ from dynquant.numerics.packed_matvec import (
 )
 from dynquant.runtime.int4_cpu import pack_int4
 
-AVX2_LIMITS = {"DYNQUANT_NATIVE_ARCH": "x86-64-v3", "ATEN_CPU_CAPABILITY": "avx2",
-               "ONEDNN_MAX_CPU_ISA": "AVX2", "MKL_ENABLE_INSTRUCTIONS": "AVX2"}
-
 
 def main(n: int = 4096) -> None:
     if "--as-avx2" in sys.argv:
-        env = {**os.environ, **AVX2_LIMITS}
-        env.setdefault("DYNQUANT_CACHE_DIR", os.path.expanduser("~/.cache/dynquant-avx2"))
-        sys.exit(subprocess.run([sys.executable, "-m", "benchmarks.packed_products"],
-                                env=env).returncode)
+        rerun_as_avx2("benchmarks.packed_products", [])
     print(f"# packed products, {n} x {n}, float32, kernels: {simd_path()}, {machine()}")
     torch.set_grad_enabled(False)
     g = torch.Generator().manual_seed(0)
