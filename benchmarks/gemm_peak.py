@@ -12,22 +12,26 @@ well below the machine's peak. This measures, in one run:
 - the packed products at the same shapes: the float32 packed GEMM (``native/packed_gemm.c``) and
   the bf16 path of ``QuantLinear`` (row blocks dequantized into a reused buffer, then torch's bf16
   GEMM), as a ratio to dense and a fraction of peak.
+
+``--as-avx2``: as on an AVX2-only CPU (kernels for x86-64-v3, torch capped at AVX2): float32
+against the ymm peak, no bf16.
 """
 
 from __future__ import annotations
 
 import os
 import subprocess
+import sys
 import tempfile
 from pathlib import Path
 
 import torch
 import torch.nn.functional as F
 
-from benchmarks.common import best_time, figure, machine
+from benchmarks.common import best_time, figure, machine, rerun_as_avx2
 from dynquant import quantize_tensor
 from dynquant.numerics.compute_dtype import bf16_native, cpu_flags
-from dynquant.numerics.packed_matvec import packed_gemm
+from dynquant.numerics.packed_matvec import packed_gemm, simd_path
 from dynquant.runtime.packed_modules import QuantLinear
 
 TOKENS = 512
@@ -64,6 +68,9 @@ def quant_linear(q, dtype: torch.dtype) -> QuantLinear:
 
 
 def main() -> None:
+    if "--as-avx2" in sys.argv:
+        rerun_as_avx2("benchmarks.gemm_peak", [])
+    avx2_build = simd_path() == "avx2"  # its tiles are ymm: held to the ymm peak, no bf16
     threads = torch.get_num_threads()
     print(f"# prefill products vs the CPU's peak, {TOKENS} tokens, 3-bit, {machine()}")
     torch.set_grad_enabled(False)
@@ -72,7 +79,8 @@ def main() -> None:
         figure(f"peak {name}, 1 thread", rate, "GMAC/s")
     for name, rate in peaks.items():
         figure(f"peak {name}, {threads} threads", rate, "GMAC/s")
-    fp32_peak = peaks.get("vfmadd231ps-zmm", peaks.get("vfmadd231ps-ymm"))
+    fp32_peak = peaks.get("vfmadd231ps-ymm" if avx2_build else "vfmadd231ps-zmm",
+                          peaks.get("vfmadd231ps-ymm"))
     g = torch.Generator().manual_seed(0)
     for out_f, in_f in SHAPES:
         w = torch.randn(out_f, in_f, generator=g)
@@ -90,7 +98,7 @@ def main() -> None:
             figure(f"{label} float32 dense / fp32 FMA peak", macs / t_dense / fp32_peak, "x")
             figure(f"{label} float32 packed / fp32 FMA peak", macs / t_packed / fp32_peak, "x")
         figure(f"{label} float32 packed / dense speed", t_dense / t_packed, "x")
-        if not bf16_native(cpu_flags()):
+        if avx2_build or not bf16_native(cpu_flags()):
             continue
         xb, db = x.bfloat16(), dense.bfloat16()
         module = quant_linear(q, torch.bfloat16)
