@@ -46,4 +46,6 @@ bench: real-model
 	for b in $(BENCHMARKS); do $(BIN)/python -m benchmarks.$$b | tee out/bench/$$b.txt; done
 	# as on an AVX2-only CPU, and decode in float32 beside the CPU's own compute dtype
 	$(BIN)/python -m benchmarks.packed_products --as-avx2 | tee out/bench/packed_products_avx2.txt
+	$(BIN)/python -m benchmarks.gemm_peak --as-avx2 | tee out/bench/gemm_peak_avx2.txt
+	$(BIN)/python -m benchmarks.decode --as-avx2 | tee out/bench/decode_avx2.txt
 	$(BIN)/python -m benchmarks.decode --dtype float32 | tee out/bench/decode_float32.txt
