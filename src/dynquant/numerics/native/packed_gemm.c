@@ -17,6 +17,9 @@
  */
 #include "pool.h"
 #include "unpack.h"
+#if defined(__AVX2__)
+#include <immintrin.h> /* transpose8 */
+#endif
 
 #if defined(__AVX512F__)
 #include <immintrin.h>
@@ -97,9 +100,6 @@ static inline void tile(const float *x, int64_t ldx, const float *strip, int64_t
 
 /* dst[i * ldd + j] = src[j * lds + i] for an 8 x 8 block of floats: one strip column's
  * values of 8 rows side by side. */
-#if defined(__AVX2__)
-#include <immintrin.h>
-#endif
 static inline void transpose8(const float *src, int64_t lds, float *dst, int64_t ldd) {
 #if defined(__AVX2__)
     __m256 r[8], t[8], s[8];
@@ -244,9 +244,10 @@ static int gemm_panels(const uint32_t *qweight, const uint16_t *scales, const ui
 /* Strips of NRV rows, each STRIP_KC columns (or one longer group) at a time: the chunk's k-major
  * values (128 KB) are dequantized and every block of MR tokens passes them while they
  * are in L2 (a whole-row strip, 512 KB, was evicted by the tokens streaming past: VBMI build, one
- * thread, 24 / 48 tokens 8.9 / 11.8 -> 6.9 / 10.4 ms at 4096 x 4096). y carries each token
- * block's sums from chunk to chunk, in the order `tile` adds its KC blocks: the same bits as one
- * pass over the whole row. */
+ * thread, 24 / 48 tokens 8.7-8.9 / 11.8-12.0 -> 6.7 / 10.7 ms at 4096 x 4096). y carries each
+ * token block's sums from chunk to chunk, in the order `tile` adds its KC blocks: the same bits
+ * as one pass over the whole row wherever a chunk is a whole number of KC blocks (group sizes
+ * 32-1024 that are powers of two; others sum in another order, as exactly). */
 #define STRIP_KC (32 * 1024 / NRV)
 static int gemm_strips(const uint32_t *qweight, const uint16_t *scales, const uint16_t *offsets,
                        int64_t rows, int64_t padded_n, int64_t gs, int bits, const float *x,
