@@ -209,10 +209,20 @@ def _pool(workers: int, pid: int) -> ThreadPoolExecutor:
     return ThreadPoolExecutor(workers, thread_name_prefix=f"dynquant-{pid}")
 
 
+# The kernel pool's thread count while torch's own is lowered for a decode step
+# (runtime/decode_threads.py); None: torch's.
+pool_threads: int | None = None
+
+
+def kernel_threads() -> int:
+    """The kernel pool's threads: ``pool_threads`` where set, else torch's thread count."""
+    return pool_threads or torch.get_num_threads()
+
+
 def threads_for(elements: int, min_elements: int) -> int:
-    """How many threads a native ``*_mt`` call should use: torch's thread count from
+    """How many threads a native ``*_mt`` call should use: :func:`kernel_threads` from
     ``min_elements`` values of work, else one."""
-    return torch.get_num_threads() if elements >= min_elements else 1
+    return kernel_threads() if elements >= min_elements else 1
 
 
 def row_ptr(t: torch.Tensor, row: int) -> int:

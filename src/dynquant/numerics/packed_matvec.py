@@ -303,7 +303,7 @@ class ExpertPairs:
                                           offsets.data_ptr(), per, n, layout.group_size,
                                           layout.bits, layout.logical_shape[0],
                                           0 if along_groups else 1, least,
-                                          torch.get_num_threads(), layout.in_features)
+                                          native.kernel_threads(), layout.in_features)
         self.address = ctypes.addressof(self.args)
 
     def __call__(self, lib, x: torch.Tensor, experts: torch.Tensor) -> torch.Tensor:

@@ -12,6 +12,7 @@ from dynquant.checkpoint.reader import Checkpoint, open_checkpoint
 from dynquant.errors import CheckpointError
 from dynquant.models.registration import register
 from dynquant.numerics.compute_dtype import resolve_dtype
+from dynquant.runtime.decode_threads import one_thread_decode
 from dynquant.runtime.empty_init import parameters_on_meta
 from dynquant.runtime.experts import use_packed_experts
 from dynquant.runtime.packed_modules import (
@@ -140,6 +141,8 @@ def load(path: str | Path, device: str = "cpu", dtype: str | torch.dtype | None 
         if isinstance(module, QuantLinear):
             module.prepare()
     use_packed_experts(model)
+    if device == "cpu":
+        one_thread_decode(model, dtype)
     return model.to(device).eval()
 
 
