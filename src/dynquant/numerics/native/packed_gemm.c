@@ -246,8 +246,8 @@ static int gemm_panels(const uint32_t *qweight, const uint16_t *scales, const ui
  * are in L2 (a whole-row strip, 512 KB, was evicted by the tokens streaming past: VBMI build, one
  * thread, 24 / 48 tokens 8.7-8.9 / 11.8-12.0 -> 6.7 / 10.7 ms at 4096 x 4096). y carries each
  * token block's sums from chunk to chunk, in the order `tile` adds its KC blocks: the same bits
- * as one pass over the whole row wherever a chunk is a whole number of KC blocks (group sizes
- * 32-1024 that are powers of two; others sum in another order, as exactly). */
+ * as one pass over the whole row, a chunk being a whole number of KC blocks for the format's
+ * group sizes (32, 64, 128; others would sum in another order, as exactly). */
 #define STRIP_KC (32 * 1024 / NRV)
 static int gemm_strips(const uint32_t *qweight, const uint16_t *scales, const uint16_t *offsets,
                        int64_t rows, int64_t padded_n, int64_t gs, int bits, const float *x,
