@@ -80,30 +80,16 @@ static __attribute__((noinline, unused)) void group_sums(const float *x, int64_t
 }
 
 /* 8 codes fill `bits` bytes. Unit k of a group, from its first byte: one 8-byte load where that
- * stays inside the group (the bytes past the unit are masked off by the callers). The last units
- * (2 of 8 per 64-code group at 3 bits, 3 at 2 bits): in the AVX2 build the group's last 8 bytes
- * shifted down to the unit (a group holds at least 8: gs >= 32, bits >= 2), which took its
- * one-token matvec at 1152 x 1024, 2 / 3 bits, from 115 / 114 to 96 / 98 us (4 bits 97, even);
- * elsewhere byte by byte, written as before so that the VBMI build's machine code stays the same
- * (its one-token loop, which never calls this, ran 56.6 -> 62.7 us with the shifted form in its
- * portable fallback: code placement). A narrower copy into a wider variable would stall on
- * store-to-load forwarding. */
+ * stays inside the group (the bytes past the unit are masked off by the callers), else byte by
+ * byte (a narrower copy into a wider variable would stall on store-to-load forwarding). The AVX2
+ * paths load units their own way (unit_floats_avx2). */
 static inline uint64_t load_unit(const uint8_t *bytes, int64_t k, int bits, int64_t group_bytes) {
     uint64_t u = 0;
-#ifdef DQ_HAVE_AVX2
-    if (k * bits + 8 <= group_bytes) {
-        memcpy(&u, bytes + k * bits, sizeof u);
-        return u;
-    }
-    memcpy(&u, bytes + group_bytes - 8, sizeof u);
-    return u >> (8 * (k * bits + 8 - group_bytes));
-#else
     if (k * bits + 8 <= group_bytes)
         memcpy(&u, bytes + k * bits, sizeof u);
     else
         for (int b = 0; b < bits; b++) u |= (uint64_t)bytes[k * bits + b] << (8 * b);
     return u;
-#endif
 }
 
 /* Unpack unit by unit with constant shifts. */
@@ -186,16 +172,7 @@ static inline void unpack_group_vbmi(const uint8_t *bytes, int64_t gs, int bits,
 #endif /* DQ_HAVE_VBMI */
 
 #ifdef DQ_HAVE_AVX2
-/* One 8-code unit -> 8 floats: code i's two bytes into dword i (pshufb), shifted to its first bit
- * (vpsrlvd) and masked. `u` holds the unit's bytes from its first (bytes past them are masked). */
-static inline __m256 unit_as_floats_avx2(uint64_t u, __m256i shuffle, __m256i shifts,
-                                         __m256i mask) {
-    const __m256i v = _mm256_set1_epi64x((long long)u);
-    const __m256i w = _mm256_srlv_epi32(_mm256_shuffle_epi8(v, shuffle), shifts);
-    return _mm256_cvtepi32_ps(_mm256_and_si256(w, mask));
-}
-
-/* The pshufb and vpsrlvd operands of unit_as_floats_avx2 for one width. */
+/* The pshufb and vpsrlvd operands of unit_floats_avx2 for one width. */
 typedef struct {
     __m256i shuffle, shifts, mask;
 } avx2_unpacker;
@@ -217,6 +194,32 @@ static inline avx2_unpacker make_avx2_unpacker(int bits) {
     return u;
 }
 
+/* 8 codes -> 8 floats: code i's two bytes into dword i (pshufb with `shuffle`), shifted to its
+ * first bit (vpsrlvd) and masked. v holds the unit's bytes in every qword. */
+static inline __m256 unit_bytes_as_floats_avx2(__m256i v, __m256i shuffle, const avx2_unpacker *u) {
+    const __m256i w = _mm256_srlv_epi32(_mm256_shuffle_epi8(v, shuffle), u->shifts);
+    return _mm256_cvtepi32_ps(_mm256_and_si256(w, u->mask));
+}
+
+/* 8 bytes at p in every qword of a ymm: one broadcast load (not a scalar load, vmovq and
+ * vpbroadcastq: 2 / 3 / 4-bit one-token matvec 1152 x 1024 on the AVX2 build 104 / 107 / 105 ->
+ * 94 / 91 / 84 us, see BENCHMARKS.md). */
+static inline __m256i broadcast8_avx2(const uint8_t *p) {
+    return _mm256_broadcastq_epi64(_mm_loadl_epi64((const __m128i *)p));
+}
+
+/* Unit k of a group (8 codes) as floats. Where 8 bytes from the unit would pass the group's end,
+ * the group's last 8 bytes are loaded and the shuffle's byte indices moved up by the unit's place
+ * in them (its 0x80 entries stay >= 0x80: still zero); bytes past the unit are masked off. */
+static inline __m256 unit_floats_avx2(const uint8_t *bytes, int64_t k, int bits,
+                                      int64_t group_bytes, const avx2_unpacker *u) {
+    const int64_t start = k * bits;
+    if (start + 8 <= group_bytes)
+        return unit_bytes_as_floats_avx2(broadcast8_avx2(bytes + start), u->shuffle, u);
+    const __m256i moved = _mm256_add_epi8(u->shuffle, _mm256_set1_epi8((char)(start + 8 - group_bytes)));
+    return unit_bytes_as_floats_avx2(broadcast8_avx2(bytes + group_bytes - 8), moved, u);
+}
+
 /* Units k and k + 1 of a group (codes 8k .. 8k + 15) as floats: q0 the first 8, q1 the next. */
 static inline __attribute__((always_inline)) void unit_pair_avx2(
     const uint8_t *bytes, int64_t k, int bits, int64_t group_bytes, const avx2_unpacker *u,
@@ -225,8 +228,8 @@ static inline __attribute__((always_inline)) void unit_pair_avx2(
         *q0 = _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_loadl_epi64((const __m128i *)(bytes + 8 * k))));
         *q1 = _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_loadl_epi64((const __m128i *)(bytes + 8 * k + 8))));
     } else {
-        *q0 = unit_as_floats_avx2(load_unit(bytes, k, bits, group_bytes), u->shuffle, u->shifts, u->mask);
-        *q1 = unit_as_floats_avx2(load_unit(bytes, k + 1, bits, group_bytes), u->shuffle, u->shifts, u->mask);
+        *q0 = unit_floats_avx2(bytes, k, bits, group_bytes, u);
+        *q1 = unit_floats_avx2(bytes, k + 1, bits, group_bytes, u);
     }
 }
 
@@ -238,11 +241,16 @@ static inline float lane_sum_ymm2(__m256 lo, __m256 hi) {
     return _mm_cvtss_f32(_mm_add_ss(t, _mm_shuffle_ps(t, t, 1)));
 }
 
+/* The units that lie 8 bytes inside the group first, without unit_floats_avx2's test (float32
+ * dequantization of 1152 x 1024, 3-bit: 148 -> 119 us), then the group's last ones. */
 static inline void unpack_units_avx2(const uint8_t *bytes, int64_t gs, int bits, float *q) {
     const avx2_unpacker u = make_avx2_unpacker(bits);
-    for (int64_t k = 0; k < gs / 8; k++)
-        _mm256_storeu_ps(q + 8 * k, unit_as_floats_avx2(load_unit(bytes, k, bits, gs * bits / 8),
-                                                        u.shuffle, u.shifts, u.mask));
+    const int64_t group_bytes = gs * bits / 8, inside = (group_bytes - 8) / bits + 1;
+    for (int64_t k = 0; k < inside; k++)
+        _mm256_storeu_ps(q + 8 * k, unit_bytes_as_floats_avx2(broadcast8_avx2(bytes + k * bits),
+                                                              u.shuffle, &u));
+    for (int64_t k = inside; k < gs / 8; k++)
+        _mm256_storeu_ps(q + 8 * k, unit_floats_avx2(bytes, k, bits, group_bytes, &u));
 }
 
 static void unpack_group_avx2(const uint8_t *bytes, int64_t gs, int bits, float *q) {
