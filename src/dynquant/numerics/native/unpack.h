@@ -201,9 +201,8 @@ static inline __m256 unit_bytes_as_floats_avx2(__m256i v, __m256i shuffle, const
     return _mm256_cvtepi32_ps(_mm256_and_si256(w, u->mask));
 }
 
-/* 8 bytes at p in every qword of a ymm: one broadcast load (not a scalar load, vmovq and
- * vpbroadcastq: 2 / 3 / 4-bit one-token matvec 1152 x 1024 on the AVX2 build 104 / 107 / 105 ->
- * 94 / 91 / 84 us, see BENCHMARKS.md). */
+/* 8 bytes at p in every qword of a ymm: one broadcast load, not a scalar load, vmovq and
+ * vpbroadcastq (BENCHMARKS.md, "AVX2: how units are loaded"). */
 static inline __m256i broadcast8_avx2(const uint8_t *p) {
     return _mm256_broadcastq_epi64(_mm_loadl_epi64((const __m128i *)p));
 }
