@@ -104,8 +104,8 @@ def _pairs_zeros(axis: int):
 
 def free_products(model: torch.nn.Module) -> torch.nn.Module:
     """``model`` with every packed Linear and every expert bank's decode pairs answering zeros at
-    no cost: the decode speed no kernel can pass, the rest of a step (norms, attention, routing,
-    the head, the framework) being what it is."""
+    no cost: the decode speed no kernel for them can pass, the rest of a step (norms, attention,
+    routing, a tied head's product, the framework) being what it is."""
     for module in model.modules():
         if isinstance(module, QuantLinear):
             module.forward = types.MethodType(_zeros, module)
