@@ -7,8 +7,8 @@ of similar size and, when prepared (``make real-model``), the real SmolLM2-135M-
 Widths: uniform 4-bit (Linears on the int4 kernel), uniform 3-bit (the packed matvec kernels)
 and a mixed allocation (attention 8, expert banks 3, others 4). Then the seed
 architecture at full size (1.69 B, random weights) with the seed checkpoint's own widths.
-Beside each small model's decode: the ceiling, a packed copy whose Linears and expert-bank
-products cost nothing (what the rest of a step leaves to kernels).
+Beside each small model's decode: the ceiling, a packed copy whose Linears, tied head and
+expert-bank products cost nothing (what the rest of a step leaves to kernels).
 """
 
 from __future__ import annotations
@@ -30,7 +30,7 @@ from dynquant.pipeline.demo import demo_widths
 from dynquant.pipeline.quantize import quantize_model
 from dynquant.runtime.loader import load, load_dequantized
 from dynquant.runtime.memory import resident_weight_nbytes
-from dynquant.runtime.packed_modules import QuantExpertBank, QuantLinear
+from dynquant.runtime.packed_modules import QuantExpertBank, QuantLinear, TiedQuantHead
 
 NEW_TOKENS = 32
 ROUNDS = 3
@@ -96,6 +96,10 @@ def _zeros(self: QuantLinear, x: torch.Tensor) -> torch.Tensor:
     return x.new_zeros((*x.shape[:-1], self.out_features))
 
 
+def _head_zeros(self: TiedQuantHead, h: torch.Tensor) -> torch.Tensor:
+    return h.new_zeros((*h.shape[:-1], self.embedding[0].num_embeddings))
+
+
 def _pairs_zeros(axis: int):
     def pairs(self: QuantExpertBank, x: torch.Tensor, experts: torch.Tensor) -> torch.Tensor:
         return x.new_zeros((x.shape[0], self.layout.logical_shape[axis]))
@@ -103,12 +107,14 @@ def _pairs_zeros(axis: int):
 
 
 def free_products(model: torch.nn.Module) -> torch.nn.Module:
-    """``model`` with every packed Linear and every expert bank's decode pairs answering zeros at
-    no cost: the decode speed no kernel for them can pass, the rest of a step (norms, attention,
-    routing, a tied head's product, the framework) being what it is."""
+    """``model`` with every packed Linear, tied head and expert bank's decode pairs answering
+    zeros at no cost: the decode speed no kernel can pass, the rest of a step (norms, attention,
+    routing, the framework) being what it is."""
     for module in model.modules():
         if isinstance(module, QuantLinear):
             module.forward = types.MethodType(_zeros, module)
+        elif isinstance(module, TiedQuantHead):
+            module.forward = types.MethodType(_head_zeros, module)
         elif isinstance(module, QuantExpertBank):
             module.pairs_linear = types.MethodType(_pairs_zeros(1), module)
             module.pairs_matmul = types.MethodType(_pairs_zeros(2), module)
