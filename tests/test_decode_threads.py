@@ -56,8 +56,9 @@ def test_generate_lowers_torch_for_decode_steps_only(checkpoint, two_threads, mo
     assert seen[1:] == [(1, 1, 2)] * 4  # decode steps: torch on one, the kernel pool on two
     assert torch.get_num_threads() == 2 and native.pool_threads is None
     twin = copy.deepcopy(model)  # its own generate and hooks, not the original's
-    assert twin.generate.model is twin and twin.generate.hooks is twin._dynquant_decode_threads
-    assert twin._dynquant_decode_threads is not model._dynquant_decode_threads
+    assert twin.generate.model is twin and twin.generate.hooks is not model.generate.hooks
+    assert [h.__self__ for h in twin._forward_pre_hooks.values()
+            if hasattr(h, "__self__")] == [twin.generate.hooks]  # its hooks drive its generate
     with torch.no_grad():
         assert torch.equal(twin.generate(ids, max_new_tokens=5, min_new_tokens=5,
                                          do_sample=False), out)
@@ -101,7 +102,7 @@ def test_long_caches_and_the_switch_keep_torchs_threads(checkpoint, two_threads,
     monkeypatch.undo()
     monkeypatch.setenv("DYNQUANT_DECODE_THREADS", "0")
     model = load(checkpoint, dtype=torch.float32)
-    assert not hasattr(model, "_dynquant_decode_threads")
+    assert not isinstance(model.generate, decode_threads._Generate)
     seen = _record(model)
     with torch.no_grad():
         model.generate(torch.tensor([[3, 4]]), max_new_tokens=3, min_new_tokens=3,

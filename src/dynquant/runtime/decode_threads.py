@@ -52,7 +52,7 @@ def kv_bytes_per_token(config: Any, dtype: torch.dtype) -> int:
     types = getattr(config, "layer_types", None)
     layers = (sum("attention" in str(t) for t in types) if types
               else getattr(config, "num_hidden_layers", 1))
-    return 2 * layers * heads * head_dim * torch.empty(0, dtype=dtype).element_size()
+    return 2 * layers * heads * head_dim * dtype.itemsize
 
 
 class DecodeThreads:
@@ -116,5 +116,4 @@ def one_thread_decode(model: nn.Module, dtype: torch.dtype) -> nn.Module:
     model.register_forward_pre_hook(hooks.before_forward, with_kwargs=True)
     model.register_forward_hook(hooks.after_forward, with_kwargs=True, always_call=True)
     model.generate = _Generate(model, hooks)
-    model._dynquant_decode_threads = hooks
     return model

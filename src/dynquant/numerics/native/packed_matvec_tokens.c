@@ -141,9 +141,11 @@ static void row_avx2_m(const uint8_t *row, const uint16_t *scales, const uint16_
 #endif
 
 #if defined(DQ_HAVE_VBMI) || defined(DQ_HAVE_AVX2)
-int dq_matvec_tokens(const uint32_t *qweight, const uint16_t *scales, const uint16_t *offsets,
-                     int64_t rows, int64_t padded_n, int64_t gs, int bits, const float *x,
-                     int64_t m, float *y, int64_t y_stride) {
+/* A block of rows for m tokens (dq_parallel_rows' signature: `portable` is never set here). */
+static int tokens_rows(const uint32_t *qweight, const uint16_t *scales, const uint16_t *offsets,
+                       int64_t rows, int64_t padded_n, int64_t gs, int bits, const float *x,
+                       int64_t m, float *y, int64_t y_stride, int portable) {
+    (void)portable;
     const int64_t groups = padded_n / gs, words = bits * gs / 32;
     float *xsum = malloc((size_t)(m * groups) * sizeof(float));
     if (!xsum) return -1;
@@ -164,12 +166,6 @@ int dq_matvec_tokens(const uint32_t *qweight, const uint16_t *scales, const uint
     return 0;
 }
 
-static int tokens_rows(const uint32_t *qweight, const uint16_t *scales, const uint16_t *offsets,
-                       int64_t rows, int64_t padded_n, int64_t gs, int bits, const float *x,
-                       int64_t m, float *y, int64_t y_stride, int portable) {
-    (void)portable;
-    return dq_matvec_tokens(qweight, scales, offsets, rows, padded_n, gs, bits, x, m, y, y_stride);
-}
 #endif
 
 /* dq_matvec_mt for 2..8 tokens through this file's kernels, rows split over `threads` threads;
