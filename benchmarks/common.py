@@ -67,9 +67,7 @@ def machine() -> str:
 
     shown = sorted(f for f in cpu_flags() if f.startswith(("avx", "amx", "fma", "f16c"))
                    or f in ("bf16", "asimd", "i8mm", "sve"))
-    limits = {k: os.environ[k] for k in ("ATEN_CPU_CAPABILITY", "ONEDNN_MAX_CPU_ISA",
-                                         "MKL_ENABLE_INSTRUCTIONS", "DYNQUANT_NATIVE_ARCH",
-                                         "DYNQUANT_DTYPE") if k in os.environ}
+    limits = {k: os.environ[k] for k in (*AVX2_LIMITS, "DYNQUANT_DTYPE") if k in os.environ}
     return (f"{platform.processor() or platform.machine()} ({cpu_class()}: {' '.join(shown)}), "
             f"{torch.get_num_threads()} threads, torch {torch.__version__}"
             + (f", limited by {limits}" if limits else ""))
