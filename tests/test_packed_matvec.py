@@ -54,7 +54,7 @@ from dynquant import quantize_tensor
 from dynquant.numerics import row_kernels
 from dynquant.numerics.packed_matvec import packed_gemm, packed_matvec, packed_matvec_ref
 from dynquant.numerics.packed_matvec import packed_gemm_t, packed_vecmat, packed_vecmat_ref
-from dynquant.numerics.packed_matvec import simd_path
+from dynquant.numerics.packed_matvec import packed_matvec_q8, q8_path, simd_path
 h = hashlib.sha256()
 gemm_error = 0.0
 g = torch.Generator().manual_seed(0)
@@ -68,6 +68,8 @@ for bits in (2, 3, 4, 5, 6, 8):
                                        qt.offsets, qt.layout))
             parts.append(packed_vecmat(torch.randn(m, 40, generator=g), qt.qweight, qt.scales,
                                        qt.offsets, qt.layout))
+            parts.append(packed_matvec_q8(torch.randn(m, 300, generator=g) * 3, qt.qweight,
+                                          qt.scales, qt.offsets, qt.layout))
         parts.append(row_kernels.dequantize_rows(qt.qweight, qt.scales, qt.offsets, bits, gs, 300,
                                                  torch.bfloat16).view(torch.int16))
         for t in parts:
@@ -80,24 +82,27 @@ for bits in (2, 3, 4, 5, 6, 8):
         ref = packed_vecmat_ref(x, qt.qweight, qt.scales, qt.offsets, qt.layout)
         y = packed_gemm_t(x, qt.qweight, qt.scales, qt.offsets, qt.layout)
         gemm_error = max(gemm_error, ((y - ref).abs().max() / ref.abs().max()).item())
-print(simd_path(), h.hexdigest(), gemm_error)
+print(simd_path(), q8_path(), h.hexdigest(), gemm_error)
 """
 
 
 @pytest.mark.skipif(platform.machine() != "x86_64", reason="x86-64 targets (-march=x86-64-v3)")
 def test_every_unpack_path_gives_the_same_bits(tmp_path):
-    """The AVX2 and portable builds (not this machine's own) against the default build."""
-    outputs = {}
+    """The AVX2 and portable builds (not this machine's own) against the default build; the
+    int8 products too (VNNI where this CPU has it, vpmaddubsw in the AVX2 build)."""
+    outputs, q8_paths = {}, set()
     for arch in ("", "x86-64-v3", "x86-64"):
         env = {**os.environ, "DYNQUANT_CACHE_DIR": str(tmp_path / (arch or "default")),
                "DYNQUANT_NATIVE_ARCH": arch}
         env.pop("DYNQUANT_NATIVE", None)
         out = subprocess.run([sys.executable, "-c", _KERNEL_OUTPUTS], env=env, check=True,
                              capture_output=True, text=True, timeout=300)
-        path, digest, gemm_error = out.stdout.split()
+        path, q8, digest, gemm_error = out.stdout.split()
         outputs[path] = digest
+        q8_paths.add(q8)
         assert float(gemm_error) < 1e-6, (path, gemm_error)
-    assert {"avx2", "portable"} <= set(outputs)
+    assert {"avx2", "portable"} <= set(outputs) and {"avx2", "portable"} <= q8_paths
+    assert ("vnni" in q8_paths) == bool({"avx_vnni", "avx512_vnni"} & _cpu_flags())
     assert len(set(outputs.values())) == 1, outputs
 
 

@@ -217,7 +217,7 @@ def _cmd_generate(args: argparse.Namespace) -> int:
     from dynquant.pipeline.generate import generate_text
 
     generate_text(args.checkpoint, args.prompt, args.max_new_tokens, args.temperature, args.seed,
-                  dtype=args.dtype, chat=args.chat)
+                  dtype=args.dtype, chat=args.chat, activations=args.activations)
     return 0
 
 
@@ -228,7 +228,7 @@ def _cmd_eval(args: argparse.Namespace) -> int:
     dtype = resolve_dtype(args.dtype)
     print(f"[{describe(dtype)}]", file=sys.stderr)
     result = evaluate(args.model, args.base, args.text, args.ctx, args.max_tokens,
-                      progress=not args.json, dtype=dtype)
+                      progress=not args.json, dtype=dtype, activations=args.activations)
     if args.json:
         print(result.to_json())
     else:
@@ -255,6 +255,14 @@ def _cmd_demo(args: argparse.Namespace) -> int:
 
 
 DTYPE_CHOICES = ("auto", "bfloat16", "float32")
+
+
+def _activations_option(p: argparse.ArgumentParser, what: str) -> None:
+    from dynquant.runtime.activations import CHOICES
+
+    p.add_argument("--activations", choices=CHOICES, default="auto",
+                   help=f"activations of {what}: int8 (integer dot products on the codes) or "
+                   "float (float32); auto: $DYNQUANT_ACTIVATIONS, else dynquant's default")
 
 
 def _dtype_option(p: argparse.ArgumentParser, default: str, what: str) -> None:
@@ -418,6 +426,7 @@ def build_parser() -> argparse.ArgumentParser:
                    help="evaluate at most this many tokens of --text (default: all)")
     p.add_argument("--json", action="store_true", help="print the result as JSON")
     _dtype_option(p, "auto", "both models")
+    _activations_option(p, "a checkpoint's products (int8: every token as decode computes it)")
     p.set_defaults(func=_cmd_eval)
 
     p = sub.add_parser("generate", help="complete a prompt with a checkpoint (streams tokens)")
@@ -431,6 +440,7 @@ def build_parser() -> argparse.ArgumentParser:
                    help="the prompt is one user turn through the model's chat template "
                    "(instruct models)")
     _dtype_option(p, "auto", "the model")
+    _activations_option(p, "the decode products")
     p.set_defaults(func=_cmd_generate)
 
     p = sub.add_parser("demo", help="the main job on the bundled default")

@@ -8,6 +8,11 @@ materialise W: a step of decode reads ``bits/16`` of the bytes a bf16 matrix wou
 accumulate in float32, closer to the exact product than dequantizing to bf16 first. The ``*_ref``
 functions are the plain definitions the kernels are held to. Beyond ``MAX_TOKENS`` tokens
 (prefill) the packed GEMMs (``native/packed_gemm.c``) take over.
+
+``packed_matvec_q8`` is the one-token product with int8 activations (``native/packed_matvec_q8.c``):
+the token quantized in blocks of ``Q8_BLOCK`` and multiplied with the codes as integers; its
+result is defined operation by operation by :func:`packed_matvec_q8_ref`, which every build
+matches bit for bit.
 """
 
 from __future__ import annotations
@@ -18,8 +23,9 @@ import torch
 import torch.nn.functional as F
 
 from dynquant.format.layout import LayerLayout
+from dynquant.format.packing import unpack_codes
 from dynquant.numerics import native
-from dynquant.numerics.quantizer import dequantize_rows
+from dynquant.numerics.quantizer import dequantize_rows, lane_sum
 
 MAX_TOKENS = 8
 # Below this many weights a decode product runs on one thread. The decode kernels split their
@@ -35,6 +41,10 @@ VECMAT_PARALLEL_MIN_ELEMENTS = 1 << 20
 # The packed GEMMs split their work across threads (native/pool.c) from this many multiply-adds
 # (tokens x weights).
 GEMM_PARALLEL_MIN_MACS = 1 << 23
+# int8 activations: one float scale per block of this many inputs (llama.cpp's Q8 block).
+Q8_BLOCK = 32
+# Blocks whose largest |x| is below this quantize to zeros (127 / amax would overflow).
+Q8_TINY = 1e-30
 
 
 def packed_matvec_ref(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor,
@@ -97,6 +107,111 @@ def packed_gemm(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor,
     return y
 
 
+def quantize_activations_ref(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """int8 [n] and float32 [n / Q8_BLOCK] for a float32 vector x [n] (n a multiple of Q8_BLOCK):
+    per block, ``d = amax / 127`` and ``xq = round(x * (127 / amax))`` (ties to even), in float32;
+    what ``dq_q8_quantize`` computes."""
+    blocks = x.to(torch.float32).reshape(-1, Q8_BLOCK)
+    amax = blocks.abs().amax(dim=1)
+    live = amax >= Q8_TINY
+    zero = torch.zeros_like(amax)
+    inv = torch.where(live, 127.0 / torch.where(live, amax, 1.0), zero)
+    d = torch.where(live, amax / 127.0, zero)
+    return torch.round(blocks * inv[:, None]).to(torch.int8).reshape(-1), d
+
+
+def quantize_activations(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor] | None:
+    """:func:`quantize_activations_ref` by the native kernel (None without it)."""
+    lib = native.library()
+    if lib is None:
+        return None
+    xf = x.to(torch.float32).contiguous()
+    xq = torch.empty(xf.numel(), dtype=torch.int8)
+    d = torch.empty(xf.numel() // Q8_BLOCK)
+    lib.dq_q8_quantize(xf.data_ptr(), xf.numel(), xq.data_ptr(), d.data_ptr())
+    return xq, d
+
+
+def _padded_token(x: torch.Tensor, layout: LayerLayout) -> torch.Tensor:
+    xf = x.to(torch.float32).reshape(-1)
+    return F.pad(xf, (0, layout.padded_in_features - layout.in_features))
+
+
+def group_dots_ref(xq: torch.Tensor, qweight: torch.Tensor, layout: LayerLayout) -> torch.Tensor:
+    """int64 [rows, groups]: each group's codes . xq, exactly."""
+    codes = unpack_codes(qweight, layout.bits).to(torch.int64)
+    rows = codes.shape[0]
+    return (codes * xq.to(torch.int64)).view(rows, -1, layout.group_size).sum(-1)
+
+
+def group_dots(xq: torch.Tensor, qweight: torch.Tensor, layout: LayerLayout,
+               portable: bool = False) -> torch.Tensor | None:
+    """int32 [rows, groups] from the kernel's own integer dot products (None without it)."""
+    lib = native.library()
+    if lib is None:
+        return None
+    q = qweight.contiguous()
+    out = torch.empty(q.shape[0], layout.padded_in_features // layout.group_size,
+                      dtype=torch.int32)
+    if lib.dq_q8_group_dots(q.data_ptr(), q.shape[0], layout.padded_in_features,
+                            layout.group_size, layout.bits, xq.contiguous().data_ptr(),
+                            out.data_ptr(), int(portable)):
+        raise RuntimeError("dq_q8_group_dots: unsupported width or group size")
+    return out
+
+
+def packed_matvec_q8_ref(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor,
+                         offsets: torch.Tensor, layout: LayerLayout) -> torch.Tensor:
+    """float32 [rows]: one token x [in_features] times the packed rows with int8 activations,
+    operation by operation as ``native/packed_matvec_q8.c`` defines it (its header)."""
+    xf = _padded_token(x, layout)
+    xq, d = quantize_activations_ref(xf)
+    rows, gs = qweight.shape[0], layout.group_size
+    groups, blocks = layout.padded_in_features // gs, gs // Q8_BLOCK
+    codes = unpack_codes(qweight, layout.bits).to(torch.int32).view(rows, -1, 8, 4)
+    lanes = (codes * xq.to(torch.int32).view(-1, 8, 4)).sum(-1).to(torch.float32)
+    lanes = lanes.view(rows, groups, blocks, 8)
+    xsum = lane_sum(xf.view(groups, gs))
+    acc, o_sum = torch.zeros(rows, 8), torch.zeros(rows)
+    for g in range(groups):
+        gacc = torch.zeros(rows, 8)
+        for b in range(blocks):
+            gacc = gacc + d[g * blocks + b] * lanes[:, g, b]
+        acc = acc + scales[:, g].float()[:, None] * gacc
+        o_sum = o_sum + offsets[:, g].float() * xsum[g]
+    s4 = acc[:, :4] + acc[:, 4:]
+    return ((s4[:, 0] + s4[:, 2]) + (s4[:, 1] + s4[:, 3])) + o_sum
+
+
+def packed_matvec_q8(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor,
+                     offsets: torch.Tensor, layout: LayerLayout, portable: bool = False
+                     ) -> torch.Tensor | None:
+    """float32 [m, rows] for x [m, in_features]: row t is :func:`packed_matvec_q8_ref` of token t
+    (each token quantized on its own), by the native kernel; None without it."""
+    lib = native.library()
+    if lib is None:
+        return None
+    xf, q, s, o = _inputs(x, qweight, scales, offsets, layout, True)
+    rows = q.shape[0]
+    y = torch.empty(xf.shape[0], rows)
+    threads = native.threads_for(rows * layout.padded_in_features, PARALLEL_MIN_ELEMENTS)
+    if lib.dq_matvec_q8_mt(q.data_ptr(), s.data_ptr(), o.data_ptr(), rows,
+                           layout.padded_in_features, layout.group_size, layout.bits,
+                           xf.data_ptr(), xf.shape[0], y.data_ptr(), rows, int(portable),
+                           threads):
+        raise RuntimeError("dq_matvec_q8 failed (out of memory or unsupported layout)")
+    return y
+
+
+Q8_PATHS = {2: "vnni", 1: "avx2", 0: "portable"}
+
+
+def q8_path() -> str | None:
+    """How the int8 products are computed: ``vnni``, ``avx2`` or ``portable`` (None: no kernels)."""
+    lib = native.library()
+    return None if lib is None else Q8_PATHS[lib.dq_q8_simd()]
+
+
 class OneTokenMatvec:
     """``packed_matvec`` of one float32 token with the per-call work done once: the block's
     checks, pointers, arguments and thread count are fixed when it is made, in one argument block
@@ -107,9 +222,10 @@ class OneTokenMatvec:
     pads a copy where the layout does)."""
 
     def __init__(self, qweight: torch.Tensor, scales: torch.Tensor, offsets: torch.Tensor,
-                 layout: LayerLayout) -> None:
+                 layout: LayerLayout, int8: bool = False) -> None:
         native.check_packed_block(qweight, scales, offsets, layout.bits, layout.group_size,
                                   layout.in_features)
+        self.int8 = int8  # int8 activations (dq_matvec_q8_one), else float32 (dq_matvec_one)
         if not (qweight.is_contiguous() and scales.is_contiguous() and offsets.is_contiguous()):
             raise ValueError("OneTokenMatvec needs contiguous tensors")
         self.rows, self.n = qweight.shape[0], layout.in_features
@@ -134,7 +250,8 @@ class OneTokenMatvec:
         """float32 ``shape`` (default [1, rows]; its last axis: rows) for a contiguous float32 x
         of ``in_features`` values."""
         y = torch.empty(shape or (1, self.rows))
-        if lib.dq_matvec_one(self.address, x.data_ptr(), y.data_ptr()):
+        kernel = lib.dq_matvec_q8_one if self.int8 else lib.dq_matvec_one
+        if kernel(self.address, x.data_ptr(), y.data_ptr()):
             raise RuntimeError("dq_matvec failed (out of memory)")
         return y
 
@@ -285,10 +402,11 @@ class ExpertPairs:
     as ``OneTokenMatvec`` does for a Linear: the bank's checks, pointers and thread rule fixed
     in one argument block (``dq_experts_one``, which checks the expert indices itself and pads
     a copy of x where the layout pads the inputs). A decode step calls it once per bank. Same
-    kernels, same bits."""
+    kernels, same bits; ``int8`` (``along_groups`` only): the int8-activation products, each pair
+    equal to :func:`packed_matvec_q8` of its expert."""
 
     def __init__(self, qweight: torch.Tensor, scales: torch.Tensor, offsets: torch.Tensor,
-                 layout: LayerLayout, along_groups: bool) -> None:
+                 layout: LayerLayout, along_groups: bool, int8: bool = False) -> None:
         per = _expert_rows(layout)
         native.check_packed_block(qweight[:per], scales[:per], offsets[:per], layout.bits,
                                   layout.group_size, layout.in_features)
@@ -302,7 +420,7 @@ class ExpertPairs:
         self.args = (ctypes.c_int64 * 12)(qweight.data_ptr(), scales.data_ptr(),
                                           offsets.data_ptr(), per, n, layout.group_size,
                                           layout.bits, layout.logical_shape[0],
-                                          0 if along_groups else 1, least,
+                                          (2 if int8 else 0) if along_groups else 1, least,
                                           native.kernel_threads(), layout.in_features)
         self.address = ctypes.addressof(self.args)
 
@@ -340,9 +458,14 @@ __all__ = [
     "packed_gemm_t",
     "packed_matvec",
     "packed_matvec_experts",
+    "packed_matvec_q8",
+    "packed_matvec_q8_ref",
     "packed_matvec_ref",
     "packed_vecmat",
     "packed_vecmat_experts",
     "packed_vecmat_ref",
+    "q8_path",
+    "quantize_activations",
+    "quantize_activations_ref",
     "simd_path",
 ]

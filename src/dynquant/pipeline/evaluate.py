@@ -36,9 +36,12 @@ class EvalResult:
         return json.dumps(asdict(self), indent=2)
 
 
-def load_any(path: str | Path, dtype: str | torch.dtype | None = None) -> nn.Module:
+def load_any(path: str | Path, dtype: str | torch.dtype | None = None,
+             activations: str | None = None) -> nn.Module:
     """A dynquant checkpoint (packed) or a transformers model folder (dense), in eval mode, in the
-    compute dtype ``dtype`` (None/"auto": the CPU's, ``numerics/compute_dtype.py``)."""
+    compute dtype ``dtype`` (None/"auto": the CPU's, ``numerics/compute_dtype.py``). A checkpoint
+    with int8 ``activations`` computes every product as decode does, token by token
+    (``runtime/activations.py``)."""
     from transformers import AutoModelForCausalLM
 
     from dynquant.models.registration import register
@@ -51,7 +54,11 @@ def load_any(path: str | Path, dtype: str | torch.dtype | None = None) -> nn.Mod
     if not (path / "config.json").is_file():
         raise ModelError("not a model folder (no config.json)", file=str(path))
     if (path / METADATA_FILE).is_file():
-        return load(path, dtype=dtype)
+        from dynquant.runtime.activations import use_activations
+
+        model = load(path, dtype=dtype, activations="float")
+        use_activations(model, activations, every_token=True)
+        return model
     register()
     model = AutoModelForCausalLM.from_pretrained(str(path), dtype=dtype)
     if getattr(model, "_can_set_experts_implementation", lambda: False)():
@@ -135,9 +142,11 @@ def _same_tokenizer(a, b) -> bool:
 
 def evaluate(model: str | Path, base: str | Path, text: str | Path, ctx: int = 512,
              max_tokens: int | None = None, progress: bool = True,
-             dtype: str | torch.dtype | None = None) -> EvalResult:
+             dtype: str | torch.dtype | None = None, activations: str | None = None
+             ) -> EvalResult:
     """``dynquant eval``: MODEL and BASE may each be a dynquant checkpoint or a model folder; both
-    run in the compute dtype ``dtype`` (None/"auto": the CPU's)."""
+    run in the compute dtype ``dtype`` (None/"auto": the CPU's); a checkpoint's products with
+    ``activations`` (int8: every token as decode computes it)."""
     from dynquant.models.sources import model_folder
     from dynquant.pipeline.generate import load_tokenizer
 
@@ -150,4 +159,5 @@ def evaluate(model: str | Path, base: str | Path, text: str | Path, ctx: int = 5
         raise ModelError(f"MODEL and BASE use different tokenizers ({model} vs {base})",
                          field="tokenizer")
     ids = tokenize_text(tok_m, text_path.read_text(encoding="utf-8"), ctx, max_tokens)
-    return evaluate_models(load_any(model, dtype), load_any(base, dtype), ids, ctx, progress)
+    return evaluate_models(load_any(model, dtype, activations),
+                           load_any(base, dtype, activations), ids, ctx, progress)

@@ -74,15 +74,18 @@ class _Clock:
 def generate_text(path: str | Path, prompt: str, max_new_tokens: int = 64,
                   temperature: float = 0.0, seed: int = 0, stream: bool = True,
                   dtype: str | torch.dtype | None = None, chat: bool = False,
-                  stats: list[GenerationStats] | None = None) -> str:
+                  stats: list[GenerationStats] | None = None,
+                  activations: str | None = None) -> str:
     """The completion of ``prompt`` (greedy when temperature is 0), printed as it is generated,
     in the compute dtype ``dtype`` (None/"auto": the CPU's; said in one line when streaming),
     followed (on stderr) by prefill and decode speed and the resident weight memory.
     ``chat``: the prompt is one user turn through the model's chat template. ``stats``: gets
-    the :class:`GenerationStats` appended."""
+    the :class:`GenerationStats` appended. ``activations``: int8 or float decode products
+    (``runtime/activations.py``)."""
     from transformers import TextStreamer
 
     from dynquant.numerics.compute_dtype import describe, resolve_dtype
+    from dynquant.runtime.activations import resolve_activations
     from dynquant.runtime.loader import load
     from dynquant.runtime.memory import resident_weight_nbytes
 
@@ -91,9 +94,10 @@ def generate_text(path: str | Path, prompt: str, max_new_tokens: int = 64,
     tokenizer = load_tokenizer(path)
     ids = _prompt_ids(tokenizer, prompt, chat, path)  # a missing template: before any loading
     dtype = resolve_dtype(dtype)
-    model = load(path, dtype=dtype)
+    model = load(path, dtype=dtype, activations=activations)
     if stream:  # on stderr: stdout is the text alone
-        print(f"[{describe(dtype)}]", file=sys.stderr, flush=True)
+        print(f"[{describe(dtype)}; {resolve_activations(activations)} activations]",
+              file=sys.stderr, flush=True)
     torch.manual_seed(seed)
     clock = _Clock(TextStreamer(tokenizer, skip_prompt=chat, skip_special_tokens=True)
                    if stream else None)

@@ -27,6 +27,7 @@ from dynquant.format import metadata as md
 from dynquant.format.layout import LayerLayout
 from dynquant.format.validate import validate_checkpoint
 from dynquant.numerics.compute_dtype import resolve_dtype
+from dynquant.runtime.activations import use_activations
 from dynquant.runtime.decode_threads import one_thread_decode
 from dynquant.runtime.experts import register_experts_implementation, use_packed_experts
 from dynquant.runtime.packed_modules import QuantEmbedding, QuantLinear, TiedQuantHead
@@ -120,6 +121,7 @@ class DynquantHfQuantizer(HfQuantizer):
         for module in model.modules():
             if isinstance(module, QuantLinear):
                 module.prepare()
+        use_activations(model)  # "auto": $DYNQUANT_ACTIVATIONS, else the default
         return one_thread_decode(model, self.compute_dtype or resolve_dtype(None))
 
     def param_needs_quantization(self, model: nn.Module, param_name: str, **kwargs: Any) -> bool:

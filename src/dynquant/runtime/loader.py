@@ -12,6 +12,7 @@ from dynquant.checkpoint.reader import Checkpoint, open_checkpoint
 from dynquant.errors import CheckpointError
 from dynquant.models.registration import register
 from dynquant.numerics.compute_dtype import resolve_dtype
+from dynquant.runtime.activations import use_activations
 from dynquant.runtime.decode_threads import one_thread_decode
 from dynquant.runtime.empty_init import parameters_on_meta
 from dynquant.runtime.experts import use_packed_experts
@@ -119,13 +120,14 @@ def empty_model(config: PretrainedConfig, dtype: torch.dtype) -> nn.Module:
     return model
 
 
-def load(path: str | Path, device: str = "cpu", dtype: str | torch.dtype | None = None
-         ) -> nn.Module:
+def load(path: str | Path, device: str = "cpu", dtype: str | torch.dtype | None = None,
+         activations: str | None = None) -> nn.Module:
     """A ready model (eval mode) whose quantizable modules are packed modules.
 
     ``dtype``: the compute dtype (``"bfloat16"``, ``"float32"``, a torch dtype); ``None`` or
     ``"auto"`` picks bfloat16 only where the CPU has native bf16 dot products
-    (``numerics/compute_dtype.py``)."""
+    (``numerics/compute_dtype.py``). ``activations``: ``"int8"`` or ``"float"`` for the decode
+    products (``runtime/activations.py``; ``None``/``"auto"``: the default there)."""
     from dynquant.openmp import warn_if_too_late
 
     warn_if_too_late()
@@ -141,6 +143,7 @@ def load(path: str | Path, device: str = "cpu", dtype: str | torch.dtype | None 
         if isinstance(module, QuantLinear):
             module.prepare()
     use_packed_experts(model)
+    use_activations(model, activations)
     if device == "cpu":
         one_thread_decode(model, dtype)
     return model.to(device).eval()

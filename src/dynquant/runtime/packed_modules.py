@@ -33,6 +33,7 @@ from dynquant.numerics.packed_matvec import (
     packed_gemm_t,
     packed_matvec,
     packed_matvec_experts,
+    packed_matvec_q8,
     packed_vecmat,
     packed_vecmat_experts,
 )
@@ -117,7 +118,15 @@ T = TypeVar("T")
 
 
 class PackedWeight(nn.Module):
-    """The three stored tensors of a quantized module, as buffers (state-dict keys M.qweight...)."""
+    """The three stored tensors of a quantized module, as buffers (state-dict keys M.qweight...).
+
+    ``int8_activations``: one-token products quantize the token to int8 and multiply it with the
+    codes as integers (``packed_matvec_q8``); set for a whole model by
+    ``runtime/activations.py``. Prefills keep the float32 GEMM unless ``int8_every_token``
+    (scoring what decode computes, token by token: ``dynquant eval --activations int8``)."""
+
+    int8_activations = False
+    int8_every_token = False
 
     def __init__(self, layout: LayerLayout, compute_dtype: torch.dtype = torch.bfloat16) -> None:
         super().__init__()
@@ -152,8 +161,16 @@ class PackedWeight(nn.Module):
                 y = fast[0](fast[1], x if x.dtype == torch.float32 else x.float(),
                             (*x.shape[:-1], fast[0].rows))
                 return y if x.dtype == torch.float32 else y.to(x.dtype)
-        return _decode_product(packed_matvec, x, self.qweight, self.scales, self.offsets,
-                               self.layout, gemm=packed_gemm)
+        product, gemm = self._products()
+        return _decode_product(product, x, self.qweight, self.scales, self.offsets,
+                               self.layout, gemm=gemm)
+
+    def _products(self) -> tuple[Callable[..., torch.Tensor | None],
+                                 Callable[..., torch.Tensor | None]]:
+        """The products of a few tokens and of many along the groups, as the activations ask."""
+        if not self.int8_activations:
+            return packed_matvec, packed_gemm
+        return packed_matvec_q8, packed_matvec_q8 if self.int8_every_token else packed_gemm
 
     def _one_token(self, x: torch.Tensor) -> tuple[OneTokenMatvec, object] | None:
         """Decode's common case (one token, a small matrix) without the general call's per-call
@@ -163,7 +180,9 @@ class PackedWeight(nn.Module):
         lib = native.library()  # DYNQUANT_NATIVE=0 switches the kernels off at any call
         if lib is None or _needs_grad(x):
             return None
-        fast = self._kept("matvec", lambda q, s, o: OneTokenMatvec(q, s, o, self.layout))
+        int8 = self.int8_activations
+        fast = self._kept("matvec-int8" if int8 else "matvec",
+                          lambda q, s, o: OneTokenMatvec(q, s, o, self.layout, int8))
         return None if fast is None else (fast, lib)
 
     def _kept(self, key: str, make: Callable[[torch.Tensor, torch.Tensor, torch.Tensor], T]
@@ -334,8 +353,9 @@ class QuantExpertBank(PackedWeight):
         lib = native.library()  # DYNQUANT_NATIVE=0 switches the kernels off at any call
         if lib is None:
             return None
-        fast = self._kept(f"pairs-{along_groups}",
-                          lambda q, s, o: ExpertPairs(q, s, o, self.layout, along_groups))
+        int8 = along_groups and self.int8_activations
+        fast = self._kept(f"pairs-{along_groups}" + ("-int8" if int8 else ""),
+                          lambda q, s, o: ExpertPairs(q, s, o, self.layout, along_groups, int8))
         return None if fast is None else (fast, lib)
 
     def pairs_linear(self, x: torch.Tensor, experts: torch.Tensor) -> torch.Tensor | None:
@@ -428,8 +448,8 @@ class PackedExpert:
         """``F.linear(x, self)`` from the packed codes (see :func:`_decode_product`)."""
         if not packed_gemm_serves(x):  # before slicing the codes it would not use
             return None
-        return _decode_product(packed_matvec, x, *self._packed(), self.bank.layout,
-                               gemm=packed_gemm)
+        product, gemm = self.bank._products()
+        return _decode_product(product, x, *self._packed(), self.bank.layout, gemm=gemm)
 
     def rmatmul(self, x: torch.Tensor) -> torch.Tensor | None:
         """``x @ self`` from the packed codes (see :func:`_decode_product`)."""

@@ -1,0 +1,414 @@
+/* One token times a packed matrix with int8 activations: integer dot products on the codes.
+ *
+ * The format's groups are asymmetric, w = q * scale + offset, so over a group
+ *   x . w = scale * (q . x) + offset * sum(x).
+ * The token is quantized once per call to int8 in blocks of 32 (xq = round(x * 127 / amax),
+ * d = amax / 127, as llama.cpp's Q8 blocks), and q . x over a block becomes an exact integer dot
+ * product of unsigned codes with signed bytes: vpdpbusd where AVX-VNNI or AVX512-VNNI exist,
+ * vpmaddubsw + vpmaddwd on AVX2, plain C elsewhere. The offsets' part keeps the float sums of x.
+ *
+ * The result is defined, for every build, as:
+ *   lane l (0..7) of block b: the int32 sum of codes[4l .. 4l+3] * xq[4l .. 4l+3] (exact);
+ *   group g: gacc[l] = sum over its blocks, in order, of d[b] * float(lane l)   (mul, then add);
+ *   row:     acc[l] = sum over groups, in order, of scale[g] * gacc[l];
+ *            y = ((acc0+acc4)+(acc2+acc6)) + ((acc1+acc5)+(acc3+acc7)) + sum_g offset[g] * xsum[g]
+ * with xsum as group_sums computes it (unpack.h). Integer lanes are exact in every path and the
+ * float operations are the same in the same order, so every build gives the same bits
+ * (numerics/packed_matvec.py holds them to a torch reference of exactly these operations).
+ *
+ * Unpacking 32 codes of 2-6 bits into 32 bytes in order (AVX2): code j's two bytes into a 16-bit
+ * lane (vpshufb), the code moved to the lane's top bits by a multiply (vpmullw by a power of two,
+ * a variable shift AVX2 lacks for 16-bit lanes) and down by a constant shift, then the two halves
+ * packed (vpackuswb). No gather, no cross-lane permute in the loop. 8-bit codes are the bytes
+ * themselves; without VNNI they are split in nibbles (vpmaddubsw saturates past 16 bits).
+ */
+#include <float.h>
+#include <math.h>
+
+#include "pool.h"
+#include "unpack.h"
+
+#define Q8_BLOCK 32
+/* Blocks whose largest |x| is below this quantize to zeros (127 / amax would overflow). */
+#define Q8_TINY 1e-30f
+
+#if defined(__AVX2__)
+#include <immintrin.h>
+#define Q8_AVX2 1
+#if defined(__AVXVNNI__)
+#define Q8_VNNI 1
+#define Q8_DPBUSD(acc, a, b) _mm256_dpbusd_avx_epi32((acc), (a), (b))
+#elif defined(__AVX512VNNI__) && defined(__AVX512VL__)
+#define Q8_VNNI 1
+#define Q8_DPBUSD(acc, a, b) _mm256_dpbusd_epi32((acc), (a), (b))
+#endif
+#endif
+
+/* 2: VNNI dot products, 1: AVX2, 0: portable only. */
+int dq_q8_simd(void) {
+#if defined(Q8_VNNI)
+    return 2;
+#elif defined(Q8_AVX2)
+    return 1;
+#else
+    return 0;
+#endif
+}
+
+/* x [padded_n] -> xq [padded_n] int8 and d [padded_n / 32]: per block of 32, d = amax / 127,
+ * xq = nearest (ties to even) of x * (127 / amax). */
+void dq_q8_quantize(const float *x, int64_t padded_n, int8_t *xq, float *d) {
+    for (int64_t b = 0; b < padded_n / Q8_BLOCK; b++) {
+        const float *xb = x + b * Q8_BLOCK;
+        float amax = 0.0f;
+        for (int j = 0; j < Q8_BLOCK; j++) amax = fmaxf(amax, fabsf(xb[j]));
+        const int live = amax >= Q8_TINY;
+        const float inv = live ? 127.0f / amax : 0.0f;
+        d[b] = live ? amax / 127.0f : 0.0f;
+        for (int j = 0; j < Q8_BLOCK; j++) xq[b * Q8_BLOCK + j] = (int8_t)nearbyintf(xb[j] * inv);
+    }
+}
+
+/* The 8 integer lanes of one block, plain C: lane l sums codes 4l .. 4l+3. */
+static inline void block_lanes_portable(const uint8_t *bytes, int bits, const int8_t *xq,
+                                        int32_t *lanes) {
+    uint8_t c[Q8_BLOCK];
+    if (bits == 8)
+        memcpy(c, bytes, Q8_BLOCK);
+    else
+        for (int k = 0; k < Q8_BLOCK / 8; k++) { /* unit k: 8 codes in `bits` bytes */
+            uint64_t u = 0;
+            for (int b = 0; b < bits; b++) u |= (uint64_t)bytes[k * bits + b] << (8 * b);
+            for (int i = 0; i < 8; i++) c[8 * k + i] = (uint8_t)((u >> (i * bits)) & ((1u << bits) - 1));
+        }
+    for (int l = 0; l < 8; l++) {
+        int32_t s = 0;
+        for (int i = 0; i < 4; i++) s += (int32_t)c[4 * l + i] * xq[4 * l + i];
+        lanes[l] = s;
+    }
+}
+
+#ifdef Q8_AVX2
+/* The vpshufb indices and vpmullw factors that put 16 codes of `bits` bits in 16-bit lanes,
+ * shifted so that code j's bits end at bit 15. Lane half h of `lo` holds codes 16h + (0..7), of
+ * `hi` codes 16h + (8..15), so that vpackuswb(lo, hi) lists the 32 codes in order; half h of the
+ * source register holds the block's bytes from 2 * bits * h. */
+typedef struct {
+    __m256i shuffle_lo, shuffle_hi, mul_lo, mul_hi;
+    int bits;
+} q8_unpacker;
+
+static q8_unpacker make_q8_unpacker(int bits) {
+    int8_t shuf[2][32];
+    int16_t mul[2][16];
+    for (int part = 0; part < 2; part++)
+        for (int h = 0; h < 2; h++)
+            for (int i = 0; i < 8; i++) {
+                const int j = 16 * h + 8 * part + i;   /* the code */
+                const int bit = j * bits - 16 * bits * h; /* its first bit in the half's bytes */
+                shuf[part][16 * h + 2 * i] = (int8_t)(bit / 8);
+                shuf[part][16 * h + 2 * i + 1] = (int8_t)(bit / 8 + 1);
+                mul[part][8 * h + i] = (int16_t)(1 << (16 - bits - bit % 8));
+            }
+    q8_unpacker u = {_mm256_loadu_si256((const __m256i *)shuf[0]),
+                     _mm256_loadu_si256((const __m256i *)shuf[1]),
+                     _mm256_loadu_si256((const __m256i *)mul[0]),
+                     _mm256_loadu_si256((const __m256i *)mul[1]), bits};
+    return u;
+}
+
+/* 32 codes of 2-6 bits at p, in order, as bytes. Reads 16 bytes from p and from p + 2 * bits:
+ * up to 16 - 2 * bits bytes past the block (callers give a padded copy for a matrix's last). */
+static inline __m256i unpack32_avx2(const uint8_t *p, const q8_unpacker *u) {
+    const __m256i v = _mm256_inserti128_si256(
+        _mm256_castsi128_si256(_mm_loadu_si128((const __m128i *)p)),
+        _mm_loadu_si128((const __m128i *)(p + 2 * u->bits)), 1);
+    const int down = 16 - u->bits;
+    const __m256i lo = _mm256_srli_epi16(_mm256_mullo_epi16(_mm256_shuffle_epi8(v, u->shuffle_lo), u->mul_lo), down);
+    const __m256i hi = _mm256_srli_epi16(_mm256_mullo_epi16(_mm256_shuffle_epi8(v, u->shuffle_hi), u->mul_hi), down);
+    return _mm256_packus_epi16(lo, hi);
+}
+
+/* The 8 integer lanes of unsigned codes c times signed xq (lane l: bytes 4l .. 4l+3); codes
+ * below 64 (vpmaddubsw's pair sums stay below 2^15). */
+static inline __m256i dot_small_codes(__m256i c, __m256i xq) {
+#ifdef Q8_VNNI
+    return Q8_DPBUSD(_mm256_setzero_si256(), c, xq);
+#else
+    return _mm256_madd_epi16(_mm256_maddubs_epi16(c, xq), _mm256_set1_epi16(1));
+#endif
+}
+
+static inline __m256i dot_bytes(__m256i c, __m256i xq) {
+#ifdef Q8_VNNI
+    return Q8_DPBUSD(_mm256_setzero_si256(), c, xq);
+#else
+    const __m256i nibble = _mm256_set1_epi8(0x0F);
+    const __m256i lo = dot_small_codes(_mm256_and_si256(c, nibble), xq);
+    const __m256i hi = dot_small_codes(_mm256_and_si256(_mm256_srli_epi16(c, 4), nibble), xq);
+    return _mm256_add_epi32(_mm256_slli_epi32(hi, 4), lo);
+#endif
+}
+
+static inline __m256i block_lanes_avx2(const uint8_t *bytes, const int8_t *xq,
+                                       const q8_unpacker *u) {
+    const __m256i x = _mm256_loadu_si256((const __m256i *)xq);
+    if (u->bits == 8) return dot_bytes(_mm256_loadu_si256((const __m256i *)bytes), x);
+    return dot_small_codes(unpack32_avx2(bytes, u), x);
+}
+
+/* ((l0+l4)+(l2+l6)) + ((l1+l5)+(l3+l7)): lane_sum's last three levels. */
+static inline float lane_sum8(__m256 acc) {
+    const __m128 s4 = _mm_add_ps(_mm256_castps256_ps128(acc), _mm256_extractf128_ps(acc, 1));
+    const __m128 t = _mm_add_ps(s4, _mm_movehl_ps(s4, s4));
+    return _mm_cvtss_f32(_mm_add_ss(t, _mm_shuffle_ps(t, t, 1)));
+}
+#endif
+
+static inline float lane_sum8_portable(const float *a) {
+    float s4[4];
+    for (int l = 0; l < 4; l++) s4[l] = a[l] + a[l + 4];
+    return (s4[0] + s4[2]) + (s4[1] + s4[3]);
+}
+
+/* Quantized tokens: xq [m, padded_n] and d [m, blocks] (as dq_q8_quantize), xsum [m, groups]
+ * (as group_sums). */
+typedef struct {
+    const int8_t *xq;
+    const float *d, *xsum;
+} q8_tokens;
+
+typedef struct {
+    const uint32_t *qweight;
+    const uint16_t *scales, *offsets;
+    int64_t padded_n, gs;
+    int bits, portable;
+    q8_tokens x;
+    int64_t m;
+    float *y;
+    int64_t y_stride;
+    int32_t *dots; /* dq_q8_group_dots: the per-group integer sums instead of y (one token) */
+} q8_job;
+
+/* A group's bytes, or a zero-padded copy of them where the SIMD loads would pass the matrix's
+ * end (the last group of the last row a call reads). */
+static inline const uint8_t *group_bytes(const q8_job *j, int64_t r, int64_t g, int64_t hi,
+                                         uint8_t *spare) {
+    const int64_t groups = j->padded_n / j->gs, nbytes = j->gs * j->bits / 8;
+    const uint8_t *bytes = (const uint8_t *)j->qweight + (r * groups + g) * nbytes;
+    if (r != hi - 1 || g != groups - 1) return bytes;
+    memset(spare, 0, (size_t)nbytes + 32);
+    memcpy(spare, bytes, (size_t)nbytes);
+    return spare;
+}
+
+static int q8_rows_portable(const q8_job *j, const int8_t *xq, const float *d,
+                            const float *xsum, float *y, int64_t lo, int64_t hi) {
+    const int64_t groups = j->padded_n / j->gs, blocks = j->gs / Q8_BLOCK;
+    const int64_t block_bytes = Q8_BLOCK * j->bits / 8;
+    for (int64_t r = lo; r < hi; r++) {
+        const uint8_t *row = (const uint8_t *)j->qweight + r * groups * (j->gs * j->bits / 8);
+        float acc[8] = {0};
+        float o_sum = 0.0f;
+        for (int64_t g = 0; g < groups; g++) {
+            float gacc[8] = {0};
+            int32_t total = 0;
+            for (int64_t b = 0; b < blocks; b++) {
+                const int64_t k = g * blocks + b;
+                int32_t lanes[8];
+                block_lanes_portable(row + k * block_bytes, j->bits, xq + k * Q8_BLOCK, lanes);
+                for (int l = 0; l < 8; l++) {
+                    gacc[l] += d[k] * (float)lanes[l];
+                    total += lanes[l];
+                }
+            }
+            if (j->dots) {
+                j->dots[r * groups + g] = total;
+                continue;
+            }
+            const float s = bf16_value(j->scales[r * groups + g]);
+            for (int l = 0; l < 8; l++) acc[l] += s * gacc[l];
+            o_sum += bf16_value(j->offsets[r * groups + g]) * xsum[g];
+        }
+        if (!j->dots) y[r] = lane_sum8_portable(acc) + o_sum;
+    }
+    return 0;
+}
+
+#ifdef Q8_AVX2
+static int q8_rows_avx2(const q8_job *j, const int8_t *xq, const float *d, const float *xsum,
+                        float *y, int64_t lo, int64_t hi) {
+    const int64_t groups = j->padded_n / j->gs, blocks = j->gs / Q8_BLOCK;
+    const int64_t block_bytes = Q8_BLOCK * j->bits / 8;
+    const q8_unpacker u = make_q8_unpacker(j->bits);
+    uint8_t spare[MAX_GROUP + 32];
+    for (int64_t r = lo; r < hi; r++) {
+        __m256 acc = _mm256_setzero_ps();
+        float o_sum = 0.0f;
+        for (int64_t g = 0; g < groups; g++) {
+            const uint8_t *bytes = group_bytes(j, r, g, hi, spare);
+            prefetch_codes(bytes);
+            __m256 gacc = _mm256_setzero_ps();
+            __m256i total = _mm256_setzero_si256();
+            for (int64_t b = 0; b < blocks; b++) {
+                const int64_t k = g * blocks + b;
+                const __m256i lanes = block_lanes_avx2(bytes + b * block_bytes,
+                                                       xq + k * Q8_BLOCK, &u);
+                if (j->dots) total = _mm256_add_epi32(total, lanes);
+                gacc = _mm256_add_ps(gacc, _mm256_mul_ps(_mm256_set1_ps(d[k]),
+                                                         _mm256_cvtepi32_ps(lanes)));
+            }
+            if (j->dots) {
+                int32_t t[8];
+                _mm256_storeu_si256((__m256i *)t, total);
+                j->dots[r * groups + g] = t[0] + t[1] + t[2] + t[3] + t[4] + t[5] + t[6] + t[7];
+                continue;
+            }
+            const __m256 s = _mm256_set1_ps(bf16_value(j->scales[r * groups + g]));
+            acc = _mm256_add_ps(acc, _mm256_mul_ps(s, gacc));
+            o_sum += bf16_value(j->offsets[r * groups + g]) * xsum[g];
+        }
+        if (!j->dots) y[r] = lane_sum8(acc) + o_sum;
+    }
+    return 0;
+}
+#endif
+
+/* Rows [lo, hi) for every token, token after token (each reads the rows' codes again: a few
+ * tokens' codes stay in cache). */
+static int q8_rows(const void *ctx, int64_t lo, int64_t hi) {
+    const q8_job *j = ctx;
+    const int64_t blocks = j->padded_n / Q8_BLOCK, groups = j->padded_n / j->gs;
+    for (int64_t t = 0; t < j->m; t++) {
+        const int8_t *xq = j->x.xq + t * j->padded_n;
+        const float *d = j->x.d + t * blocks, *xsum = j->x.xsum ? j->x.xsum + t * groups : NULL;
+        float *y = j->y ? j->y + t * j->y_stride : NULL;
+#ifdef Q8_AVX2
+        if (!j->portable) {
+            q8_rows_avx2(j, xq, d, xsum, y, lo, hi);
+            continue;
+        }
+#endif
+        q8_rows_portable(j, xq, d, xsum, y, lo, hi);
+    }
+    return 0;
+}
+
+static int q8_supported(int64_t gs, int bits) {
+    return gs % Q8_BLOCK == 0 && gs <= MAX_GROUP && bits >= 2 && bits <= 8 && bits != 7;
+}
+
+/* The per-(row, group) integer sums of codes * xq, the exact part of the product (for tests
+ * against an int64 reference): dots [rows, groups]. */
+int dq_q8_group_dots(const uint32_t *qweight, int64_t rows, int64_t padded_n, int64_t gs,
+                     int bits, const int8_t *xq, int32_t *dots, int portable) {
+    if (!q8_supported(gs, bits)) return -1;
+    float *d = calloc((size_t)(padded_n / Q8_BLOCK), sizeof(float));
+    if (!d) return -1;
+    const q8_job j = {.qweight = qweight, .padded_n = padded_n, .gs = gs, .bits = bits,
+                      .portable = portable, .x = {.xq = xq, .d = d}, .m = 1, .dots = dots};
+    const int rc = q8_rows(&j, 0, rows);
+    free(d);
+    return rc;
+}
+
+/* y [m, rows] (row stride y_stride) = x @ W^T for float32 tokens x [m, padded_n] (zero in the
+ * padding), each quantized to int8 on its own; rows split over `threads` threads (pool.c). 0, or
+ * -1 if out of memory or the group size / width is unsupported. */
+int dq_matvec_q8_mt(const uint32_t *qweight, const uint16_t *scales, const uint16_t *offsets,
+                    int64_t rows, int64_t padded_n, int64_t gs, int bits, const float *x,
+                    int64_t m, float *y, int64_t y_stride, int portable, int threads) {
+    if (!q8_supported(gs, bits)) return -1;
+    const int64_t blocks = padded_n / Q8_BLOCK, groups = padded_n / gs;
+    float *d = malloc((size_t)(m * (blocks + groups)) * sizeof(float));
+    int8_t *xq = malloc((size_t)(m * padded_n));
+    int rc = -1;
+    if (d && xq) {
+        for (int64_t t = 0; t < m; t++)
+            dq_q8_quantize(x + t * padded_n, padded_n, xq + t * padded_n, d + t * blocks);
+        group_sums(x, m, groups, gs, padded_n, d + m * blocks);
+        const q8_job j = {.qweight = qweight, .scales = scales, .offsets = offsets,
+                          .padded_n = padded_n, .gs = gs, .bits = bits, .portable = portable,
+                          .x = {.xq = xq, .d = d, .xsum = d + m * blocks}, .m = m, .y = y,
+                          .y_stride = y_stride};
+        rc = dq_parallel(q8_rows, &j, rows, threads);
+    }
+    free(d);
+    free(xq);
+    return rc;
+}
+
+/* Pairs of a bank (MoE decode): pair p multiplies x[p] with expert experts[p], rows [lo, hi) of
+ * each expert; job.m pairs, job.y [pairs, rows_per_expert], job.y_stride rows_per_expert. */
+typedef struct {
+    q8_job job;
+    const int64_t *experts;
+    int64_t rows_per_expert;
+} q8_pairs_job;
+
+static int q8_pairs_rows(const void *ctx, int64_t lo, int64_t hi) {
+    const q8_pairs_job *pj = ctx;
+    const q8_job *j = &pj->job;
+    const int64_t blocks = j->padded_n / Q8_BLOCK, groups = j->padded_n / j->gs;
+    const int64_t words = j->bits * j->gs / 32;
+    for (int64_t p = 0; p < j->m; p++) {
+        const int64_t first = pj->experts[p] * pj->rows_per_expert;
+        q8_job one = *j;
+        one.qweight = j->qweight + first * groups * words;
+        one.scales = j->scales + first * groups;
+        one.offsets = j->offsets + first * groups;
+        one.x.xq = j->x.xq + p * j->padded_n;
+        one.x.d = j->x.d + p * blocks;
+        one.x.xsum = j->x.xsum + p * groups;
+        one.m = 1;
+        one.y = j->y + p * j->y_stride;
+        q8_rows(&one, lo, hi);
+    }
+    return 0;
+}
+
+/* F.linear(x[p], W[experts[p]]) for every pair, int8 activations: x [pairs, padded_n] (zero
+ * padding), y [pairs, rows_per_expert]; each pair's row equals dq_matvec_q8_mt of that expert
+ * alone. */
+int dq_matvec_q8_experts_mt(const uint32_t *qweight, const uint16_t *scales,
+                            const uint16_t *offsets, int64_t rows_per_expert, int64_t padded_n,
+                            int64_t gs, int bits, const int64_t *experts, int64_t pairs,
+                            const float *x, float *y, int threads) {
+    if (!q8_supported(gs, bits)) return -1;
+    const int64_t blocks = padded_n / Q8_BLOCK, groups = padded_n / gs;
+    float *d = malloc((size_t)(pairs * (blocks + groups)) * sizeof(float));
+    int8_t *xq = malloc((size_t)(pairs * padded_n));
+    int rc = -1;
+    if (d && xq) {
+        for (int64_t p = 0; p < pairs; p++)
+            dq_q8_quantize(x + p * padded_n, padded_n, xq + p * padded_n, d + p * blocks);
+        group_sums(x, pairs, groups, gs, padded_n, d + pairs * blocks);
+        const q8_pairs_job pj = {
+            .job = {.qweight = qweight, .scales = scales, .offsets = offsets,
+                    .padded_n = padded_n, .gs = gs, .bits = bits,
+                    .x = {.xq = xq, .d = d, .xsum = d + pairs * blocks}, .m = pairs, .y = y,
+                    .y_stride = rows_per_expert},
+            .experts = experts, .rows_per_expert = rows_per_expert};
+        rc = dq_parallel(q8_pairs_rows, &pj, rows_per_expert, threads);
+    }
+    free(d);
+    free(xq);
+    return rc;
+}
+
+/* dq_matvec_q8_mt of one token with the block's fixed arguments prepared once (the argument
+ * block of dq_matvec_one: qweight, scales, offsets, rows, padded_n, gs, bits, threads,
+ * in_features). */
+int dq_matvec_q8_one(const int64_t *a, const float *x, float *y) {
+    float *padded = NULL;
+    if (a[8] < a[4]) {
+        if (!(padded = padded_rows(x, 1, a[8], a[4]))) return -1;
+        x = padded;
+    }
+    const int rc = dq_matvec_q8_mt((const uint32_t *)(intptr_t)a[0],
+                                   (const uint16_t *)(intptr_t)a[1],
+                                   (const uint16_t *)(intptr_t)a[2], a[3], a[4], a[5], (int)a[6],
+                                   x, 1, y, a[3], 0, (int)a[7]);
+    free(padded);
+    return rc;
+}

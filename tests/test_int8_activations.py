@@ -1,0 +1,183 @@
+"""int8 activations: the token quantized in blocks of 32 and multiplied with the packed codes as
+integers (``native/packed_matvec_q8.c``). The quantizer and the integer dot products against
+exact references, the whole product bit for bit against its operation-by-operation reference in
+every build, and the modules and models that use it."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from dynquant import quantize_tensor
+from dynquant.format.layout import LayerLayout
+from dynquant.format.packing import pack_codes
+from dynquant.numerics import packed_matvec as packed_matvec_module
+from dynquant.numerics.packed_matvec import (
+    Q8_BLOCK,
+    group_dots,
+    group_dots_ref,
+    packed_matvec_q8,
+    packed_matvec_q8_ref,
+    packed_matvec_ref,
+    quantize_activations,
+    quantize_activations_ref,
+)
+from dynquant.runtime.activations import resolve_activations, use_activations
+from dynquant.runtime.packed_modules import QuantExpertBank, QuantLinear
+from quantizer_backends import backend
+
+WIDTHS = [2, 3, 4, 5, 6, 8]
+GROUPS = [32, 64, 128]
+
+
+def _token(n: int, seed: int) -> torch.Tensor:
+    x = torch.randn(n, generator=torch.Generator().manual_seed(seed))
+    x[3] = 25.0  # an outlier channel, as real models have
+    return x
+
+
+def test_the_activation_quantizer_matches_its_reference():
+    x = torch.randn(8 * Q8_BLOCK, generator=torch.Generator().manual_seed(0)) * 4
+    x[:Q8_BLOCK] = 0.0  # an all-zero block
+    x[Q8_BLOCK:2 * Q8_BLOCK] = 1e-35  # below the smallest block scale: zeros
+    ties = torch.tensor([127.0, 0.5, 1.5, 2.5, -0.5, -1.5, -126.5, 3.0])  # scale exactly 1
+    x[2 * Q8_BLOCK:2 * Q8_BLOCK + 8] = ties
+    x[2 * Q8_BLOCK + 8:3 * Q8_BLOCK] = 0.0
+    xq, d = quantize_activations(x)
+    ref_q, ref_d = quantize_activations_ref(x)
+    assert torch.equal(xq, ref_q) and torch.equal(d, ref_d)
+    assert xq.dtype == torch.int8 and d.shape == (8,)
+    assert torch.equal(xq[2 * Q8_BLOCK:2 * Q8_BLOCK + 8].long(),
+                       torch.tensor([127, 0, 2, 2, 0, -2, -126, 3]))  # ties to even
+    assert not xq[:2 * Q8_BLOCK].any() and d[0] == 0 and d[1] == 0
+    blocks = x.view(-1, Q8_BLOCK)
+    assert torch.equal(d, blocks.abs().amax(1) / 127 * (blocks.abs().amax(1) >= 1e-30))
+    err = (xq.float().view(-1, Q8_BLOCK) * d[:, None] - blocks).abs()
+    assert (err <= d[:, None] * 0.5 * (1 + 1e-6) + 1e-30).all()  # half a step (or a tiny block)
+
+
+@pytest.mark.parametrize("bits", WIDTHS)
+@pytest.mark.parametrize("gs", GROUPS)
+def test_integer_dot_products_equal_the_int64_reference(bits, gs):
+    """Per (row, group), SIMD and portable, including the largest codes against +-127 (where
+    vpmaddubsw would saturate without the kernels' nibble split at 8 bits)."""
+    g = torch.Generator().manual_seed(bits * 1000 + gs)
+    qt = quantize_tensor(torch.randn(19, 320, generator=g), bits, gs)
+    n = qt.layout.padded_in_features
+    xq = torch.randint(-127, 128, (n,), generator=g, dtype=torch.int8)
+    xq[:128] = 127
+    xq[128:256] = -127
+    top = (1 << bits) - 1  # every code at its largest, then alternating with zero
+    codes_max = pack_codes(torch.full((19, n), top, dtype=torch.uint8), bits)
+    codes_alt = pack_codes((torch.arange(19 * n) % 2 * top).to(torch.uint8).view(19, n), bits)
+    for q in (qt.qweight, codes_max, codes_alt):
+        ref = group_dots_ref(xq, q, qt.layout)
+        for portable in (False, True):
+            assert torch.equal(group_dots(xq, q, qt.layout, portable).long(), ref)
+    assert group_dots_ref(xq, codes_max, qt.layout)[0, 0] == top * 127 * gs
+
+
+@pytest.mark.parametrize("bits", WIDTHS)
+@pytest.mark.parametrize("gs", GROUPS)
+def test_the_int8_product_is_its_reference_bit_for_bit(bits, gs):
+    g = torch.Generator().manual_seed(bits * 100 + gs)
+    qt = quantize_tensor(torch.randn(45, 300, generator=g), bits, gs)  # 300: padded groups
+    x = torch.stack([_token(300, seed) for seed in range(3)])
+    fast = packed_matvec_q8(x, qt.qweight, qt.scales, qt.offsets, qt.layout)
+    portable = packed_matvec_q8(x, qt.qweight, qt.scales, qt.offsets, qt.layout, portable=True)
+    ref = torch.stack([packed_matvec_q8_ref(t, qt.qweight, qt.scales, qt.offsets, qt.layout)
+                       for t in x])
+    assert torch.equal(fast, ref) and torch.equal(portable, ref)
+    exact = packed_matvec_ref(x, qt.qweight, qt.scales, qt.offsets, qt.layout)
+    # int8's own error: the outlier's block quantizes in steps of 25 / 127
+    assert ((fast - exact).norm() / exact.norm()).item() < 0.04
+
+
+def test_the_int8_product_across_threads_and_row_blocks(monkeypatch):
+    qt = quantize_tensor(torch.randn(1037, 1024, generator=torch.Generator().manual_seed(1)), 3)
+    x = torch.stack([_token(1024, 7), _token(1024, 8)])
+    whole = packed_matvec_q8(x, qt.qweight, qt.scales, qt.offsets, qt.layout)
+    monkeypatch.setattr(packed_matvec_module, "PARALLEL_MIN_ELEMENTS", 0)
+    for threads in (2, 3, 8):
+        monkeypatch.setattr(torch, "get_num_threads", lambda t=threads: t)
+        assert torch.equal(packed_matvec_q8(x, qt.qweight, qt.scales, qt.offsets, qt.layout),
+                           whole)
+    block = packed_matvec_q8(x, qt.qweight[500:600], qt.scales[500:600], qt.offsets[500:600],
+                             qt.layout)
+    assert torch.equal(block, whole[:, 500:600])
+
+
+def _linear(bits: int, out: int, inp: int) -> QuantLinear:
+    qt = quantize_tensor(torch.randn(out, inp, generator=torch.Generator().manual_seed(bits)),
+                         bits)
+    lin = QuantLinear(LayerLayout.create((out, inp), bits, 128), torch.randn(out),
+                      torch.float32)
+    lin.qweight, lin.scales, lin.offsets = qt.qweight, qt.scales, qt.offsets
+    return lin
+
+
+def test_modules_multiply_with_int8_activations_when_asked():
+    lin = _linear(3, 96, 200)
+    one, few, many = (torch.randn(1, n, 200) for n in (1, 4, 20))
+    float_one = lin(one)
+    lin.int8_activations = True
+    for x in (one, few):
+        want = packed_matvec_q8(x[0], lin.qweight, lin.scales, lin.offsets, lin.layout)
+        assert torch.equal(lin(x)[0], want + lin.bias)
+    assert "matvec-int8" in lin._kept_calls  # the one-token prepared call
+    assert not torch.equal(lin(one), float_one)
+    assert ((lin(one) - float_one).norm() / float_one.norm()).item() < 0.02
+    prefill = lin(many)  # prefill keeps the float32 GEMM ...
+    lin.int8_activations = False
+    assert torch.equal(prefill, lin(many))
+    lin.int8_activations = lin.int8_every_token = True  # ... unless every token is asked for
+    assert torch.equal(lin(many)[0], packed_matvec_q8(many[0], lin.qweight, lin.scales,
+                                                      lin.offsets, lin.layout) + lin.bias)
+    with backend("torch"):  # no native kernels: the dequantized float product
+        lin.int8_activations = False
+        expect = lin(one)
+        lin.int8_activations = True
+        assert torch.equal(lin(one), expect)
+
+
+def test_an_expert_banks_pairs_use_int8_activations_when_asked():
+    w = torch.randn(5, 64, 200, generator=torch.Generator().manual_seed(4))
+    qt = quantize_tensor(w, 4)
+    bank = QuantExpertBank(LayerLayout.create((5, 64, 200), 4, 128), torch.float32)
+    bank.qweight, bank.scales, bank.offsets = qt.qweight, qt.scales, qt.offsets
+    bank.int8_activations = True
+    ids = torch.tensor([4, 0, 4, 2])
+    x = torch.randn(4, 200, generator=torch.Generator().manual_seed(5))
+    got = bank.pairs_linear(x, ids)
+    per = qt.qweight.shape[0] // 5
+    for p, e in enumerate(ids.tolist()):
+        rows = slice(e * per, (e + 1) * per)
+        want = packed_matvec_q8(x[p:p + 1], qt.qweight[rows], qt.scales[rows], qt.offsets[rows],
+                                bank.layout)
+        assert torch.equal(got[p], want[0])
+    assert "pairs-True-int8" in bank._kept_calls
+    out = torch.randn(4, 64)  # x @ W[e] contracts over rows: float32 products stay
+    bank_float = bank.pairs_matmul(out, ids)
+    bank.int8_activations = False
+    assert torch.equal(bank.pairs_matmul(out, ids), bank_float)
+
+
+def test_the_activations_setting(monkeypatch):
+    monkeypatch.delenv("DYNQUANT_ACTIVATIONS", raising=False)
+    from dynquant.runtime.activations import AUTO_ACTIVATIONS
+
+    assert resolve_activations() == resolve_activations("auto") == AUTO_ACTIVATIONS
+    assert resolve_activations("int8") == "int8"
+    monkeypatch.setenv("DYNQUANT_ACTIVATIONS", "int8")
+    assert resolve_activations(None) == "int8" and resolve_activations("float") == "float"
+    monkeypatch.setenv("DYNQUANT_ACTIVATIONS", "int4")
+    with pytest.raises(ValueError, match="DYNQUANT_ACTIVATIONS must be one of"):
+        resolve_activations()
+    with pytest.raises(ValueError, match="activations must be one of"):
+        resolve_activations("fp8")
+    model = torch.nn.Sequential(_linear(2, 8, 64), torch.nn.ReLU(), _linear(4, 8, 8))
+    assert use_activations(model, "int8") == "int8"
+    assert model[0].int8_activations and model[2].int8_activations
+    assert not model[0].int8_every_token
+    use_activations(model, "float", every_token=True)
+    assert not model[0].int8_activations and not model[2].int8_every_token
