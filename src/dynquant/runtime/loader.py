@@ -16,6 +16,8 @@ from dynquant.runtime.activations import use_activations
 from dynquant.runtime.decode_threads import one_thread_decode
 from dynquant.runtime.empty_init import parameters_on_meta
 from dynquant.runtime.experts import use_packed_experts
+from dynquant.runtime.native_decode import supports as supports_native_decode
+from dynquant.runtime.native_decode import use_native_decode
 from dynquant.runtime.packed_modules import (
     PackedWeight,
     QuantEmbedding,
@@ -32,12 +34,15 @@ def _parent(model: nn.Module, name: str) -> tuple[nn.Module, str]:
 
 def packed_module_for(model: nn.Module, name: str, ck_layout, dtype: torch.dtype
                       ) -> tuple[nn.Module, str, PackedWeight]:
-    """Which packed module replaces quantized module ``name``, and where it goes."""
+    """Which packed module replaces quantized module ``name``, and where it goes. Models that
+    decode natively (``runtime/native_decode.py``) keep the format's codes in every Linear:
+    the int4 kernel's layout serves only transformers' bf16 forward."""
     parent, attr = _parent(model, name)
     target = getattr(parent, attr, None)
     if isinstance(target, nn.Linear):
         bias = None if target.bias is None else torch.empty_like(target.bias, device="meta")
-        return parent, attr, QuantLinear(ck_layout, bias, dtype)
+        return parent, attr, QuantLinear(ck_layout, bias, dtype,
+                                         use_int4=not supports_native_decode(model.config))
     if isinstance(target, nn.Embedding):
         return parent, attr, QuantEmbedding(ck_layout, dtype, target.padding_idx)
     if isinstance(target, nn.Parameter) and target.ndim == 3:
@@ -145,6 +150,7 @@ def load(path: str | Path, device: str = "cpu", dtype: str | torch.dtype | None 
     use_packed_experts(model)
     use_activations(model, activations)
     if device == "cpu":
+        use_native_decode(model)
         one_thread_decode(model, dtype)
     return model.to(device).eval()
 

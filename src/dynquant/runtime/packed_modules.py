@@ -180,10 +180,15 @@ class PackedWeight(nn.Module):
         lib = native.library()  # DYNQUANT_NATIVE=0 switches the kernels off at any call
         if lib is None or _needs_grad(x):
             return None
-        int8 = self.int8_activations
-        fast = self._kept("matvec-int8" if int8 else "matvec",
-                          lambda q, s, o: OneTokenMatvec(q, s, o, self.layout, int8))
+        fast = self.one_token_product()
         return None if fast is None else (fast, lib)
+
+    def one_token_product(self) -> OneTokenMatvec | None:
+        """The prepared one-token product for the module's activations (int8 or float32), kept
+        until a buffer is replaced; None off the CPU."""
+        int8 = self.int8_activations
+        return self._kept("matvec-int8" if int8 else "matvec",
+                          lambda q, s, o: OneTokenMatvec(q, s, o, self.layout, int8))
 
     def _kept(self, key: str, make: Callable[[torch.Tensor, torch.Tensor, torch.Tensor], T]
               ) -> T | None:
@@ -228,6 +233,9 @@ class QuantLinear(PackedWeight):
             self._int4 = (packed, scale_zero)
             self.qweight = torch.empty(0, dtype=torch.int32)
             self.scales = torch.empty(0, dtype=torch.bfloat16)
+
+    def one_token_product(self) -> OneTokenMatvec | None:
+        return None if self._int4 is not None else super().one_token_product()
 
     def _int4_rows(self) -> bool:
         """Whether rows can be dequantized from the int4 kernel's copy (its layout is known)."""

@@ -8,7 +8,11 @@
  * vpmaddubsw + vpmaddwd on AVX2, plain C elsewhere. The offsets' part keeps the float sums of x.
  *
  * The result is defined, for every build, as:
- *   lane l (0..7) of block b: the int32 sum of codes[4l .. 4l+3] * xq[4l .. 4l+3] (exact);
+ *   lane l (0..7) of block b: the int32 sum over positions p = 4l .. 4l+3 of
+ *     codes[o(p)] * xq[o(p)], o the width's order of a block's 32 codes (exact):
+ *     4 bits: o(p) = 2p, then 2(p - 16) + 1 (the low nibbles of the block's 16 bytes, then the
+ *     high ones); 2 bits: o(p) = 4 (p % 8) + p / 8 (each byte's codes at one shift, byte by
+ *     byte, shift after shift); other widths: o(p) = p;
  *   group g: gacc[l] = sum over its blocks, in order, of d[b] * float(lane l)   (mul, then add);
  *   row:     acc[l] = sum over groups, in order, of scale[g] * gacc[l];
  *            y = ((acc0+acc4)+(acc2+acc6)) + ((acc1+acc5)+(acc3+acc7)) + sum_g offset[g] * xsum[g]
@@ -16,7 +20,10 @@
  * float operations are the same in the same order, so every build gives the same bits
  * (numerics/packed_matvec.py holds them to a torch reference of exactly these operations).
  *
- * Unpacking 32 codes of 2-6 bits into 32 bytes in order (AVX2): code j's two bytes into a 16-bit
+ * Unpacking 32 codes into 32 bytes (AVX2): 4 and 2 bits in the order o above, where a mask and a
+ * shift (4 bits: of the block's 16 bytes; 2 bits: of its 8 bytes broadcast, one shift a qword)
+ * put every code in place, the token's int8 values permuted to match once per call. 3, 5 and 6
+ * bits in order: code j's two bytes into a 16-bit
  * lane (vpshufb), the code moved to the lane's top bits by a multiply (vpmullw by a power of two,
  * a variable shift AVX2 lacks for 16-bit lanes) and down by a constant shift, then the two halves
  * packed (vpackuswb). No gather, no cross-lane permute in the loop. 8-bit codes are the bytes
@@ -69,7 +76,23 @@ void dq_q8_quantize(const float *x, int64_t padded_n, int8_t *xq, float *d) {
     }
 }
 
-/* The 8 integer lanes of one block, plain C: lane l sums codes 4l .. 4l+3. */
+/* o(p): which code of a block sits at position p in a width's order (the header). */
+static inline int q8_order(int bits, int p) {
+    if (bits == 4) return p < 16 ? 2 * p : 2 * (p - 16) + 1;
+    if (bits == 2) return 4 * (p % 8) + p / 8;
+    return p;
+}
+
+/* xq [n] in natural order -> out [n] in the width's order, block by block. */
+static void q8_permute(const int8_t *xq, int64_t n, int bits, int8_t *out) {
+    for (int64_t b = 0; b < n; b += Q8_BLOCK)
+        for (int p = 0; p < Q8_BLOCK; p++) out[b + p] = xq[b + q8_order(bits, p)];
+}
+
+static inline int q8_permutes(int bits) { return bits == 2 || bits == 4; }
+
+/* The 8 integer lanes of one block, plain C, xq in the width's order: lane l sums positions
+ * 4l .. 4l+3. */
 static inline void block_lanes_portable(const uint8_t *bytes, int bits, const int8_t *xq,
                                         int32_t *lanes) {
     uint8_t c[Q8_BLOCK];
@@ -83,7 +106,7 @@ static inline void block_lanes_portable(const uint8_t *bytes, int bits, const in
         }
     for (int l = 0; l < 8; l++) {
         int32_t s = 0;
-        for (int i = 0; i < 4; i++) s += (int32_t)c[4 * l + i] * xq[4 * l + i];
+        for (int i = 0; i < 4; i++) s += (int32_t)c[q8_order(bits, 4 * l + i)] * xq[4 * l + i];
         lanes[l] = s;
     }
 }
@@ -129,6 +152,21 @@ static inline __m256i unpack32_avx2(const uint8_t *p, const q8_unpacker *u) {
     return _mm256_packus_epi16(lo, hi);
 }
 
+/* 32 codes of 4 bits (16 bytes at p) in the order o: low nibbles, then high ones. */
+static inline __m256i unpack32_4bit(const uint8_t *p) {
+    const __m128i v = _mm_loadu_si128((const __m128i *)p);
+    const __m256i both = _mm256_inserti128_si256(_mm256_castsi128_si256(v), _mm_srli_epi16(v, 4), 1);
+    return _mm256_and_si256(both, _mm256_set1_epi8(0x0F));
+}
+
+/* 32 codes of 2 bits (8 bytes at p) in the order o: qword q holds every byte's code at shift 2q. */
+static inline __m256i unpack32_2bit(const uint8_t *p) {
+    int64_t v;
+    memcpy(&v, p, sizeof v);
+    const __m256i shifted = _mm256_srlv_epi64(_mm256_set1_epi64x(v), _mm256_setr_epi64x(0, 2, 4, 6));
+    return _mm256_and_si256(shifted, _mm256_set1_epi8(0x03));
+}
+
 /* The 8 integer lanes of unsigned codes c times signed xq (lane l: bytes 4l .. 4l+3); codes
  * below 64 (vpmaddubsw's pair sums stay below 2^15). */
 static inline __m256i dot_small_codes(__m256i c, __m256i xq) {
@@ -150,11 +188,18 @@ static inline __m256i dot_bytes(__m256i c, __m256i xq) {
 #endif
 }
 
+/* A block's 32 codes as bytes in the width's order. */
+static inline __m256i unpack_block(const uint8_t *bytes, int bits, const q8_unpacker *u) {
+    if (bits == 4) return unpack32_4bit(bytes);
+    if (bits == 2) return unpack32_2bit(bytes);
+    return unpack32_avx2(bytes, u);
+}
+
 static inline __m256i block_lanes_avx2(const uint8_t *bytes, const int8_t *xq,
                                        const q8_unpacker *u) {
     const __m256i x = _mm256_loadu_si256((const __m256i *)xq);
     if (u->bits == 8) return dot_bytes(_mm256_loadu_si256((const __m256i *)bytes), x);
-    return dot_small_codes(unpack32_avx2(bytes, u), x);
+    return dot_small_codes(unpack_block(bytes, u->bits, u), x);
 }
 
 /* ((l0+l4)+(l2+l6)) + ((l1+l5)+(l3+l7)): lane_sum's last three levels. */
@@ -190,18 +235,6 @@ typedef struct {
     int32_t *dots; /* dq_q8_group_dots: the per-group integer sums instead of y (one token) */
 } q8_job;
 
-/* A group's bytes, or a zero-padded copy of them where the SIMD loads would pass the matrix's
- * end (the last group of the last row a call reads). */
-static inline const uint8_t *group_bytes(const q8_job *j, int64_t r, int64_t g, int64_t hi,
-                                         uint8_t *spare) {
-    const int64_t groups = j->padded_n / j->gs, nbytes = j->gs * j->bits / 8;
-    const uint8_t *bytes = (const uint8_t *)j->qweight + (r * groups + g) * nbytes;
-    if (r != hi - 1 || g != groups - 1) return bytes;
-    memset(spare, 0, (size_t)nbytes + 32);
-    memcpy(spare, bytes, (size_t)nbytes);
-    return spare;
-}
-
 static int q8_rows_portable(const q8_job *j, const int8_t *xq, const float *d,
                             const float *xsum, float *y, int64_t lo, int64_t hi) {
     const int64_t groups = j->padded_n / j->gs, blocks = j->gs / Q8_BLOCK;
@@ -236,41 +269,110 @@ static int q8_rows_portable(const q8_job *j, const int8_t *xq, const float *d,
 }
 
 #ifdef Q8_AVX2
-static int q8_rows_avx2(const q8_job *j, const int8_t *xq, const float *d, const float *xsum,
-                        float *y, int64_t lo, int64_t hi) {
+/* One block's lanes scaled by its d and added to a group's running lanes (mul, then add). */
+static inline __m256 add_block(__m256 gacc, __m256i lanes, __m256 d) {
+    return _mm256_add_ps(gacc, _mm256_mul_ps(d, _mm256_cvtepi32_ps(lanes)));
+}
+
+/* A row's result from its 8 lanes and its offsets' part: the group loop's epilogue. */
+static inline void add_group(__m256 *acc, __m256 gacc, uint16_t scale) {
+    *acc = _mm256_add_ps(*acc, _mm256_mul_ps(_mm256_set1_ps(bf16_value(scale)), gacc));
+}
+
+/* Rows r .. r + rows_n - 1 (one or two) with `bits` a constant after inlining. Two rows at a
+ * time share the token's loads and give the out-of-order core two independent chains of adds;
+ * each row's operations are the same as alone. `tail`: the last row of the part, whose last
+ * group is read from a padded copy (the SIMD loads pass a group's end). */
+static inline __attribute__((always_inline)) void q8_row_pair(
+    const q8_job *j, const int8_t *xq, const float *d, const float *xsum, float *y, int64_t r,
+    int two, int tail, int bits, const q8_unpacker *u, uint8_t *spare) {
     const int64_t groups = j->padded_n / j->gs, blocks = j->gs / Q8_BLOCK;
-    const int64_t block_bytes = Q8_BLOCK * j->bits / 8;
+    const int64_t block_bytes = Q8_BLOCK * bits / 8, group_nbytes = j->gs * bits / 8;
+    const uint8_t *row0 = (const uint8_t *)j->qweight + r * groups * group_nbytes;
+    const uint8_t *row1 = row0 + groups * group_nbytes;
+    __m256 acc0 = _mm256_setzero_ps(), acc1 = _mm256_setzero_ps();
+    float o0 = 0.0f, o1 = 0.0f;
+    for (int64_t g = 0; g < groups; g++) {
+        const uint8_t *b0 = row0 + g * group_nbytes, *b1 = row1 + g * group_nbytes;
+        if (tail && g == groups - 1) {
+            memset(spare, 0, (size_t)group_nbytes + 32);
+            memcpy(spare, two ? b1 : b0, (size_t)group_nbytes);
+            if (two) b1 = spare; else b0 = spare;
+        }
+        prefetch_codes(b0);
+        if (two) prefetch_codes(b1);
+        __m256 g0 = _mm256_setzero_ps(), g1 = _mm256_setzero_ps();
+        for (int64_t b = 0; b < blocks; b++) {
+            const int64_t k = g * blocks + b;
+            const __m256i x = _mm256_loadu_si256((const __m256i *)(xq + k * Q8_BLOCK));
+            const __m256 dk = _mm256_set1_ps(d[k]);
+            if (bits == 8) {
+                g0 = add_block(g0, dot_bytes(_mm256_loadu_si256((const __m256i *)(b0 + b * block_bytes)), x), dk);
+                if (two) g1 = add_block(g1, dot_bytes(_mm256_loadu_si256((const __m256i *)(b1 + b * block_bytes)), x), dk);
+            } else {
+                g0 = add_block(g0, dot_small_codes(unpack_block(b0 + b * block_bytes, bits, u), x), dk);
+                if (two) g1 = add_block(g1, dot_small_codes(unpack_block(b1 + b * block_bytes, bits, u), x), dk);
+            }
+        }
+        add_group(&acc0, g0, j->scales[r * groups + g]);
+        o0 += bf16_value(j->offsets[r * groups + g]) * xsum[g];
+        if (two) {
+            add_group(&acc1, g1, j->scales[(r + 1) * groups + g]);
+            o1 += bf16_value(j->offsets[(r + 1) * groups + g]) * xsum[g];
+        }
+    }
+    y[r] = lane_sum8(acc0) + o0;
+    if (two) y[r + 1] = lane_sum8(acc1) + o1;
+}
+
+static inline __attribute__((always_inline)) void q8_rows_bits(
+    const q8_job *j, const int8_t *xq, const float *d, const float *xsum, float *y, int64_t lo,
+    int64_t hi, int bits) {
+    const q8_unpacker u = make_q8_unpacker(bits);
+    uint8_t spare[MAX_GROUP + 32];
+    int64_t r = lo;
+    for (; r + 2 < hi; r += 2) q8_row_pair(j, xq, d, xsum, y, r, 1, 0, bits, &u, spare);
+    if (r + 2 == hi)
+        q8_row_pair(j, xq, d, xsum, y, r, 1, 1, bits, &u, spare);
+    else if (r < hi)
+        q8_row_pair(j, xq, d, xsum, y, r, 0, 1, bits, &u, spare);
+}
+
+static void q8_rows_avx2(const q8_job *j, const int8_t *xq, const float *d, const float *xsum,
+                         float *y, int64_t lo, int64_t hi) {
+    switch (j->bits) { /* constant widths: shifts, loads and the 8-bit test fold away */
+    case 2: q8_rows_bits(j, xq, d, xsum, y, lo, hi, 2); break;
+    case 3: q8_rows_bits(j, xq, d, xsum, y, lo, hi, 3); break;
+    case 4: q8_rows_bits(j, xq, d, xsum, y, lo, hi, 4); break;
+    case 5: q8_rows_bits(j, xq, d, xsum, y, lo, hi, 5); break;
+    case 6: q8_rows_bits(j, xq, d, xsum, y, lo, hi, 6); break;
+    default: q8_rows_bits(j, xq, d, xsum, y, lo, hi, 8); break;
+    }
+}
+
+/* dq_q8_group_dots' SIMD path: each group's lanes summed as integers. */
+static void q8_dots_avx2(const q8_job *j, const int8_t *xq, int64_t lo, int64_t hi) {
+    const int64_t groups = j->padded_n / j->gs, blocks = j->gs / Q8_BLOCK;
+    const int64_t block_bytes = Q8_BLOCK * j->bits / 8, group_nbytes = j->gs * j->bits / 8;
     const q8_unpacker u = make_q8_unpacker(j->bits);
     uint8_t spare[MAX_GROUP + 32];
-    for (int64_t r = lo; r < hi; r++) {
-        __m256 acc = _mm256_setzero_ps();
-        float o_sum = 0.0f;
+    for (int64_t r = lo; r < hi; r++)
         for (int64_t g = 0; g < groups; g++) {
-            const uint8_t *bytes = group_bytes(j, r, g, hi, spare);
-            prefetch_codes(bytes);
-            __m256 gacc = _mm256_setzero_ps();
+            const uint8_t *bytes = (const uint8_t *)j->qweight + (r * groups + g) * group_nbytes;
+            if (r == hi - 1 && g == groups - 1) {
+                memset(spare, 0, (size_t)group_nbytes + 32);
+                memcpy(spare, bytes, (size_t)group_nbytes);
+                bytes = spare;
+            }
             __m256i total = _mm256_setzero_si256();
-            for (int64_t b = 0; b < blocks; b++) {
-                const int64_t k = g * blocks + b;
-                const __m256i lanes = block_lanes_avx2(bytes + b * block_bytes,
-                                                       xq + k * Q8_BLOCK, &u);
-                if (j->dots) total = _mm256_add_epi32(total, lanes);
-                gacc = _mm256_add_ps(gacc, _mm256_mul_ps(_mm256_set1_ps(d[k]),
-                                                         _mm256_cvtepi32_ps(lanes)));
-            }
-            if (j->dots) {
-                int32_t t[8];
-                _mm256_storeu_si256((__m256i *)t, total);
-                j->dots[r * groups + g] = t[0] + t[1] + t[2] + t[3] + t[4] + t[5] + t[6] + t[7];
-                continue;
-            }
-            const __m256 s = _mm256_set1_ps(bf16_value(j->scales[r * groups + g]));
-            acc = _mm256_add_ps(acc, _mm256_mul_ps(s, gacc));
-            o_sum += bf16_value(j->offsets[r * groups + g]) * xsum[g];
+            for (int64_t b = 0; b < blocks; b++)
+                total = _mm256_add_epi32(total, block_lanes_avx2(bytes + b * block_bytes,
+                                                                 xq + (g * blocks + b) * Q8_BLOCK,
+                                                                 &u));
+            int32_t t[8];
+            _mm256_storeu_si256((__m256i *)t, total);
+            j->dots[r * groups + g] = t[0] + t[1] + t[2] + t[3] + t[4] + t[5] + t[6] + t[7];
         }
-        if (!j->dots) y[r] = lane_sum8(acc) + o_sum;
-    }
-    return 0;
 }
 #endif
 
@@ -285,13 +387,27 @@ static int q8_rows(const void *ctx, int64_t lo, int64_t hi) {
         float *y = j->y ? j->y + t * j->y_stride : NULL;
 #ifdef Q8_AVX2
         if (!j->portable) {
-            q8_rows_avx2(j, xq, d, xsum, y, lo, hi);
+            if (j->dots)
+                q8_dots_avx2(j, xq, lo, hi);
+            else
+                q8_rows_avx2(j, xq, d, xsum, y, lo, hi);
             continue;
         }
 #endif
         q8_rows_portable(j, xq, d, xsum, y, lo, hi);
     }
     return 0;
+}
+
+/* dq_q8_quantize, then the width's order (the header's o). */
+static void q8_quantize_ordered(const float *x, int64_t n, int bits, int8_t *xq, float *d) {
+    dq_q8_quantize(x, n, xq, d);
+    if (!q8_permutes(bits)) return;
+    int8_t block[Q8_BLOCK];
+    for (int64_t b = 0; b < n; b += Q8_BLOCK) {
+        memcpy(block, xq + b, Q8_BLOCK);
+        q8_permute(block, Q8_BLOCK, bits, xq + b);
+    }
 }
 
 static int q8_supported(int64_t gs, int bits) {
@@ -304,11 +420,17 @@ int dq_q8_group_dots(const uint32_t *qweight, int64_t rows, int64_t padded_n, in
                      int bits, const int8_t *xq, int32_t *dots, int portable) {
     if (!q8_supported(gs, bits)) return -1;
     float *d = calloc((size_t)(padded_n / Q8_BLOCK), sizeof(float));
-    if (!d) return -1;
-    const q8_job j = {.qweight = qweight, .padded_n = padded_n, .gs = gs, .bits = bits,
-                      .portable = portable, .x = {.xq = xq, .d = d}, .m = 1, .dots = dots};
-    const int rc = q8_rows(&j, 0, rows);
+    int8_t *ordered = malloc((size_t)padded_n);
+    int rc = -1;
+    if (d && ordered) {
+        q8_permute(xq, padded_n, bits, ordered);
+        const q8_job j = {.qweight = qweight, .padded_n = padded_n, .gs = gs, .bits = bits,
+                          .portable = portable, .x = {.xq = ordered, .d = d}, .m = 1,
+                          .dots = dots};
+        rc = q8_rows(&j, 0, rows);
+    }
     free(d);
+    free(ordered);
     return rc;
 }
 
@@ -325,7 +447,7 @@ int dq_matvec_q8_mt(const uint32_t *qweight, const uint16_t *scales, const uint1
     int rc = -1;
     if (d && xq) {
         for (int64_t t = 0; t < m; t++)
-            dq_q8_quantize(x + t * padded_n, padded_n, xq + t * padded_n, d + t * blocks);
+            q8_quantize_ordered(x + t * padded_n, padded_n, bits, xq + t * padded_n, d + t * blocks);
         group_sums(x, m, groups, gs, padded_n, d + m * blocks);
         const q8_job j = {.qweight = qweight, .scales = scales, .offsets = offsets,
                           .padded_n = padded_n, .gs = gs, .bits = bits, .portable = portable,
@@ -381,7 +503,7 @@ int dq_matvec_q8_experts_mt(const uint32_t *qweight, const uint16_t *scales,
     int rc = -1;
     if (d && xq) {
         for (int64_t p = 0; p < pairs; p++)
-            dq_q8_quantize(x + p * padded_n, padded_n, xq + p * padded_n, d + p * blocks);
+            q8_quantize_ordered(x + p * padded_n, padded_n, bits, xq + p * padded_n, d + p * blocks);
         group_sums(x, pairs, groups, gs, padded_n, d + pairs * blocks);
         const q8_pairs_job pj = {
             .job = {.qweight = qweight, .scales = scales, .offsets = offsets,

