@@ -151,3 +151,125 @@ def test_from_pretrained_validates_the_checkpoint_first(quantized, tmp_path):
     save_file(tensors, broken / "model.safetensors")
     with pytest.raises(CheckpointError, match="NaN"):
         AutoModelForCausalLM.from_pretrained(broken)
+
+
+def _greedy(model, ids, steps: int = 6):
+    with torch.no_grad():
+        out = model.generate(ids, max_new_tokens=steps, min_new_tokens=steps, do_sample=False,
+                             output_logits=True, return_dict_in_generate=True)
+    return out.sequences, torch.stack(out.logits).float()
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_native_decode_steps_give_the_eager_tokens(quantized, family, monkeypatch):
+    """Llama and Qwen3 decode natively (one C call a step), every other family falls back to
+    transformers' forward; greedy tokens equal the eager path's either way (float32), and so do
+    the scores up to float32 summation order."""
+    from dynquant.runtime.native_decode import has_native_decode
+
+    _, ck_dir, _, _ = quantized[family]
+    model = load(ck_dir, dtype=torch.float32)
+    assert has_native_decode(model) == (family in ("llama", "qwen3"))
+    ids = torch.randint(0, 384, (1, 7), generator=torch.Generator().manual_seed(2))
+    native_tokens, native_scores = _greedy(model, ids)
+    monkeypatch.setenv("DYNQUANT_NATIVE_DECODE", "0")
+    eager_tokens, eager_scores = _greedy(model, ids)
+    assert torch.equal(native_tokens, eager_tokens)
+    torch.testing.assert_close(native_scores, eager_scores, rtol=1e-4, atol=1e-4)
+
+
+@pytest.mark.parametrize("family", ["llama", "qwen3", "olmoe", "lfm2"])
+def test_int8_activations_stay_close_to_float_ones(quantized, family):
+    """int8 decode products (native steps for Llama and Qwen3, transformers' forward with the
+    packed modules elsewhere): each step's logits within 3% of their span of the float32
+    activations' logits, up to the first token where the two greedy runs part (the stated
+    tolerance; tokens may part at near-ties)."""
+    _, ck_dir, _, _ = quantized[family]
+    ids = torch.randint(0, 384, (1, 10), generator=torch.Generator().manual_seed(3))
+    float_tokens, float_logits = _greedy(load(ck_dir, dtype=torch.float32), ids)
+    int8 = load(ck_dir, dtype=torch.float32, activations="int8")
+    assert all(m.int8_activations for m in int8.modules() if hasattr(m, "int8_activations"))
+    int8_tokens, int8_logits = _greedy(int8, ids)
+    new = int8_tokens[0, ids.shape[1]:] != float_tokens[0, ids.shape[1]:]
+    same = int(new.nonzero()[0, 0]) + 1 if new.any() else new.numel()
+    span = (float_logits.max() - float_logits.min()).item()
+    assert same >= 2 and not torch.equal(int8_logits[1:same], float_logits[1:same])
+    assert (int8_logits[:same] - float_logits[:same]).abs().max().item() <= 0.03 * span
+    if family in ("llama", "qwen3"):  # a 10-token prompt: the float32 GEMM
+        assert torch.equal(int8_logits[0], float_logits[0])
+
+
+def test_native_steps_hand_their_cache_back_to_transformers(quantized, monkeypatch):
+    """A cache continued by native steps and then by a prefill-sized forward (which transformers
+    runs) gives that forward the same logits as an all-eager run."""
+    from transformers.cache_utils import DynamicCache
+
+    _, ck_dir, _, _ = quantized["llama"]
+    model = load(ck_dir, dtype=torch.float32)
+    ids = torch.randint(0, 384, (1, 12), generator=torch.Generator().manual_seed(4))
+
+    def run() -> torch.Tensor:
+        cache = DynamicCache(config=model.config)
+        with torch.no_grad():
+            model(input_ids=ids[:, :5], cache=cache)
+            for i in range(5, 9):  # native steps where enabled
+                model(input_ids=ids[:, i:i + 1], cache=cache)
+            return model(input_ids=ids[:, 9:], cache=cache).logits
+
+    native = run()
+    monkeypatch.setenv("DYNQUANT_NATIVE_DECODE", "0")
+    torch.testing.assert_close(native, run(), rtol=1e-4, atol=1e-4)
+
+
+def test_native_decode_through_from_pretrained_and_without_kernels(quantized, monkeypatch):
+    import dynquant  # noqa: F401
+    from dynquant.runtime.native_decode import has_native_decode
+
+    _, ck_dir, _, _ = quantized["qwen3"]
+    model = AutoModelForCausalLM.from_pretrained(ck_dir, dtype=torch.float32).eval()
+    assert has_native_decode(model)
+    ids = torch.randint(0, 384, (1, 5), generator=torch.Generator().manual_seed(5))
+    tokens, _ = _greedy(model, ids)
+    monkeypatch.setenv("DYNQUANT_NATIVE", "0")  # no kernels: transformers' forward, same tokens
+    assert not has_native_decode(model)
+    assert torch.equal(_greedy(model, ids)[0], tokens)
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_resident_weights_equal_the_file(quantized, family):
+    """Every stored tensor held in its file dtype: resident weights within 5% of the file's
+    tensor bytes in either compute dtype (float32 norms and routers are the rest)."""
+    from dynquant.runtime.memory import resident_weight_nbytes
+
+    _, ck_dir, doc, _ = quantized[family]
+    total = doc["accounting"]["total_nbytes"]
+    for dtype in (torch.float32, torch.bfloat16):
+        assert resident_weight_nbytes(load(ck_dir, dtype=dtype)) <= 1.05 * total, dtype
+
+
+def test_a_dense_bf16_head_stays_bf16_in_a_float32_model(tmp_path, monkeypatch):
+    """An untied head the checkpoint keeps dense (bf16) is held as stored (StoredLinear) while
+    the model computes in float32: no float32 copy, the same logits as the float32 model
+    holding the decoded weights, and native decode steps read it as bf16."""
+    from dynquant.runtime.memory import resident_weight_nbytes
+    from dynquant.runtime.stored_linear import StoredLinear
+
+    src = save_tiny_model("llama", tmp_path / "src")  # untied lm_head
+    source = resolve_model(str(src))
+    modules = sorted(s.module for s in source.tensor_specs()
+                     if s.quantizable and s.module != "lm_head")
+    doc = quantize_model(source, {m: 4 for m in modules}, tmp_path / "q", progress=False)
+    assert "lm_head" not in doc["layers"]
+    model = load(tmp_path / "q", dtype=torch.float32)
+    assert isinstance(model.lm_head, StoredLinear)
+    assert model.lm_head.weight.dtype == torch.bfloat16
+    assert resident_weight_nbytes(model) <= 1.05 * doc["accounting"]["total_nbytes"]
+    reference = load_dequantized(tmp_path / "q", torch.float32)
+    ids = torch.randint(0, 384, (1, 12), generator=torch.Generator().manual_seed(6))
+    for batch in (ids, ids[:, :1]):  # prefill: float32 blocks; one token: the bf16 kernel
+        with torch.no_grad():
+            torch.testing.assert_close(model(batch).logits, reference(batch).logits,
+                                       rtol=1e-4, atol=1e-4)
+    tokens, _ = _greedy(model, ids)
+    monkeypatch.setenv("DYNQUANT_NATIVE_DECODE", "0")
+    assert torch.equal(_greedy(model, ids)[0], tokens)

@@ -90,7 +90,7 @@ def test_the_int8_product_is_its_reference_bit_for_bit(bits, gs):
     assert torch.equal(fast, ref) and torch.equal(portable, ref)
     exact = packed_matvec_ref(x, qt.qweight, qt.scales, qt.offsets, qt.layout)
     # int8's own error: the outlier's block quantizes in steps of 25 / 127
-    assert ((fast - exact).norm() / exact.norm()).item() < 0.04
+    assert ((fast - exact).norm() / exact.norm()).item() < 0.02
 
 
 def test_the_int8_product_across_threads_and_row_blocks(monkeypatch):
@@ -118,7 +118,8 @@ def _linear(bits: int, out: int, inp: int) -> QuantLinear:
 
 def test_modules_multiply_with_int8_activations_when_asked():
     lin = _linear(3, 96, 200)
-    one, few, many = (torch.randn(1, n, 200) for n in (1, 4, 20))
+    g = torch.Generator().manual_seed(6)
+    one, few, many = (torch.randn(1, n, 200, generator=g) for n in (1, 4, 20))
     float_one = lin(one)
     lin.int8_activations = True
     for x in (one, few):
@@ -126,7 +127,7 @@ def test_modules_multiply_with_int8_activations_when_asked():
         assert torch.equal(lin(x)[0], want + lin.bias)
     assert "matvec-int8" in lin._kept_calls  # the one-token prepared call
     assert not torch.equal(lin(one), float_one)
-    assert ((lin(one) - float_one).norm() / float_one.norm()).item() < 0.02
+    assert ((lin(one) - float_one).norm() / float_one.norm()).item() < 0.01
     prefill = lin(many)  # prefill keeps the float32 GEMM ...
     lin.int8_activations = False
     assert torch.equal(prefill, lin(many))

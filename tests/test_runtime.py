@@ -34,6 +34,7 @@ from dynquant.runtime.packed_modules import (
     QuantLinear,
     TiedQuantHead,
 )
+from quantizer_backends import backend
 
 
 def _packed(cls, w: torch.Tensor, bits: int, gs: int = 128, **kw):
@@ -261,3 +262,29 @@ def test_an_unknown_int4_layout_keeps_the_kernel_for_every_size(monkeypatch):
     assert torch.equal(lin(long), int4_linear(long, *lin._int4, 128))
     torch.testing.assert_close(lin.dequantize(torch.float32), qt.dequantize(torch.float32),
                                atol=0.02, rtol=0.01)
+
+
+@pytest.mark.parametrize("cols", [64, 200])  # 200: a tail past the 16 lanes
+def test_stored_linear_multiplies_its_bf16_weight_in_float32(cols):
+    """StoredLinear against F.linear with the weight converted first: the bf16 kernel for a few
+    tokens (its own summation order: float32 rounding), float32 blocks beyond; bf16 inputs see
+    the weight as stored."""
+    from dynquant.runtime.stored_linear import StoredLinear
+
+    g = torch.Generator().manual_seed(7)
+    lin = StoredLinear(cols, 48, bias=True)
+    lin.weight = torch.nn.Parameter(torch.randn(48, cols, generator=g).to(torch.bfloat16),
+                                    requires_grad=False)
+    lin.bias = torch.nn.Parameter(torch.randn(48, generator=g), requires_grad=False)
+    for tokens in (1, 3, 20):
+        x = torch.randn(2, tokens, cols, generator=g)
+        want = torch.nn.functional.linear(x.double(), lin.weight.double(), lin.bias.double())
+        got = lin(x)
+        assert got.dtype == torch.float32 and got.shape == (2, tokens, 48)
+        torch.testing.assert_close(got.double(), want, rtol=1e-5, atol=1e-4)
+    xb = torch.randn(1, 2, cols, generator=g).to(torch.bfloat16)
+    assert torch.equal(lin(xb), torch.nn.functional.linear(xb, lin.weight) + lin.bias.to(xb.dtype))
+    with backend("torch"):  # no kernels: the float32 blocks
+        x = torch.randn(1, 1, cols, generator=g)
+        torch.testing.assert_close(lin(x), torch.nn.functional.linear(
+            x, lin.weight.float(), lin.bias), rtol=1e-5, atol=1e-4)

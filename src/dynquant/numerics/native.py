@@ -16,6 +16,8 @@ The kernels (``native/*.c``) and their Python sides:
   rows dequantized into a per-thread float32 buffer that stays in cache;
 - ``packed_matvec_q8.c`` (``packed_matvec.py``): one token with int8 activations, integer dot
   products on the codes (VNNI, AVX2 or portable; every build the same bits);
+- ``dense_matvec.c`` (``runtime/stored_linear.py``): a few float32 tokens times a dense bf16
+  matrix, converted on the fly (a dense Linear kept in its file dtype);
 - ``decode_step.c`` (``runtime/native_decode.py``): a whole decode step of a Llama-style model;
 - ``packed_experts.c`` (``packed_matvec.py``): a few (token, expert) pairs of a bank in one call
   (MoE decode), each pair by the one-token kernels;
@@ -176,6 +178,7 @@ def _load() -> ctypes.CDLL | None:
     lib.dq_matvec_tokens_mt.argtypes = [*lib.dq_matvec.argtypes[:-1], c_int]
     lib.dq_matvec_one.argtypes = lib.dq_matvec_q8_one.argtypes = [ptr, ptr, ptr]
     lib.dq_llama_step.argtypes = [ptr, ptr, ptr, ptr, i64, ptr]
+    lib.dq_dense_matvec_bf16_mt.argtypes = [ptr, i64, i64, ptr, i64, ptr, i64, c_int]
     lib.dq_q8_quantize.argtypes = [ptr, i64, ptr, ptr]
     lib.dq_q8_quantize.restype = None
     lib.dq_q8_group_dots.argtypes = [ptr, i64, i64, i64, c_int, ptr, ptr, c_int]
@@ -191,7 +194,7 @@ def _load() -> ctypes.CDLL | None:
                lib.dq_matvec_experts_mt, lib.dq_vecmat_experts_mt, lib.dq_gemm_mt,
                lib.dq_gemm_t_mt, lib.dq_matvec_one, lib.dq_experts_one, lib.dq_matvec_tokens_mt,
                lib.dq_q8_simd, lib.dq_q8_group_dots, lib.dq_matvec_q8_mt, lib.dq_matvec_q8_one,
-               lib.dq_llama_step):
+               lib.dq_llama_step, lib.dq_dense_matvec_bf16_mt):
         fn.restype = c_int
     return lib
 

@@ -25,7 +25,7 @@ import torch.nn.functional as F
 from dynquant.format.layout import LayerLayout
 from dynquant.format.packing import unpack_codes
 from dynquant.numerics import native
-from dynquant.numerics.quantizer import dequantize_rows, lane_sum
+from dynquant.numerics.quantizer import dequantize_rows
 
 MAX_TOKENS = 8
 # Below this many weights a decode product runs on one thread. The decode kernels split their
@@ -184,7 +184,10 @@ def packed_matvec_q8_ref(x: torch.Tensor, qweight: torch.Tensor, scales: torch.T
     xo = xq.to(torch.int32).view(-1, Q8_BLOCK)[:, order]
     lanes = (codes[:, :, order] * xo).view(rows, -1, 8, 4).sum(-1).to(torch.float32)
     lanes = lanes.view(rows, groups, blocks, 8)
-    xsum = lane_sum(xf.view(groups, gs))
+    block_sums = d * xq.to(torch.int32).view(-1, Q8_BLOCK).sum(-1).to(torch.float32)
+    xsum = torch.zeros(groups)
+    for b in range(blocks):  # the offsets multiply the quantized token too
+        xsum = xsum + block_sums.view(groups, blocks)[:, b]
     acc, o_sum = torch.zeros(rows, 8), torch.zeros(rows)
     for g in range(groups):
         gacc = torch.zeros(rows, 8)

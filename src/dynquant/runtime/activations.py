@@ -10,10 +10,10 @@ decode step multiplies them.
 from __future__ import annotations
 
 import os
+from typing import TYPE_CHECKING
 
-from torch import nn
-
-from dynquant.runtime.packed_modules import PackedWeight
+if TYPE_CHECKING:  # the CLI reads CHOICES without importing torch
+    from torch import nn
 
 CHOICES = ("auto", "int8", "float")
 # What "auto" picks: float32 until the int8 path is measured faster on the CPUs people own
@@ -42,6 +42,8 @@ def use_activations(model: nn.Module, mode: str | None = None, every_token: bool
     products of a few tokens (decode) use them, and prefills keep the float32 GEMM unless
     ``every_token`` (then every product is the one decode computes, token by token: what
     ``dynquant eval --activations int8`` scores)."""
+    from dynquant.runtime.packed_modules import PackedWeight
+
     resolved = resolve_activations(mode)
     for module in model.modules():
         if isinstance(module, PackedWeight):

@@ -25,6 +25,7 @@ from dynquant.runtime.packed_modules import (
     QuantLinear,
     TiedQuantHead,
 )
+from dynquant.runtime.stored_linear import StoredLinear
 
 
 def _parent(model: nn.Module, name: str) -> tuple[nn.Module, str]:
@@ -65,13 +66,33 @@ def install_packed_modules(model: nn.Module, layouts: dict, dtype: torch.dtype
 
 
 def _load_tensors(model: nn.Module, ck: Checkpoint, packed: dict[str, PackedWeight],
-                  dtype: torch.dtype) -> None:
+                  dtype: torch.dtype, stored: set[str] = frozenset()) -> None:
     state = {}
     for name in packed:
         for part in ("qweight", "scales", "offsets"):
             state[f"{name}.{part}"] = ck.tensor(f"{name}.{part}")
-    state.update(_dense_state(ck, dtype))
+    state.update(_dense_state(ck, dtype, stored))
     _assign_state(model, ck, state)
+
+
+def install_stored_linears(model: nn.Module, ck: Checkpoint, dtype: torch.dtype) -> set[str]:
+    """Dense Linears whose weight the file stores in bfloat16 become ``StoredLinear`` (held as
+    stored) when the model computes in float32; their weights' names. Tied heads keep the
+    embedding's weight."""
+    if dtype != torch.float32:
+        return set()
+    stored = set()
+    for name in ck.dense_names():
+        module_name, _, part = name.rpartition(".")
+        if part != "weight" or module_name in ck.tied or ck.tensor(name).dtype != torch.bfloat16:
+            continue
+        parent, attr = _parent(model, module_name)
+        target = getattr(parent, attr, None)
+        if type(target) is nn.Linear:
+            setattr(parent, attr, StoredLinear(target.in_features, target.out_features,
+                                               target.bias is not None))
+            stored.add(name)
+    return stored
 
 
 def _assign_state(model: nn.Module, ck: Checkpoint, state: dict[str, torch.Tensor]) -> None:
@@ -82,9 +103,11 @@ def _assign_state(model: nn.Module, ck: Checkpoint, state: dict[str, torch.Tenso
                               file=str(ck.path))
 
 
-def _dense_state(ck: Checkpoint, dtype: torch.dtype) -> dict[str, torch.Tensor]:
-    """The checkpoint's dense tensors, floats in the compute dtype."""
-    return {name: t.to(dtype) if t.is_floating_point() else t
+def _dense_state(ck: Checkpoint, dtype: torch.dtype, stored: set[str] = frozenset()
+                 ) -> dict[str, torch.Tensor]:
+    """The checkpoint's dense tensors, floats in the compute dtype except ``stored`` (kept as
+    the file holds them)."""
+    return {name: t.to(dtype) if t.is_floating_point() and name not in stored else t
             for name, t in ((n, ck.tensor(n)) for n in ck.dense_names())}
 
 
@@ -141,7 +164,8 @@ def load(path: str | Path, device: str = "cpu", dtype: str | torch.dtype | None 
     config = model_config(Path(path))
     model = empty_model(config, dtype)
     packed = install_packed_modules(model, ck.layers, dtype)
-    _load_tensors(model, ck, packed, dtype)
+    stored = install_stored_linears(model, ck, dtype)
+    _load_tensors(model, ck, packed, dtype, stored)
     _tie_head(model, ck, dtype)
     _check_materialised(model, ck)
     for module in packed.values():

@@ -33,6 +33,7 @@ from transformers.modeling_outputs import CausalLMOutputWithPast
 
 from dynquant.numerics import native
 from dynquant.runtime.packed_modules import PackedWeight, TiedQuantHead
+from dynquant.runtime.stored_linear import StoredLinear
 
 FAMILIES = ("llama", "qwen3")
 # rotary types whose inverse frequencies do not depend on the sequence's length
@@ -127,15 +128,16 @@ class _Program:
             args[7] = native.threads_for(fast.rows * fast.n, STEP_PARALLEL_MIN_ELEMENTS)
             self.keep += [fast, args]
             kind, a, rows, cols = int(fast.int8), ctypes.addressof(args), fast.rows, fast.n
-        elif isinstance(module, nn.Linear) and module.weight.dtype in (torch.float32,
-                                                                          torch.bfloat16):
+        elif (isinstance(module, (nn.Linear, StoredLinear))
+              and module.weight.dtype in (torch.float32, torch.bfloat16)):
             w = module.weight.detach().contiguous()
             self.keep.append(w)
             kind = 2 if w.dtype == torch.float32 else 3
             a, (rows, cols) = w.data_ptr(), w.shape
         else:
             raise _Unsupported(f"no native product for {type(module).__name__}")
-        desc = _int64s([kind, a, rows, cols, bias_ptr])
+        threads = native.threads_for(rows * cols, STEP_PARALLEL_MIN_ELEMENTS)
+        desc = _int64s([kind, a, rows, cols, bias_ptr, threads])
         self.keep.append(desc)
         return ctypes.addressof(desc)
 

@@ -10,10 +10,10 @@
  * softmax attention over the cached positions 0..pos with grouped key/value heads; SiLU-gated MLP.
  *
  * Descriptors (int64 arrays built by runtime/native_decode.py, pointers as integers):
- *   product [5]: kind (0 packed, float32 activations: dq_matvec_one's argument block at a;
+ *   product [6]: kind (0 packed, float32 activations: dq_matvec_one's argument block at a;
  *                1 packed, int8 activations: the same block, dq_matvec_q8_one; 2 dense float32
- *                weight [rows, cols] at a; 3 dense bf16 weight at a), a, rows, cols, bias (float32
- *                [rows] or 0)
+ *                weight [rows, cols] at a; 3 dense bf16 weight at a, dense_matvec.c), a, rows,
+ *                cols, bias (float32 [rows] or 0), threads (kind 3)
  *   layer [13]:  attention norm weight, q, k, v, o products, q_norm and k_norm weights (Qwen3;
  *                0: none), MLP norm weight, gate, up, down products, key cache, value cache
  *                (float32 [capacity, kv_heads, head_dim])
@@ -29,13 +29,8 @@
 
 int dq_matvec_one(const int64_t *a, const float *x, float *y);
 int dq_matvec_q8_one(const int64_t *a, const float *x, float *y);
-
-static inline float bf16_to_float(uint16_t h) {
-    uint32_t u = (uint32_t)h << 16;
-    float f;
-    memcpy(&f, &u, sizeof f);
-    return f;
-}
+int dq_dense_matvec_bf16_mt(const uint16_t *w, int64_t rows, int64_t cols, const float *x,
+                            int64_t m, float *y, int64_t y_stride, int threads);
 
 /* A dense row . x in 16 lanes (the compiler vectorises the lanes; no reassociation needed). */
 static float dense_dot_f32(const float *w, const float *x, int64_t n) {
@@ -46,17 +41,6 @@ static float dense_dot_f32(const float *w, const float *x, int64_t n) {
     float s = 0.0f;
     for (int l = 0; l < 16; l++) s += acc[l];
     for (; j < n; j++) s += w[j] * x[j];
-    return s;
-}
-
-static float dense_dot_bf16(const uint16_t *w, const float *x, int64_t n) {
-    float acc[16] = {0};
-    int64_t j = 0;
-    for (; j + 16 <= n; j += 16)
-        for (int l = 0; l < 16; l++) acc[l] += bf16_to_float(w[j + l]) * x[j + l];
-    float s = 0.0f;
-    for (int l = 0; l < 16; l++) s += acc[l];
-    for (; j < n; j++) s += bf16_to_float(w[j]) * x[j];
     return s;
 }
 
@@ -71,8 +55,8 @@ static int product(const int64_t *p, const float *x, float *y) {
         for (int64_t r = 0; r < rows; r++)
             y[r] = dense_dot_f32((const float *)(intptr_t)p[1] + r * cols, x, cols);
     else if (kind == 3)
-        for (int64_t r = 0; r < rows; r++)
-            y[r] = dense_dot_bf16((const uint16_t *)(intptr_t)p[1] + r * cols, x, cols);
+        rc = dq_dense_matvec_bf16_mt((const uint16_t *)(intptr_t)p[1], rows, cols, x, 1, y, rows,
+                                     (int)p[5]);
     else
         return -1;
     if (p[4])

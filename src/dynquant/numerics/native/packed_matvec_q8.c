@@ -16,7 +16,11 @@
  *   group g: gacc[l] = sum over its blocks, in order, of d[b] * float(lane l)   (mul, then add);
  *   row:     acc[l] = sum over groups, in order, of scale[g] * gacc[l];
  *            y = ((acc0+acc4)+(acc2+acc6)) + ((acc1+acc5)+(acc3+acc7)) + sum_g offset[g] * xsum[g]
- * with xsum as group_sums computes it (unpack.h). Integer lanes are exact in every path and the
+ * with xsum[g] the sum over the group's blocks, in order, of d[b] * float(sum of the block's xq)
+ * (mul, then add): the offsets multiply the same quantized token as the codes, so the product is
+ * exactly w . x^ for the dequantized token x^ and its error w . (x^ - x) is small where the
+ * weights are centred (with the float sums of x instead it would be scale * q . (x^ - x),
+ * uncentred codes: ~3x larger). Integer lanes are exact in every path and the
  * float operations are the same in the same order, so every build gives the same bits
  * (numerics/packed_matvec.py holds them to a torch reference of exactly these operations).
  *
@@ -217,7 +221,7 @@ static inline float lane_sum8_portable(const float *a) {
 }
 
 /* Quantized tokens: xq [m, padded_n] and d [m, blocks] (as dq_q8_quantize), xsum [m, groups]
- * (as group_sums). */
+ * (as q8_quantize_ordered). */
 typedef struct {
     const int8_t *xq;
     const float *d, *xsum;
@@ -399,9 +403,19 @@ static int q8_rows(const void *ctx, int64_t lo, int64_t hi) {
     return 0;
 }
 
-/* dq_q8_quantize, then the width's order (the header's o). */
-static void q8_quantize_ordered(const float *x, int64_t n, int bits, int8_t *xq, float *d) {
+/* dq_q8_quantize, xsum [n / gs] (the header's), then the width's order (the header's o). */
+static void q8_quantize_ordered(const float *x, int64_t n, int64_t gs, int bits, int8_t *xq,
+                                float *d, float *xsum) {
     dq_q8_quantize(x, n, xq, d);
+    for (int64_t g = 0; g < n / gs; g++) {
+        float s = 0.0f;
+        for (int64_t b = g * gs / Q8_BLOCK; b < (g + 1) * gs / Q8_BLOCK; b++) {
+            int32_t isum = 0;
+            for (int j = 0; j < Q8_BLOCK; j++) isum += xq[b * Q8_BLOCK + j];
+            s += d[b] * (float)isum;
+        }
+        xsum[g] = s;
+    }
     if (!q8_permutes(bits)) return;
     int8_t block[Q8_BLOCK];
     for (int64_t b = 0; b < n; b += Q8_BLOCK) {
@@ -447,8 +461,8 @@ int dq_matvec_q8_mt(const uint32_t *qweight, const uint16_t *scales, const uint1
     int rc = -1;
     if (d && xq) {
         for (int64_t t = 0; t < m; t++)
-            q8_quantize_ordered(x + t * padded_n, padded_n, bits, xq + t * padded_n, d + t * blocks);
-        group_sums(x, m, groups, gs, padded_n, d + m * blocks);
+            q8_quantize_ordered(x + t * padded_n, padded_n, gs, bits, xq + t * padded_n,
+                                d + t * blocks, d + m * blocks + t * groups);
         const q8_job j = {.qweight = qweight, .scales = scales, .offsets = offsets,
                           .padded_n = padded_n, .gs = gs, .bits = bits, .portable = portable,
                           .x = {.xq = xq, .d = d, .xsum = d + m * blocks}, .m = m, .y = y,
@@ -503,8 +517,8 @@ int dq_matvec_q8_experts_mt(const uint32_t *qweight, const uint16_t *scales,
     int rc = -1;
     if (d && xq) {
         for (int64_t p = 0; p < pairs; p++)
-            q8_quantize_ordered(x + p * padded_n, padded_n, bits, xq + p * padded_n, d + p * blocks);
-        group_sums(x, pairs, groups, gs, padded_n, d + pairs * blocks);
+            q8_quantize_ordered(x + p * padded_n, padded_n, gs, bits, xq + p * padded_n,
+                                d + p * blocks, d + pairs * blocks + p * groups);
         const q8_pairs_job pj = {
             .job = {.qweight = qweight, .scales = scales, .offsets = offsets,
                     .padded_n = padded_n, .gs = gs, .bits = bits,
