@@ -162,14 +162,17 @@ def _greedy(model, ids, steps: int = 6):
 
 @pytest.mark.parametrize("family", FAMILIES)
 def test_native_decode_steps_give_the_eager_tokens(quantized, family, monkeypatch):
-    """Llama and Qwen3 decode natively (one C call a step), every other family falls back to
-    transformers' forward; greedy tokens equal the eager path's either way (float32), and so do
-    the scores up to float32 summation order."""
+    """Llama, Qwen3 and the MoE Qwen3-MoE, Mixtral and OLMoE decode natively (one C call a
+    step), the others (LFM2, LFM2-MoE, the reference architecture) fall back to transformers'
+    forward; greedy tokens equal the eager path's either way (float32), and so do the logits up
+    to float32 summation order."""
+    from dynquant.runtime.native_decode import FAMILIES as NATIVE
     from dynquant.runtime.native_decode import has_native_decode
 
     _, ck_dir, _, _ = quantized[family]
     model = load(ck_dir, dtype=torch.float32)
-    assert has_native_decode(model) == (family in ("llama", "qwen3"))
+    assert has_native_decode(model) == (family in NATIVE)
+    assert set(NATIVE) < set(FAMILIES)
     ids = torch.randint(0, 384, (1, 7), generator=torch.Generator().manual_seed(2))
     native_tokens, native_scores = _greedy(model, ids)
     monkeypatch.setenv("DYNQUANT_NATIVE_DECODE", "0")

@@ -426,7 +426,8 @@ def build_parser() -> argparse.ArgumentParser:
                    help="evaluate at most this many tokens of --text (default: all)")
     p.add_argument("--json", action="store_true", help="print the result as JSON")
     _dtype_option(p, "auto", "both models")
-    _activations_option(p, "a checkpoint's products (int8: every token as decode computes it)")
+    _activations_option(p, "MODEL's products (int8: every token as decode computes it; BASE "
+                        "stays float)")
     p.set_defaults(func=_cmd_eval)
 
     p = sub.add_parser("generate", help="complete a prompt with a checkpoint (streams tokens)")

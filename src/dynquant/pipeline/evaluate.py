@@ -145,8 +145,9 @@ def evaluate(model: str | Path, base: str | Path, text: str | Path, ctx: int = 5
              dtype: str | torch.dtype | None = None, activations: str | None = None
              ) -> EvalResult:
     """``dynquant eval``: MODEL and BASE may each be a dynquant checkpoint or a model folder; both
-    run in the compute dtype ``dtype`` (None/"auto": the CPU's); a checkpoint's products with
-    ``activations`` (int8: every token as decode computes it)."""
+    run in the compute dtype ``dtype`` (None/"auto": the CPU's); MODEL's products with
+    ``activations`` (int8: every token as decode computes it; BASE, the reference, always
+    float32), so a checkpoint against itself measures what int8 activations cost."""
     from dynquant.models.sources import model_folder
     from dynquant.pipeline.generate import load_tokenizer
 
@@ -159,5 +160,5 @@ def evaluate(model: str | Path, base: str | Path, text: str | Path, ctx: int = 5
         raise ModelError(f"MODEL and BASE use different tokenizers ({model} vs {base})",
                          field="tokenizer")
     ids = tokenize_text(tok_m, text_path.read_text(encoding="utf-8"), ctx, max_tokens)
-    return evaluate_models(load_any(model, dtype, activations),
-                           load_any(base, dtype, activations), ids, ctx, progress)
+    return evaluate_models(load_any(model, dtype, activations), load_any(base, dtype, "float"),
+                           ids, ctx, progress)

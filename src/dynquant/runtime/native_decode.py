@@ -1,4 +1,5 @@
-"""Decode steps of Llama-style models (Llama, Qwen3) in one native call a token.
+"""Decode steps of Llama-style models (Llama, Qwen3, and the MoE Qwen3-MoE, Mixtral, OLMoE) in
+one native call a token.
 
 Through transformers' modules a decode step pays a Python dispatch for every norm, rotary,
 cat, attention and module call: on small models more than the products themselves. Here the
@@ -29,13 +30,15 @@ from typing import Any
 import torch
 from torch import nn
 from transformers.cache_utils import DynamicCache
+from transformers.integrations.moe import _default_apply_gate
 from transformers.modeling_outputs import CausalLMOutputWithPast
 
 from dynquant.numerics import native
-from dynquant.runtime.packed_modules import PackedWeight, TiedQuantHead
+from dynquant.runtime.packed_modules import PackedWeight, QuantExpertBank, TiedQuantHead
 from dynquant.runtime.stored_linear import StoredLinear
 
-FAMILIES = ("llama", "qwen3")
+FAMILIES = ("llama", "qwen3", "qwen3_moe", "mixtral", "olmoe")
+LAYER_SLOTS = 22  # decode_step.c's layer descriptor
 # rotary types whose inverse frequencies do not depend on the sequence's length
 STATIC_ROPE = ("default", "linear", "llama3", "yarn", "longrope_static")
 FIRST_CAPACITY = 256
@@ -80,13 +83,16 @@ class _Program:
         self.v = torch.zeros_like(self.k)
         layers: list[int] = []
         for i, layer in enumerate(core.layers):
-            att, mlp = layer.self_attn, layer.mlp
+            att = layer.self_attn
+            q_norm = getattr(att, "q_norm", None)
+            full_qk_norm = q_norm is not None and q_norm.weight.numel() != self.head_dim
             layers += [self._norm(layer.input_layernorm), *map(self._product, (
                 att.q_proj, att.k_proj, att.v_proj, att.o_proj)),
-                self._norm(getattr(att, "q_norm", None)), self._norm(getattr(att, "k_norm", None)),
-                self._norm(layer.post_attention_layernorm),
-                *map(self._product, (mlp.gate_proj, mlp.up_proj, mlp.down_proj)),
-                self.k[i].data_ptr(), self.v[i].data_ptr()]
+                self._norm(q_norm), self._norm(getattr(att, "k_norm", None)),
+                self._norm(layer.post_attention_layernorm), *self._mlp(layer.mlp),
+                int(full_qk_norm), 0]
+            layers[-LAYER_SLOTS + 11:-LAYER_SLOTS + 13] = [self.k[i].data_ptr(),
+                                                           self.v[i].data_ptr()]
         rotary = core.rotary_emb
         inv_freq = rotary.inv_freq.detach().float().contiguous()
         self.keep.append(inv_freq)
@@ -97,6 +103,33 @@ class _Program:
         self.vocab = self._rows(model.lm_head)
         self.scalars = (ctypes.c_float * 3)(cfg.rms_norm_eps, float(rotary.attention_scaling),
                                             self.head_dim ** -0.5)
+
+    def _mlp(self, mlp: nn.Module) -> list[int]:
+        """Slots 8-19 of a layer: a dense MLP's products (and room for the caches at 11, 12),
+        or routed experts' router, banks, top k, renormalisation and intermediate size."""
+        if not hasattr(mlp, "experts"):
+            return [*map(self._product, (mlp.gate_proj, mlp.up_proj, mlp.down_proj)), 0, 0,
+                    0, 0, 0, 0, 0, 0, 0]
+        experts, router = mlp.experts, mlp.gate
+        banks = (getattr(experts, "gate_up_proj", None), experts.down_proj)
+        if not (all(isinstance(b, QuantExpertBank) for b in banks) and experts.has_gate
+                and experts.is_concatenated and not experts.is_transposed
+                and not experts.has_bias and not experts.has_post_expert_norm
+                and type(experts)._apply_gate is _default_apply_gate
+                and getattr(experts.config, "hidden_act", "silu") == "silu"):
+            raise _Unsupported("experts the native step does not run")
+        pairs = []
+        for bank in banks:
+            prepared = bank._prepared(along_groups=True)
+            if prepared is None:
+                raise _Unsupported("an expert bank without its pair kernels")
+            args = (ctypes.c_int64 * len(prepared[0].args))(*prepared[0].args)
+            args[9], args[10] = STEP_PARALLEL_MIN_ELEMENTS, native.kernel_threads()
+            self.keep += [prepared[0], args]
+            pairs.append(ctypes.addressof(args))
+        inter = banks[0].layout.logical_shape[1] // 2
+        return [0, 0, 0, 0, 0, 1, self._dense(router.weight), *pairs, router.top_k,
+                int(getattr(router, "norm_topk_prob", True)), inter]
 
     def _norm(self, module: nn.Module | None) -> int:
         if module is None:
@@ -128,14 +161,22 @@ class _Program:
             args[7] = native.threads_for(fast.rows * fast.n, STEP_PARALLEL_MIN_ELEMENTS)
             self.keep += [fast, args]
             kind, a, rows, cols = int(fast.int8), ctypes.addressof(args), fast.rows, fast.n
-        elif (isinstance(module, (nn.Linear, StoredLinear))
-              and module.weight.dtype in (torch.float32, torch.bfloat16)):
-            w = module.weight.detach().contiguous()
-            self.keep.append(w)
-            kind = 2 if w.dtype == torch.float32 else 3
-            a, (rows, cols) = w.data_ptr(), w.shape
+        elif isinstance(module, (nn.Linear, StoredLinear)):
+            return self._dense(module.weight, bias_ptr)
         else:
             raise _Unsupported(f"no native product for {type(module).__name__}")
+        return self._descriptor(kind, a, rows, cols, bias_ptr)
+
+    def _dense(self, weight: torch.Tensor, bias_ptr: int = 0) -> int:
+        """A product descriptor for a dense float32 or bf16 matrix."""
+        if weight.dtype not in (torch.float32, torch.bfloat16) or weight.ndim != 2:
+            raise _Unsupported(f"no native product for a {weight.dtype} matrix")
+        w = weight.detach().contiguous()
+        self.keep.append(w)
+        kind = 2 if w.dtype == torch.float32 else 3
+        return self._descriptor(kind, w.data_ptr(), *w.shape, bias_ptr)
+
+    def _descriptor(self, kind: int, a: int, rows: int, cols: int, bias_ptr: int) -> int:
         threads = native.threads_for(rows * cols, STEP_PARALLEL_MIN_ELEMENTS)
         desc = _int64s([kind, a, rows, cols, bias_ptr, threads])
         self.keep.append(desc)

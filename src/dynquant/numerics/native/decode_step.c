@@ -1,5 +1,6 @@
-/* One decode step of a Llama-style decoder (Llama, Qwen3) in one call: every layer's norms,
- * products, rotary embedding, attention over the cache and MLP, then the final norm and the head.
+/* One decode step of a Llama-style decoder (Llama, Qwen3; Qwen3-MoE, Mixtral, OLMoE) in one
+ * call: every layer's norms, products, rotary embedding, attention over the cache and MLP (dense,
+ * or routed experts of packed banks), then the final norm and the head.
  * A decode step through transformers' modules pays a Python dispatch per norm, rotary, cat and
  * module call (hundreds per token); here Python makes one call a token.
  *
@@ -7,16 +8,23 @@
  * packed_matvec_q8.c) or, for a matrix kept dense, a float32 / bf16 matvec below. The rest
  * follows transformers' definitions: RMSNorm x * rsqrt(mean(x^2) + eps) * w; rotary with
  * cos/sin(pos * inv_freq) * attention_scaling on the two halves of each head (rotate_half);
- * softmax attention over the cached positions 0..pos with grouped key/value heads; SiLU-gated MLP.
+ * softmax attention over the cached positions 0..pos with grouped key/value heads; SiLU-gated MLP;
+ * MoE: softmax of the router's logits, the top k (ties: the lower expert), their weights
+ * renormalised where asked, each routed expert's SiLU-gated MLP by packed_experts.c's pair
+ * kernels (dq_experts_one) and the weighted sum in slot order.
  *
  * Descriptors (int64 arrays built by runtime/native_decode.py, pointers as integers):
  *   product [6]: kind (0 packed, float32 activations: dq_matvec_one's argument block at a;
  *                1 packed, int8 activations: the same block, dq_matvec_q8_one; 2 dense float32
  *                weight [rows, cols] at a; 3 dense bf16 weight at a, dense_matvec.c), a, rows,
  *                cols, bias (float32 [rows] or 0), threads (kind 3)
- *   layer [13]:  attention norm weight, q, k, v, o products, q_norm and k_norm weights (Qwen3;
- *                0: none), MLP norm weight, gate, up, down products, key cache, value cache
- *                (float32 [capacity, kv_heads, head_dim])
+ *   layer [22]:  attention norm weight, q, k, v, o products, q_norm and k_norm weights (Qwen3:
+ *                per head; OLMoE: over all heads, see [20]; 0: none), MLP norm weight, gate, up,
+ *                down products (dense MLP), key cache, value cache (float32 [capacity, kv_heads,
+ *                head_dim]); [13] MLP kind (0 dense, 1 routed experts), [14] router product,
+ *                [15] the gate_up bank's and [16] the down bank's ExpertPairs argument blocks
+ *                (F.linear kinds), [17] top k, [18] renormalise the top k's weights, [19] an
+ *                expert's intermediate size, [20] q/k norms over all heads, [21] unused
  *   model [10]:  layers, hidden, heads, kv_heads, head_dim, intermediate, final norm weight,
  *                head product, inv_freq (float32 [head_dim / 2]), capacity
  *   scalars [3]: rms eps, rotary attention_scaling, attention scale
@@ -29,6 +37,8 @@
 
 int dq_matvec_one(const int64_t *a, const float *x, float *y);
 int dq_matvec_q8_one(const int64_t *a, const float *x, float *y);
+int dq_experts_one(const int64_t *a, const int64_t *experts, int64_t pairs, const float *x,
+                   float *y);
 int dq_dense_matvec_bf16_mt(const uint16_t *w, int64_t rows, int64_t cols, const float *x,
                             int64_t m, float *y, int64_t y_stride, int threads);
 
@@ -117,6 +127,52 @@ static void attend(const float *q, const float *kc, const float *vc, int64_t len
 }
 
 #define PTR(T, v) ((T)(intptr_t)(v))
+#define LAYER_SLOTS 22
+#define MAX_TOP_K 64
+
+static inline float silu(float v) { return v / (1.0f + expf(-v)); }
+
+/* The routed experts' weighted sum for x [hidden] into out [hidden]; scratch holds at least
+ * experts + top_k * (hidden + 3 * inter + hidden) floats. */
+static int routed_experts(const int64_t *L, const float *x, int64_t hidden, float *out,
+                          float *scratch) {
+    const int64_t *router = PTR(const int64_t *, L[14]);
+    const int64_t n = router[2], k = L[17], inter = L[19];
+    if (k < 1 || k > MAX_TOP_K || k > n) return -1;
+    float *probs = scratch, *xs = probs + n, *up = xs + k * hidden, *h = up + k * 2 * inter;
+    float *down = h + k * inter;
+    int rc = product(router, x, probs);
+    float mx = -INFINITY, sum = 0.0f;
+    for (int64_t e = 0; e < n; e++) mx = probs[e] > mx ? probs[e] : mx;
+    for (int64_t e = 0; e < n; e++) sum += (probs[e] = expf(probs[e] - mx));
+    for (int64_t e = 0; e < n; e++) probs[e] /= sum;
+    int64_t ids[MAX_TOP_K];
+    float w[MAX_TOP_K], wsum = 0.0f;
+    for (int64_t s = 0; s < k; s++) { /* the s-th largest; ties to the lower expert */
+        int64_t best = -1;
+        for (int64_t e = 0; e < n; e++) {
+            int taken = 0;
+            for (int64_t t = 0; t < s; t++) taken |= ids[t] == e;
+            if (!taken && (best < 0 || probs[e] > probs[best])) best = e;
+        }
+        ids[s] = best;
+        wsum += (w[s] = probs[best]);
+    }
+    if (L[18])
+        for (int64_t s = 0; s < k; s++) w[s] /= wsum;
+    for (int64_t s = 0; s < k; s++) memcpy(xs + s * hidden, x, (size_t)hidden * sizeof(float));
+    rc |= dq_experts_one(PTR(const int64_t *, L[15]), ids, k, xs, up);
+    for (int64_t s = 0; s < k; s++)
+        for (int64_t i = 0; i < inter; i++)
+            h[s * inter + i] = silu(up[s * 2 * inter + i]) * up[s * 2 * inter + inter + i];
+    rc |= dq_experts_one(PTR(const int64_t *, L[16]), ids, k, h, down);
+    for (int64_t i = 0; i < hidden; i++) {
+        float acc = 0.0f;
+        for (int64_t s = 0; s < k; s++) acc += down[s * hidden + i] * w[s];
+        out[i] = acc;
+    }
+    return rc;
+}
 
 /* h [hidden]: the token's embedding in, the final hidden state's logits out in logits [rows of
  * the head]. pos: the token's position (the cache holds 0..pos-1; its keys and values go to pos).
@@ -128,12 +184,21 @@ int dq_llama_step(const int64_t *model, const int64_t *layers, const float *scal
     if (pos < 0 || pos >= capacity) return -2;
     const float eps = scalars[0], rope_scale = scalars[1], attn_scale = scalars[2];
     const int64_t qn = heads * hd, kvn = kvh * hd;
-    const size_t floats = (size_t)(hidden + qn + 2 * kvn + qn + 2 * inter + hd + pos + 1);
+    int64_t moe = 0; /* the largest routed-experts scratch of any layer */
+    for (int64_t l = 0; l < nl; l++) {
+        const int64_t *L = layers + LAYER_SLOTS * l;
+        if (L[13]) {
+            const int64_t need = PTR(const int64_t *, L[14])[2] + L[17] * (2 * hidden + 3 * L[19]);
+            moe = need > moe ? need : moe;
+        }
+    }
+    const int64_t gu = inter > hidden ? inter : hidden; /* g: also the experts' sum */
+    const size_t floats = (size_t)(hidden + qn + 2 * kvn + qn + 2 * gu + hd + pos + 1 + moe);
     float *buf = malloc(floats * sizeof(float));
     if (!buf) return -1;
     float *x = buf, *q = x + hidden, *k = q + qn, *v = k + kvn, *att = v + kvn;
-    float *g = att + qn, *u = g + inter, *cs = u + inter, *sn = cs + hd / 2;
-    float *scores = cs + hd;
+    float *g = att + qn, *u = g + gu, *cs = u + gu, *sn = cs + hd / 2;
+    float *scores = cs + hd, *experts = scores + pos + 1;
     const float *inv_freq = PTR(const float *, model[8]);
     for (int64_t i = 0; i < hd / 2; i++) {
         const float f = (float)pos * inv_freq[i];
@@ -142,17 +207,20 @@ int dq_llama_step(const int64_t *model, const int64_t *layers, const float *scal
     }
     int rc = 0;
     for (int64_t l = 0; l < nl && !rc; l++) {
-        const int64_t *L = layers + 13 * l;
+        const int64_t *L = layers + LAYER_SLOTS * l;
         rms_norm(h, PTR(const float *, L[0]), hidden, eps, x);
         rc |= product(PTR(const int64_t *, L[1]), x, q);
         rc |= product(PTR(const int64_t *, L[2]), x, k);
         rc |= product(PTR(const int64_t *, L[3]), x, v);
-        if (L[5])
+        if (L[5] && L[20]) { /* over all heads at once (OLMoE) */
+            rms_norm(q, PTR(const float *, L[5]), qn, eps, q);
+            rms_norm(k, PTR(const float *, L[6]), kvn, eps, k);
+        } else if (L[5]) {
             for (int64_t i = 0; i < heads; i++)
                 rms_norm(q + i * hd, PTR(const float *, L[5]), hd, eps, q + i * hd);
-        if (L[6])
             for (int64_t i = 0; i < kvh; i++)
                 rms_norm(k + i * hd, PTR(const float *, L[6]), hd, eps, k + i * hd);
+        }
         rotary(q, heads, hd, cs, sn);
         rotary(k, kvh, hd, cs, sn);
         float *kc = PTR(float *, L[11]), *vc = PTR(float *, L[12]);
@@ -162,9 +230,14 @@ int dq_llama_step(const int64_t *model, const int64_t *layers, const float *scal
         rc |= product(PTR(const int64_t *, L[4]), att, x);
         for (int64_t i = 0; i < hidden; i++) h[i] += x[i];
         rms_norm(h, PTR(const float *, L[7]), hidden, eps, x);
+        if (L[13]) {
+            rc |= routed_experts(L, x, hidden, g, experts);
+            for (int64_t i = 0; i < hidden; i++) h[i] += g[i];
+            continue;
+        }
         rc |= product(PTR(const int64_t *, L[8]), x, g);
         rc |= product(PTR(const int64_t *, L[9]), x, u);
-        for (int64_t i = 0; i < inter; i++) g[i] = g[i] / (1.0f + expf(-g[i])) * u[i];
+        for (int64_t i = 0; i < inter; i++) g[i] = silu(g[i]) * u[i];
         rc |= product(PTR(const int64_t *, L[10]), g, x);
         for (int64_t i = 0; i < hidden; i++) h[i] += x[i];
     }
