@@ -56,8 +56,8 @@ def main() -> None:
             q = quantize_tensor(w, bits)
             dense = q.dequantize(torch.float32)
             fl, i8 = prepared(q, False), prepared(q, True)
-            runs = {"dense": lambda d=dense: F.linear(x, d),
-                    "float": lambda f=fl: f(lib, x), "int8": lambda f=i8: f(lib, x)}
+            runs = {"dense": lambda d=dense, x=x: F.linear(x, d),
+                    "float": lambda f=fl, x=x: f(lib, x), "int8": lambda f=i8, x=x: f(lib, x)}
             best = dict.fromkeys(runs, float("inf"))
             repeat = max(5, int(2e7 // (rows * cols)))
             for _ in range(3):
