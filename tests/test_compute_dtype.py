@@ -84,14 +84,21 @@ def test_load_and_from_pretrained_follow_the_decision(tmp_path, monkeypatch):
     from dynquant.pipeline.quantize import quantize_model
     from dynquant.runtime.loader import load
     from dynquant.runtime.packed_modules import PackedWeight, QuantLinear
+    from dynquant.runtime.stored_linear import StoredLinear
 
     source = resolve_model("tiny")
     widths = {s.module: 4 for s in source.tensor_specs() if s.quantizable}
     quantize_model(source, widths, tmp_path / "q", random_init=True, progress=False)
 
     def dtypes(model):
+        """The compute dtypes of the packed modules and the dense parameters, but for the
+        weights held as the file stores them (StoredLinear: bf16 in a float32 model)."""
         packed = {m.compute_dtype for m in model.modules() if isinstance(m, PackedWeight)}
-        dense = {p.dtype for p in model.parameters() if p.is_floating_point()}
+        stored = {id(m.weight) for m in model.modules() if isinstance(m, StoredLinear)}
+        assert all(m.weight.dtype == torch.bfloat16 for m in model.modules()
+                   if isinstance(m, StoredLinear))
+        dense = {p.dtype for p in model.parameters() if p.is_floating_point()
+                 and id(p) not in stored}
         return packed | dense
 
     for forced in ("float32", "bfloat16"):  # what auto answers on a CPU with / without bf16

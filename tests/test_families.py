@@ -276,3 +276,26 @@ def test_a_dense_bf16_head_stays_bf16_in_a_float32_model(tmp_path, monkeypatch):
     tokens, _ = _greedy(model, ids)
     monkeypatch.setenv("DYNQUANT_NATIVE_DECODE", "0")
     assert torch.equal(_greedy(model, ids)[0], tokens)
+
+
+def test_a_padded_prompt_keeps_transformers_forward(quantized):
+    """An attention mask that hides positions (left padding) is transformers' to apply: those
+    steps are not native, and the tokens are the eager path's."""
+    _, ck_dir, _, _ = quantized["llama"]
+    model = load(ck_dir, dtype=torch.float32)
+    ids = torch.randint(1, 384, (1, 8), generator=torch.Generator().manual_seed(8))
+    mask = torch.ones_like(ids)
+    mask[0, :3] = 0
+    calls = []
+    step = type(model.forward)._step
+    model.forward._step = lambda *a: calls.append(1) or step(model.forward, *a)
+    with torch.no_grad():
+        padded = model.generate(ids, attention_mask=mask, max_new_tokens=4, do_sample=False)
+        model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=4,
+                       do_sample=False)
+    assert len(calls) == 3  # the unpadded run's three decode steps alone
+    with torch.no_grad():
+        eager = load(ck_dir, dtype=torch.float32)
+        eager.forward = type(eager).forward.__get__(eager)  # transformers' forward only
+        assert torch.equal(padded, eager.generate(ids, attention_mask=mask, max_new_tokens=4,
+                                                  do_sample=False))

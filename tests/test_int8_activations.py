@@ -165,9 +165,12 @@ def test_an_expert_banks_pairs_use_int8_activations_when_asked():
 
 def test_the_activations_setting(monkeypatch):
     monkeypatch.delenv("DYNQUANT_ACTIVATIONS", raising=False)
-    from dynquant.runtime.activations import AUTO_ACTIVATIONS
+    from dynquant.numerics.packed_matvec import q8_path
 
-    assert resolve_activations() == resolve_activations("auto") == AUTO_ACTIVATIONS
+    auto = "auto" if q8_path() in ("vnni", "avx2") else "float"  # SIMD integer dot products
+    assert resolve_activations() == resolve_activations("auto") == auto
+    with backend("torch"):  # no kernels: float
+        assert resolve_activations() == "float"
     assert resolve_activations("int8") == "int8"
     monkeypatch.setenv("DYNQUANT_ACTIVATIONS", "int8")
     assert resolve_activations(None) == "int8" and resolve_activations("float") == "float"
@@ -182,3 +185,6 @@ def test_the_activations_setting(monkeypatch):
     assert not model[0].int8_every_token
     use_activations(model, "float", every_token=True)
     assert not model[0].int8_activations and not model[2].int8_every_token
+    monkeypatch.setenv("DYNQUANT_ACTIVATIONS", "auto")
+    if use_activations(model) == "auto":  # by width: the 2-bit module keeps float32
+        assert not model[0].int8_activations and model[2].int8_activations

@@ -85,7 +85,7 @@ def generate_text(path: str | Path, prompt: str, max_new_tokens: int = 64,
     from transformers import TextStreamer
 
     from dynquant.numerics.compute_dtype import describe, resolve_dtype
-    from dynquant.runtime.activations import resolve_activations
+    from dynquant.runtime.activations import describe_activations
     from dynquant.runtime.loader import load
     from dynquant.runtime.memory import resident_weight_nbytes
 
@@ -96,7 +96,7 @@ def generate_text(path: str | Path, prompt: str, max_new_tokens: int = 64,
     dtype = resolve_dtype(dtype)
     model = load(path, dtype=dtype, activations=activations)
     if stream:  # on stderr: stdout is the text alone
-        print(f"[{describe(dtype)}; {resolve_activations(activations)} activations]",
+        print(f"[{describe(dtype)}; {describe_activations(activations)}]",
               file=sys.stderr, flush=True)
     torch.manual_seed(seed)
     clock = _Clock(TextStreamer(tokenizer, skip_prompt=chat, skip_special_tokens=True)

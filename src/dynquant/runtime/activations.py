@@ -1,10 +1,16 @@
 """Which activations a loaded model's one-token products use: float32, or int8 (integer dot
 products on the packed codes, ``numerics/packed_matvec.py``, ``packed_matvec_q8``).
 
-``activations="auto"`` (the default of ``dynquant.load``, ``generate`` and ``eval``) reads
-``$DYNQUANT_ACTIVATIONS`` (``auto``, ``int8``, ``float``), else :data:`AUTO_ACTIVATIONS`; an
-explicit ``int8`` or ``float`` is used as given. The checkpoint's bytes do not change: only how a
-decode step multiplies them.
+``activations="auto"`` (the default of ``dynquant.load``, ``from_pretrained``, ``generate`` and
+``eval``) reads ``$DYNQUANT_ACTIVATIONS`` (``auto``, ``int8``, ``float``), else picks
+:func:`auto_activations`: where the kernels multiply bytes with SIMD integer dot products (VNNI
+or AVX2: faster than float32 activations at every width and shape measured), int8 for modules
+of at least ``AUTO_INT8_MIN_BITS`` bits and float32 for narrower ones; float32 everywhere on
+other CPUs. The width rule is measured: on SmolLM2-135M the int8 products cost a mean KL
+against float32 activations of ~0.003 nats a token at 4.25 bits but ~0.009 at 3.25, most of it
+in the 2- and 3-bit modules (float32 for those: ~0.003; BENCHMARKS.md, "Against llama.cpp").
+An explicit ``int8`` or ``float`` applies to every module. The checkpoint's bytes do not
+change: only how a decode step multiplies them.
 """
 
 from __future__ import annotations
@@ -16,24 +22,42 @@ if TYPE_CHECKING:  # the CLI reads CHOICES without importing torch
     from torch import nn
 
 CHOICES = ("auto", "int8", "float")
-# What "auto" picks: float32 until the int8 path is measured faster on the CPUs people own
-# (BENCHMARKS.md, "Int8 activations").
-AUTO_ACTIVATIONS = "float"
+# The int8 kernels' paths where "auto" uses them (numerics/packed_matvec.py, q8_path), and the
+# narrowest module width it uses them for.
+INT8_PATHS = ("vnni", "avx2")
+AUTO_INT8_MIN_BITS = 4
+
+
+def auto_activations() -> str:
+    """``auto`` (int8 for modules of AUTO_INT8_MIN_BITS bits and more) where the int8 kernels run
+    on SIMD dot products, else ``float``."""
+    from dynquant.numerics.packed_matvec import q8_path
+
+    return "auto" if q8_path() in INT8_PATHS else "float"
 
 
 def resolve_activations(mode: str | None = None) -> str:
-    """``int8`` or ``float`` for a request (``None``/``"auto"``: ``$DYNQUANT_ACTIVATIONS``, else
-    :data:`AUTO_ACTIVATIONS`)."""
+    """``int8``, ``float`` or ``auto`` (int8 by module width, :func:`auto_activations`) for a
+    request (``None``/``"auto"``: ``$DYNQUANT_ACTIVATIONS``, else :func:`auto_activations`)."""
     if mode in (None, "auto"):
         mode = os.environ.get("DYNQUANT_ACTIVATIONS", "auto")
         if mode == "auto":
-            return AUTO_ACTIVATIONS
+            return auto_activations()
         what = "DYNQUANT_ACTIVATIONS"
     else:
         what = "activations"
     if mode not in CHOICES[1:]:
         raise ValueError(f"{what} must be one of {', '.join(CHOICES)}, got {mode!r}")
     return mode
+
+
+def describe_activations(mode: str | None = None) -> str:
+    """One line for ``generate``: which activations the decode products use."""
+    resolved = resolve_activations(mode)
+    if resolved == "auto":
+        return (f"int8 activations for modules of {AUTO_INT8_MIN_BITS}+ bits, float32 for "
+                "narrower")
+    return "int8 activations" if resolved == "int8" else "float32 activations"
 
 
 def use_activations(model: nn.Module, mode: str | None = None, every_token: bool = False
@@ -47,9 +71,12 @@ def use_activations(model: nn.Module, mode: str | None = None, every_token: bool
     resolved = resolve_activations(mode)
     for module in model.modules():
         if isinstance(module, PackedWeight):
-            module.int8_activations = resolved == "int8"
-            module.int8_every_token = every_token and resolved == "int8"
+            int8 = resolved == "int8" or (resolved == "auto"
+                                          and module.layout.bits >= AUTO_INT8_MIN_BITS)
+            module.int8_activations = int8
+            module.int8_every_token = every_token and int8
     return resolved
 
 
-__all__ = ["AUTO_ACTIVATIONS", "CHOICES", "resolve_activations", "use_activations"]
+__all__ = ["AUTO_INT8_MIN_BITS", "CHOICES", "auto_activations", "describe_activations",
+           "resolve_activations", "use_activations"]

@@ -207,8 +207,9 @@ class NativeDecode:
         return type(self.model).forward(self.model, *args, **kwargs)
 
     def _native_step(self, args: tuple, kwargs: dict[str, Any], cache: Any) -> bool:
-        ids = kwargs.get("input_ids")
+        ids, mask = kwargs.get("input_ids"), kwargs.get("attention_mask")
         return (not args and isinstance(ids, torch.Tensor) and ids.shape == (1, 1)
+                and (mask is None or bool(mask.all()))  # padding: transformers' masks
                 and type(cache) is DynamicCache and cache.get_seq_length() > 0
                 and not torch.is_grad_enabled() and kwargs.get("inputs_embeds") is None
                 and kwargs.get("labels") is None and not kwargs.get("output_attentions")
