@@ -20,6 +20,7 @@ Checkpoints and the Q4_0 file are kept under ``out/bench/vs_llamacpp`` and reuse
 from __future__ import annotations
 
 import argparse
+import copy
 import os
 import subprocess
 import sys
@@ -111,12 +112,18 @@ class Dynquant:
         import dynquant
 
         self.model = dynquant.load(path, activations=activations)
+        # no end-of-text token: every run makes its tokens, with no per-step check for it (the
+        # llama.cpp loop has none either; min_new_tokens would add a vocabulary-wide one)
+        self.config = copy.deepcopy(self.model.generation_config)
+        self.config.eos_token_id, self.config.pad_token_id = None, 0
 
     def decode(self, prompt: list[int], new: int) -> float:
         ids = torch.tensor([prompt])
         start = time.perf_counter()
         with torch.no_grad():
-            self.model.generate(ids, max_new_tokens=new, min_new_tokens=new, do_sample=False)
+            out = self.model.generate(ids, generation_config=self.config, max_new_tokens=new,
+                                      do_sample=False)
+        assert out.shape[1] == len(prompt) + new
         return time.perf_counter() - start
 
     def prefill(self, ids: list[int]) -> float:
