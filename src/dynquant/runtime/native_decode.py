@@ -40,7 +40,7 @@ from dynquant.runtime.stored_linear import StoredLinear
 FAMILIES = ("llama", "qwen3", "qwen3_moe", "mixtral", "olmoe")
 LAYER_SLOTS = 22  # decode_step.c's layer descriptor
 # rotary types whose inverse frequencies do not depend on the sequence's length
-STATIC_ROPE = ("default", "linear", "llama3", "yarn", "longrope_static")
+STATIC_ROPE = ("default", "linear", "llama3", "yarn")
 FIRST_CAPACITY = 256
 # Products from this many weights split over the kernel pool's threads. Inside a native step
 # they run back to back, so the pool's workers are still spinning when the next one comes (a
@@ -197,6 +197,7 @@ class NativeDecode:
         self.program: _Program | None = None
         self.cache: weakref.ref | None = None  # the DynamicCache the native copy continues
         self.length = 0  # positions in the native copy
+        self.supported: bool | None = None  # whether the modules can run natively (checked once)
 
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
         cache = kwargs.get("cache", kwargs.get("past_key_values"))
@@ -220,13 +221,13 @@ class NativeDecode:
 
     def _ready(self) -> bool:
         """Whether the model's modules can be run natively (checked once, kept)."""
-        if getattr(self, "_supported", None) is None:
+        if self.supported is None:
             try:
                 _Program(self.model, 1)
-                self._supported = True
+                self.supported = True
             except _Unsupported:
-                self._supported = False
-        return self._supported
+                self.supported = False
+        return self.supported
 
     def _start(self, cache: DynamicCache, pos: int) -> None:
         """A native copy of ``cache`` (its first ``pos`` positions) in a fresh program."""
