@@ -424,6 +424,24 @@ static void q8_quantize_ordered(const float *x, int64_t n, int64_t gs, int bits,
     }
 }
 
+/* m tokens x [m, padded_n] quantized (q8_quantize_ordered) into one allocation, owned by the
+ * result's d (free it); d NULL if out of memory. */
+static q8_tokens q8_quantize_tokens(const float *x, int64_t m, int64_t padded_n, int64_t gs,
+                                    int bits) {
+    const int64_t blocks = padded_n / Q8_BLOCK, groups = padded_n / gs;
+    q8_tokens t = {0};
+    float *d = malloc((size_t)(m * (blocks + groups)) * sizeof(float) + (size_t)(m * padded_n));
+    if (!d) return t;
+    int8_t *xq = (int8_t *)(d + m * (blocks + groups));
+    for (int64_t i = 0; i < m; i++)
+        q8_quantize_ordered(x + i * padded_n, padded_n, gs, bits, xq + i * padded_n,
+                            d + i * blocks, d + m * blocks + i * groups);
+    t.xq = xq;
+    t.d = d;
+    t.xsum = d + m * blocks;
+    return t;
+}
+
 static int q8_supported(int64_t gs, int bits) {
     return gs % Q8_BLOCK == 0 && gs <= MAX_GROUP && bits >= 2 && bits <= 8 && bits != 7;
 }
@@ -454,23 +472,14 @@ int dq_q8_group_dots(const uint32_t *qweight, int64_t rows, int64_t padded_n, in
 int dq_matvec_q8_mt(const uint32_t *qweight, const uint16_t *scales, const uint16_t *offsets,
                     int64_t rows, int64_t padded_n, int64_t gs, int bits, const float *x,
                     int64_t m, float *y, int64_t y_stride, int portable, int threads) {
-    if (!q8_supported(gs, bits)) return -1;
-    const int64_t blocks = padded_n / Q8_BLOCK, groups = padded_n / gs;
-    float *d = malloc((size_t)(m * (blocks + groups)) * sizeof(float));
-    int8_t *xq = malloc((size_t)(m * padded_n));
-    int rc = -1;
-    if (d && xq) {
-        for (int64_t t = 0; t < m; t++)
-            q8_quantize_ordered(x + t * padded_n, padded_n, gs, bits, xq + t * padded_n,
-                                d + t * blocks, d + m * blocks + t * groups);
-        const q8_job j = {.qweight = qweight, .scales = scales, .offsets = offsets,
-                          .padded_n = padded_n, .gs = gs, .bits = bits, .portable = portable,
-                          .x = {.xq = xq, .d = d, .xsum = d + m * blocks}, .m = m, .y = y,
-                          .y_stride = y_stride};
-        rc = dq_parallel(q8_rows, &j, rows, threads);
-    }
-    free(d);
-    free(xq);
+    q8_tokens tokens;
+    if (!q8_supported(gs, bits) || !(tokens = q8_quantize_tokens(x, m, padded_n, gs, bits)).d)
+        return -1;
+    const q8_job j = {.qweight = qweight, .scales = scales, .offsets = offsets,
+                      .padded_n = padded_n, .gs = gs, .bits = bits, .portable = portable,
+                      .x = tokens, .m = m, .y = y, .y_stride = y_stride};
+    const int rc = dq_parallel(q8_rows, &j, rows, threads);
+    free((void *)tokens.d);
     return rc;
 }
 
@@ -510,25 +519,16 @@ int dq_matvec_q8_experts_mt(const uint32_t *qweight, const uint16_t *scales,
                             const uint16_t *offsets, int64_t rows_per_expert, int64_t padded_n,
                             int64_t gs, int bits, const int64_t *experts, int64_t pairs,
                             const float *x, float *y, int threads) {
-    if (!q8_supported(gs, bits)) return -1;
-    const int64_t blocks = padded_n / Q8_BLOCK, groups = padded_n / gs;
-    float *d = malloc((size_t)(pairs * (blocks + groups)) * sizeof(float));
-    int8_t *xq = malloc((size_t)(pairs * padded_n));
-    int rc = -1;
-    if (d && xq) {
-        for (int64_t p = 0; p < pairs; p++)
-            q8_quantize_ordered(x + p * padded_n, padded_n, gs, bits, xq + p * padded_n,
-                                d + p * blocks, d + pairs * blocks + p * groups);
-        const q8_pairs_job pj = {
-            .job = {.qweight = qweight, .scales = scales, .offsets = offsets,
-                    .padded_n = padded_n, .gs = gs, .bits = bits,
-                    .x = {.xq = xq, .d = d, .xsum = d + pairs * blocks}, .m = pairs, .y = y,
-                    .y_stride = rows_per_expert},
-            .experts = experts, .rows_per_expert = rows_per_expert};
-        rc = dq_parallel(q8_pairs_rows, &pj, rows_per_expert, threads);
-    }
-    free(d);
-    free(xq);
+    q8_tokens tokens;
+    if (!q8_supported(gs, bits) || !(tokens = q8_quantize_tokens(x, pairs, padded_n, gs, bits)).d)
+        return -1;
+    const q8_pairs_job pj = {
+        .job = {.qweight = qweight, .scales = scales, .offsets = offsets, .padded_n = padded_n,
+                .gs = gs, .bits = bits, .x = tokens, .m = pairs, .y = y,
+                .y_stride = rows_per_expert},
+        .experts = experts, .rows_per_expert = rows_per_expert};
+    const int rc = dq_parallel(q8_pairs_rows, &pj, rows_per_expert, threads);
+    free((void *)tokens.d);
     return rc;
 }
 
