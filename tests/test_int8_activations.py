@@ -18,6 +18,7 @@ from dynquant.numerics.packed_matvec import (
     group_dots_ref,
     packed_matvec_q8,
     packed_matvec_q8_ref,
+    packed_matvec_q16,
     packed_matvec_ref,
     quantize_activations,
     quantize_activations_ref,
@@ -186,5 +187,57 @@ def test_the_activations_setting(monkeypatch):
     use_activations(model, "float", every_token=True)
     assert not model[0].int8_activations and not model[2].int8_every_token
     monkeypatch.setenv("DYNQUANT_ACTIVATIONS", "auto")
-    if use_activations(model) == "auto":  # by width: the 2-bit module keeps float32
+    if use_activations(model) == "auto":  # by width: the 2-bit module takes int16
         assert not model[0].int8_activations and model[2].int8_activations
+        assert model[0].int16_activations and not model[2].int16_activations
+
+
+def test_the_int16_quantizer_matches_its_reference():
+    x = torch.randn(6 * Q8_BLOCK, generator=torch.Generator().manual_seed(9)) * 3
+    x[:Q8_BLOCK] = 0.0
+    x[Q8_BLOCK] = 40.0
+    xq, d = quantize_activations(x, torch.int16)
+    ref_q, ref_d = quantize_activations_ref(x, torch.int16)
+    assert xq.dtype == torch.int16 and torch.equal(xq, ref_q) and torch.equal(d, ref_d)
+    assert xq.abs().max() == 32767 and not xq[:Q8_BLOCK].any()
+    err = (xq.float().view(-1, Q8_BLOCK) * d[:, None] - x.view(-1, Q8_BLOCK)).abs()
+    assert (err <= d[:, None] * 0.5 * (1 + 1e-6)).all()
+
+
+@pytest.mark.parametrize("bits", [2, 3, 4, 5, 6])
+@pytest.mark.parametrize("gs", GROUPS)
+def test_int16_dot_products_and_product_equal_their_references(bits, gs):
+    """int16 activations (the default for modules under 4 bits): integer dots against int64,
+    SIMD and portable, the largest codes against +-32767 included; the product bit for bit
+    against its reference, and within float32-like error of the exact product."""
+    g = torch.Generator().manual_seed(bits * 10 + gs)
+    qt = quantize_tensor(torch.randn(19, 320, generator=g), bits, gs)
+    n = qt.layout.padded_in_features
+    xq = torch.randint(-32767, 32768, (n,), generator=g, dtype=torch.int16)
+    xq[:128] = 32767
+    top = (1 << bits) - 1
+    codes_max = pack_codes(torch.full((19, n), top, dtype=torch.uint8), bits)
+    for q in (qt.qweight, codes_max):
+        ref = group_dots_ref(xq, q, qt.layout)
+        for portable in (False, True):
+            assert torch.equal(group_dots(xq, q, qt.layout, portable).long(), ref)
+    assert group_dots_ref(xq, codes_max, qt.layout)[0, 0] == top * 32767 * gs
+    x = torch.stack([_token(320, seed) for seed in range(3)])
+    fast = packed_matvec_q16(x, qt.qweight, qt.scales, qt.offsets, qt.layout)
+    portable = packed_matvec_q16(x, qt.qweight, qt.scales, qt.offsets, qt.layout, portable=True)
+    ref = torch.stack([packed_matvec_q8_ref(t, qt.qweight, qt.scales, qt.offsets, qt.layout,
+                                            torch.int16) for t in x])
+    assert torch.equal(fast, ref) and torch.equal(portable, ref)
+    exact = packed_matvec_ref(x, qt.qweight, qt.scales, qt.offsets, qt.layout)
+    assert ((fast - exact).norm() / exact.norm()).item() < 1e-4
+
+
+def test_modules_multiply_with_int16_activations_when_asked():
+    lin = _linear(3, 96, 200)
+    x = torch.randn(1, 1, 200, generator=torch.Generator().manual_seed(10))
+    lin.int16_activations = True
+    want = packed_matvec_q16(x[0], lin.qweight, lin.scales, lin.offsets, lin.layout)
+    assert torch.equal(lin(x)[0], want + lin.bias) and "matvec-int16" in lin._kept_calls
+    lin.int8_activations = True  # int8 wins where both are set
+    assert torch.equal(lin(x)[0], packed_matvec_q8(x[0], lin.qweight, lin.scales, lin.offsets,
+                                                   lin.layout) + lin.bias)

@@ -54,7 +54,8 @@ from dynquant import quantize_tensor
 from dynquant.numerics import row_kernels
 from dynquant.numerics.packed_matvec import packed_gemm, packed_matvec, packed_matvec_ref
 from dynquant.numerics.packed_matvec import packed_gemm_t, packed_vecmat, packed_vecmat_ref
-from dynquant.numerics.packed_matvec import packed_matvec_q8, q8_path, simd_path
+from dynquant.numerics.packed_matvec import packed_matvec_q8, packed_matvec_q16, q8_path
+from dynquant.numerics.packed_matvec import simd_path
 h = hashlib.sha256()
 gemm_error = 0.0
 g = torch.Generator().manual_seed(0)
@@ -70,6 +71,9 @@ for bits in (2, 3, 4, 5, 6, 8):
                                        qt.offsets, qt.layout))
             parts.append(packed_matvec_q8(torch.randn(m, 300, generator=g) * 3, qt.qweight,
                                           qt.scales, qt.offsets, qt.layout))
+            if bits <= 6:
+                parts.append(packed_matvec_q16(torch.randn(m, 300, generator=g), qt.qweight,
+                                               qt.scales, qt.offsets, qt.layout))
         parts.append(row_kernels.dequantize_rows(qt.qweight, qt.scales, qt.offsets, bits, gs, 300,
                                                  torch.bfloat16).view(torch.int16))
         for t in parts:

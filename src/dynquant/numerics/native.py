@@ -14,8 +14,8 @@ The kernels (``native/*.c``) and their Python sides:
   entry ``dq_matvec_tokens_mt``;
 - ``packed_gemm.c`` (``packed_matvec.py``): many tokens times a packed matrix (prefill), panels of
   rows dequantized into a per-thread float32 buffer that stays in cache;
-- ``packed_matvec_q8.c`` (``packed_matvec.py``): one token with int8 activations, integer dot
-  products on the codes (VNNI, AVX2 or portable; every build the same bits);
+- ``packed_matvec_q8.c`` (``packed_matvec.py``): one token with int8 (or int16) activations,
+  integer dot products on the codes (VNNI, AVX2 or portable; every build the same bits);
 - ``dense_matvec.c`` (``runtime/stored_linear.py``): a few float32 tokens times a dense bf16
   matrix, converted on the fly (a dense Linear kept in its file dtype);
 - ``decode_step.c`` (``runtime/native_decode.py``): a whole decode step of a Llama-style model;
@@ -179,10 +179,13 @@ def _load() -> ctypes.CDLL | None:
     lib.dq_matvec_one.argtypes = lib.dq_matvec_q8_one.argtypes = [ptr, ptr, ptr]
     lib.dq_llama_step.argtypes = [ptr, ptr, ptr, ptr, i64, ptr]
     lib.dq_dense_matvec_bf16_mt.argtypes = [ptr, i64, i64, ptr, i64, ptr, i64, c_int]
-    lib.dq_q8_quantize.argtypes = [ptr, i64, ptr, ptr]
-    lib.dq_q8_quantize.restype = None
+    lib.dq_q8_quantize.argtypes = lib.dq_q16_quantize.argtypes = [ptr, i64, ptr, ptr]
+    lib.dq_q8_quantize.restype = lib.dq_q16_quantize.restype = None
+    lib.dq_q16_group_dots.argtypes = [ptr, i64, i64, i64, c_int, ptr, ptr, c_int]
+    lib.dq_matvec_q16_one.argtypes = [ptr, ptr, ptr]
     lib.dq_q8_group_dots.argtypes = [ptr, i64, i64, i64, c_int, ptr, ptr, c_int]
-    lib.dq_matvec_q8_mt.argtypes = [*lib.dq_matvec.argtypes, c_int]
+    lib.dq_matvec_q8_mt.argtypes = lib.dq_matvec_q16_mt.argtypes = [*lib.dq_matvec.argtypes,
+                                                                      c_int]
     lib.dq_experts_one.argtypes = [ptr, ptr, i64, ptr, ptr]
     lib.dq_vecmat_mt.argtypes = [ptr, ptr, ptr, i64, i64, i64, c_int, ptr, i64, ptr, c_int, c_int]
     experts_mt = [ptr, ptr, ptr, i64, i64, i64, c_int, ptr, i64, ptr, ptr, c_int, c_int]
@@ -194,7 +197,8 @@ def _load() -> ctypes.CDLL | None:
                lib.dq_matvec_experts_mt, lib.dq_vecmat_experts_mt, lib.dq_gemm_mt,
                lib.dq_gemm_t_mt, lib.dq_matvec_one, lib.dq_experts_one, lib.dq_matvec_tokens_mt,
                lib.dq_q8_simd, lib.dq_q8_group_dots, lib.dq_matvec_q8_mt, lib.dq_matvec_q8_one,
-               lib.dq_llama_step, lib.dq_dense_matvec_bf16_mt):
+               lib.dq_llama_step, lib.dq_dense_matvec_bf16_mt, lib.dq_q16_group_dots,
+               lib.dq_matvec_q16_mt, lib.dq_matvec_q16_one):
         fn.restype = c_int
     return lib
 

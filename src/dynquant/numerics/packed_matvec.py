@@ -107,28 +107,36 @@ def packed_gemm(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor,
     return y
 
 
-def quantize_activations_ref(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """int8 [n] and float32 [n / Q8_BLOCK] for a float32 vector x [n] (n a multiple of Q8_BLOCK):
-    per block, ``d = amax / 127`` and ``xq = round(x * (127 / amax))`` (ties to even), in float32;
-    what ``dq_q8_quantize`` computes."""
+# int8 and int16 activations: the largest level, and the integer dtype
+LEVELS = {torch.int8: 127.0, torch.int16: 32767.0}
+
+
+def quantize_activations_ref(x: torch.Tensor, dtype: torch.dtype = torch.int8
+                             ) -> tuple[torch.Tensor, torch.Tensor]:
+    """int8 (or int16) [n] and float32 [n / Q8_BLOCK] for a float32 vector x [n] (n a multiple of
+    Q8_BLOCK): per block, ``d = amax / L`` and ``xq = round(x * (L / amax))`` (ties to even), in
+    float32, L = 127 (32767); what ``dq_q8_quantize`` (``dq_q16_quantize``) computes."""
+    levels = LEVELS[dtype]
     blocks = x.to(torch.float32).reshape(-1, Q8_BLOCK)
     amax = blocks.abs().amax(dim=1)
     live = amax >= Q8_TINY
     zero = torch.zeros_like(amax)
-    inv = torch.where(live, 127.0 / torch.where(live, amax, 1.0), zero)
-    d = torch.where(live, amax / 127.0, zero)
-    return torch.round(blocks * inv[:, None]).to(torch.int8).reshape(-1), d
+    inv = torch.where(live, levels / torch.where(live, amax, 1.0), zero)
+    d = torch.where(live, amax / levels, zero)
+    return torch.round(blocks * inv[:, None]).to(dtype).reshape(-1), d
 
 
-def quantize_activations(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor] | None:
+def quantize_activations(x: torch.Tensor, dtype: torch.dtype = torch.int8
+                         ) -> tuple[torch.Tensor, torch.Tensor] | None:
     """:func:`quantize_activations_ref` by the native kernel (None without it)."""
     lib = native.library()
     if lib is None:
         return None
     xf = x.to(torch.float32).contiguous()
-    xq = torch.empty(xf.numel(), dtype=torch.int8)
+    xq = torch.empty(xf.numel(), dtype=dtype)
     d = torch.empty(xf.numel() // Q8_BLOCK)
-    lib.dq_q8_quantize(xf.data_ptr(), xf.numel(), xq.data_ptr(), d.data_ptr())
+    kernel = lib.dq_q16_quantize if dtype == torch.int16 else lib.dq_q8_quantize
+    kernel(xf.data_ptr(), xf.numel(), xq.data_ptr(), d.data_ptr())
     return xq, d
 
 
@@ -146,16 +154,17 @@ def group_dots_ref(xq: torch.Tensor, qweight: torch.Tensor, layout: LayerLayout)
 
 def group_dots(xq: torch.Tensor, qweight: torch.Tensor, layout: LayerLayout,
                portable: bool = False) -> torch.Tensor | None:
-    """int32 [rows, groups] from the kernel's own integer dot products (None without it)."""
+    """int32 [rows, groups] from the kernel's own integer dot products, for an int8 or int16
+    token (None without the kernels)."""
     lib = native.library()
     if lib is None:
         return None
     q = qweight.contiguous()
     out = torch.empty(q.shape[0], layout.padded_in_features // layout.group_size,
                       dtype=torch.int32)
-    if lib.dq_q8_group_dots(q.data_ptr(), q.shape[0], layout.padded_in_features,
-                            layout.group_size, layout.bits, xq.contiguous().data_ptr(),
-                            out.data_ptr(), int(portable)):
+    kernel = lib.dq_q16_group_dots if xq.dtype == torch.int16 else lib.dq_q8_group_dots
+    if kernel(q.data_ptr(), q.shape[0], layout.padded_in_features, layout.group_size,
+              layout.bits, xq.contiguous().data_ptr(), out.data_ptr(), int(portable)):
         raise RuntimeError("dq_q8_group_dots: unsupported width or group size")
     return out
 
@@ -171,18 +180,36 @@ def q8_order(bits: int) -> torch.Tensor:
     return p
 
 
+def q16_order() -> torch.Tensor:
+    """The int16 products' order of a block's codes (any width): the 16-bit lanes the AVX2
+    unpacking leaves, codes 0-7, 16-23, then 8-15, 24-31."""
+    t = torch.arange(Q8_BLOCK) % 16
+    return 16 * (t // 8) + torch.where(torch.arange(Q8_BLOCK) >= 16, 8, 0) + t % 8
+
+
+# Which positions of a block each of the 8 integer lanes sums: int8 4l .. 4l+3; int16 2l, 2l+1,
+# 16+2l, 17+2l.
+LANE_POSITIONS = {
+    torch.int8: torch.arange(Q8_BLOCK).view(8, 4),
+    torch.int16: torch.stack([torch.arange(0, 16, 2), torch.arange(1, 16, 2),
+                              torch.arange(16, 32, 2), torch.arange(17, 32, 2)], dim=1),
+}
+
+
 def packed_matvec_q8_ref(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor,
-                         offsets: torch.Tensor, layout: LayerLayout) -> torch.Tensor:
-    """float32 [rows]: one token x [in_features] times the packed rows with int8 activations,
-    operation by operation as ``native/packed_matvec_q8.c`` defines it (its header)."""
+                         offsets: torch.Tensor, layout: LayerLayout,
+                         dtype: torch.dtype = torch.int8) -> torch.Tensor:
+    """float32 [rows]: one token x [in_features] times the packed rows with int8 (``dtype``
+    int16: int16) activations, operation by operation as ``native/packed_matvec_q8.c`` defines
+    it (its header, and its int16 section)."""
     xf = _padded_token(x, layout)
-    xq, d = quantize_activations_ref(xf)
+    xq, d = quantize_activations_ref(xf, dtype)
     rows, gs = qweight.shape[0], layout.group_size
     groups, blocks = layout.padded_in_features // gs, gs // Q8_BLOCK
-    order = q8_order(layout.bits)  # each block's codes in the width's lane order
+    order = q16_order() if dtype == torch.int16 else q8_order(layout.bits)
     codes = unpack_codes(qweight, layout.bits).to(torch.int32).view(rows, -1, Q8_BLOCK)
-    xo = xq.to(torch.int32).view(-1, Q8_BLOCK)[:, order]
-    lanes = (codes[:, :, order] * xo).view(rows, -1, 8, 4).sum(-1).to(torch.float32)
+    products = codes[:, :, order] * xq.to(torch.int32).view(-1, Q8_BLOCK)[:, order]
+    lanes = products[:, :, LANE_POSITIONS[dtype]].sum(-1).to(torch.float32)
     lanes = lanes.view(rows, groups, blocks, 8)
     block_sums = d * xq.to(torch.int32).view(-1, Q8_BLOCK).sum(-1).to(torch.float32)
     xsum = torch.zeros(groups)
@@ -199,11 +226,18 @@ def packed_matvec_q8_ref(x: torch.Tensor, qweight: torch.Tensor, scales: torch.T
     return ((s4[:, 0] + s4[:, 2]) + (s4[:, 1] + s4[:, 3])) + o_sum
 
 
+def packed_matvec_q16(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor,
+                      offsets: torch.Tensor, layout: LayerLayout, portable: bool = False
+                      ) -> torch.Tensor | None:
+    """:func:`packed_matvec_q8` with int16 activations (widths 2-6)."""
+    return packed_matvec_q8(x, qweight, scales, offsets, layout, portable, torch.int16)
+
+
 def packed_matvec_q8(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor,
-                     offsets: torch.Tensor, layout: LayerLayout, portable: bool = False
-                     ) -> torch.Tensor | None:
+                     offsets: torch.Tensor, layout: LayerLayout, portable: bool = False,
+                     dtype: torch.dtype = torch.int8) -> torch.Tensor | None:
     """float32 [m, rows] for x [m, in_features]: row t is :func:`packed_matvec_q8_ref` of token t
-    (each token quantized on its own), by the native kernel; None without it."""
+    (each token quantized on its own to ``dtype``), by the native kernel; None without it."""
     lib = native.library()
     if lib is None:
         return None
@@ -211,10 +245,10 @@ def packed_matvec_q8(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tenso
     rows = q.shape[0]
     y = torch.empty(xf.shape[0], rows)
     threads = native.threads_for(rows * layout.padded_in_features, PARALLEL_MIN_ELEMENTS)
-    if lib.dq_matvec_q8_mt(q.data_ptr(), s.data_ptr(), o.data_ptr(), rows,
-                           layout.padded_in_features, layout.group_size, layout.bits,
-                           xf.data_ptr(), xf.shape[0], y.data_ptr(), rows, int(portable),
-                           threads):
+    kernel = lib.dq_matvec_q16_mt if dtype == torch.int16 else lib.dq_matvec_q8_mt
+    if kernel(q.data_ptr(), s.data_ptr(), o.data_ptr(), rows, layout.padded_in_features,
+              layout.group_size, layout.bits, xf.data_ptr(), xf.shape[0], y.data_ptr(), rows,
+              int(portable), threads):
         raise RuntimeError("dq_matvec_q8 failed (out of memory or unsupported layout)")
     return y
 
@@ -238,10 +272,11 @@ class OneTokenMatvec:
     pads a copy where the layout does)."""
 
     def __init__(self, qweight: torch.Tensor, scales: torch.Tensor, offsets: torch.Tensor,
-                 layout: LayerLayout, int8: bool = False) -> None:
+                 layout: LayerLayout, int8: bool = False, int16: bool = False) -> None:
         native.check_packed_block(qweight, scales, offsets, layout.bits, layout.group_size,
                                   layout.in_features)
-        self.int8 = int8  # int8 activations (dq_matvec_q8_one), else float32 (dq_matvec_one)
+        # int8 activations (dq_matvec_q8_one), int16 (dq_matvec_q16_one), else float32
+        self.int8, self.int16 = int8, int16 and not int8
         if not (qweight.is_contiguous() and scales.is_contiguous() and offsets.is_contiguous()):
             raise ValueError("OneTokenMatvec needs contiguous tensors")
         self.rows, self.n = qweight.shape[0], layout.in_features
@@ -266,7 +301,8 @@ class OneTokenMatvec:
         """float32 ``shape`` (default [1, rows]; its last axis: rows) for a contiguous float32 x
         of ``in_features`` values."""
         y = torch.empty(shape or (1, self.rows))
-        kernel = lib.dq_matvec_q8_one if self.int8 else lib.dq_matvec_one
+        kernel = (lib.dq_matvec_q8_one if self.int8 else
+                  lib.dq_matvec_q16_one if self.int16 else lib.dq_matvec_one)
         if kernel(self.address, x.data_ptr(), y.data_ptr()):
             raise RuntimeError("dq_matvec failed (out of memory)")
         return y
@@ -476,6 +512,7 @@ __all__ = [
     "packed_matvec_experts",
     "packed_matvec_q8",
     "packed_matvec_q8_ref",
+    "packed_matvec_q16",
     "packed_matvec_ref",
     "packed_vecmat",
     "packed_vecmat_experts",

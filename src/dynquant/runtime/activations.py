@@ -5,10 +5,11 @@ products on the packed codes, ``numerics/packed_matvec.py``, ``packed_matvec_q8`
 ``eval``) reads ``$DYNQUANT_ACTIVATIONS`` (``auto``, ``int8``, ``float``), else picks
 :func:`auto_activations`: where the kernels multiply bytes with SIMD integer dot products (VNNI
 or AVX2: faster than float32 activations at every width and shape measured), int8 for modules
-of at least ``AUTO_INT8_MIN_BITS`` bits and float32 for narrower ones; float32 everywhere on
+of at least ``AUTO_INT8_MIN_BITS`` bits and int16 for narrower ones; float32 everywhere on
 other CPUs. The width rule is measured: on SmolLM2-135M the int8 products cost a mean KL
 against float32 activations of ~0.003 nats a token at 4.25 bits but ~0.009 at 3.25, most of it
-in the 2- and 3-bit modules (float32 for those: ~0.003; BENCHMARKS.md, "Against llama.cpp").
+in the 2- and 3-bit modules (float32 for those: ~0.004; BENCHMARKS.md, "Against llama.cpp");
+int16 activations keep that accuracy at about int8's speed.
 An explicit ``int8`` or ``float`` applies to every module. The checkpoint's bytes do not
 change: only how a decode step multiplies them.
 """
@@ -55,7 +56,7 @@ def describe_activations(mode: str | None = None) -> str:
     """One line for ``generate``: which activations the decode products use."""
     resolved = resolve_activations(mode)
     if resolved == "auto":
-        return (f"int8 activations for modules of {AUTO_INT8_MIN_BITS}+ bits, float32 for "
+        return (f"int8 activations for modules of {AUTO_INT8_MIN_BITS}+ bits, int16 for "
                 "narrower")
     return "int8 activations" if resolved == "int8" else "float32 activations"
 
@@ -71,10 +72,11 @@ def use_activations(model: nn.Module, mode: str | None = None, every_token: bool
     resolved = resolve_activations(mode)
     for module in model.modules():
         if isinstance(module, PackedWeight):
-            int8 = resolved == "int8" or (resolved == "auto"
-                                          and module.layout.bits >= AUTO_INT8_MIN_BITS)
+            auto = resolved == "auto"
+            int8 = resolved == "int8" or (auto and module.layout.bits >= AUTO_INT8_MIN_BITS)
             module.int8_activations = int8
-            module.int8_every_token = every_token and int8
+            module.int16_activations = auto and not int8
+            module.int8_every_token = every_token and resolved != "float"
     return resolved
 
 

@@ -160,7 +160,8 @@ class _Program:
             args = (ctypes.c_int64 * len(fast.args))(*fast.args)
             args[7] = native.threads_for(fast.rows * fast.n, STEP_PARALLEL_MIN_ELEMENTS)
             self.keep += [fast, args]
-            kind, a, rows, cols = int(fast.int8), ctypes.addressof(args), fast.rows, fast.n
+            kind = 1 if fast.int8 else 4 if fast.int16 else 0
+            a, rows, cols = ctypes.addressof(args), fast.rows, fast.n
         elif isinstance(module, (nn.Linear, StoredLinear)):
             return self._dense(module.weight, bias_ptr)
         else:

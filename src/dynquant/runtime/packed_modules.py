@@ -34,6 +34,7 @@ from dynquant.numerics.packed_matvec import (
     packed_matvec,
     packed_matvec_experts,
     packed_matvec_q8,
+    packed_matvec_q16,
     packed_vecmat,
     packed_vecmat_experts,
 )
@@ -122,10 +123,12 @@ class PackedWeight(nn.Module):
 
     ``int8_activations``: one-token products quantize the token to int8 and multiply it with the
     codes as integers (``packed_matvec_q8``); set for a whole model by
-    ``runtime/activations.py``. Prefills keep the float32 GEMM unless ``int8_every_token``
-    (scoring what decode computes, token by token: ``dynquant eval --activations int8``)."""
+    ``runtime/activations.py``; ``int16_activations`` the same with int16 (``packed_matvec_q16``,
+    widths 2-6). Prefills keep the float32 GEMM unless ``int8_every_token`` (scoring what decode
+    computes, token by token: ``dynquant eval --activations int8``)."""
 
     int8_activations = False
+    int16_activations = False  # int16 instead (widths 2-6; int8 wins where both are set)
     int8_every_token = False
 
     def __init__(self, layout: LayerLayout, compute_dtype: torch.dtype = torch.bfloat16) -> None:
@@ -168,9 +171,11 @@ class PackedWeight(nn.Module):
     def _products(self) -> tuple[Callable[..., torch.Tensor | None],
                                  Callable[..., torch.Tensor | None]]:
         """The products of a few tokens and of many along the groups, as the activations ask."""
-        if not self.int8_activations:
+        product = (packed_matvec_q8 if self.int8_activations else
+                   packed_matvec_q16 if self._int16() else None)
+        if product is None:
             return packed_matvec, packed_gemm
-        return packed_matvec_q8, packed_matvec_q8 if self.int8_every_token else packed_gemm
+        return product, product if self.int8_every_token else packed_gemm
 
     def _one_token(self, x: torch.Tensor) -> tuple[OneTokenMatvec, object] | None:
         """Decode's common case (one token, a small matrix) without the general call's per-call
@@ -186,9 +191,12 @@ class PackedWeight(nn.Module):
     def one_token_product(self) -> OneTokenMatvec | None:
         """The prepared one-token product for the module's activations (int8 or float32), kept
         until a buffer is replaced; None off the CPU."""
-        int8 = self.int8_activations
-        return self._kept("matvec-int8" if int8 else "matvec",
-                          lambda q, s, o: OneTokenMatvec(q, s, o, self.layout, int8))
+        int8, int16 = self.int8_activations, self._int16()
+        key = "matvec-int8" if int8 else "matvec-int16" if int16 else "matvec"
+        return self._kept(key, lambda q, s, o: OneTokenMatvec(q, s, o, self.layout, int8, int16))
+
+    def _int16(self) -> bool:
+        return self.int16_activations and not self.int8_activations and self.layout.bits <= 6
 
     def _kept(self, key: str, make: Callable[[torch.Tensor, torch.Tensor, torch.Tensor], T]
               ) -> T | None:

@@ -16,8 +16,9 @@
  * Descriptors (int64 arrays built by runtime/native_decode.py, pointers as integers):
  *   product [6]: kind (0 packed, float32 activations: dq_matvec_one's argument block at a;
  *                1 packed, int8 activations: the same block, dq_matvec_q8_one; 2 dense float32
- *                weight [rows, cols] at a; 3 dense bf16 weight at a, dense_matvec.c), a, rows,
- *                cols, bias (float32 [rows] or 0), threads (kind 3)
+ *                weight [rows, cols] at a; 3 dense bf16 weight at a, dense_matvec.c; 4 packed,
+ *                int16 activations: dq_matvec_q16_one), a, rows, cols, bias (float32 [rows] or
+ *                0), threads (kind 3)
  *   layer [22]:  attention norm weight, q, k, v, o products, q_norm and k_norm weights (Qwen3:
  *                per head; OLMoE: over all heads, see [20]; 0: none), MLP norm weight, gate, up,
  *                down products (dense MLP), key cache, value cache (float32 [capacity, kv_heads,
@@ -37,6 +38,7 @@
 
 int dq_matvec_one(const int64_t *a, const float *x, float *y);
 int dq_matvec_q8_one(const int64_t *a, const float *x, float *y);
+int dq_matvec_q16_one(const int64_t *a, const float *x, float *y);
 int dq_experts_one(const int64_t *a, const int64_t *experts, int64_t pairs, const float *x,
                    float *y);
 int dq_dense_matvec_bf16_mt(const uint16_t *w, int64_t rows, int64_t cols, const float *x,
@@ -64,6 +66,8 @@ static int product(const int64_t *p, const float *x, float *y) {
     else if (kind == 2)
         for (int64_t r = 0; r < rows; r++)
             y[r] = dense_dot_f32((const float *)(intptr_t)p[1] + r * cols, x, cols);
+    else if (kind == 4)
+        rc = dq_matvec_q16_one((const int64_t *)(intptr_t)p[1], x, y);
     else if (kind == 3)
         rc = dq_dense_matvec_bf16_mt((const uint16_t *)(intptr_t)p[1], rows, cols, x, 1, y, rows,
                                      (int)p[5]);

@@ -548,3 +548,289 @@ int dq_matvec_q8_one(const int64_t *a, const float *x, float *y) {
     free(padded);
     return rc;
 }
+
+/* ---- int16 activations ----
+ * The same product with the token quantized to int16 (d = amax / 32767): GPTQ's 2- and 3-bit
+ * codes carry a large error in directions the calibration's activations do not use, and int8's
+ * noise reaches those directions (BENCHMARKS.md, "Against llama.cpp"); at 16 bits that noise is
+ * 256 times smaller, for about the same work. Widths 2-6. Defined like the int8 product (the
+ * header) but for the lanes: a block's positions p hold codes q16_order(p) (the 16-bit lanes the
+ * AVX2 unpacking leaves before packing them to bytes), and lane l sums positions 2l, 2l+1,
+ * 16+2l and 17+2l (vpmaddwd on each half, then the halves added). Every lane stays below 2^24,
+ * so its float is exact. */
+#define Q16_LEVELS 32767.0f
+
+static inline int q16_order(int p) {
+    const int t = p & 15;
+    return 16 * (t / 8) + (p >= 16 ? 8 : 0) + t % 8;
+}
+
+/* x [n] -> xq [n] int16 (nearest, ties to even, of x * (32767 / amax) per block of 32), d
+ * [n / 32]; natural order. */
+void dq_q16_quantize(const float *x, int64_t n, int16_t *xq, float *d) {
+    for (int64_t b = 0; b < n / Q8_BLOCK; b++) {
+        const float *xb = x + b * Q8_BLOCK;
+        float amax = 0.0f;
+        for (int j = 0; j < Q8_BLOCK; j++) amax = fmaxf(amax, fabsf(xb[j]));
+        const int live = amax >= Q8_TINY;
+        const float inv = live ? Q16_LEVELS / amax : 0.0f;
+        d[b] = live ? amax / Q16_LEVELS : 0.0f;
+        for (int j = 0; j < Q8_BLOCK; j++) xq[b * Q8_BLOCK + j] = (int16_t)nearbyintf(xb[j] * inv);
+    }
+}
+
+typedef struct {
+    const int16_t *xq; /* [m, padded_n], each block in q16_order */
+    const float *d, *xsum;
+} q16_tokens;
+
+static q16_tokens q16_quantize_tokens(const float *x, int64_t m, int64_t padded_n, int64_t gs) {
+    const int64_t blocks = padded_n / Q8_BLOCK, groups = padded_n / gs;
+    q16_tokens t = {0};
+    float *d = malloc((size_t)(m * (blocks + groups)) * sizeof(float) +
+                      (size_t)(m * padded_n) * sizeof(int16_t));
+    if (!d) return t;
+    int16_t *xq = (int16_t *)(d + m * (blocks + groups)), block[Q8_BLOCK];
+    float *xsum = d + m * blocks;
+    for (int64_t i = 0; i < m; i++) {
+        int16_t *q = xq + i * padded_n;
+        dq_q16_quantize(x + i * padded_n, padded_n, q, d + i * blocks);
+        for (int64_t g = 0; g < groups; g++) { /* the offsets' sums, as the int8 product's */
+            float s = 0.0f;
+            for (int64_t b = g * gs / Q8_BLOCK; b < (g + 1) * gs / Q8_BLOCK; b++) {
+                int32_t isum = 0;
+                for (int j = 0; j < Q8_BLOCK; j++) isum += q[b * Q8_BLOCK + j];
+                s += d[i * blocks + b] * (float)isum;
+            }
+            xsum[i * groups + g] = s;
+        }
+        for (int64_t b = 0; b < padded_n; b += Q8_BLOCK) {
+            memcpy(block, q + b, sizeof block);
+            for (int p = 0; p < Q8_BLOCK; p++) q[b + p] = block[q16_order(p)];
+        }
+    }
+    t.xq = xq;
+    t.d = d;
+    t.xsum = xsum;
+    return t;
+}
+
+static inline void q16_lanes_portable(const uint8_t *bytes, int bits, const int16_t *x,
+                                      int32_t *lanes) {
+    uint8_t c[Q8_BLOCK];
+    for (int k = 0; k < Q8_BLOCK / 8; k++) {
+        uint64_t u = 0;
+        for (int b = 0; b < bits; b++) u |= (uint64_t)bytes[k * bits + b] << (8 * b);
+        for (int i = 0; i < 8; i++) c[8 * k + i] = (uint8_t)((u >> (i * bits)) & ((1u << bits) - 1));
+    }
+    for (int l = 0; l < 8; l++) {
+        const int p[4] = {2 * l, 2 * l + 1, 16 + 2 * l, 17 + 2 * l};
+        int32_t s = 0;
+        for (int i = 0; i < 4; i++) s += (int32_t)c[q16_order(p[i])] * x[p[i]];
+        lanes[l] = s;
+    }
+}
+
+#ifdef Q8_AVX2
+static inline __m256i q16_lanes_avx2(const uint8_t *p, const int16_t *x, const q8_unpacker *u) {
+    const __m256i v = _mm256_inserti128_si256(
+        _mm256_castsi128_si256(_mm_loadu_si128((const __m128i *)p)),
+        _mm_loadu_si128((const __m128i *)(p + 2 * u->bits)), 1);
+    const int down = 16 - u->bits;
+    const __m256i lo = _mm256_srli_epi16(_mm256_mullo_epi16(_mm256_shuffle_epi8(v, u->shuffle_lo), u->mul_lo), down);
+    const __m256i hi = _mm256_srli_epi16(_mm256_mullo_epi16(_mm256_shuffle_epi8(v, u->shuffle_hi), u->mul_hi), down);
+    return _mm256_add_epi32(_mm256_madd_epi16(lo, _mm256_loadu_si256((const __m256i *)x)),
+                            _mm256_madd_epi16(hi, _mm256_loadu_si256((const __m256i *)(x + 16))));
+}
+#endif
+
+typedef struct {
+    const uint32_t *qweight;
+    const uint16_t *scales, *offsets;
+    int64_t padded_n, gs;
+    int bits, portable;
+    q16_tokens x;
+    int64_t m;
+    float *y;
+    int64_t y_stride;
+    int32_t *dots; /* dq_q16_group_dots: the per-group integer sums instead of y (one token) */
+} q16_job;
+
+/* A block's 8 integer lanes: AVX2 or portable (the same integers). */
+static inline void q16_block(const q16_job *j, const uint8_t *bytes, const int16_t *x,
+                             int32_t *lanes, const void *u) {
+#ifdef Q8_AVX2
+    if (!j->portable) {
+        _mm256_storeu_si256((__m256i *)lanes, q16_lanes_avx2(bytes, x, (const q8_unpacker *)u));
+        return;
+    }
+#endif
+    (void)u;
+    q16_lanes_portable(bytes, j->bits, x, lanes);
+}
+
+/* Rows [lo, hi) of one token, as the int8 product's rows (one at a time; the float parts in the
+ * same order in every build: C arrays of 8 lanes). */
+static void q16_rows_token(const q16_job *j, const int16_t *xq, const float *d,
+                           const float *xsum, float *y, int32_t *dots, int64_t lo, int64_t hi) {
+    const int64_t groups = j->padded_n / j->gs, blocks = j->gs / Q8_BLOCK;
+    const int64_t block_bytes = Q8_BLOCK * j->bits / 8, group_nbytes = j->gs * j->bits / 8;
+    uint8_t spare[MAX_GROUP + 32];
+#ifdef Q8_AVX2
+    const q8_unpacker unpacker = make_q8_unpacker(j->bits);
+    const void *u = &unpacker;
+#else
+    const void *u = NULL;
+#endif
+    for (int64_t r = lo; r < hi; r++) {
+        float acc[8] = {0}, o_sum = 0.0f;
+        for (int64_t g = 0; g < groups; g++) {
+            const uint8_t *bytes = (const uint8_t *)j->qweight + (r * groups + g) * group_nbytes;
+            if (r == hi - 1 && g == groups - 1) { /* the SIMD loads pass a group's end */
+                memset(spare, 0, (size_t)group_nbytes + 32);
+                memcpy(spare, bytes, (size_t)group_nbytes);
+                bytes = spare;
+            }
+            prefetch_codes(bytes);
+            float gacc[8] = {0};
+            int32_t total = 0;
+            for (int64_t b = 0; b < blocks; b++) {
+                const int64_t k = g * blocks + b;
+                int32_t lanes[8];
+                q16_block(j, bytes + b * block_bytes, xq + k * Q8_BLOCK, lanes, u);
+                for (int l = 0; l < 8; l++) {
+                    gacc[l] += d[k] * (float)lanes[l];
+                    total += lanes[l];
+                }
+            }
+            if (dots) {
+                dots[r * groups + g] = total;
+                continue;
+            }
+            const float s = bf16_value(j->scales[r * groups + g]);
+            for (int l = 0; l < 8; l++) acc[l] += s * gacc[l];
+            o_sum += bf16_value(j->offsets[r * groups + g]) * xsum[g];
+        }
+        if (!dots) y[r] = lane_sum8_portable(acc) + o_sum;
+    }
+}
+
+#ifdef Q8_AVX2
+/* q16_rows_token's rows in registers (the same operations in the same order), `bits` a
+ * constant after inlining. */
+static inline __attribute__((always_inline)) void q16_rows_avx2_bits(
+    const q16_job *j, const int16_t *xq, const float *d, const float *xsum, float *y,
+    int64_t lo, int64_t hi, int bits) {
+    const int64_t groups = j->padded_n / j->gs, blocks = j->gs / Q8_BLOCK;
+    const int64_t block_bytes = Q8_BLOCK * bits / 8, group_nbytes = j->gs * bits / 8;
+    const q8_unpacker u = make_q8_unpacker(bits);
+    uint8_t spare[MAX_GROUP + 32];
+    for (int64_t r = lo; r < hi; r++) {
+        __m256 acc = _mm256_setzero_ps();
+        float o_sum = 0.0f;
+        for (int64_t g = 0; g < groups; g++) {
+            const uint8_t *bytes = (const uint8_t *)j->qweight + (r * groups + g) * group_nbytes;
+            if (r == hi - 1 && g == groups - 1) {
+                memset(spare, 0, (size_t)group_nbytes + 32);
+                memcpy(spare, bytes, (size_t)group_nbytes);
+                bytes = spare;
+            }
+            prefetch_codes(bytes);
+            __m256 gacc = _mm256_setzero_ps();
+            for (int64_t b = 0; b < blocks; b++) {
+                const int64_t k = g * blocks + b;
+                gacc = add_block(gacc, q16_lanes_avx2(bytes + b * block_bytes, xq + k * Q8_BLOCK, &u),
+                                 _mm256_set1_ps(d[k]));
+            }
+            add_group(&acc, gacc, j->scales[r * groups + g]);
+            o_sum += bf16_value(j->offsets[r * groups + g]) * xsum[g];
+        }
+        y[r] = lane_sum8(acc) + o_sum;
+    }
+}
+
+static void q16_rows_avx2(const q16_job *j, const int16_t *xq, const float *d,
+                          const float *xsum, float *y, int64_t lo, int64_t hi) {
+    switch (j->bits) {
+    case 2: q16_rows_avx2_bits(j, xq, d, xsum, y, lo, hi, 2); break;
+    case 3: q16_rows_avx2_bits(j, xq, d, xsum, y, lo, hi, 3); break;
+    case 4: q16_rows_avx2_bits(j, xq, d, xsum, y, lo, hi, 4); break;
+    case 5: q16_rows_avx2_bits(j, xq, d, xsum, y, lo, hi, 5); break;
+    default: q16_rows_avx2_bits(j, xq, d, xsum, y, lo, hi, 6); break;
+    }
+}
+#endif
+
+static int q16_rows(const void *ctx, int64_t lo, int64_t hi) {
+    const q16_job *j = ctx;
+    const int64_t blocks = j->padded_n / Q8_BLOCK, groups = j->padded_n / j->gs;
+    for (int64_t t = 0; t < j->m; t++) {
+        const int16_t *xq = j->x.xq + t * j->padded_n;
+        const float *d = j->x.d + t * blocks, *xsum = j->x.xsum + t * groups;
+        float *y = j->y ? j->y + t * j->y_stride : NULL;
+#ifdef Q8_AVX2
+        if (!j->portable && !j->dots) {
+            q16_rows_avx2(j, xq, d, xsum, y, lo, hi);
+            continue;
+        }
+#endif
+        q16_rows_token(j, xq, d, xsum, y, j->dots, lo, hi);
+    }
+    return 0;
+}
+
+static int q16_supported(int64_t gs, int bits) {
+    return gs % Q8_BLOCK == 0 && gs <= MAX_GROUP && bits >= 2 && bits <= 6;
+}
+
+/* The per-(row, group) integer sums of codes * xq for an int16 token xq [padded_n] in natural
+ * order (tests against an int64 reference): dots [rows, groups]. */
+int dq_q16_group_dots(const uint32_t *qweight, int64_t rows, int64_t padded_n, int64_t gs,
+                      int bits, const int16_t *xq, int32_t *dots, int portable) {
+    if (!q16_supported(gs, bits)) return -1;
+    float *d = calloc((size_t)(padded_n / Q8_BLOCK + padded_n / gs), sizeof(float));
+    int16_t *ordered = malloc((size_t)padded_n * sizeof(int16_t));
+    int rc = -1;
+    if (d && ordered) {
+        for (int64_t b = 0; b < padded_n; b += Q8_BLOCK)
+            for (int p = 0; p < Q8_BLOCK; p++) ordered[b + p] = xq[b + q16_order(p)];
+        const q16_job j = {.qweight = qweight, .padded_n = padded_n, .gs = gs, .bits = bits,
+                           .portable = portable,
+                           .x = {.xq = ordered, .d = d, .xsum = d + padded_n / Q8_BLOCK}, .m = 1,
+                           .dots = dots};
+        rc = q16_rows(&j, 0, rows);
+    }
+    free(d);
+    free(ordered);
+    return rc;
+}
+
+/* dq_matvec_q8_mt with int16 activations (widths 2-6). */
+int dq_matvec_q16_mt(const uint32_t *qweight, const uint16_t *scales, const uint16_t *offsets,
+                     int64_t rows, int64_t padded_n, int64_t gs, int bits, const float *x,
+                     int64_t m, float *y, int64_t y_stride, int portable, int threads) {
+    q16_tokens tokens;
+    if (!q16_supported(gs, bits) || !(tokens = q16_quantize_tokens(x, m, padded_n, gs)).d)
+        return -1;
+    const q16_job j = {.qweight = qweight, .scales = scales, .offsets = offsets,
+                       .padded_n = padded_n, .gs = gs, .bits = bits, .portable = portable,
+                       .x = tokens, .m = m, .y = y, .y_stride = y_stride};
+    const int rc = dq_parallel(q16_rows, &j, rows, threads);
+    free((void *)tokens.d);
+    return rc;
+}
+
+/* dq_matvec_q8_one with int16 activations. */
+int dq_matvec_q16_one(const int64_t *a, const float *x, float *y) {
+    float *padded = NULL;
+    if (a[8] < a[4]) {
+        if (!(padded = padded_rows(x, 1, a[8], a[4]))) return -1;
+        x = padded;
+    }
+    const int rc = dq_matvec_q16_mt((const uint32_t *)(intptr_t)a[0],
+                                    (const uint16_t *)(intptr_t)a[1],
+                                    (const uint16_t *)(intptr_t)a[2], a[3], a[4], a[5],
+                                    (int)a[6], x, 1, y, a[3], 0, (int)a[7]);
+    free(padded);
+    return rc;
+}
