@@ -261,8 +261,9 @@ def _activations_option(p: argparse.ArgumentParser, what: str) -> None:
     from dynquant.runtime.activations import CHOICES
 
     p.add_argument("--activations", choices=CHOICES, default="auto",
-                   help=f"activations of {what}: int8 (integer dot products on the codes) or "
-                   "float (float32); auto: $DYNQUANT_ACTIVATIONS, else dynquant's default")
+                   help=f"activations of {what}: int8 (integer dot products on the codes), "
+                   "float (float32), or auto: $DYNQUANT_ACTIVATIONS, else int8 for modules of "
+                   "4+ bits and int16 for narrower ones where the CPU has VNNI or AVX2")
 
 
 def _dtype_option(p: argparse.ArgumentParser, default: str, what: str) -> None:
