@@ -168,20 +168,8 @@ int dq_matvec_mt(const uint32_t *qweight, const uint16_t *scales, const uint16_t
     return dq_parallel_rows(dq_matvec, &j, threads);
 }
 
-/* One token, the block's fixed arguments prepared once by the caller (decode calls this once per
- * Linear per step: 13 converted arguments cost more than a 256 x 256 product). a: qweight,
- * scales, offsets (addresses), rows, padded_n, gs, bits, threads, in_features. x holds
- * in_features values; where the layout pads them (SmolLM2's 576 inputs: 640) they are copied
- * beside zeros here, not by the caller. Same product as dq_matvec_mt. */
+/* One token, the block's fixed arguments prepared once by the caller (unpack.h, dq_one_token).
+ * Same product as dq_matvec_mt. */
 int dq_matvec_one(const int64_t *a, const float *x, float *y) {
-    float *padded = NULL;
-    if (a[8] < a[4]) {
-        if (!(padded = padded_rows(x, 1, a[8], a[4]))) return -1;
-        x = padded;
-    }
-    const int rc = dq_matvec_mt((const uint32_t *)(intptr_t)a[0], (const uint16_t *)(intptr_t)a[1],
-                                (const uint16_t *)(intptr_t)a[2], a[3], a[4], a[5], (int)a[6], x,
-                                1, y, a[3], 0, (int)a[7]);
-    free(padded);
-    return rc;
+    return dq_one_token(dq_matvec_mt, a, x, y);
 }

@@ -532,21 +532,10 @@ int dq_matvec_q8_experts_mt(const uint32_t *qweight, const uint16_t *scales,
     return rc;
 }
 
-/* dq_matvec_q8_mt of one token with the block's fixed arguments prepared once (the argument
- * block of dq_matvec_one: qweight, scales, offsets, rows, padded_n, gs, bits, threads,
- * in_features). */
+/* dq_matvec_q8_mt of one token with the block's fixed arguments prepared once (unpack.h,
+ * dq_one_token). */
 int dq_matvec_q8_one(const int64_t *a, const float *x, float *y) {
-    float *padded = NULL;
-    if (a[8] < a[4]) {
-        if (!(padded = padded_rows(x, 1, a[8], a[4]))) return -1;
-        x = padded;
-    }
-    const int rc = dq_matvec_q8_mt((const uint32_t *)(intptr_t)a[0],
-                                   (const uint16_t *)(intptr_t)a[1],
-                                   (const uint16_t *)(intptr_t)a[2], a[3], a[4], a[5], (int)a[6],
-                                   x, 1, y, a[3], 0, (int)a[7]);
-    free(padded);
-    return rc;
+    return dq_one_token(dq_matvec_q8_mt, a, x, y);
 }
 
 /* ---- int16 activations ----
@@ -822,15 +811,5 @@ int dq_matvec_q16_mt(const uint32_t *qweight, const uint16_t *scales, const uint
 
 /* dq_matvec_q8_one with int16 activations. */
 int dq_matvec_q16_one(const int64_t *a, const float *x, float *y) {
-    float *padded = NULL;
-    if (a[8] < a[4]) {
-        if (!(padded = padded_rows(x, 1, a[8], a[4]))) return -1;
-        x = padded;
-    }
-    const int rc = dq_matvec_q16_mt((const uint32_t *)(intptr_t)a[0],
-                                    (const uint16_t *)(intptr_t)a[1],
-                                    (const uint16_t *)(intptr_t)a[2], a[3], a[4], a[5],
-                                    (int)a[6], x, 1, y, a[3], 0, (int)a[7]);
-    free(padded);
-    return rc;
+    return dq_one_token(dq_matvec_q16_mt, a, x, y);
 }

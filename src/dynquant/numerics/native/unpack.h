@@ -56,6 +56,31 @@ static inline float *padded_rows(const float *x, int64_t rows, int64_t n, int64_
     return out;
 }
 
+/* The products' multi-threaded entry points share one signature (dq_matvec_mt's). */
+typedef int (*dq_matvec_mt_fn)(const uint32_t *qweight, const uint16_t *scales,
+                               const uint16_t *offsets, int64_t rows, int64_t padded_n,
+                               int64_t gs, int bits, const float *x, int64_t m, float *y,
+                               int64_t y_stride, int portable, int threads);
+
+/* One token through `kernel` with a block's fixed arguments prepared once by the caller (decode
+ * calls this once per Linear per step: 13 converted arguments cost more than a 256 x 256
+ * product). a: qweight, scales, offsets (addresses), rows, padded_n, gs, bits, threads,
+ * in_features. x holds in_features values; where the layout pads them (SmolLM2's 576 inputs:
+ * 640) they are copied beside zeros here, not by the caller. */
+static inline int dq_one_token(dq_matvec_mt_fn kernel, const int64_t *a, const float *x,
+                               float *y) {
+    float *padded = NULL;
+    if (a[8] < a[4]) {
+        if (!(padded = padded_rows(x, 1, a[8], a[4]))) return -1;
+        x = padded;
+    }
+    const int rc = kernel((const uint32_t *)(intptr_t)a[0], (const uint16_t *)(intptr_t)a[1],
+                          (const uint16_t *)(intptr_t)a[2], a[3], a[4], a[5], (int)a[6], x, 1, y,
+                          a[3], 0, (int)a[7]);
+    free(padded);
+    return rc;
+}
+
 static inline float lane_sum(const float *acc) {
     float s8[8], s4[4];
     for (int l = 0; l < 8; l++) s8[l] = acc[l] + acc[l + 8];
