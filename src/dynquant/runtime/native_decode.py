@@ -30,7 +30,7 @@ from typing import Any
 import torch
 from torch import nn
 from transformers.cache_utils import DynamicCache
-from transformers.integrations.moe import _default_apply_gate
+from transformers.integrations import moe as transformers_moe
 from transformers.modeling_outputs import CausalLMOutputWithPast
 
 from dynquant.numerics import native
@@ -39,6 +39,9 @@ from dynquant.runtime.stored_linear import StoredLinear
 
 FAMILIES = ("llama", "qwen3", "qwen3_moe", "mixtral", "olmoe")
 LAYER_SLOTS = 22  # decode_step.c's layer descriptor
+# transformers' gated activation of fused experts, act(gate) * up on [gate; up] (what the native
+# step computes); an experts class with its own is not run natively
+DEFAULT_APPLY_GATE = getattr(transformers_moe, "_default_apply_gate", None)
 # rotary types whose inverse frequencies do not depend on the sequence's length
 STATIC_ROPE = ("default", "linear", "llama3", "yarn")
 FIRST_CAPACITY = 256
@@ -115,7 +118,8 @@ class _Program:
         if not (all(isinstance(b, QuantExpertBank) for b in banks) and experts.has_gate
                 and experts.is_concatenated and not experts.is_transposed
                 and not experts.has_bias and not experts.has_post_expert_norm
-                and type(experts)._apply_gate is _default_apply_gate
+                and DEFAULT_APPLY_GATE is not None
+                and type(experts)._apply_gate is DEFAULT_APPLY_GATE
                 and getattr(experts.config, "hidden_act", "silu") == "silu"):
             raise _Unsupported("experts the native step does not run")
         pairs = []
