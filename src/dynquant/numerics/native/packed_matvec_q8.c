@@ -137,6 +137,9 @@ static q8_unpacker make_q8_unpacker(int bits) {
                 shuf[part][16 * h + 2 * i + 1] = (int8_t)(bit / 8 + 1);
                 mul[part][8 * h + i] = (int16_t)(1 << (16 - bits - bit % 8));
             }
+    if (bits <= 4) /* both halves read one 16-byte window (q8_window) */
+        for (int part = 0; part < 2; part++)
+            for (int i = 16; i < 32; i++) shuf[part][i] = (int8_t)(shuf[part][i] + 2 * bits);
     q8_unpacker u = {_mm256_loadu_si256((const __m256i *)shuf[0]),
                      _mm256_loadu_si256((const __m256i *)shuf[1]),
                      _mm256_loadu_si256((const __m256i *)mul[0]),
@@ -144,12 +147,20 @@ static q8_unpacker make_q8_unpacker(int bits) {
     return u;
 }
 
-/* 32 codes of 2-6 bits at p, in order, as bytes. Reads 16 bytes from p and from p + 2 * bits:
- * up to 16 - 2 * bits bytes past the block (callers give a padded copy for a matrix's last). */
+/* A block's bytes in both lane halves: for 2-4 bits one 16-byte window broadcast from memory (a
+ * load, no cross-lane shuffle; a 4-bit block's last code never needs its second byte, so index
+ * 16's wrap to 0 only fills bits that the multiply shifts out), else the half from p and the
+ * half from p + 2 * bits. Reads up to 16 bytes past a block's start + 2 * bits. */
+static inline __m256i q8_window(const uint8_t *p, int bits) {
+    if (bits <= 4) return _mm256_broadcastsi128_si256(_mm_loadu_si128((const __m128i *)p));
+    return _mm256_inserti128_si256(_mm256_castsi128_si256(_mm_loadu_si128((const __m128i *)p)),
+                                   _mm_loadu_si128((const __m128i *)(p + 2 * bits)), 1);
+}
+
+/* 32 codes of 2-6 bits at p, in order, as bytes. Reads past the block (q8_window): callers give
+ * a padded copy for a matrix's last. */
 static inline __m256i unpack32_avx2(const uint8_t *p, const q8_unpacker *u) {
-    const __m256i v = _mm256_inserti128_si256(
-        _mm256_castsi128_si256(_mm_loadu_si128((const __m128i *)p)),
-        _mm_loadu_si128((const __m128i *)(p + 2 * u->bits)), 1);
+    const __m256i v = q8_window(p, u->bits);
     const int down = 16 - u->bits;
     const __m256i lo = _mm256_srli_epi16(_mm256_mullo_epi16(_mm256_shuffle_epi8(v, u->shuffle_lo), u->mul_lo), down);
     const __m256i hi = _mm256_srli_epi16(_mm256_mullo_epi16(_mm256_shuffle_epi8(v, u->shuffle_hi), u->mul_hi), down);
@@ -622,9 +633,7 @@ static inline void q16_lanes_portable(const uint8_t *bytes, int bits, const int1
 
 #ifdef Q8_AVX2
 static inline __m256i q16_lanes_avx2(const uint8_t *p, const int16_t *x, const q8_unpacker *u) {
-    const __m256i v = _mm256_inserti128_si256(
-        _mm256_castsi128_si256(_mm_loadu_si128((const __m128i *)p)),
-        _mm_loadu_si128((const __m128i *)(p + 2 * u->bits)), 1);
+    const __m256i v = q8_window(p, u->bits);
     const int down = 16 - u->bits;
     const __m256i lo = _mm256_srli_epi16(_mm256_mullo_epi16(_mm256_shuffle_epi8(v, u->shuffle_lo), u->mul_lo), down);
     const __m256i hi = _mm256_srli_epi16(_mm256_mullo_epi16(_mm256_shuffle_epi8(v, u->shuffle_hi), u->mul_hi), down);
@@ -714,27 +723,37 @@ static inline __attribute__((always_inline)) void q16_rows_avx2_bits(
     const int64_t block_bytes = Q8_BLOCK * bits / 8, group_nbytes = j->gs * bits / 8;
     const q8_unpacker u = make_q8_unpacker(bits);
     uint8_t spare[MAX_GROUP + 32];
-    for (int64_t r = lo; r < hi; r++) {
-        __m256 acc = _mm256_setzero_ps();
-        float o_sum = 0.0f;
+    for (int64_t r = lo; r < hi; r += 2) { /* two rows at a time, as the int8 rows */
+        const int two = r + 1 < hi;
+        __m256 acc0 = _mm256_setzero_ps(), acc1 = _mm256_setzero_ps();
+        float o0 = 0.0f, o1 = 0.0f;
         for (int64_t g = 0; g < groups; g++) {
-            const uint8_t *bytes = (const uint8_t *)j->qweight + (r * groups + g) * group_nbytes;
-            if (r == hi - 1 && g == groups - 1) {
+            const uint8_t *b0 = (const uint8_t *)j->qweight + (r * groups + g) * group_nbytes;
+            const uint8_t *b1 = b0 + groups * group_nbytes;
+            if (r + 1 + two == hi && g == groups - 1) { /* the part's last group */
                 memset(spare, 0, (size_t)group_nbytes + 32);
-                memcpy(spare, bytes, (size_t)group_nbytes);
-                bytes = spare;
+                memcpy(spare, two ? b1 : b0, (size_t)group_nbytes);
+                if (two) b1 = spare; else b0 = spare;
             }
-            prefetch_codes(bytes);
-            __m256 gacc = _mm256_setzero_ps();
+            prefetch_codes(b0);
+            if (two) prefetch_codes(b1);
+            __m256 g0 = _mm256_setzero_ps(), g1 = _mm256_setzero_ps();
             for (int64_t b = 0; b < blocks; b++) {
                 const int64_t k = g * blocks + b;
-                gacc = add_block(gacc, q16_lanes_avx2(bytes + b * block_bytes, xq + k * Q8_BLOCK, &u),
-                                 _mm256_set1_ps(d[k]));
+                const __m256 dk = _mm256_set1_ps(d[k]);
+                g0 = add_block(g0, q16_lanes_avx2(b0 + b * block_bytes, xq + k * Q8_BLOCK, &u), dk);
+                if (two)
+                    g1 = add_block(g1, q16_lanes_avx2(b1 + b * block_bytes, xq + k * Q8_BLOCK, &u), dk);
             }
-            add_group(&acc, gacc, j->scales[r * groups + g]);
-            o_sum += bf16_value(j->offsets[r * groups + g]) * xsum[g];
+            add_group(&acc0, g0, j->scales[r * groups + g]);
+            o0 += bf16_value(j->offsets[r * groups + g]) * xsum[g];
+            if (two) {
+                add_group(&acc1, g1, j->scales[(r + 1) * groups + g]);
+                o1 += bf16_value(j->offsets[(r + 1) * groups + g]) * xsum[g];
+            }
         }
-        y[r] = lane_sum8(acc) + o_sum;
+        y[r] = lane_sum8(acc0) + o0;
+        if (two) y[r + 1] = lane_sum8(acc1) + o1;
     }
 }
 
