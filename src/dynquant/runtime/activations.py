@@ -1,5 +1,6 @@
-"""Which activations a loaded model's one-token products use: float32, or int8 (integer dot
-products on the packed codes, ``numerics/packed_matvec.py``, ``packed_matvec_q8``).
+"""Which activations a loaded model's decode products use: float32, or int8 / int16 (integer
+dot products on the packed codes, ``numerics/packed_matvec.py``, ``packed_matvec_q8`` /
+``packed_matvec_q16``).
 
 ``activations="auto"`` (the default of ``dynquant.load``, ``from_pretrained``, ``generate`` and
 ``eval``) reads ``$DYNQUANT_ACTIVATIONS`` (``auto``, ``int8``, ``float``), else picks
@@ -63,8 +64,9 @@ def describe_activations(mode: str | None = None) -> str:
 
 def use_activations(model: nn.Module, mode: str | None = None, every_token: bool = False
                     ) -> str:
-    """Set every packed module of ``model`` to the resolved activations; returns them. With int8,
-    products of a few tokens (decode) use them, and prefills keep the float32 GEMM unless
+    """Set every packed module of ``model`` to the resolved activations (``auto``: by module
+    width); returns them. Integer activations serve products of a few tokens (decode), and
+    prefills keep the float32 GEMM unless
     ``every_token`` (then every product is the one decode computes, token by token: what
     ``dynquant eval --activations int8`` scores)."""
     from dynquant.runtime.packed_modules import PackedWeight

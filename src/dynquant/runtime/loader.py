@@ -154,8 +154,9 @@ def load(path: str | Path, device: str = "cpu", dtype: str | torch.dtype | None 
 
     ``dtype``: the compute dtype (``"bfloat16"``, ``"float32"``, a torch dtype); ``None`` or
     ``"auto"`` picks bfloat16 only where the CPU has native bf16 dot products
-    (``numerics/compute_dtype.py``). ``activations``: ``"int8"`` or ``"float"`` for the decode
-    products (``runtime/activations.py``; ``None``/``"auto"``: the default there)."""
+    (``numerics/compute_dtype.py``). ``activations``: ``"int8"``, ``"float"`` or ``"auto"`` (int8
+    from 4 bits, int16 below, where the CPU has VNNI or AVX2) for the decode products
+    (``runtime/activations.py``; ``None``: ``$DYNQUANT_ACTIVATIONS``, else ``"auto"``)."""
     from dynquant.openmp import warn_if_too_late
 
     warn_if_too_late()

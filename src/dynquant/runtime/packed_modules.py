@@ -189,7 +189,7 @@ class PackedWeight(nn.Module):
         return None if fast is None else (fast, lib)
 
     def one_token_product(self) -> OneTokenMatvec | None:
-        """The prepared one-token product for the module's activations (int8 or float32), kept
+        """The prepared one-token product for the module's activations (int8, int16 or float32), kept
         until a buffer is replaced; None off the CPU."""
         int8, int16 = self.int8_activations, self._int16()
         key = "matvec-int8" if int8 else "matvec-int16" if int16 else "matvec"

@@ -95,19 +95,41 @@ static void q8_permute(const int8_t *xq, int64_t n, int bits, int8_t *out) {
 
 static inline int q8_permutes(int bits) { return bits == 2 || bits == 4; }
 
+/* A block's 32 codes as bytes, in order (plain C; unit k: 8 codes in `bits` bytes). */
+static inline void block_codes(const uint8_t *bytes, int bits, uint8_t *c) {
+    if (bits == 8) {
+        memcpy(c, bytes, Q8_BLOCK);
+        return;
+    }
+    for (int k = 0; k < Q8_BLOCK / 8; k++) {
+        uint64_t u = 0;
+        for (int b = 0; b < bits; b++) u |= (uint64_t)bytes[k * bits + b] << (8 * b);
+        for (int i = 0; i < 8; i++) c[8 * k + i] = (uint8_t)((u >> (i * bits)) & ((1u << bits) - 1));
+    }
+}
+
+/* The offsets' sums of a quantized token (the header's xsum): per group of gs, the sum over its
+ * blocks in order of d[b] * float(the block's integer sum). xq: int8, or int16 where `wide`. */
+static void quantized_group_sums(const void *xq, int wide, const float *d, int64_t n,
+                                 int64_t gs, float *xsum) {
+    for (int64_t g = 0; g < n / gs; g++) {
+        float s = 0.0f;
+        for (int64_t b = g * gs / Q8_BLOCK; b < (g + 1) * gs / Q8_BLOCK; b++) {
+            int32_t isum = 0;
+            for (int64_t j = b * Q8_BLOCK; j < (b + 1) * Q8_BLOCK; j++)
+                isum += wide ? ((const int16_t *)xq)[j] : ((const int8_t *)xq)[j];
+            s += d[b] * (float)isum;
+        }
+        xsum[g] = s;
+    }
+}
+
 /* The 8 integer lanes of one block, plain C, xq in the width's order: lane l sums positions
  * 4l .. 4l+3. */
 static inline void block_lanes_portable(const uint8_t *bytes, int bits, const int8_t *xq,
                                         int32_t *lanes) {
     uint8_t c[Q8_BLOCK];
-    if (bits == 8)
-        memcpy(c, bytes, Q8_BLOCK);
-    else
-        for (int k = 0; k < Q8_BLOCK / 8; k++) { /* unit k: 8 codes in `bits` bytes */
-            uint64_t u = 0;
-            for (int b = 0; b < bits; b++) u |= (uint64_t)bytes[k * bits + b] << (8 * b);
-            for (int i = 0; i < 8; i++) c[8 * k + i] = (uint8_t)((u >> (i * bits)) & ((1u << bits) - 1));
-        }
+    block_codes(bytes, bits, c);
     for (int l = 0; l < 8; l++) {
         int32_t s = 0;
         for (int i = 0; i < 4; i++) s += (int32_t)c[q8_order(bits, 4 * l + i)] * xq[4 * l + i];
@@ -418,15 +440,7 @@ static int q8_rows(const void *ctx, int64_t lo, int64_t hi) {
 static void q8_quantize_ordered(const float *x, int64_t n, int64_t gs, int bits, int8_t *xq,
                                 float *d, float *xsum) {
     dq_q8_quantize(x, n, xq, d);
-    for (int64_t g = 0; g < n / gs; g++) {
-        float s = 0.0f;
-        for (int64_t b = g * gs / Q8_BLOCK; b < (g + 1) * gs / Q8_BLOCK; b++) {
-            int32_t isum = 0;
-            for (int j = 0; j < Q8_BLOCK; j++) isum += xq[b * Q8_BLOCK + j];
-            s += d[b] * (float)isum;
-        }
-        xsum[g] = s;
-    }
+    quantized_group_sums(xq, 0, d, n, gs, xsum);
     if (!q8_permutes(bits)) return;
     int8_t block[Q8_BLOCK];
     for (int64_t b = 0; b < n; b += Q8_BLOCK) {
@@ -595,15 +609,7 @@ static q16_tokens q16_quantize_tokens(const float *x, int64_t m, int64_t padded_
     for (int64_t i = 0; i < m; i++) {
         int16_t *q = xq + i * padded_n;
         dq_q16_quantize(x + i * padded_n, padded_n, q, d + i * blocks);
-        for (int64_t g = 0; g < groups; g++) { /* the offsets' sums, as the int8 product's */
-            float s = 0.0f;
-            for (int64_t b = g * gs / Q8_BLOCK; b < (g + 1) * gs / Q8_BLOCK; b++) {
-                int32_t isum = 0;
-                for (int j = 0; j < Q8_BLOCK; j++) isum += q[b * Q8_BLOCK + j];
-                s += d[i * blocks + b] * (float)isum;
-            }
-            xsum[i * groups + g] = s;
-        }
+        quantized_group_sums(q, 1, d + i * blocks, padded_n, gs, xsum + i * groups);
         for (int64_t b = 0; b < padded_n; b += Q8_BLOCK) {
             memcpy(block, q + b, sizeof block);
             for (int p = 0; p < Q8_BLOCK; p++) q[b + p] = block[q16_order(p)];
@@ -618,11 +624,7 @@ static q16_tokens q16_quantize_tokens(const float *x, int64_t m, int64_t padded_
 static inline void q16_lanes_portable(const uint8_t *bytes, int bits, const int16_t *x,
                                       int32_t *lanes) {
     uint8_t c[Q8_BLOCK];
-    for (int k = 0; k < Q8_BLOCK / 8; k++) {
-        uint64_t u = 0;
-        for (int b = 0; b < bits; b++) u |= (uint64_t)bytes[k * bits + b] << (8 * b);
-        for (int i = 0; i < 8; i++) c[8 * k + i] = (uint8_t)((u >> (i * bits)) & ((1u << bits) - 1));
-    }
+    block_codes(bytes, bits, c);
     for (int l = 0; l < 8; l++) {
         const int p[4] = {2 * l, 2 * l + 1, 16 + 2 * l, 17 + 2 * l};
         int32_t s = 0;
