@@ -10,6 +10,7 @@ from pathlib import Path
 import torch
 from transformers import (
     AutoModelForCausalLM,
+    Gemma3TextConfig,
     Lfm2Config,
     Lfm2MoeConfig,
     LlamaConfig,
@@ -44,6 +45,10 @@ def family_configs() -> dict:
                                   num_experts=4, num_experts_per_tok=2, num_dense_layers=1,
                                   layer_types=["conv", "full_attention"]),
         "dynquant_hybrid": preset_config("tiny"),
+        # a scaled tied embedding, (1 + w) norms, sliding and full attention layers
+        "gemma3": Gemma3TextConfig(**COMMON, intermediate_size=172, head_dim=16,
+                                   layer_types=["sliding_attention", "full_attention"],
+                                   sliding_window=8, tie_word_embeddings=True),
     }
 
 

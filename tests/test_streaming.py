@@ -155,14 +155,18 @@ def test_fisher_ranks_modules_like_the_exact_probe(name, least):
     assert 0.3 < ratio < 1.5, ratio
 
 
-def test_fisher_is_the_kl_of_a_small_perturbation(tmp_path):
+@pytest.mark.parametrize(("family", "target"), [
+    ("llama", "model.layers.0.mlp.down_proj"),
+    ("llama", "lm_head"),
+    ("gemma3", "model.embed_tokens"),  # tied and scaled: the head's and the lookup's shares
+])
+def test_fisher_is_the_kl_of_a_small_perturbation(family, target, tmp_path):
     """For a small perturbation the second-order formula is the KL: 4-bit weights of one
     module, estimated vs measured, on a tiny model, with enough sequences and label draws
     (24 x 8: the estimate's noise is about sqrt(2 / 192) = 10%) to average the noise."""
-    model_dir = save_tiny_model("llama", tmp_path / "llama")
+    model_dir = save_tiny_model(family, tmp_path / family)
     ids = torch.randint(0, 384, (24, 32), generator=torch.Generator().manual_seed(3))
     stream, _ = _stream(model_dir, ids, chunk=1)
-    target = "model.layers.0.mlp.down_proj"
     cal = run_calibration_pass(stream, {target})
 
     def probe_weight(_spec, w):
@@ -356,3 +360,33 @@ def test_labels_are_drawn_from_the_models_distribution():
     labels = _sample(probs.log().expand(200_000, 4), torch.Generator().manual_seed(0))
     share = torch.bincount(labels[:, 0], minlength=4) / 200_000
     torch.testing.assert_close(share, probs, atol=5e-3, rtol=0)  # ~5 standard errors
+
+
+@pytest.mark.parametrize("cap", [None, 3.0])
+def test_head_terms_equal_the_vocabulary_wide_products(cap, tmp_path, monkeypatch):
+    """The head's share priced from the drawn labels' rows and one expected term per sequence
+    equals G . dW taken over the whole vocabulary at every position (the taps), with and
+    without soft-capped logits: the same labels, the same estimate to float rounding."""
+    import dynquant.pipeline.fisher as fisher
+
+    model_dir = save_tiny_model("qwen3", tmp_path / "qwen3")  # tied: head and lookup shares
+    ids = torch.randint(0, 384, (3, 40), generator=torch.Generator().manual_seed(5))
+    stream, modules = _stream(model_dir, ids, chunk=1)
+    cal = run_calibration_pass(stream, modules)
+    head = {"model.embed_tokens"}
+    if cap is not None:  # logits T(z) = cap * tanh(z / cap), as Gemma 2 computes them
+        monkeypatch.setattr(fisher, "_softcap", lambda _config: cap)
+        original = stream.head_logits
+        monkeypatch.setattr(stream, "head_logits", lambda h, i: cap * torch.tanh(
+            original(h, i) / cap))
+    monkeypatch.setattr(fisher, "HEAD_LOGITS", 384 * 16)  # several chunks of positions
+
+    def probe_weight(_spec, w):
+        return quantize_tensor(w, 3, 32)
+
+    fast = fisher_kl(cal, head, probe_weight, draws=3)
+    monkeypatch.setattr(fisher, "HEAD_MATCH", -1.0)  # every model's logits "do not match"
+    taps = fisher_kl(cal, head, probe_weight, draws=3)
+    cal.close()
+    assert fast["model.embed_tokens"] > 0
+    assert math.isclose(fast["model.embed_tokens"], taps["model.embed_tokens"], rel_tol=1e-4)

@@ -23,9 +23,11 @@ from __future__ import annotations
 from collections.abc import Callable
 
 import torch
+import torch.nn.functional as F
 from torch import nn
 
 from dynquant.format.planner import TensorSpec
+from dynquant.models.embedding_scale import embedding_scale
 from dynquant.numerics.quantizer import QuantizedTensor, dequantize_rows
 from dynquant.pipeline.block_stream import BlockStream, _first_output, _parameter_slots
 from dynquant.pipeline.calibration_pass import CalibrationPass
@@ -35,7 +37,10 @@ from dynquant.pipeline.progress import StageProgress
 ProbeWeight = Callable[[TensorSpec, torch.Tensor], QuantizedTensor]
 ROWS_CHUNK = 1 << 20  # elements dequantized at once
 DENSE_ERROR_MAX = 1 << 21  # elements: errors of modules up to this size are kept in bf16
-HEAD_LOGITS = 1 << 22  # logits computed at once (positions x vocabulary)
+HEAD_LOGITS = 1 << 24  # logits computed at once (positions x vocabulary): 64 MiB
+# the head's logits recomputed in float32 match the model's within this share of their range
+# (bf16 compute rounds them), else the model does more after its head than T(x W^T + b)
+HEAD_MATCH = 0.05
 
 
 class ModuleError:
@@ -128,8 +133,8 @@ def fisher_kl(cal: CalibrationPass, modules: set[str], probe_weight: ProbeWeight
     stream = cal.stream
     acc = _Accumulator(stream.ids.shape[0], draws)
     gen = torch.Generator().manual_seed(seed)
-    grads = _head_backward(stream, cal, modules, probe_weight, acc, gen, draws)
     with StageProgress(enabled=progress) as bar:
+        grads = _head_backward(stream, cal, modules, probe_weight, acc, gen, draws, bar)
         task = bar.add_task("Fisher pass", total=len(stream.blocks))
         for i in reversed(range(len(stream.blocks))):
             grads = _block_backward(stream, i, cal.inputs.get(i), grads, modules, probe_weight,
@@ -207,38 +212,61 @@ class _LinearTaps:
 
 def _head_backward(stream: BlockStream, cal: CalibrationPass, modules: set[str],
                    probe_weight: ProbeWeight, acc: _Accumulator, gen: torch.Generator,
-                   draws: int) -> list[list[torch.Tensor]]:
+                   draws: int, bar: StageProgress) -> list[list[torch.Tensor]]:
     """Per sequence and draw: the gradient of the sampled log-likelihood at the last block's
     outputs; the head's quantizable Linears (the lm_head, the tied embedding's use as one)
-    are measured through their taps (no weight gradients)."""
+    are measured by :class:`_HeadTerms` where the logits are the Linear's output (soft-capped
+    or not), else through their taps (no weight gradients either way)."""
     heads = stream.head_modules()
     taps: dict[str, _LinearTaps] = {}
+    terms: dict[str, _HeadTerms] = {}
     for name, module in heads:
         for key in _watch(stream, module, name, modules, probe_weight, acc, hook=False,
                           grad=False):
             taps[key] = _LinearTaps(module)
+            terms[key] = _HeadTerms(module, _softcap(stream.model.config))
     grads = []
     try:
         ids = _sequences(list(stream.chunks()))
         finals = _sequences(cal.inputs.get(len(stream.blocks)))
         vocab = stream.source.config.vocab_size
         width = max(1, HEAD_LOGITS // vocab)  # positions at once: logits stay a few MiB
+        chunks = sum(-(-row.shape[1] // width) for row in ids)
+        chunks += sum(len(t.row_chunks(acc.errors[m])) for m, t in terms.items())
+        task = bar.add_task("Fisher pass: head", total=chunks)
         for s, (final, row) in enumerate(zip(finals, ids, strict=True)):
             per_draw: list[list[torch.Tensor]] = [[] for _ in range(draws)]
             for start in range(0, row.shape[1], width):
                 h = final[:, start : start + width].clone().requires_grad_(True)
                 logits = stream.head_logits(h, row[:, start : start + width])
                 logp = torch.log_softmax(logits.float()[0], -1)
-                moved = {m: t.times_error(acc.errors[m]) for m, t in taps.items()}
+                sampled = logp.detach()
+                for m, t in list(terms.items()):
+                    if not t.add_positions(taps[m].x, logits.detach().float()[0]):
+                        del terms[m]  # logits not the Linear's own: the taps measure it
+                    else:
+                        sampled = t.log_probs  # labels drawn from what the terms price
+                moved = {m: t.times_error(acc.errors[m]) for m, t in taps.items()
+                         if m not in terms}
                 for d in range(draws):
                     acc.at = (s, d)
-                    labels = _sample(logp.detach(), gen)
+                    labels = _sample(sampled, gen)
                     logp.gather(1, labels).sum().backward(retain_graph=d < draws - 1)
                     per_draw[d].append(h.grad)
                     h.grad = None
                     for m, t in taps.items():
-                        acc.add(m, (t.grad * moved[m]).sum())
+                        acc.add(m, terms[m].label_term(acc.errors[m], labels) if m in terms
+                                else (t.grad * moved[m]).sum())
+                bar.advance(task)
+            for t in terms.values():
+                t.end_sequence()
             grads.append([torch.cat(parts, dim=1) for parts in per_draw])
+        for m, t in terms.items():
+            expected = t.expected_terms(acc.errors[m], lambda: bar.advance(task))
+            for s, term in enumerate(expected):
+                for d in range(draws):
+                    acc.at = (s, d)
+                    acc.add(m, -term)
     finally:
         for t in taps.values():
             t.hook.remove()
@@ -247,6 +275,97 @@ def _head_backward(stream: BlockStream, cal: CalibrationPass, modules: set[str],
         for error in acc.errors.values():
             error.keep_as_stored()
     return grads
+
+
+def _softcap(config) -> float | None:
+    """The model's final logit soft-capping (Gemma 2), if any."""
+    for cfg in (config, getattr(config, "text_config", None)):
+        cap = getattr(cfg, "final_logit_softcapping", None)
+        if cap:
+            return float(cap)
+    return None
+
+
+class _HeadTerms:
+    """The head's G . dW for logits l = T(z), z = x W^T + b (T: identity or soft-capping),
+    without a vocabulary-wide product per chunk of positions. The sampled log-likelihood's
+    gradient at z is T'(z) (onehot(y) - softmax(l)), so with dz = x dW^T
+
+        G . dW = sum_p T'(z_py) x_p . dW_y  -  sum_(p,v) T'(z_pv) softmax(l_p)_v x_p . dW_v:
+
+    the first term reads the drawn labels' rows of the error (``label_term``, per draw); the
+    second is the same for every draw of a sequence (``expected_terms``): once at the end, a
+    chunk of rows at a time over every position, so the error is dequantized once per pass,
+    not once per chunk of positions. The logits are recomputed here in float32 and the labels
+    drawn from them, so that both terms price the same distribution."""
+
+    def __init__(self, linear: nn.Module, cap: float | None) -> None:
+        self.linear, self.cap = linear, cap
+        self.x: list[torch.Tensor] = []  # per position chunk of the running sequence
+        self.lse: list[torch.Tensor] = []
+        self.sequences: list[tuple[torch.Tensor, torch.Tensor]] = []  # (x, logsumexp)
+        self.log_probs = torch.empty(0)
+        self._tprime = torch.empty(0)
+        self._chunk = torch.empty(0)
+
+    def _logits(self, z: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """T(z) and T'(z)."""
+        if self.cap is None:
+            return z, torch.ones(())
+        t = torch.tanh(z / self.cap)
+        return t * self.cap, 1 - t * t
+
+    def _z(self, x: torch.Tensor, rows: slice | None = None) -> torch.Tensor:
+        """x W^T + b in float32, multiplied in the weight's dtype (the model's own product)."""
+        w, b = self.linear.weight, self.linear.bias
+        rows = rows or slice(None)
+        return F.linear(x.to(w.dtype), w[rows], None if b is None else b[rows]).float()
+
+    def add_positions(self, x: torch.Tensor, logits: torch.Tensor) -> bool:
+        """Take a chunk's head inputs; False if the model's logits are not T(x W^T + b) (checked
+        on the first chunk, before any term is added)."""
+        logit, tprime = self._logits(self._z(x))
+        first = not (self.x or self.sequences)
+        scale = 1.0 + float(logits.abs().max())
+        if first and float((logit - logits).abs().max()) > HEAD_MATCH * scale:
+            return False
+        lse = torch.logsumexp(logit, -1)
+        self.log_probs = logit - lse[:, None]
+        self._tprime, self._chunk = tprime, x
+        self.x.append(x)
+        self.lse.append(lse)
+        return True
+
+    def label_term(self, error: ModuleError, labels: torch.Tensor) -> torch.Tensor:
+        """sum_p T'(z_py) x_p . dW_y for this chunk's drawn labels [positions, 1]."""
+        moved = (self._chunk * error.rows(labels[:, 0])).sum(-1)
+        tprime = (self._tprime if self._tprime.ndim == 0
+                  else self._tprime.gather(1, labels)[:, 0])
+        return (tprime * moved).sum()
+
+    def end_sequence(self) -> None:
+        self.sequences.append((torch.cat(self.x), torch.cat(self.lse)))
+        self.x, self.lse = [], []
+
+    def row_chunks(self, error: ModuleError) -> range:
+        rows = error.weight.shape[0]
+        return range(0, rows, max(1, ROWS_CHUNK // error.weight.shape[1]))
+
+    def expected_terms(self, error: ModuleError, done: Callable[[], None]) -> list[float]:
+        """Per sequence, sum_(p,v) T'(z_pv) softmax_pv x_p . dW_v (``done`` after each chunk
+        of rows)."""
+        x = torch.cat([xs for xs, _ in self.sequences])
+        lse = torch.cat([ls for _, ls in self.sequences])
+        lengths = [len(xs) for xs, _ in self.sequences]
+        chunks = self.row_chunks(error)
+        total = torch.zeros(len(x), dtype=torch.float64)
+        for r in chunks:
+            chunk = slice(r, min(r + chunks.step, chunks.stop))
+            logit, tprime = self._logits(self._z(x, chunk))
+            weight = torch.exp(logit - lse[:, None]).mul_(tprime)
+            total += (weight * (x @ error.rows(chunk).T)).sum(-1).double()
+            done()
+        return [float(t.sum()) for t in torch.split(total, lengths)]
 
 
 def _module_of(stream: BlockStream, param: str) -> str | None:
@@ -297,12 +416,16 @@ def _embedding_backward(stream: BlockStream, grads: list[list[torch.Tensor]],
                         modules: set[str], probe_weight: ProbeWeight, acc: _Accumulator
                         ) -> None:
     """The input embedding's share: a token reads one row, so a sequence's gradient is its
-    hidden-state gradients summed into the rows of its tokens."""
+    hidden-state gradients summed into the rows of its tokens (times the factor a scaled
+    embedding multiplies its rows by)."""
     embed = stream.model.get_input_embeddings()
     prefix = stream.module_name(embed)
     spec = stream.specs.get(f"{prefix}.weight")
     if spec is None or spec.module not in modules:
         return
+    scale = embedding_scale(embed)
+    factor = 1.0 if scale is None else float(
+        torch.tensor(scale.value).to(stream.dtype if scale.in_row_dtype else torch.float32))
     sequences = _sequences(list(stream.chunks()))
     error = acc.errors.get(spec.module)  # the whole table's, when tied to the lm_head
     read = torch.arange(spec.shape[0])
@@ -316,4 +439,4 @@ def _embedding_backward(stream: BlockStream, grads: list[list[torch.Tensor]],
         for d, g in enumerate(per_draw):
             acc.at = (s, d)
             summed = torch.zeros(len(rows), g.shape[-1]).index_add_(0, inverse, g[0])
-            acc.add(spec.module, (summed * error.rows(at)).sum())
+            acc.add(spec.module, factor * (summed * error.rows(at)).sum())

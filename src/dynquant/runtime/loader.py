@@ -10,6 +10,7 @@ from transformers import AutoConfig, AutoModelForCausalLM, PretrainedConfig
 
 from dynquant.checkpoint.reader import Checkpoint, open_checkpoint
 from dynquant.errors import CheckpointError
+from dynquant.models.embedding_scale import embedding_scale
 from dynquant.models.registration import register
 from dynquant.numerics.compute_dtype import resolve_dtype
 from dynquant.runtime.activations import use_activations
@@ -45,7 +46,8 @@ def packed_module_for(model: nn.Module, name: str, ck_layout, dtype: torch.dtype
         return parent, attr, QuantLinear(ck_layout, bias, dtype,
                                          use_int4=not supports_native_decode(model.config))
     if isinstance(target, nn.Embedding):
-        return parent, attr, QuantEmbedding(ck_layout, dtype, target.padding_idx)
+        return parent, attr, QuantEmbedding(ck_layout, dtype, target.padding_idx,
+                                            embedding_scale(target))
     if isinstance(target, nn.Parameter) and target.ndim == 3:
         return parent, attr, QuantExpertBank(ck_layout, dtype)
     raise CheckpointError(f"the model has no Linear, Embedding or 3-D parameter here "

@@ -24,6 +24,7 @@ from torch import nn
 from torch.utils._pytree import tree_map
 
 from dynquant.format.layout import LayerLayout
+from dynquant.models.embedding_scale import EmbeddingScale
 from dynquant.numerics import native
 from dynquant.numerics.packed_matvec import (
     MAX_TOKENS,
@@ -302,10 +303,11 @@ class QuantLinear(PackedWeight):
 
 class QuantEmbedding(PackedWeight):
     def __init__(self, layout: LayerLayout, compute_dtype: torch.dtype = torch.bfloat16,
-                 padding_idx: int | None = None) -> None:
+                 padding_idx: int | None = None, scale: EmbeddingScale | None = None) -> None:
         super().__init__(layout, compute_dtype)
         self.num_embeddings, self.embedding_dim = layout.logical_shape
         self.padding_idx = padding_idx
+        self.scale = scale  # the replaced module's factor on the looked-up rows (Gemma)
 
     def forward(self, ids: torch.Tensor) -> torch.Tensor:
         """The rows of ``ids``, gathered packed and dequantized: the output is as large as
@@ -315,6 +317,9 @@ class QuantEmbedding(PackedWeight):
         lay = self.layout
         rows = dequantize_rows(self.qweight[flat], self.scales[flat], self.offsets[flat],
                                lay.bits, lay.group_size, lay.in_features, self.compute_dtype)
+        if self.scale is not None:
+            factor = torch.tensor(self.scale.value)
+            rows = rows * (factor.to(rows.dtype) if self.scale.in_row_dtype else factor)
         return rows.view(*ids.shape, lay.in_features)
 
 
