@@ -73,8 +73,15 @@ def machine() -> str:
             + (f", limited by {limits}" if limits else ""))
 
 
-def real_model():
-    """The prepared real pretrained model's folder (scripts/prepare_real_model.py), or None."""
+def real_model(name: str = "smollm2"):
+    """A prepared real pretrained model's folder (``scripts/prepare_real_model.py NAME``), or
+    None when it is not prepared."""
+    folder = prepared_models().model_dir(name)
+    return folder if (folder / "SOURCE.md").is_file() else None
+
+
+def prepared_models():
+    """``scripts/prepare_real_model.py`` as a module: where each real model and its GGUF lie."""
     import importlib.util
     from pathlib import Path
 
@@ -82,8 +89,7 @@ def real_model():
     spec = importlib.util.spec_from_file_location("prepare_real_model", script)
     module = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)
-    folder = module.model_dir()
-    return folder if (folder / "SOURCE.md").is_file() else None
+    return module
 
 
 def quality_models(root) -> dict:
