@@ -11,7 +11,8 @@ import pytest
 from dynquant import validate_checkpoint
 from dynquant.cli import main
 from dynquant.models.sources import resolve_model
-from dynquant.pipeline.measure import MeasureOptions, measure
+from dynquant.pipeline.allocate import allocate_widths
+from dynquant.pipeline.measure import MeasureOptions, maps_modules, measure
 from model_zoo import TOKENIZER_TEXT, save_tiny_model, save_tiny_tokenizer
 
 
@@ -72,13 +73,24 @@ def test_quantize_with_budget_end_to_end(hybrid_dir, tmp_path):
                  str(tmp_path / "w.json")]) == 0
     widths = json.loads((tmp_path / "w.json").read_text())
     assert widths == {n: e["bits"] for n, e in doc["layers"].items()}
-    # and quantizing again from those maps gives the same sizes; without the text the widths
-    # were measured on, the codes round to nearest (auto), with it they are gptq's again
+    # and quantizing again from those maps with their text gives the same widths and gptq
+    # codes; without the text the widths were measured on, the codes round to nearest (auto),
+    # allocated for those codes (each Linear's error without its gptq ratio)
     assert prov["quantizer"] == "gptq"
+    maps_arg = f"{out / 'maps.json'}:5.0"
     assert main(["quantize", str(hybrid_dir / "src"), "-o", str(tmp_path / "q2"), "--widths",
-                 f"{out / 'maps.json'}:5.0", "--quiet"]) == 0
+                 maps_arg, "--calib", str(hybrid_dir / "calib.txt"), "--quiet"]) == 0
     doc2 = json.loads((tmp_path / "q2" / "dynquant.json").read_text())
-    assert doc2["accounting"] == doc["accounting"] and "quantizer" not in doc2["provenance"]
+    assert {n: e["bits"] for n, e in doc2["layers"].items()} == widths
+    assert doc2["provenance"]["quantizer"] == "gptq"
+    assert main(["quantize", str(hybrid_dir / "src"), "-o", str(tmp_path / "q3"), "--widths",
+                 maps_arg, "--quiet"]) == 0
+    doc3 = json.loads((tmp_path / "q3" / "dynquant.json").read_text())
+    assert "quantizer" not in doc3["provenance"] and doc3["accounting"]["average_bits"] <= 5.0
+    maps = json.loads((out / "maps.json").read_text())
+    rtn = allocate_widths(maps_modules(maps, "rtn"), 5.0)
+    assert {n: e["bits"] for n, e in doc3["layers"].items()} == {
+        n: b for n, (b, _gs) in rtn.widths.items()}
 
 
 def test_uniform_pins_and_unreachable_budget(tmp_path, capsys):
@@ -201,3 +213,26 @@ def test_hub_names_resolve_from_the_local_cache(tmp_path, monkeypatch, capsys):
     assert main(["plan", "acme/absent", "--widths", str(out / "dynquant.json")]) == 2
     err = capsys.readouterr().err
     assert "acme/absent" in err and str(tmp_path / "hub") in err and err.count("\n") == 1
+
+
+def test_calibrated_maps_price_the_codes_quantize_writes(tmp_path):
+    """A calibrated measure of a tied model (llama-ref) prices round-to-nearest candidates and
+    records, for the gptq codes quantize writes by default, each Linear's ratio of the two
+    codes' output errors (gptq's smaller), and the tied embedding's head share of its KL with
+    its candidates priced for both uses."""
+    model = Path(__file__).parents[1] / "models" / "llama-ref"
+    opts = MeasureOptions(calib_seqs=4, calib_len=128, budgets=[3.25])
+    doc = measure(resolve_model(str(model)), opts, tmp_path / "maps.json", progress=False)
+    linears = {n: m for n, m in doc["modules"].items() if n.startswith("model.layers.")}
+    assert linears and all(0 < m["gptq_ratio"] < 1 for m in linears.values())
+    embed = doc["modules"]["model.embed_tokens"]
+    assert 0 < embed["head_share"] < 1 and 0 < embed["gptq_ratio"] <= 1
+    for codes in ("gptq", "rtn"):
+        for choices in maps_modules(doc, codes):
+            entry = doc["modules"][choices.name]
+            factor = entry.get("gptq_ratio", 1.0) if codes == "gptq" else 1.0
+            assert [c.error for c in choices.candidates] == [
+                c["error"] * factor for c in entry["candidates"]]
+    # the embedding's errors grow as its width shrinks, for both uses
+    errors = sorted((c["bits"], c["error"]) for c in embed["candidates"])
+    assert [e for _, e in errors] == sorted((e for _, e in errors), reverse=True)

@@ -5,9 +5,11 @@ byte-identical reruns and resumes, one-line errors."""
 from __future__ import annotations
 
 import json
+from dataclasses import replace
 from pathlib import Path
 
 import pytest
+import torch
 
 from dynquant.models.sources import resolve_model
 from dynquant.pipeline import sequential_gptq as seq
@@ -167,3 +169,25 @@ def test_transformers_expert_banks_are_compensated_per_expert(tmp_path):
     rtn, gptq = (load_file(tmp_path / k / "model.safetensors") for k in ("rtn", "gptq"))
     name = "model.layers.0.mlp.experts.down_proj.qweight"
     assert rtn[name].shape == gptq[name].shape and not rtn[name].equal(gptq[name])
+
+
+def test_a_tied_embedding_is_compensated_only_where_its_head_share_pays(tmp_path):
+    """llama-ref's tied embedding at 3 bits: with the whole KL in its lookup (head share 0) the
+    written rows are the rounded ones (compensation would grow their plain error, which the
+    lookup reads); with it all in the head (share 1), the compensated ones."""
+    from safetensors.torch import load_file
+
+    source = resolve_model(str(LLAMA_REF))
+    cal = _calibration(LLAMA_REF, seqs=4)
+    widths = _uniform(source, 3)
+    embed = "model.embed_tokens.qweight"
+    codes = {}
+    for share in (0.0, 1.0):
+        ck = tmp_path / f"share{share}"
+        quantize_model(source, widths, ck, progress=False,
+                       chooser=CodeChooser("gptq", sequential=replace(cal, head_share=share)))
+        codes[share] = load_file(ck / "model.safetensors")[embed]
+    quantize_model(source, widths, tmp_path / "rtn", progress=False, chooser=CodeChooser())
+    rounded = load_file(tmp_path / "rtn" / "model.safetensors")[embed]
+    assert torch.equal(codes[0.0], rounded)
+    assert not torch.equal(codes[1.0], rounded)

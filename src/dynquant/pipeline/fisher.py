@@ -114,10 +114,19 @@ class _Accumulator:
             p.grad = None  # one gradient alive at a time
         self.hooks.append(param.register_post_accumulate_grad_hook(fn))
 
-    def add(self, module: str, value: torch.Tensor) -> None:
-        if module not in self.products:
-            self.products[module] = torch.zeros(self.shape, dtype=torch.float64)
-        self.products[module][self.at] += float(value)
+    def add(self, module: str, value: torch.Tensor, use: str | None = None) -> None:
+        """Add to the module's product; ``use`` ("lookup"): also to that use's own (a tied
+        embedding's lookup share, priced apart from its head share)."""
+        for key in (module, f"{module}#{use}") if use else (module,):
+            if key not in self.products:
+                self.products[key] = torch.zeros(self.shape, dtype=torch.float64)
+            self.products[key][self.at] += float(value)
+
+    def kl(self, key: str, tokens: int) -> float:
+        """0.5 E[(G . dW)^2] per token of a product (0 when nothing was added)."""
+        if key not in self.products:
+            return 0.0
+        return float(0.5 * self.products[key].square().mean(1).sum() / tokens)
 
     def unwatch(self) -> None:
         for h in self.hooks:
@@ -126,24 +135,34 @@ class _Accumulator:
 
 
 def fisher_kl(cal: CalibrationPass, modules: set[str], probe_weight: ProbeWeight,
-              draws: int = 2, seed: int = 0, progress: bool = False) -> dict[str, float]:
+              draws: int = 2, seed: int = 0, progress: bool = False,
+              lookups: dict[str, float] | None = None,
+              head_inputs: dict[str, torch.Tensor] | None = None,
+              lookup_grads: dict[str, torch.Tensor] | None = None) -> dict[str, float]:
     """Predicted mean KL per token of each module in ``modules`` at its probe-width weights
     (``probe_weight``); ``draws`` label draws per sequence (the estimate's relative noise is
-    about sqrt(2 / (sequences * draws)))."""
+    about sqrt(2 / (sequences * draws))). Filled when given: ``lookups`` with the KL of an
+    input embedding's lookup use alone, ``head_inputs`` with the head Linears' input second
+    moments (what a tied embedding's compensation as a head would use), ``lookup_grads`` with
+    the second moments of the gradients at an input embedding's output (what its rows' errors
+    cost the lookup, by direction)."""
     stream = cal.stream
     acc = _Accumulator(stream.ids.shape[0], draws)
     gen = torch.Generator().manual_seed(seed)
     with StageProgress(enabled=progress) as bar:
-        grads = _head_backward(stream, cal, modules, probe_weight, acc, gen, draws, bar)
+        grads = _head_backward(stream, cal, modules, probe_weight, acc, gen, draws, bar,
+                               head_inputs)
         task = bar.add_task("Fisher pass", total=len(stream.blocks))
         for i in reversed(range(len(stream.blocks))):
             grads = _block_backward(stream, i, cal.inputs.get(i), grads, modules, probe_weight,
                                     acc)
             bar.advance(task)
-    _embedding_backward(stream, grads, modules, probe_weight, acc)
+    _embedding_backward(stream, grads, modules, probe_weight, acc, lookup_grads)
     tokens = stream.ids.numel()
-    return {m: float(0.5 * acc.products[m].square().mean(1).sum() / tokens)
-            if m in acc.products else 0.0 for m in sorted(modules)}
+    if lookups is not None:  # the lookup's share alone, of embeddings with a head use too
+        lookups.update({m: acc.kl(f"{m}#lookup", tokens) for m in sorted(modules)
+                        if f"{m}#lookup" in acc.products})
+    return {m: acc.kl(m, tokens) for m in sorted(modules)}
 
 
 def _watch(stream: BlockStream, module: nn.Module, prefix: str, modules: set[str],
@@ -212,11 +231,15 @@ class _LinearTaps:
 
 def _head_backward(stream: BlockStream, cal: CalibrationPass, modules: set[str],
                    probe_weight: ProbeWeight, acc: _Accumulator, gen: torch.Generator,
-                   draws: int, bar: StageProgress) -> list[list[torch.Tensor]]:
+                   draws: int, bar: StageProgress,
+                   head_inputs: dict[str, torch.Tensor] | None = None
+                   ) -> list[list[torch.Tensor]]:
     """Per sequence and draw: the gradient of the sampled log-likelihood at the last block's
     outputs; the head's quantizable Linears (the lm_head, the tied embedding's use as one)
     are measured by :class:`_HeadTerms` where the logits are the Linear's output (soft-capped
-    or not), else through their taps (no weight gradients either way)."""
+    or not), else through their taps (no weight gradients either way). ``head_inputs`` gets
+    each one's input second moments X^T X / n."""
+    grams: dict[str, torch.Tensor] = {} if head_inputs is None else head_inputs
     heads = stream.head_modules()
     taps: dict[str, _LinearTaps] = {}
     terms: dict[str, _HeadTerms] = {}
@@ -246,6 +269,9 @@ def _head_backward(stream: BlockStream, cal: CalibrationPass, modules: set[str],
                         del terms[m]  # logits not the Linear's own: the taps measure it
                     else:
                         sampled = t.log_probs  # labels drawn from what the terms price
+                for m, t in taps.items():
+                    gram = t.x.T.double() @ t.x.double()
+                    grams[m] = gram if m not in grams else grams[m] + gram
                 moved = {m: t.times_error(acc.errors[m]) for m, t in taps.items()
                          if m not in terms}
                 for d in range(draws):
@@ -261,6 +287,9 @@ def _head_backward(stream: BlockStream, cal: CalibrationPass, modules: set[str],
             for t in terms.values():
                 t.end_sequence()
             grads.append([torch.cat(parts, dim=1) for parts in per_draw])
+        positions = sum(row.shape[1] for row in ids)
+        for m in grams:
+            grams[m] = (grams[m] / positions).float()
         for m, t in terms.items():
             expected = t.expected_terms(acc.errors[m], lambda: bar.advance(task))
             for s, term in enumerate(expected):
@@ -413,8 +442,8 @@ def _block_backward(stream: BlockStream, index: int, inputs: list[torch.Tensor],
 
 
 def _embedding_backward(stream: BlockStream, grads: list[list[torch.Tensor]],
-                        modules: set[str], probe_weight: ProbeWeight, acc: _Accumulator
-                        ) -> None:
+                        modules: set[str], probe_weight: ProbeWeight, acc: _Accumulator,
+                        lookup_grads: dict[str, torch.Tensor] | None = None) -> None:
     """The input embedding's share: a token reads one row, so a sequence's gradient is its
     hidden-state gradients summed into the rows of its tokens (times the factor a scaled
     embedding multiplies its rows by)."""
@@ -433,10 +462,16 @@ def _embedding_backward(stream: BlockStream, grads: list[list[torch.Tensor]],
         read = torch.cat([row[0] for row in sequences]).unique()
         w = stream.weights.get(spec)[read]
         error = ModuleError(probe_weight(spec, w.float()), w, spec.dtype)
+    gram: torch.Tensor | float = 0.0
+    count = 0
     for s, (row, per_draw) in enumerate(zip(sequences, grads, strict=True)):
         rows, inverse = row[0].unique(return_inverse=True)
         at = torch.searchsorted(read, rows)
         for d, g in enumerate(per_draw):
             acc.at = (s, d)
             summed = torch.zeros(len(rows), g.shape[-1]).index_add_(0, inverse, g[0])
-            acc.add(spec.module, factor * (summed * error.rows(at)).sum())
+            acc.add(spec.module, factor * (summed * error.rows(at)).sum(), use="lookup")
+            gram = gram + g[0].T.double() @ g[0].double()
+            count += g.shape[1]
+    if lookup_grads is not None and count:
+        lookup_grads[spec.module] = (gram / count).float()

@@ -34,6 +34,7 @@ from dynquant.format.metadata import core_version
 from dynquant.format.planner import TensorSpec, excluded_modules
 from dynquant.models.sources import ModelSource
 from dynquant.numerics.compute_dtype import resolve_dtype
+from dynquant.numerics.gptq import gptq_quantize, output_error
 from dynquant.numerics.quantizer import QuantizedTensor
 from dynquant.pipeline.allocate import (
     AllocationError,
@@ -66,6 +67,11 @@ from dynquant.pipeline.generate import has_tokenizer, load_tokenizer
 from dynquant.pipeline.heap import return_freed_memory
 from dynquant.pipeline.priors import block_index, data_free_sensitivity
 from dynquant.pipeline.progress import StageProgress
+from dynquant.pipeline.sequential_gptq import (
+    compensation_cost,
+    lookup_grads_key,
+    weighted_error,
+)
 from dynquant.pipeline.weights import WeightsAt, WeightSource
 
 MAPS_SCHEMA = "dynquant_maps_v1"
@@ -166,11 +172,25 @@ def allocations(modules: list[ModuleChoices], budgets: Sequence[float], group_si
     return out
 
 
-def maps_modules(maps: dict) -> list[ModuleChoices]:
-    """The allocator's view of a maps document."""
+def maps_codes(maps: dict) -> str:
+    """The codes ``quantize`` writes from a maps document by default (``--quantizer auto``):
+    gptq when it was measured on text, else round-to-nearest."""
+    return "gptq" if maps.get("quantizer") == "gptq" or maps.get("method") in (
+        "fisher", "kl-exact") else "rtn"
+
+
+def maps_modules(maps: dict, codes: str | None = None) -> list[ModuleChoices]:
+    """The allocator's view of a maps document, for the codes that will be written (``codes``,
+    default :func:`maps_codes`): errors of rtn-priced candidates times the module's measured
+    ``gptq_ratio`` when they will be gptq codes."""
+    codes = codes or maps_codes(maps)
+
+    def factor(m: dict) -> float:
+        return m.get("gptq_ratio", 1.0) if codes == "gptq" else 1.0
+
     return [ModuleChoices(name, m["elements"], m["sensitivity"],
-                          [Candidate(c["bits"], c["group_size"], c["nbytes"], c["error"])
-                           for c in m["candidates"]])
+                          [Candidate(c["bits"], c["group_size"], c["nbytes"],
+                                     c["error"] * factor(m)) for c in m["candidates"]])
             for name, m in sorted(maps["modules"].items())]
 
 
@@ -258,6 +278,8 @@ def measure(source: ModelSource, opts: MeasureOptions, out: str | Path | None = 
             raise DynquantError("--quantizer gptq measures need an output path (for the "
                                 "second moments beside it)", field="quantizer")
         opts = replace(opts, second_moments=True)
+    if _gptq_ratios(opts) and out is not None:  # X^T X for each Linear's ratio
+        opts = replace(opts, second_moments=True)
     method = opts.method
     read_calibration(list(opts.calib))  # fail on a missing or empty file before any work
     if out is not None:
@@ -269,12 +291,36 @@ def measure(source: ModelSource, opts: MeasureOptions, out: str | Path | None = 
     at = WeightsAt.of(source, random_init)  # this process's source, the one jobs run here use
     weights = at.open()
     partial = None if out is None else PartialDir(out, _job(source, opts, method, random_init))
+    lookups: dict[str, float] = {}
+    head_inputs: dict[str, torch.Tensor] = {}
     stats, probe_kl = _calibrate(source, weights, quantizable, opts, method, out, progress,
-                                 partial, executor)
+                                 partial, executor, lookups, head_inputs)
+    ratio_moments = (_moments(out) if _gptq_ratios(opts) and out is not None
+                     and _moments(out).is_dir() else None)
     entries = _measure_modules(quantizable, at, opts, _chooser(opts, stats, out), probe_kl,
                                partial, executor or LocalExecutor(), progress,
                                lambda spec: data_free_sensitivity(spec, blocks,
-                                                                  bool(source.tied)))
+                                                                  bool(source.tied)),
+                               None if ratio_moments is None else SecondMoments(ratio_moments))
+    tied_to = set(source.tied.values())
+    for spec, entry in zip(quantizable, entries, strict=True):
+        if spec.module in head_inputs and spec.module not in tied_to and _gptq_ratios(opts):
+            entry["gptq_ratio"] = gptq_ratio(spec, weights.get(spec).float(),  # an lm_head
+                                             head_inputs[spec.module],
+                                             CodeChooser("rtn", stats), *probe_bits(opts))
+        if spec.module in lookups and probe_kl is not None and spec.module in tied_to:
+            # a tied embedding's two uses: the head's share decides whether gptq compensates
+            # it as a head (what that costs the lookup: sequential_gptq._head)
+            total = probe_kl(spec)
+            entry["head_share"] = (max(0.0, 1.0 - lookups[spec.module] / total)
+                                   if total > 0 else 0.0)
+            grads = stats.get(lookup_grads_key(spec.module))
+            if grads is not None:
+                _price_two_uses(spec, weights.get(spec).float(), grads, stats, opts, entry)
+            if _gptq_ratios(opts) and spec.module in head_inputs:
+                entry["gptq_ratio"] = _tied_ratio(spec, weights.get(spec).float(),
+                                                  head_inputs[spec.module], stats, opts,
+                                                  entry["head_share"])
     modules = {spec.module: entry for spec, entry in zip(quantizable, entries, strict=True)}
     stats_name = Path(out).stem + ".stats.safetensors" if out is not None and stats else None
     doc = {"schema": MAPS_SCHEMA, "model": source.name, "method": method,
@@ -318,12 +364,18 @@ def probe_bits(opts: MeasureOptions) -> tuple[int, int]:
 
 def _calibrate(source: ModelSource, weights: WeightSource, quantizable: list[TensorSpec],
                opts: MeasureOptions, method: str, out: str | Path | None, progress: bool,
-               partial: PartialDir | None = None, executor: Executor | None = None
+               partial: PartialDir | None = None, executor: Executor | None = None,
+               lookups: dict[str, float] | None = None,
+               head_inputs: dict[str, torch.Tensor] | None = None
                ) -> tuple[dict[str, torch.Tensor], Callable[[TensorSpec], float] | None]:
     """Input statistics (saved beside ``out``) and how to get a module's KL at the probe width:
     nothing without text or synthetic tokens; else one streamed pass for the statistics, then
     (with text) the Fisher pass over the same stream or the exact probe on the dense model. The
-    statistics and Fisher KLs are kept in ``partial`` for a resumed run."""
+    statistics and Fisher KLs are kept in ``partial`` for a resumed run. ``lookups`` gets the
+    Fisher KL of each input embedding's lookup use alone, ``head_inputs`` the head Linears'
+    input second moments."""
+    lookups = {} if lookups is None else lookups
+    head_inputs = {} if head_inputs is None else head_inputs
     if not opts.calib and not opts.synthetic:
         return {}, None
     if source.directory is None:
@@ -332,12 +384,16 @@ def _calibrate(source: ModelSource, weights: WeightSource, quantizable: list[Ten
     kept = None if partial is None else partial.read_tensors("calibration.safetensors")
     if kept is not None and method == "fisher":
         kls = {k.removeprefix("kl:"): float(v) for k, v in kept.items() if k.startswith("kl:")}
-        return ({k: v for k, v in kept.items() if not k.startswith("kl:")},
+        lookups.update({k.removeprefix("kl-lookup:"): float(v) for k, v in kept.items()
+                        if k.startswith("kl-lookup:")})
+        head_inputs.update({k.removeprefix("head-gram:"): v for k, v in kept.items()
+                            if k.startswith("head-gram:")})
+        return ({k: v for k, v in kept.items()
+                 if not k.startswith(("kl:", "kl-lookup:", "head-gram:"))},
                 lambda spec: kls[spec.module])
     modules = {s.module for s in quantizable}
     return_freed_memory()
-    moments = (Path(out).with_name(Path(out).stem + ".moments")
-               if out is not None and opts.second_moments else None)
+    moments = _moments(out) if out is not None and opts.second_moments else None
     if moments is not None and opts.moment_seqs > opts.calib_seqs:
         # X^T X wants many more tokens than the statistics and the Fisher estimate: a
         # forward-only pass of its own
@@ -363,12 +419,21 @@ def _calibrate(source: ModelSource, weights: WeightSource, quantizable: list[Ten
             return chooser.quantize(spec, w, bits, gs)
 
         if method == "fisher":
+            grads: dict[str, torch.Tensor] = {}
             kls = fisher_kl(cal, modules, probe_quantized, draws=opts.fisher_draws,
-                            progress=progress)
+                            progress=progress, lookups=lookups, head_inputs=head_inputs,
+                            lookup_grads=grads)
+            if grads:  # beside the statistics: quantize's choice for a tied embedding
+                stats = {**stats, **{lookup_grads_key(m): g for m, g in grads.items()}}
+                if out is not None:
+                    save_stats(stats, Path(out).with_name(Path(out).stem + ".stats.safetensors"))
             if partial is not None:
                 partial.write_tensors("calibration.safetensors", {
                     **stats, **{f"kl:{m}": torch.tensor(v, dtype=torch.float64)
-                                for m, v in kls.items()}})
+                                for m, v in kls.items()},
+                    **{f"kl-lookup:{m}": torch.tensor(v, dtype=torch.float64)
+                       for m, v in lookups.items()},
+                    **{f"head-gram:{m}": v for m, v in head_inputs.items()}})
             return stats, lambda spec: kls[spec.module]
     finally:
         cal.close()
@@ -377,11 +442,57 @@ def _calibrate(source: ModelSource, weights: WeightSource, quantizable: list[Ten
         spec.module, probe_quantized(spec, weights.get(spec).float()).dequantize(torch.float32))
 
 
+def _price_two_uses(spec: TensorSpec, weight: torch.Tensor, grads: torch.Tensor,
+                    stats: dict[str, torch.Tensor], opts: MeasureOptions, entry: dict) -> None:
+    """A tied embedding's candidates priced for both uses: the head's share of its probe KL
+    scales with the head's error (the candidate's own, weighted by the head's inputs), the
+    lookup's with tr(dW G dW^T), G the gradients' second moments at the embedding's output
+    (the plain relative error misprices the lookup: it weighs every direction of a row
+    alike). Each error is rescaled so that sensitivity * error stays the probe's KL."""
+    share = entry["head_share"]
+    probe = probe_bits(opts)
+    chooser = CodeChooser("rtn", stats)
+    lookup = {(c["bits"], c["group_size"]): weighted_error(
+        weight, chooser.quantize(spec, weight, c["bits"], c["group_size"]), grads)
+        for c in entry["candidates"]}
+    at_probe = next(c["error"] for c in entry["candidates"]
+                    if (c["bits"], c["group_size"]) == probe)
+    for c in entry["candidates"]:
+        key = (c["bits"], c["group_size"])
+        c["error"] = (share * c["error"] + (1 - share) * at_probe * lookup[key]
+                      / max(lookup[probe], 1e-30))
+
+
+def _tied_ratio(spec: TensorSpec, weight: torch.Tensor, hessian: torch.Tensor,
+               stats: dict[str, torch.Tensor], opts: MeasureOptions, head_share: float) -> float:
+    """A tied embedding's gptq ratio at the probe width: of the compensated codes' predicted
+    KL (head and lookup shares, ``compensation_cost``) when compensating pays, else 1 (the
+    rounded codes ``quantize`` then writes)."""
+    bits, gs = probe_bits(opts)
+    chooser = CodeChooser("rtn", stats)
+    rounded = chooser.quantize(spec, weight, bits, gs)
+    compensated = gptq_quantize(weight, hessian, bits, gs)
+    return min(1.0, compensation_cost(weight, hessian, stats.get(lookup_grads_key(spec.module)),
+                                      compensated, rounded, head_share))
+
+
+def _moments(out: str | Path) -> Path:
+    """Where a measure writes its second moments: ``NAME.moments`` beside ``NAME.json``."""
+    return Path(out).with_name(Path(out).stem + ".moments")
+
+
+def _gptq_ratios(opts: MeasureOptions) -> bool:
+    """Whether the measure prices round-to-nearest codes on text, for a checkpoint that will be
+    written with gptq codes by default: then each Linear gets the ratio of the two codes'
+    output errors at the probe width (``gptq_ratio``), and forecasts are for gptq codes."""
+    return opts.quantizer == "rtn" and opts.method == "fisher" and bool(opts.calib)
+
+
 def _chooser(opts: MeasureOptions, stats: dict[str, torch.Tensor], out: str | Path | None
              ) -> CodeChooser:
     moments = None
     if opts.quantizer == "gptq":
-        moments = SecondMoments(Path(out).with_name(Path(out).stem + ".moments"))
+        moments = SecondMoments(_moments(out))
     return CodeChooser(opts.quantizer, stats, moments)
 
 
@@ -402,10 +513,20 @@ class CandidatesWork:
     group_sizes: Sequence[int]
     chooser: CodeChooser
     weighted: bool
-    # gptq-priced candidates: the driver's torch threads, which a worker takes on too (its
-    # matrix products round differently on another number of threads; round-to-nearest's
+    # gptq-priced candidates or ratios: the driver's torch threads, which a worker takes on too
+    # (its matrix products round differently on another number of threads; round-to-nearest's
     # errors are the same bits on any number)
     threads: int | None = None
+    probe: tuple[int, int] | None = None  # (bits, group size) of the gptq ratio
+
+
+@dataclass
+class ModuleMeasure:
+    """A module's candidates, and (rtn-priced, with second moments) the ratio of its gptq
+    codes' output error to round-to-nearest's at the probe width."""
+
+    candidates: list[Candidate]
+    gptq_ratio: float | None = None
 
 
 @dataclass
@@ -417,32 +538,53 @@ class ModuleJob:
     hessian: torch.Tensor | None = None
 
 
-def candidates_job(job: ModuleJob, work: CandidatesWork) -> list[Candidate]:
+def candidates_job(job: ModuleJob, work: CandidatesWork) -> ModuleMeasure:
     """The pure per-module work (run by an executor, here or on a worker)."""
     if work.threads is not None:
         use_threads(work.threads)
     chooser = work.chooser if job.hessian is None else replace(
         work.chooser, moments=GivenMoments(job.spec.module, job.hessian))
-    return module_candidates(job.spec, work.weights.open().get(job.spec), work.widths,
-                             work.group_sizes, chooser, work.weighted)
+    weight = work.weights.open().get(job.spec)
+    cands = module_candidates(job.spec, weight, work.widths, work.group_sizes, chooser,
+                              work.weighted)
+    ratio = None
+    if (job.hessian is not None and chooser.quantizer == "rtn" and work.probe is not None
+            and weight.ndim == 2):  # Linears (banks and embeddings: rounded to nearest)
+        ratio = gptq_ratio(job.spec, weight, job.hessian, chooser, *work.probe)
+    return ModuleMeasure(cands, ratio)
+
+
+def gptq_ratio(spec: TensorSpec, weight: torch.Tensor, hessian: torch.Tensor,
+               chooser: CodeChooser, bits: int, group_size: int) -> float:
+    """Output error over the calibration inputs (H = X^T X / n) of the compensated codes over
+    that of the codes ``chooser`` rounds to nearest: the factor that turns a forecast for
+    round-to-nearest codes into one for the gptq codes ``quantize`` writes."""
+    rtn = chooser.quantize(spec, weight, bits, group_size)
+    gptq = replace(chooser, quantizer="gptq", moments=GivenMoments(spec.module, hessian),
+                   _cached=None).quantize(spec, weight, bits, group_size)
+    base = output_error(weight, rtn, hessian)
+    return output_error(weight, gptq, hessian) / base if base > 0 else 1.0
 
 
 def _measure_modules(quantizable: list[TensorSpec], weights: WeightsAt, opts: MeasureOptions,
                      chooser: CodeChooser, probe_kl: Callable[[TensorSpec], float] | None,
                      partial: PartialDir | None, executor: Executor, progress: bool,
-                     prior: Callable[[TensorSpec], float]) -> list[dict]:
+                     prior: Callable[[TensorSpec], float],
+                     ratio_moments: SecondMoments | None = None) -> list[dict]:
     """Each module's maps entry, in order: from ``partial`` when a killed run finished it,
-    else its candidates from ``executor`` and its sensitivity here."""
+    else its candidates from ``executor`` and its sensitivity here (with ``ratio_moments``:
+    each Linear's gptq ratio too)."""
     entries: list[dict | None] = [None if partial is None else partial.read_json(
         f"m{index:06d}.json") for index in range(len(quantizable))]
     todo = [index for index, entry in enumerate(entries) if entry is None]
     # data-free: random-token statistics steer the clip search, but the priors price plain
     # relative errors (weighting them by those statistics misled the allocation on SmolLM2:
     # KL 0.69 vs 0.53 at 4.25 bits)
-    moments = chooser.moments
+    moments = chooser.moments or ratio_moments
     work = CandidatesWork(weights, opts.widths, opts.group_sizes,
                           replace(chooser, moments=None), weighted=opts.method != "weight",
-                          threads=torch.get_num_threads() if moments else None)
+                          threads=torch.get_num_threads() if moments else None,
+                          probe=probe_bits(opts) if ratio_moments is not None else None)
     # read as they are submitted (the executor pulls jobs as tasks finish), not all at once
     jobs = (ModuleJob(quantizable[i], None if moments is None
                       else moments.get(quantizable[i].module)) for i in todo)
@@ -450,9 +592,11 @@ def _measure_modules(quantizable: list[TensorSpec], weights: WeightsAt, opts: Me
         task = bar.add_task("measuring", total=len(quantizable),
                             completed=len(quantizable) - len(todo))
         results = executor.map(candidates_job, jobs, work, cpus=work.threads or 1)
-        for index, cands in zip(todo, results, strict=True):
+        for index, result in zip(todo, results, strict=True):
             spec = quantizable[index]
-            entries[index] = _entry(spec, cands, opts, probe_kl, prior(spec))
+            entries[index] = _entry(spec, result.candidates, opts, probe_kl, prior(spec))
+            if result.gptq_ratio is not None:
+                entries[index]["gptq_ratio"] = result.gptq_ratio
             if partial is not None:  # a killed run starts again from here
                 partial.write_json(f"m{index:06d}.json", entries[index])
             bar.advance(task)

@@ -185,13 +185,15 @@ def _sequential(source: ModelSource, weights: WeightSource, specs: list, plan: d
                 progress: bool, executor: Executor) -> None:
     """The decoder blocks' tensors, compensated block by block into ``store``."""
     from dynquant.pipeline.block_stream import BlockStream
-    from dynquant.pipeline.sequential_gptq import sequential_gptq
+    from dynquant.pipeline.sequential_gptq import lookup_grads_key, sequential_gptq
 
     assert chooser.sequential is not None
     stream = BlockStream(source, weights, chooser.sequential.ids, chunk=1)
     sequential_gptq(stream, specs, set(plan["layers"]),
                     lambda m: split_choice(widths[m], group_size), chooser.quantize, store,
-                    progress, executor)
+                    progress, executor, chooser.sequential.head_share,
+                    chooser.importance.get(lookup_grads_key(next(iter(source.tied.values()),
+                                                                 ""))))
 
 
 @dataclass
@@ -243,7 +245,8 @@ def split_maps_arg(arg: str) -> tuple[str, float | None]:
 
 def _maps_for(source: ModelSource, req: QuantizeRequest, workdir: Path,
               executor: Executor | None = None) -> tuple[dict, Path, float | None]:
-    """The maps document to allocate from (given, or measured now), its path, and the budget."""
+    """The maps document to allocate from (given, or measured now, candidates priced with
+    round-to-nearest unless ``--quantizer gptq``), its path, and the budget."""
     from dynquant.pipeline.measure import MeasureOptions, load_maps, measure
 
     if req.widths is not None:
@@ -254,7 +257,9 @@ def _maps_for(source: ModelSource, req: QuantizeRequest, workdir: Path,
                           calib_len=req.calib_len,
                           group_sizes=req.group_sizes or (req.group_size,),
                           budgets=[req.budget] if req.budget else [],
-                          quantizer=req.quantizer,
+                          # auto: rtn-priced candidates with each Linear's gptq ratio, a
+                          # fraction of gptq pricing's time (BENCHMARKS.md, gptq_quality)
+                          quantizer="gptq" if req.quantizer == "gptq" else "rtn",
                           not_convert=req.not_convert, dtype=req.dtype)
     return (measure(source, opts, maps_path, req.progress, req.random_init, executor),
             maps_path, req.budget)
@@ -279,6 +284,8 @@ class Widths:
     files: list[Path] = field(default_factory=list)  # shipped inside the checkpoint
     calibration: dict | None = None  # the maps' record of the calibration text
     priced_with: str | None = None  # the quantizer the maps priced candidates with
+    forecast_for_codes: bool = True  # the forecast is for the codes written (else for rtn's)
+    head_share: float | None = None  # of a tied embedding's measured KL (the maps' head_share)
 
 
 def resolve_widths(source: ModelSource, req: QuantizeRequest, workdir: Path,
@@ -292,26 +299,36 @@ def resolve_widths(source: ModelSource, req: QuantizeRequest, workdir: Path,
     if req.widths is None and req.budget is None and req.uniform is None:
         raise DynquantError("give --widths, --budget or --uniform", field="widths")
     maps, maps_path, budget = _maps_for(source, req, workdir, executor)
-    widths, allocator, tag = _allocate(req, maps, maps_path, budget)
+    codes = auto_quantizer(source, req, maps.get("calibration"), say=False)
+    widths, allocator, tag = _allocate(req, maps, maps_path, budget, codes)
     measured_now = req.widths is None
     importance, stats_path = _statistics(maps, maps_path)
     files = [] if not measured_now else [maps_path, *([stats_path] if stats_path else [])]
     where = maps_path.name if measured_now else str(maps_path)
+    tied = maps["modules"].get(next(iter(source.tied.values()), ""), {})
     return Widths(widths, allocator, f"{where} [{tag}]", importance, files,
-                  maps.get("calibration"), maps.get("quantizer", "rtn"))
+                  maps.get("calibration"), maps.get("quantizer", "rtn"),
+                  _for_codes(maps, codes), tied.get("head_share"))
 
 
-def _allocate(req: QuantizeRequest, maps: dict, maps_path: Path, budget: float | None
-              ) -> tuple[dict, str, str]:
-    """(widths, allocator, tag): uniform, or the sensitivity allocation at ``budget`` (its
-    forecast told before anything is written)."""
+def _for_codes(maps: dict, codes: str) -> bool:
+    """Whether the maps' errors are those of ``codes``: priced with them, or rtn-priced with
+    each Linear's measured gptq ratio."""
+    return maps.get("quantizer", "rtn") == codes or codes == "rtn" or any(
+        "gptq_ratio" in m for m in maps["modules"].values())
+
+
+def _allocate(req: QuantizeRequest, maps: dict, maps_path: Path, budget: float | None,
+              codes: str) -> tuple[dict, str, str]:
+    """(widths, allocator, tag): uniform, or the sensitivity allocation at ``budget`` for the
+    ``codes`` that will be written (its forecast told before anything is written)."""
     from dynquant.pipeline.allocate import Constraints, allocate_widths, parse_pins
     from dynquant.pipeline.allocate import uniform_widths as uniform
     from dynquant.pipeline.measure import maps_modules
 
     cons = Constraints(pins=parse_pins(req.pins), min_bits=req.min_bits,
                        max_bits=req.max_bits, group_sizes=req.group_sizes)
-    modules = maps_modules(maps)
+    modules = maps_modules(maps, codes)
     if req.uniform is not None:
         alloc = uniform(modules, req.uniform, req.group_size, cons)
         return dict(alloc.widths), "uniform", f"uniform {req.uniform}"
@@ -333,10 +350,12 @@ def _statistics(maps: dict, maps_path: Path) -> tuple[dict | None, Path | None]:
     return load_file(stats_path), stats_path
 
 
-def auto_quantizer(source: ModelSource, req: QuantizeRequest, record: dict | None) -> str:
+def auto_quantizer(source: ModelSource, req: QuantizeRequest, record: dict | None,
+                   say: bool = True) -> str:
     """``auto``: gptq when the run has calibration text (``--calib``, or widths measured on the
     bundled text) and a model that can run it; round-to-nearest on the data-free path, and
-    (with one line saying so) for widths measured on a text not given again."""
+    (with one line saying so, unless not ``say``) for widths measured on a text not given
+    again."""
     from dynquant.pipeline.calibration import BUNDLED_TEXT
     from dynquant.pipeline.measure import calibration_blocker
 
@@ -346,7 +365,7 @@ def auto_quantizer(source: ModelSource, req: QuantizeRequest, record: dict | Non
     if calibration_blocker(source, req.random_init) or not (req.calib or texts):
         return "rtn"
     if not req.calib and texts != [BUNDLED_TEXT]:
-        if req.progress:
+        if req.progress and say:
             print(f"dynquant: rounding to nearest: the widths were measured on "
                   f"{', '.join(texts)}; give it with --calib for gptq codes", file=sys.stderr)
         return "rtn"
@@ -361,8 +380,8 @@ def check_gptq_source(source: ModelSource, req: QuantizeRequest) -> None:
                             "directory) to calibrate with", file=source.name, field="quantizer")
 
 
-def gptq_calibration(source: ModelSource, req: QuantizeRequest, record: dict | None
-                     ) -> SequentialCalibration:
+def gptq_calibration(source: ModelSource, req: QuantizeRequest, record: dict | None,
+                     head_share: float | None = None) -> SequentialCalibration:
     """The windows the sequential gptq pass streams: of ``--calib``, else of the text the
     widths were measured on when that is dynquant's bundled text (or nothing was measured).
     The model can run them (``check_gptq_source`` / ``auto_quantizer`` made sure)."""
@@ -378,7 +397,7 @@ def gptq_calibration(source: ModelSource, req: QuantizeRequest, record: dict | N
                                 field="calib")
         texts = [str(default_calibration())]
     ids = calibration_ids(load_tokenizer(source.directory), texts, req.gptq_seqs, req.calib_len)
-    return SequentialCalibration(ids)
+    return SequentialCalibration(ids, head_share)
 
 
 def _report(req: QuantizeRequest, f: Forecast) -> None:
@@ -405,20 +424,15 @@ def run_quantize(source: ModelSource, req: QuantizeRequest) -> dict:
 
 def _run(source: ModelSource, req: QuantizeRequest, workdir: Path, executor: Executor) -> dict:
     """The work of ``run_quantize``, on ``executor``."""
-    # auto: the widths priced with round-to-nearest: 2-5x less measuring time than gptq
-    # pricing and better on 5 of 9 (model, budget) cells with sequential codes; gptq pricing
-    # wins at 2.5 bits on the MoE reference model (0.49x vs 0.54x RTN's KL: BENCHMARKS.md)
-    pricing = "rtn" if req.quantizer == "auto" else req.quantizer
-    w = resolve_widths(source, replace(req, quantizer=pricing), workdir, executor)
+    w = resolve_widths(source, req, workdir, executor)
     stats = next((f.name for f in w.files if f.name.endswith(".stats.safetensors")), None)
     quantizer = auto_quantizer(source, req, w.calibration)
-    sequential = (gptq_calibration(source, req, w.calibration)
+    sequential = (gptq_calibration(source, req, w.calibration, w.head_share)
                   if quantizer == "gptq" else None)
     chooser = CodeChooser(quantizer, w.importance or {}, sequential=sequential)
-    if quantizer == "gptq" and w.priced_with == "rtn" and w.allocator == "sensitivity" \
-            and req.progress:
-        print("dynquant: gptq codes; the predicted KL is for round-to-nearest codes (gptq's "
-              "measured 0.3-0.6x of it at 2.5-4.25 bits, BENCHMARKS.md)", file=sys.stderr)
+    if not w.forecast_for_codes and w.allocator == "sensitivity" and req.progress:
+        print("dynquant: gptq codes; the predicted KL is for round-to-nearest codes (these "
+              "maps have no gptq ratios: measure on text with an output path)", file=sys.stderr)
     return quantize_model(
         source, w.widths, req.output, group_size=req.group_size,
         random_init=req.random_init, seed=req.seed, overwrite=req.overwrite,
