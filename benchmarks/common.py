@@ -88,6 +88,7 @@ def prepared_models():
     script = Path(__file__).parents[1] / "scripts" / "prepare_real_model.py"
     spec = importlib.util.spec_from_file_location("prepare_real_model", script)
     module = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = module  # its dataclasses look their module up
     spec.loader.exec_module(module)
     return module
 

@@ -1,19 +1,22 @@
 """Models whose embedding is most of the weights: dynquant's calibrated default and data-free
 checkpoints beside llama.cpp's own quantization types of the same model, at their bytes, scored
-by one scorer.
+by one scorer, with the forecast beside the measured KL.
 
-Model: Gemma-3-270M (``python scripts/prepare_real_model.py gemma3-270m``; ``make bench``
-prepares it): a 262,144 x 640 tied, scaled embedding holding 63% of its 268 M weights. The float
-model is the dequantized Q4_K_M file the package ships.
+Models (``python scripts/prepare_real_model.py all``; ``make bench`` prepares them):
+Gemma-3-270M, a 262,144 x 640 tied, scaled embedding holding 63% of its 268 M weights (the float
+model is the dequantized Q4_K_M file its package ships), and SmolLM2-135M-Instruct (49,152 x
+576 tied embedding, 21%; the dequantized Q4_1 file).
 - dynquant: ``quantize --budget B`` (the calibrated default: Fisher sensitivities on the text
-  dynquant ships, GPTQ codes) and ``quantize --budget B --no-calib`` (data-free, round to
+  dynquant ships, gptq codes) and ``quantize --budget B --no-calib`` (data-free, round to
   nearest), each measured once (``measure``, then ``quantize --widths maps.json:B``, which is
-  what ``--budget`` runs); the measure's wall time is printed.
-- llama.cpp: its quantize API (``llama-cpp-python``) from the shipped Q4_K_M file to smaller
-  types, read back by transformers' GGUF reader into a folder of the model, so that ``dynquant
-  eval`` scores every row against the same float model. Bytes: the GGUF file.
+  what ``--budget`` runs); the forecast is what ``quantize`` prints for those codes, and the
+  measure's wall time is printed per model.
+- llama.cpp: its quantize API (``llama-cpp-python``) from the shipped GGUF file to other types,
+  read back by transformers' GGUF reader into a folder of the model, so that ``dynquant eval``
+  scores every row against the same float model. Bytes: the GGUF file.
 Scores: KL(float || row) nats per token, perplexity and top-1 agreement on ``data/heldout.txt``,
-8 windows of 512 tokens. Files are kept under ``out/bench/large_vocabulary`` and reused.
+8 windows of 512 tokens, float32. Files are kept under ``out/bench/large_vocabulary`` and
+reused.
 """
 
 from __future__ import annotations
@@ -29,10 +32,11 @@ from benchmarks.common import machine, prepared_models
 
 ROOT = Path(__file__).parents[1]
 WORK = ROOT / "out" / "bench" / "large_vocabulary"
-MODEL = "gemma3-270m"
-BUDGETS = (3.25, 4.25, 5.0)
+MODELS = ("gemma3-270m", "smollm2")
+BUDGETS = (3.25, 4.25, 5.5)
 LLAMA_TYPES = ("Q2_K", "Q3_K_M", "Q4_0", "IQ4_XS")
-EVAL = ["--text", str(ROOT / "data" / "heldout.txt"), "--max-tokens", "4096", "--ctx", "512"]
+EVAL = ["--text", str(ROOT / "data" / "heldout.txt"), "--max-tokens", "4096", "--ctx", "512",
+        "--dtype", "float32"]
 
 
 def dynquant(*args: str) -> str:
@@ -40,9 +44,9 @@ def dynquant(*args: str) -> str:
                           capture_output=True, text=True).stdout
 
 
-def measured(real: Path, name: str, extra: list[str]) -> tuple[Path, float | None]:
+def measured(real: Path, work: Path, extra: list[str]) -> tuple[Path, float | None]:
     """The model's maps (measured once; the wall time when measured in this run)."""
-    maps = WORK / name / "maps.json"
+    maps = work / "maps.json"
     if maps.is_file():
         return maps, None
     start = time.perf_counter()
@@ -50,29 +54,35 @@ def measured(real: Path, name: str, extra: list[str]) -> tuple[Path, float | Non
     return maps, time.perf_counter() - start
 
 
-def dynquant_rows(real: Path) -> dict[str, Path]:
+def dynquant_rows(name: str, real: Path) -> dict[str, tuple[Path, float | None]]:
+    """Checkpoints by row label, with their forecast KL (None: data-free)."""
+    from dynquant.pipeline.forecast import forecast
+    from dynquant.pipeline.measure import load_maps, maps_modules
+
     rows = {}
-    for name, extra in (("calibrated", []), ("data-free", ["--no-calib"])):
-        maps, seconds = measured(real, name, extra)
+    for kind, extra in (("calibrated", []), ("data-free", ["--no-calib"])):
+        maps, seconds = measured(real, WORK / name / kind, extra)
         if seconds is not None:
-            print(f"# measure ({name}): {seconds:.0f} s", flush=True)
+            print(f"# {name}: measure ({kind}) {seconds:.0f} s", flush=True)
+        doc = load_maps(maps)
         for budget in BUDGETS:
-            ck = WORK / name / f"budget-{budget}"
+            ck = WORK / name / kind / f"budget-{budget}"
             if not (ck / "dynquant.json").is_file():
                 dynquant("quantize", str(real), "--widths", f"{maps}:{budget}", "-o", str(ck),
                          "--quiet", "--overwrite")
-            rows[f"dynquant {budget}, {name}"] = ck
+            rows[f"dynquant {budget}, {kind}"] = (
+                ck, forecast(doc, maps_modules(doc), budget).predicted_kl)
     return rows
 
 
-def llama_rows(real: Path, gguf: Path) -> dict[str, tuple[Path, int]]:
+def llama_rows(name: str, real: Path, gguf: Path) -> dict[str, tuple[Path, int]]:
     """llama.cpp's types of the model: (folder read back, GGUF bytes)."""
     import llama_cpp
 
     rows = {}
     for kind in LLAMA_TYPES:
-        out = WORK / f"llama.cpp-{kind}"
-        file = WORK / f"{MODEL}.{kind}.gguf"
+        out = WORK / name / f"llama.cpp-{kind}"
+        file = WORK / name / f"{kind}.gguf"
         if not file.is_file():
             params = llama_cpp.llama_model_quantize_default_params()
             params.ftype = getattr(llama_cpp, f"LLAMA_FTYPE_MOSTLY_{kind}")
@@ -92,26 +102,35 @@ def score(model: Path, real: Path) -> dict:
     return json.loads(dynquant("eval", str(model), "--base", str(real), *EVAL, "--json"))
 
 
-def main() -> None:
+def table(name: str) -> None:
     prepare = prepared_models()
-    real = prepare.prepare(MODEL)
-    print(f"# large vocabulary: {MODEL}, {machine()}")
-    WORK.mkdir(parents=True, exist_ok=True)
-    rows: dict[str, tuple[Path, int]] = {}
-    for label, ck in dynquant_rows(real).items():
+    real = prepare.prepare(name)
+    (WORK / name).mkdir(parents=True, exist_ok=True)
+    rows: dict[str, tuple[Path, int, float | None]] = {}
+    for label, (ck, predicted) in dynquant_rows(name, real).items():
         doc = json.loads((ck / "dynquant.json").read_text())
         bits = doc["layers"]["model.embed_tokens"]["bits"]
-        rows[f"{label} (embedding {bits}-bit)"] = (ck, doc["accounting"]["total_nbytes"])
-    rows.update(llama_rows(real, prepare.gguf_path(MODEL)))
-    print("| run | MB | PPL | mean KL | same top-1 % |")
-    print("|---|---|---|---|---|")
+        rows[f"{label} (embedding {bits}-bit)"] = (ck, doc["accounting"]["total_nbytes"],
+                                                   predicted)
+    for label, (folder, nbytes) in llama_rows(name, real, prepare.gguf_path(name)).items():
+        rows[label] = (folder, nbytes, None)
+    print(f"\n## {name}\n")
+    print("| run | MB | PPL | mean KL | forecast KL | same top-1 % |")
+    print("|---|---|---|---|---|---|")
     base = None
-    for label, (folder, nbytes) in rows.items():
+    for label, (folder, nbytes, predicted) in rows.items():
         r = score(folder, real)
         base = r["ppl_base"]
+        shown = "-" if predicted is None else f"{predicted:.3f}"
         print(f"| {label} | {nbytes / 1e6:.1f} | {r['ppl_model']:.2f} | {r['kl_mean']:.3f} | "
-              f"{100 * r['top1_agreement']:.1f} |", flush=True)
-    print(f"float model (the dequantized Q4_K_M): PPL {base:.2f}")
+              f"{shown} | {100 * r['top1_agreement']:.1f} |", flush=True)
+    print(f"\nfloat model (the dequantized GGUF): PPL {base:.2f}")
+
+
+def main() -> None:
+    print(f"# large vocabulary: {', '.join(MODELS)}; {machine()}")
+    for name in MODELS:
+        table(name)
 
 
 if __name__ == "__main__":

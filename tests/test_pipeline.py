@@ -12,7 +12,7 @@ from dynquant import validate_checkpoint
 from dynquant.cli import main
 from dynquant.models.sources import resolve_model
 from dynquant.pipeline.allocate import allocate_widths
-from dynquant.pipeline.measure import MeasureOptions, maps_modules, measure
+from dynquant.pipeline.measure import MeasureOptions, compensates_head, maps_modules, measure
 from model_zoo import TOKENIZER_TEXT, save_tiny_model, save_tiny_tokenizer
 
 
@@ -218,21 +218,26 @@ def test_hub_names_resolve_from_the_local_cache(tmp_path, monkeypatch, capsys):
 def test_calibrated_maps_price_the_codes_quantize_writes(tmp_path):
     """A calibrated measure of a tied model (llama-ref) prices round-to-nearest candidates and
     records, for the gptq codes quantize writes by default, each Linear's ratio of the two
-    codes' output errors (gptq's smaller), and the tied embedding's head share of its KL with
-    its candidates priced for both uses."""
+    codes' output errors (gptq's smaller); the tied embedding is priced at every width by the
+    Fisher KL of its own codes, rounded and compensated (both uses), and quantize compensates
+    it only where that measured better."""
     model = Path(__file__).parents[1] / "models" / "llama-ref"
     opts = MeasureOptions(calib_seqs=4, calib_len=128, budgets=[3.25])
     doc = measure(resolve_model(str(model)), opts, tmp_path / "maps.json", progress=False)
     linears = {n: m for n, m in doc["modules"].items() if n.startswith("model.layers.")}
     assert linears and all(0 < m["gptq_ratio"] < 1 for m in linears.values())
     embed = doc["modules"]["model.embed_tokens"]
-    assert 0 < embed["head_share"] < 1 and 0 < embed["gptq_ratio"] <= 1
+    assert {c["bits"] for c in embed["candidates"] if "gptq_ratio" in c} == {2, 3, 4}
     for codes in ("gptq", "rtn"):
         for choices in maps_modules(doc, codes):
             entry = doc["modules"][choices.name]
-            factor = entry.get("gptq_ratio", 1.0) if codes == "gptq" else 1.0
+            factors = [1.0 if codes == "rtn" else min(1.0, c["gptq_ratio"]) if "gptq_ratio" in c
+                       else entry.get("gptq_ratio", 1.0) for c in entry["candidates"]]
             assert [c.error for c in choices.candidates] == [
-                c["error"] * factor for c in entry["candidates"]]
-    # the embedding's errors grow as its width shrinks, for both uses
+                c["error"] * f for c, f in zip(entry["candidates"], factors, strict=True)]
+    # the embedding's measured KL grows as its width shrinks
     errors = sorted((c["bits"], c["error"]) for c in embed["candidates"])
     assert [e for _, e in errors] == sorted((e for _, e in errors), reverse=True)
+    at3 = {n: (3, 128) for n in doc["modules"]}
+    ratio3 = next(c["gptq_ratio"] for c in embed["candidates"] if c["bits"] == 3)
+    assert compensates_head(doc, at3) == (ratio3 < 1)

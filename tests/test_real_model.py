@@ -5,6 +5,7 @@ these; ``make test`` leaves them out (marker ``real_model``)."""
 from __future__ import annotations
 
 import importlib.util
+import sys
 from pathlib import Path
 
 import pytest
@@ -32,6 +33,7 @@ def _prepared() -> Path | None:
     script = ROOT / "scripts" / "prepare_real_model.py"
     spec = importlib.util.spec_from_file_location("prepare_real_model", script)
     module = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = module  # its dataclasses look their module up
     spec.loader.exec_module(module)
     folder = module.model_dir()
     return folder if (folder / "SOURCE.md").is_file() else None

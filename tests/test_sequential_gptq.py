@@ -171,10 +171,10 @@ def test_transformers_expert_banks_are_compensated_per_expert(tmp_path):
     assert rtn[name].shape == gptq[name].shape and not rtn[name].equal(gptq[name])
 
 
-def test_a_tied_embedding_is_compensated_only_where_its_head_share_pays(tmp_path):
-    """llama-ref's tied embedding at 3 bits: with the whole KL in its lookup (head share 0) the
-    written rows are the rounded ones (compensation would grow their plain error, which the
-    lookup reads); with it all in the head (share 1), the compensated ones."""
+def test_a_tied_embedding_is_rounded_where_compensation_does_not_pay(tmp_path):
+    """llama-ref's tied embedding at 3 bits: compensated as the head by default; rounded to
+    nearest (the codes round-to-nearest writes) when the measure found its compensated codes
+    cost more KL, the lookup's share included (``compensate_head`` False)."""
     from safetensors.torch import load_file
 
     source = resolve_model(str(LLAMA_REF))
@@ -182,12 +182,12 @@ def test_a_tied_embedding_is_compensated_only_where_its_head_share_pays(tmp_path
     widths = _uniform(source, 3)
     embed = "model.embed_tokens.qweight"
     codes = {}
-    for share in (0.0, 1.0):
-        ck = tmp_path / f"share{share}"
-        quantize_model(source, widths, ck, progress=False,
-                       chooser=CodeChooser("gptq", sequential=replace(cal, head_share=share)))
-        codes[share] = load_file(ck / "model.safetensors")[embed]
+    for compensate in (False, True):
+        ck = tmp_path / f"compensate-{compensate}"
+        quantize_model(source, widths, ck, progress=False, chooser=CodeChooser(
+            "gptq", sequential=replace(cal, compensate_head=compensate)))
+        codes[compensate] = load_file(ck / "model.safetensors")[embed]
     quantize_model(source, widths, tmp_path / "rtn", progress=False, chooser=CodeChooser())
     rounded = load_file(tmp_path / "rtn" / "model.safetensors")[embed]
-    assert torch.equal(codes[0.0], rounded)
-    assert not torch.equal(codes[1.0], rounded)
+    assert torch.equal(codes[False], rounded)
+    assert not torch.equal(codes[True], rounded)

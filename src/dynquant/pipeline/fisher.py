@@ -20,7 +20,8 @@ with one full forward per module; the tests and benchmarks/ hold this estimate t
 
 from __future__ import annotations
 
-from collections.abc import Callable
+import contextlib
+from collections.abc import Callable, Iterator
 
 import torch
 import torch.nn.functional as F
@@ -35,6 +36,10 @@ from dynquant.pipeline.progress import StageProgress
 
 # module's spec, its float32 weight -> the module quantized at the probe width
 ProbeWeight = Callable[[TensorSpec, torch.Tensor], QuantizedTensor]
+# an output head's or input embedding's spec, float32 weight and (for a head) its inputs' second
+# moments -> its codes at every width it may get, by name, one at a time: measured in the pass
+Variants = Callable[[TensorSpec, torch.Tensor, torch.Tensor | None],
+                    Iterator[tuple[str, QuantizedTensor]]]
 ROWS_CHUNK = 1 << 20  # elements dequantized at once
 DENSE_ERROR_MAX = 1 << 21  # elements: errors of modules up to this size are kept in bf16
 HEAD_LOGITS = 1 << 24  # logits computed at once (positions x vocabulary): 64 MiB
@@ -114,13 +119,10 @@ class _Accumulator:
             p.grad = None  # one gradient alive at a time
         self.hooks.append(param.register_post_accumulate_grad_hook(fn))
 
-    def add(self, module: str, value: torch.Tensor, use: str | None = None) -> None:
-        """Add to the module's product; ``use`` ("lookup"): also to that use's own (a tied
-        embedding's lookup share, priced apart from its head share)."""
-        for key in (module, f"{module}#{use}") if use else (module,):
-            if key not in self.products:
-                self.products[key] = torch.zeros(self.shape, dtype=torch.float64)
-            self.products[key][self.at] += float(value)
+    def add(self, module: str, value: torch.Tensor) -> None:
+        if module not in self.products:
+            self.products[module] = torch.zeros(self.shape, dtype=torch.float64)
+        self.products[module][self.at] += float(value)
 
     def kl(self, key: str, tokens: int) -> float:
         """0.5 E[(G . dW)^2] per token of a product (0 when nothing was added)."""
@@ -136,32 +138,33 @@ class _Accumulator:
 
 def fisher_kl(cal: CalibrationPass, modules: set[str], probe_weight: ProbeWeight,
               draws: int = 2, seed: int = 0, progress: bool = False,
-              lookups: dict[str, float] | None = None,
-              head_inputs: dict[str, torch.Tensor] | None = None,
-              lookup_grads: dict[str, torch.Tensor] | None = None) -> dict[str, float]:
+              variants: Variants | None = None,
+              variant_kls: dict[str, dict[str, float]] | None = None) -> dict[str, float]:
     """Predicted mean KL per token of each module in ``modules`` at its probe-width weights
     (``probe_weight``); ``draws`` label draws per sequence (the estimate's relative noise is
-    about sqrt(2 / (sequences * draws))). Filled when given: ``lookups`` with the KL of an
-    input embedding's lookup use alone, ``head_inputs`` with the head Linears' input second
-    moments (what a tied embedding's compensation as a head would use), ``lookup_grads`` with
-    the second moments of the gradients at an input embedding's output (what its rows' errors
-    cost the lookup, by direction)."""
+    about sqrt(2 / (sequences * draws))). With ``variants``, the output head and the input
+    embedding
+    (most of the weights of a large-vocabulary model, and the modules whose two uses share one
+    matrix) are also measured at each of their variants' codes, in the same pass (the same
+    labels: differences between variants are not noise), into ``variant_kls``."""
     stream = cal.stream
     acc = _Accumulator(stream.ids.shape[0], draws)
     gen = torch.Generator().manual_seed(seed)
     with StageProgress(enabled=progress) as bar:
         grads = _head_backward(stream, cal, modules, probe_weight, acc, gen, draws, bar,
-                               head_inputs)
+                               variants)
         task = bar.add_task("Fisher pass", total=len(stream.blocks))
         for i in reversed(range(len(stream.blocks))):
             grads = _block_backward(stream, i, cal.inputs.get(i), grads, modules, probe_weight,
                                     acc)
             bar.advance(task)
-    _embedding_backward(stream, grads, modules, probe_weight, acc, lookup_grads)
+    _embedding_backward(stream, grads, modules, probe_weight, acc, variants)
     tokens = stream.ids.numel()
-    if lookups is not None:  # the lookup's share alone, of embeddings with a head use too
-        lookups.update({m: acc.kl(f"{m}#lookup", tokens) for m in sorted(modules)
-                        if f"{m}#lookup" in acc.products})
+    if variant_kls is not None:
+        for key in sorted(acc.products):
+            module, _, name = key.partition("|")
+            if name:
+                variant_kls.setdefault(module, {})[name] = acc.kl(key, tokens)
     return {m: acc.kl(m, tokens) for m in sorted(modules)}
 
 
@@ -210,6 +213,7 @@ class _LinearTaps:
     positions instead of a vocabulary-sized weight gradient per draw."""
 
     def __init__(self, linear: nn.Module) -> None:
+        self.linear = linear
         self.x: torch.Tensor | None = None
         self.grad: torch.Tensor | None = None
         self.hook = linear.register_forward_hook(self._forward)
@@ -231,15 +235,13 @@ class _LinearTaps:
 
 def _head_backward(stream: BlockStream, cal: CalibrationPass, modules: set[str],
                    probe_weight: ProbeWeight, acc: _Accumulator, gen: torch.Generator,
-                   draws: int, bar: StageProgress,
-                   head_inputs: dict[str, torch.Tensor] | None = None
+                   draws: int, bar: StageProgress, variants: Variants | None = None
                    ) -> list[list[torch.Tensor]]:
     """Per sequence and draw: the gradient of the sampled log-likelihood at the last block's
     outputs; the head's quantizable Linears (the lm_head, the tied embedding's use as one)
     are measured by :class:`_HeadTerms` where the logits are the Linear's output (soft-capped
-    or not), else through their taps (no weight gradients either way). ``head_inputs`` gets
-    each one's input second moments X^T X / n."""
-    grams: dict[str, torch.Tensor] = {} if head_inputs is None else head_inputs
+    or not), else through their taps (no weight gradients either way); with the terms, each
+    of their ``variants`` too (errors keyed ``MODULE|NAME``)."""
     heads = stream.head_modules()
     taps: dict[str, _LinearTaps] = {}
     terms: dict[str, _HeadTerms] = {}
@@ -252,10 +254,16 @@ def _head_backward(stream: BlockStream, cal: CalibrationPass, modules: set[str],
     try:
         ids = _sequences(list(stream.chunks()))
         finals = _sequences(cal.inputs.get(len(stream.blocks)))
+        if variants is not None:
+            task = bar.add_task("Fisher pass: head's widths")
+            for m, t in taps.items():
+                _add_variants(stream, acc, m, variants, _head_moments(stream, t, finals, ids),
+                              lambda: bar.advance(task))
         vocab = stream.source.config.vocab_size
         width = max(1, HEAD_LOGITS // vocab)  # positions at once: logits stay a few MiB
         chunks = sum(-(-row.shape[1] // width) for row in ids)
         chunks += sum(len(t.row_chunks(acc.errors[m])) for m, t in terms.items())
+        keys = {m: [m, *_variant_keys(acc, m)] for m in taps}
         task = bar.add_task("Fisher pass: head", total=chunks)
         for s, (final, row) in enumerate(zip(finals, ids, strict=True)):
             per_draw: list[list[torch.Tensor]] = [[] for _ in range(draws)]
@@ -267,11 +275,11 @@ def _head_backward(stream: BlockStream, cal: CalibrationPass, modules: set[str],
                 for m, t in list(terms.items()):
                     if not t.add_positions(taps[m].x, logits.detach().float()[0]):
                         del terms[m]  # logits not the Linear's own: the taps measure it
+                        for key in keys[m][1:]:  # and no variants
+                            del acc.errors[key]
+                        keys[m] = [m]
                     else:
                         sampled = t.log_probs  # labels drawn from what the terms price
-                for m, t in taps.items():
-                    gram = t.x.T.double() @ t.x.double()
-                    grams[m] = gram if m not in grams else grams[m] + gram
                 moved = {m: t.times_error(acc.errors[m]) for m, t in taps.items()
                          if m not in terms}
                 for d in range(draws):
@@ -281,21 +289,22 @@ def _head_backward(stream: BlockStream, cal: CalibrationPass, modules: set[str],
                     per_draw[d].append(h.grad)
                     h.grad = None
                     for m, t in taps.items():
-                        acc.add(m, terms[m].label_term(acc.errors[m], labels) if m in terms
-                                else (t.grad * moved[m]).sum())
+                        if m not in terms:
+                            acc.add(m, (t.grad * moved[m]).sum())
+                        for key in keys[m] if m in terms else ():
+                            acc.add(key, terms[m].label_term(acc.errors[key], labels))
                 bar.advance(task)
             for t in terms.values():
                 t.end_sequence()
             grads.append([torch.cat(parts, dim=1) for parts in per_draw])
-        positions = sum(row.shape[1] for row in ids)
-        for m in grams:
-            grams[m] = (grams[m] / positions).float()
         for m, t in terms.items():
-            expected = t.expected_terms(acc.errors[m], lambda: bar.advance(task))
-            for s, term in enumerate(expected):
-                for d in range(draws):
-                    acc.at = (s, d)
-                    acc.add(m, -term)
+            errors = [acc.errors[key] for key in keys[m]]
+            for key, expected in zip(keys[m], t.expected_terms(errors, lambda: bar.advance(
+                    task)), strict=True):
+                for s, term in enumerate(expected):
+                    for d in range(draws):
+                        acc.at = (s, d)
+                        acc.add(key, -term)
     finally:
         for t in taps.values():
             t.hook.remove()
@@ -304,6 +313,54 @@ def _head_backward(stream: BlockStream, cal: CalibrationPass, modules: set[str],
         for error in acc.errors.values():
             error.keep_as_stored()
     return grads
+
+
+class _StopHead(Exception):
+    """Raised once the head's input is seen: its product is not needed."""
+
+
+def _head_moments(stream: BlockStream, tap: _LinearTaps, finals: list[torch.Tensor],
+                  ids: list[torch.Tensor]) -> torch.Tensor:
+    """X^T X / n of the head Linear's inputs over the calibration positions (the final norm
+    runs, the vocabulary-wide product does not)."""
+    gram = torch.zeros((), dtype=torch.float64)
+    count = 0
+
+    def hook(_module, inputs) -> None:
+        nonlocal gram, count
+        x = inputs[0].detach().reshape(-1, inputs[0].shape[-1]).double()
+        gram, count = gram + x.T @ x, count + x.shape[0]
+        raise _StopHead
+
+    handle = tap.linear.register_forward_pre_hook(hook)
+    try:
+        with torch.no_grad():
+            for final, row in zip(finals, ids, strict=True):
+                with contextlib.suppress(_StopHead):
+                    stream.head_logits(final, row)
+    finally:
+        handle.remove()
+    return (gram / max(count, 1)).float()
+
+
+def _spec_of(stream: BlockStream, module: str) -> TensorSpec:
+    return next(s for s in stream.specs.values() if s.module == module)
+
+
+def _add_variants(stream: BlockStream, acc: _Accumulator, module: str, variants: Variants,
+                  hessian: torch.Tensor | None, done: Callable[[], None] = lambda: None
+                  ) -> None:
+    """The module's variants' errors, beside its probe's (keyed ``MODULE|NAME``; ``done``
+    after each)."""
+    error = acc.errors[module]
+    spec = _spec_of(stream, module)
+    for name, qt in variants(spec, error.weight.float(), hessian):
+        acc.errors[f"{module}|{name}"] = ModuleError(qt, error.weight, spec.dtype)
+        done()
+
+
+def _variant_keys(acc: _Accumulator, module: str) -> list[str]:
+    return sorted(k for k in acc.errors if k.startswith(f"{module}|"))
 
 
 def _softcap(config) -> float | None:
@@ -380,21 +437,23 @@ class _HeadTerms:
         rows = error.weight.shape[0]
         return range(0, rows, max(1, ROWS_CHUNK // error.weight.shape[1]))
 
-    def expected_terms(self, error: ModuleError, done: Callable[[], None]) -> list[float]:
-        """Per sequence, sum_(p,v) T'(z_pv) softmax_pv x_p . dW_v (``done`` after each chunk
-        of rows)."""
+    def expected_terms(self, errors: list[ModuleError], done: Callable[[], None]
+                       ) -> list[list[float]]:
+        """Per error, per sequence: sum_(p,v) T'(z_pv) softmax_pv x_p . dW_v (``done`` after
+        each chunk of rows; the logits of a chunk are computed once for every error)."""
         x = torch.cat([xs for xs, _ in self.sequences])
         lse = torch.cat([ls for _, ls in self.sequences])
         lengths = [len(xs) for xs, _ in self.sequences]
-        chunks = self.row_chunks(error)
-        total = torch.zeros(len(x), dtype=torch.float64)
+        chunks = self.row_chunks(errors[0])
+        totals = [torch.zeros(len(x), dtype=torch.float64) for _ in errors]
         for r in chunks:
             chunk = slice(r, min(r + chunks.step, chunks.stop))
             logit, tprime = self._logits(self._z(x, chunk))
             weight = torch.exp(logit - lse[:, None]).mul_(tprime)
-            total += (weight * (x @ error.rows(chunk).T)).sum(-1).double()
+            for total, error in zip(totals, errors, strict=True):
+                total += (weight * (x @ error.rows(chunk).T)).sum(-1).double()
             done()
-        return [float(t.sum()) for t in torch.split(total, lengths)]
+        return [[float(t.sum()) for t in torch.split(total, lengths)] for total in totals]
 
 
 def _module_of(stream: BlockStream, param: str) -> str | None:
@@ -443,7 +502,7 @@ def _block_backward(stream: BlockStream, index: int, inputs: list[torch.Tensor],
 
 def _embedding_backward(stream: BlockStream, grads: list[list[torch.Tensor]],
                         modules: set[str], probe_weight: ProbeWeight, acc: _Accumulator,
-                        lookup_grads: dict[str, torch.Tensor] | None = None) -> None:
+                        variants: Variants | None = None) -> None:
     """The input embedding's share: a token reads one row, so a sequence's gradient is its
     hidden-state gradients summed into the rows of its tokens (times the factor a scaled
     embedding multiplies its rows by)."""
@@ -462,16 +521,15 @@ def _embedding_backward(stream: BlockStream, grads: list[list[torch.Tensor]],
         read = torch.cat([row[0] for row in sequences]).unique()
         w = stream.weights.get(spec)[read]
         error = ModuleError(probe_weight(spec, w.float()), w, spec.dtype)
-    gram: torch.Tensor | float = 0.0
-    count = 0
+        acc.errors[spec.module] = error
+        if variants is not None:
+            _add_variants(stream, acc, spec.module, variants, None)
+    keys = [spec.module, *_variant_keys(acc, spec.module)]
     for s, (row, per_draw) in enumerate(zip(sequences, grads, strict=True)):
         rows, inverse = row[0].unique(return_inverse=True)
         at = torch.searchsorted(read, rows)
         for d, g in enumerate(per_draw):
             acc.at = (s, d)
             summed = torch.zeros(len(rows), g.shape[-1]).index_add_(0, inverse, g[0])
-            acc.add(spec.module, factor * (summed * error.rows(at)).sum(), use="lookup")
-            gram = gram + g[0].T.double() @ g[0].double()
-            count += g.shape[1]
-    if lookup_grads is not None and count:
-        lookup_grads[spec.module] = (gram / count).float()
+            for key in keys:
+                acc.add(key, factor * (summed * acc.errors[key].rows(at)).sum())

@@ -20,7 +20,7 @@ import json
 import math
 import os
 import sys
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 
@@ -67,11 +67,6 @@ from dynquant.pipeline.generate import has_tokenizer, load_tokenizer
 from dynquant.pipeline.heap import return_freed_memory
 from dynquant.pipeline.priors import block_index, data_free_sensitivity
 from dynquant.pipeline.progress import StageProgress
-from dynquant.pipeline.sequential_gptq import (
-    compensation_cost,
-    lookup_grads_key,
-    weighted_error,
-)
 from dynquant.pipeline.weights import WeightsAt, WeightSource
 
 MAPS_SCHEMA = "dynquant_maps_v1"
@@ -185,13 +180,32 @@ def maps_modules(maps: dict, codes: str | None = None) -> list[ModuleChoices]:
     ``gptq_ratio`` when they will be gptq codes."""
     codes = codes or maps_codes(maps)
 
-    def factor(m: dict) -> float:
-        return m.get("gptq_ratio", 1.0) if codes == "gptq" else 1.0
+    def factor(m: dict, c: dict) -> float:
+        if codes != "gptq":
+            return 1.0
+        if "gptq_ratio" in c:  # a head: compensated only where that measured better
+            return min(1.0, c["gptq_ratio"])
+        return m.get("gptq_ratio", 1.0)
 
     return [ModuleChoices(name, m["elements"], m["sensitivity"],
                           [Candidate(c["bits"], c["group_size"], c["nbytes"],
-                                     c["error"] * factor(m)) for c in m["candidates"]])
+                                     c["error"] * factor(m, c)) for c in m["candidates"]])
             for name, m in sorted(maps["modules"].items())]
+
+
+def compensates_head(maps: dict, widths: dict) -> bool:
+    """Whether gptq codes compensate the output head (a tied embedding included) at the
+    widths chosen: unless its measured compensated codes cost more KL than rounded ones."""
+    for name, m in maps["modules"].items():
+        if name not in widths:
+            continue
+        choice = widths[name]
+        bits, gs = choice if isinstance(choice, tuple) else (choice, None)
+        for c in m["candidates"]:
+            if c["bits"] == bits and gs in (None, c["group_size"]) and c.get(
+                    "gptq_ratio", 0.0) >= 1.0:
+                return False
+    return True
 
 
 def load_maps(path: str | Path) -> dict:
@@ -291,10 +305,9 @@ def measure(source: ModelSource, opts: MeasureOptions, out: str | Path | None = 
     at = WeightsAt.of(source, random_init)  # this process's source, the one jobs run here use
     weights = at.open()
     partial = None if out is None else PartialDir(out, _job(source, opts, method, random_init))
-    lookups: dict[str, float] = {}
-    head_inputs: dict[str, torch.Tensor] = {}
+    widths_kl: dict[str, dict[str, float]] = {}
     stats, probe_kl = _calibrate(source, weights, quantizable, opts, method, out, progress,
-                                 partial, executor, lookups, head_inputs)
+                                 partial, executor, widths_kl)
     ratio_moments = (_moments(out) if _gptq_ratios(opts) and out is not None
                      and _moments(out).is_dir() else None)
     entries = _measure_modules(quantizable, at, opts, _chooser(opts, stats, out), probe_kl,
@@ -302,25 +315,9 @@ def measure(source: ModelSource, opts: MeasureOptions, out: str | Path | None = 
                                lambda spec: data_free_sensitivity(spec, blocks,
                                                                   bool(source.tied)),
                                None if ratio_moments is None else SecondMoments(ratio_moments))
-    tied_to = set(source.tied.values())
     for spec, entry in zip(quantizable, entries, strict=True):
-        if spec.module in head_inputs and spec.module not in tied_to and _gptq_ratios(opts):
-            entry["gptq_ratio"] = gptq_ratio(spec, weights.get(spec).float(),  # an lm_head
-                                             head_inputs[spec.module],
-                                             CodeChooser("rtn", stats), *probe_bits(opts))
-        if spec.module in lookups and probe_kl is not None and spec.module in tied_to:
-            # a tied embedding's two uses: the head's share decides whether gptq compensates
-            # it as a head (what that costs the lookup: sequential_gptq._head)
-            total = probe_kl(spec)
-            entry["head_share"] = (max(0.0, 1.0 - lookups[spec.module] / total)
-                                   if total > 0 else 0.0)
-            grads = stats.get(lookup_grads_key(spec.module))
-            if grads is not None:
-                _price_two_uses(spec, weights.get(spec).float(), grads, stats, opts, entry)
-            if _gptq_ratios(opts) and spec.module in head_inputs:
-                entry["gptq_ratio"] = _tied_ratio(spec, weights.get(spec).float(),
-                                                  head_inputs[spec.module], stats, opts,
-                                                  entry["head_share"])
+        if spec.module in widths_kl:
+            _price_by_width(entry, widths_kl[spec.module])
     modules = {spec.module: entry for spec, entry in zip(quantizable, entries, strict=True)}
     stats_name = Path(out).stem + ".stats.safetensors" if out is not None and stats else None
     doc = {"schema": MAPS_SCHEMA, "model": source.name, "method": method,
@@ -365,17 +362,14 @@ def probe_bits(opts: MeasureOptions) -> tuple[int, int]:
 def _calibrate(source: ModelSource, weights: WeightSource, quantizable: list[TensorSpec],
                opts: MeasureOptions, method: str, out: str | Path | None, progress: bool,
                partial: PartialDir | None = None, executor: Executor | None = None,
-               lookups: dict[str, float] | None = None,
-               head_inputs: dict[str, torch.Tensor] | None = None
+               widths_kl: dict[str, dict[str, float]] | None = None
                ) -> tuple[dict[str, torch.Tensor], Callable[[TensorSpec], float] | None]:
     """Input statistics (saved beside ``out``) and how to get a module's KL at the probe width:
     nothing without text or synthetic tokens; else one streamed pass for the statistics, then
     (with text) the Fisher pass over the same stream or the exact probe on the dense model. The
-    statistics and Fisher KLs are kept in ``partial`` for a resumed run. ``lookups`` gets the
-    Fisher KL of each input embedding's lookup use alone, ``head_inputs`` the head Linears'
-    input second moments."""
-    lookups = {} if lookups is None else lookups
-    head_inputs = {} if head_inputs is None else head_inputs
+    statistics and Fisher KLs are kept in ``partial`` for a resumed run. ``widths_kl`` gets
+    the Fisher KL of the output head and input embedding at each candidate's codes."""
+    widths_kl = {} if widths_kl is None else widths_kl
     if not opts.calib and not opts.synthetic:
         return {}, None
     if source.directory is None:
@@ -384,12 +378,11 @@ def _calibrate(source: ModelSource, weights: WeightSource, quantizable: list[Ten
     kept = None if partial is None else partial.read_tensors("calibration.safetensors")
     if kept is not None and method == "fisher":
         kls = {k.removeprefix("kl:"): float(v) for k, v in kept.items() if k.startswith("kl:")}
-        lookups.update({k.removeprefix("kl-lookup:"): float(v) for k, v in kept.items()
-                        if k.startswith("kl-lookup:")})
-        head_inputs.update({k.removeprefix("head-gram:"): v for k, v in kept.items()
-                            if k.startswith("head-gram:")})
-        return ({k: v for k, v in kept.items()
-                 if not k.startswith(("kl:", "kl-lookup:", "head-gram:"))},
+        for k, v in kept.items():
+            if k.startswith("kl@"):
+                module, _, name = k.removeprefix("kl@").partition("|")
+                widths_kl.setdefault(module, {})[name] = float(v)
+        return ({k: v for k, v in kept.items() if not k.startswith(("kl:", "kl@"))},
                 lambda spec: kls[spec.module])
     modules = {s.module for s in quantizable}
     return_freed_memory()
@@ -419,21 +412,15 @@ def _calibrate(source: ModelSource, weights: WeightSource, quantizable: list[Ten
             return chooser.quantize(spec, w, bits, gs)
 
         if method == "fisher":
-            grads: dict[str, torch.Tensor] = {}
             kls = fisher_kl(cal, modules, probe_quantized, draws=opts.fisher_draws,
-                            progress=progress, lookups=lookups, head_inputs=head_inputs,
-                            lookup_grads=grads)
-            if grads:  # beside the statistics: quantize's choice for a tied embedding
-                stats = {**stats, **{lookup_grads_key(m): g for m, g in grads.items()}}
-                if out is not None:
-                    save_stats(stats, Path(out).with_name(Path(out).stem + ".stats.safetensors"))
+                            progress=progress, variants=_width_variants(chooser, opts),
+                            variant_kls=widths_kl)
             if partial is not None:
                 partial.write_tensors("calibration.safetensors", {
                     **stats, **{f"kl:{m}": torch.tensor(v, dtype=torch.float64)
                                 for m, v in kls.items()},
-                    **{f"kl-lookup:{m}": torch.tensor(v, dtype=torch.float64)
-                       for m, v in lookups.items()},
-                    **{f"head-gram:{m}": v for m, v in head_inputs.items()}})
+                    **{f"kl@{m}|{name}": torch.tensor(v, dtype=torch.float64)
+                       for m, by in widths_kl.items() for name, v in by.items()}})
             return stats, lambda spec: kls[spec.module]
     finally:
         cal.close()
@@ -442,38 +429,33 @@ def _calibrate(source: ModelSource, weights: WeightSource, quantizable: list[Ten
         spec.module, probe_quantized(spec, weights.get(spec).float()).dequantize(torch.float32))
 
 
-def _price_two_uses(spec: TensorSpec, weight: torch.Tensor, grads: torch.Tensor,
-                    stats: dict[str, torch.Tensor], opts: MeasureOptions, entry: dict) -> None:
-    """A tied embedding's candidates priced for both uses: the head's share of its probe KL
-    scales with the head's error (the candidate's own, weighted by the head's inputs), the
-    lookup's with tr(dW G dW^T), G the gradients' second moments at the embedding's output
-    (the plain relative error misprices the lookup: it weighs every direction of a row
-    alike). Each error is rescaled so that sensitivity * error stays the probe's KL."""
-    share = entry["head_share"]
-    probe = probe_bits(opts)
-    chooser = CodeChooser("rtn", stats)
-    lookup = {(c["bits"], c["group_size"]): weighted_error(
-        weight, chooser.quantize(spec, weight, c["bits"], c["group_size"]), grads)
-        for c in entry["candidates"]}
-    at_probe = next(c["error"] for c in entry["candidates"]
-                    if (c["bits"], c["group_size"]) == probe)
+def _price_by_width(entry: dict, kls: dict[str, float]) -> None:
+    """A head's or input embedding's candidates priced by the Fisher KL measured at each of
+    their codes (both uses of a tied embedding; no extrapolation from the probe width), and,
+    where its compensated codes were measured too, their ratio to the rounded ones' KL
+    (``gptq_ratio`` per candidate: quantize compensates only where it is below 1)."""
+    s = entry["sensitivity"]
     for c in entry["candidates"]:
-        key = (c["bits"], c["group_size"])
-        c["error"] = (share * c["error"] + (1 - share) * at_probe * lookup[key]
-                      / max(lookup[probe], 1e-30))
+        at = f"{c['bits']}:{c['group_size']}"
+        rounded, compensated = kls.get(f"rtn:{at}"), kls.get(f"gptq:{at}")
+        if rounded is None or s <= 0:
+            continue
+        c["error"] = rounded / s
+        if compensated is not None:
+            c["gptq_ratio"] = compensated / rounded if rounded > 0 else 1.0
 
 
-def _tied_ratio(spec: TensorSpec, weight: torch.Tensor, hessian: torch.Tensor,
-               stats: dict[str, torch.Tensor], opts: MeasureOptions, head_share: float) -> float:
-    """A tied embedding's gptq ratio at the probe width: of the compensated codes' predicted
-    KL (head and lookup shares, ``compensation_cost``) when compensating pays, else 1 (the
-    rounded codes ``quantize`` then writes)."""
-    bits, gs = probe_bits(opts)
-    chooser = CodeChooser("rtn", stats)
-    rounded = chooser.quantize(spec, weight, bits, gs)
-    compensated = gptq_quantize(weight, hessian, bits, gs)
-    return min(1.0, compensation_cost(weight, hessian, stats.get(lookup_grads_key(spec.module)),
-                                      compensated, rounded, head_share))
+def _width_variants(chooser: CodeChooser, opts: MeasureOptions):
+    """The codes a head or input embedding is measured at besides the probe: rounded at every
+    candidate width, and (for gptq codes, given the head's input moments) compensated."""
+    def variants(spec: TensorSpec, weight: torch.Tensor, hessian: torch.Tensor | None
+                 ) -> Iterator[tuple[str, QuantizedTensor]]:
+        for gs in opts.group_sizes:
+            for bits in opts.widths:
+                yield f"rtn:{bits}:{gs}", chooser.quantize(spec, weight, bits, gs)
+                if hessian is not None and _gptq_ratios(opts) and bits < 8:
+                    yield f"gptq:{bits}:{gs}", gptq_quantize(weight, hessian, bits, gs)
+    return variants
 
 
 def _moments(out: str | Path) -> Path:

@@ -185,15 +185,13 @@ def _sequential(source: ModelSource, weights: WeightSource, specs: list, plan: d
                 progress: bool, executor: Executor) -> None:
     """The decoder blocks' tensors, compensated block by block into ``store``."""
     from dynquant.pipeline.block_stream import BlockStream
-    from dynquant.pipeline.sequential_gptq import lookup_grads_key, sequential_gptq
+    from dynquant.pipeline.sequential_gptq import sequential_gptq
 
     assert chooser.sequential is not None
     stream = BlockStream(source, weights, chooser.sequential.ids, chunk=1)
     sequential_gptq(stream, specs, set(plan["layers"]),
                     lambda m: split_choice(widths[m], group_size), chooser.quantize, store,
-                    progress, executor, chooser.sequential.head_share,
-                    chooser.importance.get(lookup_grads_key(next(iter(source.tied.values()),
-                                                                 ""))))
+                    progress, executor, chooser.sequential.compensate_head)
 
 
 @dataclass
@@ -285,7 +283,7 @@ class Widths:
     calibration: dict | None = None  # the maps' record of the calibration text
     priced_with: str | None = None  # the quantizer the maps priced candidates with
     forecast_for_codes: bool = True  # the forecast is for the codes written (else for rtn's)
-    head_share: float | None = None  # of a tied embedding's measured KL (the maps' head_share)
+    compensate_head: bool = True  # gptq codes compensate the output head (compensates_head)
 
 
 def resolve_widths(source: ModelSource, req: QuantizeRequest, workdir: Path,
@@ -293,6 +291,7 @@ def resolve_widths(source: ModelSource, req: QuantizeRequest, workdir: Path,
     """The widths a quantize request asks for: given as a widths file, or allocated (uniform
     or at a budget) from a maps document, measured now when none is given."""
     from dynquant.format.widths_file import load_widths
+    from dynquant.pipeline.measure import compensates_head
 
     if req.widths is not None and not is_maps(req.widths):
         return Widths(dict(load_widths(req.widths)), "manual", req.widths)
@@ -305,10 +304,9 @@ def resolve_widths(source: ModelSource, req: QuantizeRequest, workdir: Path,
     importance, stats_path = _statistics(maps, maps_path)
     files = [] if not measured_now else [maps_path, *([stats_path] if stats_path else [])]
     where = maps_path.name if measured_now else str(maps_path)
-    tied = maps["modules"].get(next(iter(source.tied.values()), ""), {})
     return Widths(widths, allocator, f"{where} [{tag}]", importance, files,
                   maps.get("calibration"), maps.get("quantizer", "rtn"),
-                  _for_codes(maps, codes), tied.get("head_share"))
+                  _for_codes(maps, codes), compensates_head(maps, widths))
 
 
 def _for_codes(maps: dict, codes: str) -> bool:
@@ -381,7 +379,7 @@ def check_gptq_source(source: ModelSource, req: QuantizeRequest) -> None:
 
 
 def gptq_calibration(source: ModelSource, req: QuantizeRequest, record: dict | None,
-                     head_share: float | None = None) -> SequentialCalibration:
+                     compensate_head: bool = True) -> SequentialCalibration:
     """The windows the sequential gptq pass streams: of ``--calib``, else of the text the
     widths were measured on when that is dynquant's bundled text (or nothing was measured).
     The model can run them (``check_gptq_source`` / ``auto_quantizer`` made sure)."""
@@ -397,7 +395,7 @@ def gptq_calibration(source: ModelSource, req: QuantizeRequest, record: dict | N
                                 field="calib")
         texts = [str(default_calibration())]
     ids = calibration_ids(load_tokenizer(source.directory), texts, req.gptq_seqs, req.calib_len)
-    return SequentialCalibration(ids, head_share)
+    return SequentialCalibration(ids, compensate_head)
 
 
 def _report(req: QuantizeRequest, f: Forecast) -> None:
@@ -427,7 +425,7 @@ def _run(source: ModelSource, req: QuantizeRequest, workdir: Path, executor: Exe
     w = resolve_widths(source, req, workdir, executor)
     stats = next((f.name for f in w.files if f.name.endswith(".stats.safetensors")), None)
     quantizer = auto_quantizer(source, req, w.calibration)
-    sequential = (gptq_calibration(source, req, w.calibration, w.head_share)
+    sequential = (gptq_calibration(source, req, w.calibration, w.compensate_head)
                   if quantizer == "gptq" else None)
     chooser = CodeChooser(quantizer, w.importance or {}, sequential=sequential)
     if not w.forecast_for_codes and w.allocator == "sensitivity" and req.progress:

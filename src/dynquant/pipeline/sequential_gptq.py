@@ -43,7 +43,7 @@ from dynquant.numerics.gptq import (
     inverse_factor,
     rows_factor,
 )
-from dynquant.numerics.quantizer import QuantizedTensor, dequantize_rows
+from dynquant.numerics.quantizer import QuantizedTensor
 from dynquant.pipeline.bank_products import BankProducts
 from dynquant.pipeline.block_stream import BlockStream
 from dynquant.pipeline.calibration import InputStatistics
@@ -60,13 +60,13 @@ class SequentialCalibration:
     """The token windows the sequential pass streams (the calibration text's, tokenized)."""
 
     ids: torch.Tensor  # [sequences, length]
-    # the head's share of a tied embedding's measured KL (the maps' ``head_share``): whether
-    # compensating it as a head pays for what that costs its lookup (None: it is compensated)
-    head_share: float | None = None
+    # the output head (a tied embedding included) compensated; False: rounded to nearest (the
+    # measure found its compensated codes cost more KL, the lookup's share included)
+    compensate_head: bool = True
 
     def digest(self) -> str:
         h = hashlib.sha256(self.ids.numpy().tobytes())
-        h.update(repr(self.head_share).encode())
+        h.update(repr(self.compensate_head).encode())
         return h.hexdigest()
 
 
@@ -90,13 +90,11 @@ class _Target:
 def sequential_gptq(stream: BlockStream, specs: list[TensorSpec], quantized: set[str],
                     choice: Choice, rounder: Rounder, store: ResumeStore,
                     progress: bool = False, executor: Executor | None = None,
-                    head_share: float | None = None,
-                    lookup_grads: torch.Tensor | None = None) -> None:
+                    compensate_head: bool = True) -> None:
     """Quantize the ``quantized`` modules inside the decoder blocks, then the output head, into
     ``store`` (index = the tensor's position in ``specs``). Each group's matrices (a Linear,
-    an expert of a bank) are compensated as jobs on ``executor`` (default: here). A tied
-    embedding is compensated as a head only where that pays for its lookup (``head_share``:
-    the head's share of its measured KL; None: always)."""
+    an expert of a bank) are compensated as jobs on ``executor`` (default: here); the head
+    rounds to nearest unless ``compensate_head``."""
     executor = executor or LocalExecutor()
     index = {s.module: i for i, s in enumerate(specs) if s.module in quantized}
     hidden = stream.record()
@@ -124,86 +122,28 @@ def sequential_gptq(stream: BlockStream, specs: list[TensorSpec], quantized: set
                 stream.release(block)
             bar.advance(task)
         _head(stream, hidden, index, choice, store,
-              _TiedChoice(specs, rounder, head_share, lookup_grads)
-              if head_share is not None else None,
-              bar)
-
-
-def lookup_grads_key(module: str) -> str:
-    """The statistics file's name for an input embedding's lookup gradient second moments."""
-    return f"{module}#lookup_grads"
-
-
-@dataclass
-class _TiedChoice:
-    """Compensated or rounded codes for a tied embedding. Compensation shapes each row's error
-    to the head's inputs and grows its plain size, which the lookup reads: with the head's
-    share h of the measured KL (round-to-nearest codes), the compensated codes are kept when
-    h * (output error ratio) + (1 - h) * (row error ratio) < 1, both ratios against rounding."""
-
-    specs: list[TensorSpec]
-    rounder: Rounder
-    head_share: float
-
-    lookup_grads: torch.Tensor | None = None  # the measure's, at the embedding's output
-
-    def codes(self, module: str, weight: torch.Tensor, hessian: torch.Tensor,
-              compensated: QuantizedTensor, bits: int, group_size: int) -> QuantizedTensor:
-        spec = next(s for s in self.specs if s.module == module)
-        rounded = self.rounder(spec, weight, bits, group_size)
-        cost = compensation_cost(weight, hessian, self.lookup_grads, compensated, rounded,
-                                 self.head_share)
-        return compensated if cost < 1 else rounded
-
-
-def compensation_cost(weight: torch.Tensor, hessian: torch.Tensor,
-                      lookup_grads: torch.Tensor | None, compensated: QuantizedTensor,
-                      rounded: QuantizedTensor, head_share: float) -> float:
-    """A tied embedding's predicted KL with compensated codes over that with rounded ones:
-    head_share * (output error ratio, tr(dW H dW^T) with H the head's inputs) + (1 -
-    head_share) * (lookup error ratio, tr(dW G dW^T) with G the gradients' second moments at
-    the embedding's output; the rows' plain squared error without them)."""
-    out_c, row_c = _head_errors(weight, compensated, hessian, lookup_grads)
-    out_r, row_r = _head_errors(weight, rounded, hessian, lookup_grads)
-    return (head_share * out_c / max(out_r, 1e-30)
-            + (1 - head_share) * row_c / max(row_r, 1e-30))
-
-
-def _head_errors(weight: torch.Tensor, qt: QuantizedTensor, hessian: torch.Tensor,
-                 lookup_grads: torch.Tensor | None) -> tuple[float, float]:
-    """(tr(dW H dW^T), tr(dW G dW^T)); G = I without ``lookup_grads``."""
-    return weighted_error(weight, qt, hessian), weighted_error(weight, qt, lookup_grads)
-
-
-def weighted_error(weight: torch.Tensor, qt: QuantizedTensor, gram: torch.Tensor | None,
-                   rows: int = 1 << 14) -> float:
-    """tr(dW G dW^T) (G = I when None), a chunk of rows at a time (a vocabulary-sized
-    matrix is never copied whole)."""
-    lay = qt.layout
-    g = None if gram is None else gram.float()
-    total = 0.0
-    for r in range(0, weight.shape[0], rows):
-        part = slice(r, r + rows)
-        d = dequantize_rows(qt.qweight[part], qt.scales[part], qt.offsets[part], lay.bits,
-                            lay.group_size, lay.in_features, torch.float32)
-        d -= weight[part].float()
-        total += float(((d if g is None else d @ g) * d).sum(dtype=torch.float64))
-    return total
+              None if compensate_head else (specs, rounder), bar)
 
 
 def _head(stream: BlockStream, final: list[torch.Tensor], index: dict, choice: Choice,
-          store: ResumeStore, tied_choice: _TiedChoice | None = None,
+          store: ResumeStore, rounding: tuple[list[TensorSpec], Rounder] | None = None,
           bar: StageProgress | None = None) -> None:
     """The output head, when quantized (a tied embedding is: its codes serve both uses),
-    compensated on the quantized blocks' final hidden states after the model's final norm;
-    a tied embedding keeps those codes where ``tied_choice`` finds they pay (without it:
-    always). Progress on ``bar``: a step per calibration window, one for the codes."""
+    compensated on the quantized blocks' final hidden states after the model's final norm, or
+    rounded to nearest by ``rounding``'s rounder. Progress on ``bar``: a step per calibration
+    window, one for the codes."""
     head = stream.model.get_output_embeddings()
     if not isinstance(head, nn.Linear):
         return
     name = stream.module_name(head)
     module = stream.source.tied.get(name, name)
     if module not in index or store.load(index[module]) is not None:
+        return
+    if rounding is not None:
+        specs, rounder = rounding
+        spec = next(s for s in specs if s.module == module)
+        weight = stream.weights.get(spec).float()
+        store.save_quantized(index[module], module, rounder(spec, weight, *choice(module)))
         return
     moments = _InputMoments(head.in_features)
     parts = stream.head_modules()
@@ -218,10 +158,7 @@ def _head(stream: BlockStream, final: list[torch.Tensor], index: dict, choice: C
                 with contextlib.suppress(_GroupDone):
                     stream.head_logits(h.to(stream.dtype), ids)
                 bar.advance(task)
-        weight, hessian = head.weight.data.float(), moments.mean()
-        qt = gptq_quantize(weight, hessian, *choice(module))
-        if tied_choice is not None and module != name:
-            qt = tied_choice.codes(module, weight, hessian, qt, *choice(module))
+        qt = gptq_quantize(head.weight.data.float(), moments.mean(), *choice(module))
         bar.advance(task)
     finally:
         handle.remove()
