@@ -21,6 +21,7 @@ with one full forward per module; the tests and benchmarks/ hold this estimate t
 from __future__ import annotations
 
 import contextlib
+import itertools
 from collections.abc import Callable, Iterator
 
 import torch
@@ -439,21 +440,28 @@ class _HeadTerms:
 
     def expected_terms(self, errors: list[ModuleError], done: Callable[[], None]
                        ) -> list[list[float]]:
-        """Per error, per sequence: sum_(p,v) T'(z_pv) softmax_pv x_p . dW_v (``done`` after
-        each chunk of rows; the logits of a chunk are computed once for every error)."""
+        """Per error, per sequence: sum_(p,v) T'(z_pv) softmax_pv x_p . dW_v = <dW, A_s> with
+        A_s = sum_p (T' softmax)_p^T x_p, formed once per chunk of rows and sequence for every
+        error (each error then costs its dequantization and a dot product, not a
+        vocabulary-wide matrix product); ``done`` after each chunk of rows."""
         x = torch.cat([xs for xs, _ in self.sequences])
         lse = torch.cat([ls for _, ls in self.sequences])
-        lengths = [len(xs) for xs, _ in self.sequences]
+        bounds = [0]
+        for xs, _ in self.sequences:
+            bounds.append(bounds[-1] + len(xs))
         chunks = self.row_chunks(errors[0])
-        totals = [torch.zeros(len(x), dtype=torch.float64) for _ in errors]
+        totals = [[0.0] * len(self.sequences) for _ in errors]
         for r in chunks:
             chunk = slice(r, min(r + chunks.step, chunks.stop))
             logit, tprime = self._logits(self._z(x, chunk))
             weight = torch.exp(logit - lse[:, None]).mul_(tprime)
-            for total, error in zip(totals, errors, strict=True):
-                total += (weight * (x @ error.rows(chunk).T)).sum(-1).double()
+            moved = [error.rows(chunk).reshape(-1) for error in errors]
+            for s, (lo, hi) in enumerate(itertools.pairwise(bounds)):
+                expected = (weight[lo:hi].T @ x[lo:hi]).reshape(-1)  # [rows * in]
+                for total, dw in zip(totals, moved, strict=True):
+                    total[s] += float(torch.dot(expected, dw))
             done()
-        return [[float(t.sum()) for t in torch.split(total, lengths)] for total in totals]
+        return totals
 
 
 def _module_of(stream: BlockStream, param: str) -> str | None:
