@@ -96,6 +96,7 @@ class InputStatistics:
         self.moments: dict[str, torch.Tensor] = {}
         self.routed: dict[str, torch.Tensor] = {}
         self.second = second_moments
+        self._last: tuple[torch.Tensor, torch.Tensor] | None = None
         self.hooks = []
         self._active: list[BankProducts] = []
         for name, module in model.named_modules():
@@ -112,8 +113,17 @@ class InputStatistics:
             self.sums[name] = self.sums.get(name, 0) + x.square().sum(0)
             self.counts[name] = self.counts.get(name, 0) + x.shape[0]
             if self.second:
-                self.moments[name] = self.moments.get(name, 0) + x.T @ x
+                self.moments[name] = self.moments.get(name, 0) + self._gram(inputs[0], x)
         return fn
+
+    def _gram(self, source: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
+        """x^T x, once for Linears that read the same input (q/k/v, gate/up): the last one
+        is kept with the tensor it came from."""
+        if self._last is not None and self._last[0] is source:
+            return self._last[1]
+        gram = x.T @ x
+        self._last = (source, gram)
+        return gram
 
     def _watch(self, module: nn.Module, name: str, banks: list[str]) -> None:
         """The banks' products seen for the duration of ``module``'s forward (the banks looked

@@ -260,6 +260,7 @@ def _head_backward(stream: BlockStream, cal: CalibrationPass, modules: set[str],
             for m, t in taps.items():
                 _add_variants(stream, acc, m, variants, _head_moments(stream, t, finals, ids),
                               lambda: bar.advance(task))
+            bar.finish(task)
         vocab = stream.source.config.vocab_size
         width = max(1, HEAD_LOGITS // vocab)  # positions at once: logits stay a few MiB
         chunks = sum(-(-row.shape[1] // width) for row in ids)

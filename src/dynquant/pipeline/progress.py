@@ -68,6 +68,15 @@ class StageProgress:
         elif time.monotonic() - stage.said >= EVERY:
             self._say(task, "running")
 
+    def finish(self, task: int) -> None:
+        """End a stage whose total was not known when it started."""
+        stage = self.stages[task]
+        stage.total = stage.completed
+        if self.bar is not None:
+            self.bar.update(task, total=stage.total, completed=stage.completed)
+        elif not stage.ended:
+            self._end(task)
+
     def _end(self, task: int) -> None:
         self.stages[task].ended = True
         self._say(task, "done")
