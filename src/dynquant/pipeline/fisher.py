@@ -38,9 +38,10 @@ from dynquant.pipeline.progress import StageProgress
 # module's spec, its float32 weight -> the module quantized at the probe width
 ProbeWeight = Callable[[TensorSpec, torch.Tensor], QuantizedTensor]
 # an output head's or input embedding's spec, float32 weight and (for a head) its inputs' second
-# moments -> its codes at every width it may get, by name, one at a time: measured in the pass
+# moments -> its codes at every width it may get, by name, one at a time (codes None: still
+# working, a heartbeat for the progress line): measured in the pass
 Variants = Callable[[TensorSpec, torch.Tensor, torch.Tensor | None],
-                    Iterator[tuple[str, QuantizedTensor]]]
+                    Iterator[tuple[str, QuantizedTensor | None]]]
 ROWS_CHUNK = 1 << 20  # elements dequantized at once
 DENSE_ERROR_MAX = 1 << 21  # elements: errors of modules up to this size are kept in bf16
 HEAD_LOGITS = 1 << 24  # logits computed at once (positions x vocabulary): 64 MiB
@@ -357,7 +358,8 @@ def _add_variants(stream: BlockStream, acc: _Accumulator, module: str, variants:
     error = acc.errors[module]
     spec = _spec_of(stream, module)
     for name, qt in variants(spec, error.weight.float(), hessian):
-        acc.errors[f"{module}|{name}"] = ModuleError(qt, error.weight, spec.dtype)
+        if qt is not None:
+            acc.errors[f"{module}|{name}"] = ModuleError(qt, error.weight, spec.dtype)
         done()
 
 

@@ -34,7 +34,7 @@ from dynquant.format.metadata import core_version
 from dynquant.format.planner import TensorSpec, excluded_modules
 from dynquant.models.sources import ModelSource
 from dynquant.numerics.compute_dtype import resolve_dtype
-from dynquant.numerics.gptq import gptq_quantize, output_error
+from dynquant.numerics.gptq import concat_rows, gptq_quantize, inverse_factor, output_error
 from dynquant.numerics.quantizer import QuantizedTensor
 from dynquant.pipeline.allocate import (
     AllocationError,
@@ -75,6 +75,7 @@ ALIASES = {"kl": "kl-exact"}
 DEFAULT_WIDTHS = (2, 3, 4, 8)
 DEFAULT_BUDGETS = (2.5, 3.0, 3.25, 3.5, 4.25)
 PROBE_BITS = 3
+VARIANT_ROWS_ELEMENTS = 1 << 24  # weights compensated at once for a head's width variants
 
 
 @dataclass
@@ -449,12 +450,22 @@ def _width_variants(chooser: CodeChooser, opts: MeasureOptions):
     """The codes a head or input embedding is measured at besides the probe: rounded at every
     candidate width, and (for gptq codes, given the head's input moments) compensated."""
     def variants(spec: TensorSpec, weight: torch.Tensor, hessian: torch.Tensor | None
-                 ) -> Iterator[tuple[str, QuantizedTensor]]:
+                 ) -> Iterator[tuple[str, QuantizedTensor | None]]:
+        factor = None
         for gs in opts.group_sizes:
             for bits in opts.widths:
                 yield f"rtn:{bits}:{gs}", chooser.quantize(spec, weight, bits, gs)
                 if hessian is not None and _gptq_ratios(opts) and bits < 8:
-                    yield f"gptq:{bits}:{gs}", gptq_quantize(weight, hessian, bits, gs)
+                    factor = inverse_factor(hessian) if factor is None else factor
+                    # a vocabulary-sized matrix a block of rows at a time (the rows are
+                    # compensated independently), with a heartbeat for the progress line
+                    parts = []
+                    step = max(1, VARIANT_ROWS_ELEMENTS // weight.shape[1])
+                    for r in range(0, weight.shape[0], step):
+                        parts.append(gptq_quantize(weight[r : r + step], hessian, bits, gs,
+                                                   factor=factor))
+                        yield f"gptq:{bits}:{gs}", None
+                    yield f"gptq:{bits}:{gs}", concat_rows(parts, tuple(weight.shape))
     return variants
 
 
