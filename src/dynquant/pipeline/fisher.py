@@ -141,20 +141,23 @@ class _Accumulator:
 def fisher_kl(cal: CalibrationPass, modules: set[str], probe_weight: ProbeWeight,
               draws: int = 2, seed: int = 0, progress: bool = False,
               variants: Variants | None = None,
-              variant_kls: dict[str, dict[str, float]] | None = None) -> dict[str, float]:
+              variant_kls: dict[str, dict[str, float]] | None = None,
+              head_moments: dict[str, torch.Tensor] | None = None) -> dict[str, float]:
     """Predicted mean KL per token of each module in ``modules`` at its probe-width weights
     (``probe_weight``); ``draws`` label draws per sequence (the estimate's relative noise is
     about sqrt(2 / (sequences * draws))). With ``variants``, the output head and the input
     embedding
     (most of the weights of a large-vocabulary model, and the modules whose two uses share one
     matrix) are also measured at each of their variants' codes, in the same pass (the same
-    labels: differences between variants are not noise), into ``variant_kls``."""
+    labels: differences between variants are not noise), into ``variant_kls``; a head's
+    compensated variants fit ``head_moments`` (of more windows) when given, else its inputs
+    here."""
     stream = cal.stream
     acc = _Accumulator(stream.ids.shape[0], draws)
     gen = torch.Generator().manual_seed(seed)
     with StageProgress(enabled=progress) as bar:
         grads = _head_backward(stream, cal, modules, probe_weight, acc, gen, draws, bar,
-                               variants)
+                               variants, head_moments)
         task = bar.add_task("Fisher pass", total=len(stream.blocks))
         for i in reversed(range(len(stream.blocks))):
             grads = _block_backward(stream, i, cal.inputs.get(i), grads, modules, probe_weight,
@@ -237,7 +240,8 @@ class _LinearTaps:
 
 def _head_backward(stream: BlockStream, cal: CalibrationPass, modules: set[str],
                    probe_weight: ProbeWeight, acc: _Accumulator, gen: torch.Generator,
-                   draws: int, bar: StageProgress, variants: Variants | None = None
+                   draws: int, bar: StageProgress, variants: Variants | None = None,
+                   head_moments: dict[str, torch.Tensor] | None = None
                    ) -> list[list[torch.Tensor]]:
     """Per sequence and draw: the gradient of the sampled log-likelihood at the last block's
     outputs; the head's quantizable Linears (the lm_head, the tied embedding's use as one)
@@ -259,8 +263,10 @@ def _head_backward(stream: BlockStream, cal: CalibrationPass, modules: set[str],
         if variants is not None:
             task = bar.add_task("Fisher pass: head's widths")
             for m, t in taps.items():
-                _add_variants(stream, acc, m, variants, _head_moments(stream, t, finals, ids),
-                              lambda: bar.advance(task))
+                hessian = (head_moments or {}).get(m)
+                if hessian is None:
+                    hessian = _head_moments(stream, t.linear, finals, ids)
+                _add_variants(stream, acc, m, variants, hessian, lambda: bar.advance(task))
             bar.finish(task)
         vocab = stream.source.config.vocab_size
         width = max(1, HEAD_LOGITS // vocab)  # positions at once: logits stay a few MiB
@@ -322,7 +328,29 @@ class _StopHead(Exception):
     """Raised once the head's input is seen: its product is not needed."""
 
 
-def _head_moments(stream: BlockStream, tap: _LinearTaps, finals: list[torch.Tensor],
+def head_input_moments(cal: CalibrationPass, modules: set[str]) -> dict[str, torch.Tensor]:
+    """X^T X / n of the inputs of the output head(s) among ``modules`` (by the module they
+    quantize: a tied embedding's name) over a calibration pass's positions: what a head's
+    compensated codes are fitted to (the more windows, the less they fit the sample)."""
+    stream = cal.stream
+    ids = _sequences(list(stream.chunks()))
+    finals = _sequences(cal.inputs.get(len(stream.blocks)))
+    out = {}
+    parts = stream.head_modules()
+    for name, module in parts:
+        stream.materialize(module, name)
+    try:
+        for name, module in parts:
+            key = _module_of(stream, f"{name}.weight")
+            if key in modules and isinstance(module, nn.Linear):
+                out[key] = _head_moments(stream, module, finals, ids)
+    finally:
+        for _, module in parts:
+            stream.release(module)
+    return out
+
+
+def _head_moments(stream: BlockStream, linear: nn.Module, finals: list[torch.Tensor],
                   ids: list[torch.Tensor]) -> torch.Tensor:
     """X^T X / n of the head Linear's inputs over the calibration positions (the final norm
     runs, the vocabulary-wide product does not)."""
@@ -335,7 +363,7 @@ def _head_moments(stream: BlockStream, tap: _LinearTaps, finals: list[torch.Tens
         gram, count = gram + x.T @ x, count + x.shape[0]
         raise _StopHead
 
-    handle = tap.linear.register_forward_pre_hook(hook)
+    handle = linear.register_forward_pre_hook(hook)
     try:
         with torch.no_grad():
             for final, row in zip(finals, ids, strict=True):

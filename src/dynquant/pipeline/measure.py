@@ -62,7 +62,7 @@ from dynquant.pipeline.code_chooser import (
     check_quantizer,
 )
 from dynquant.pipeline.executor import Executor, LocalExecutor, use_threads
-from dynquant.pipeline.fisher import fisher_kl
+from dynquant.pipeline.fisher import fisher_kl, head_input_moments
 from dynquant.pipeline.generate import has_tokenizer, load_tokenizer
 from dynquant.pipeline.heap import return_freed_memory
 from dynquant.pipeline.priors import block_index, data_free_sensitivity
@@ -388,12 +388,17 @@ def _calibrate(source: ModelSource, weights: WeightSource, quantizable: list[Ten
     modules = {s.module for s in quantizable}
     return_freed_memory()
     moments = _moments(out) if out is not None and opts.second_moments else None
+    head_moments: dict[str, torch.Tensor] = {}
     if moments is not None and opts.moment_seqs > opts.calib_seqs:
         # X^T X wants many more tokens than the statistics and the Fisher estimate: a
         # forward-only pass of its own
         stream = BlockStream(source, weights, _ids(source, opts, opts.moment_seqs), chunk=1,
                              dtype=resolve_dtype(opts.dtype))
-        run_calibration_pass(stream, modules, moments, progress, executor=executor).close()
+        wide = run_calibration_pass(stream, modules, moments, progress, executor=executor)
+        try:  # the head's too, for its compensated width variants
+            head_moments = head_input_moments(wide, modules) if method == "fisher" else {}
+        finally:
+            wide.close()
         moments = None
         return_freed_memory()
     ids = _ids(source, opts, opts.calib_seqs)
@@ -415,7 +420,7 @@ def _calibrate(source: ModelSource, weights: WeightSource, quantizable: list[Ten
         if method == "fisher":
             kls = fisher_kl(cal, modules, probe_quantized, draws=opts.fisher_draws,
                             progress=progress, variants=_width_variants(chooser, opts),
-                            variant_kls=widths_kl)
+                            variant_kls=widths_kl, head_moments=head_moments)
             if partial is not None:
                 partial.write_tensors("calibration.safetensors", {
                     **stats, **{f"kl:{m}": torch.tensor(v, dtype=torch.float64)
