@@ -259,6 +259,31 @@ class BlockStream:
             self.blocks[i] = s.inner
 
 
+class InputSeen(Exception):
+    """Raised by a hook once the input it wanted has been seen: the rest of the forward is not
+    needed (the caller suppresses it)."""
+
+
+class InputMoments:
+    """X^T X of a module's input, summed by a forward pre-hook that then stops the forward
+    (nothing after the module is needed)."""
+
+    def __init__(self, width: int) -> None:
+        self.total, self.count = torch.zeros(width, width), 0
+
+    def add(self, x: torch.Tensor) -> None:
+        x = x.detach().float().reshape(-1, self.total.shape[0])
+        self.total.addmm_(x.T, x)
+        self.count += x.shape[0]
+
+    def hook(self, _module: nn.Module, inputs: tuple) -> None:
+        self.add(inputs[0])
+        raise InputSeen
+
+    def mean(self) -> torch.Tensor:
+        return self.total / max(self.count, 1)
+
+
 def _parameter_slots(module: nn.Module) -> list[tuple[str, nn.Module, str]]:
     """(name relative to ``module``, owning submodule, attribute) of every parameter."""
     return [(f"{mod_name}.{leaf}" if mod_name else leaf, owner, leaf)

@@ -31,7 +31,13 @@ from torch import nn
 from dynquant.format.planner import TensorSpec
 from dynquant.models.embedding_scale import embedding_scale
 from dynquant.numerics.quantizer import QuantizedTensor, dequantize_rows
-from dynquant.pipeline.block_stream import BlockStream, _first_output, _parameter_slots
+from dynquant.pipeline.block_stream import (
+    BlockStream,
+    InputMoments,
+    InputSeen,
+    _first_output,
+    _parameter_slots,
+)
 from dynquant.pipeline.calibration_pass import CalibrationPass
 from dynquant.pipeline.progress import StageProgress
 
@@ -66,12 +72,16 @@ class ModuleError:
                       if lay.num_rows * lay.in_features <= DENSE_ERROR_MAX else None)
         self._dense32: torch.Tensor | None = None
 
-    def keep_as_stored(self) -> None:
+    def keep_as_stored(self, stored: dict[int, torch.Tensor]) -> None:
         """Hold the weight in its stored 16-bit dtype (exact: it was read from it) once its
         float32 copy is no longer in the model: the tied embedding's, from the head to the
-        bottom of the pass."""
+        bottom of the pass. ``stored``: the copies made so far, by the float32 weight's
+        storage, which a module's width variants share (one copy, not one each)."""
         if self.stored_dtype in ("bfloat16", "float16"):
-            self.weight = self.weight.to(getattr(torch, self.stored_dtype))
+            key = self.weight.data_ptr()
+            if key not in stored:
+                stored[key] = self.weight.to(getattr(torch, self.stored_dtype))
+            self.weight = stored[key]
 
     def dense_float(self) -> torch.Tensor:
         """The bf16 error as float32, made once: a block module's taps read it for every
@@ -319,13 +329,10 @@ def _head_backward(stream: BlockStream, cal: CalibrationPass, modules: set[str],
             t.hook.remove()
         for _, module in heads:
             stream.release(module)
+        stored: dict[int, torch.Tensor] = {}
         for error in acc.errors.values():
-            error.keep_as_stored()
+            error.keep_as_stored(stored)
     return grads
-
-
-class _StopHead(Exception):
-    """Raised once the head's input is seen: its product is not needed."""
 
 
 def head_input_moments(cal: CalibrationPass, modules: set[str]) -> dict[str, torch.Tensor]:
@@ -354,24 +361,16 @@ def _head_moments(stream: BlockStream, linear: nn.Module, finals: list[torch.Ten
                   ids: list[torch.Tensor]) -> torch.Tensor:
     """X^T X / n of the head Linear's inputs over the calibration positions (the final norm
     runs, the vocabulary-wide product does not)."""
-    gram = torch.zeros((), dtype=torch.float64)
-    count = 0
-
-    def hook(_module, inputs) -> None:
-        nonlocal gram, count
-        x = inputs[0].detach().reshape(-1, inputs[0].shape[-1]).double()
-        gram, count = gram + x.T @ x, count + x.shape[0]
-        raise _StopHead
-
-    handle = linear.register_forward_pre_hook(hook)
+    moments = InputMoments(linear.in_features)
+    handle = linear.register_forward_pre_hook(moments.hook)
     try:
         with torch.no_grad():
             for final, row in zip(finals, ids, strict=True):
-                with contextlib.suppress(_StopHead):
+                with contextlib.suppress(InputSeen):
                     stream.head_logits(final, row)
     finally:
         handle.remove()
-    return (gram / max(count, 1)).float()
+    return moments.mean()
 
 
 def _spec_of(stream: BlockStream, module: str) -> TensorSpec:

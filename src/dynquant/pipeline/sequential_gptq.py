@@ -45,7 +45,7 @@ from dynquant.numerics.gptq import (
 )
 from dynquant.numerics.quantizer import QuantizedTensor
 from dynquant.pipeline.bank_products import BankProducts
-from dynquant.pipeline.block_stream import BlockStream
+from dynquant.pipeline.block_stream import BlockStream, InputMoments, InputSeen
 from dynquant.pipeline.calibration import InputStatistics
 from dynquant.pipeline.executor import Executor, LocalExecutor
 from dynquant.pipeline.progress import StageProgress
@@ -68,10 +68,6 @@ class SequentialCalibration:
         h = hashlib.sha256(self.ids.numpy().tobytes())
         h.update(repr(self.compensate_head).encode())
         return h.hexdigest()
-
-
-class _GroupDone(Exception):
-    """Raised after the group's shared input has been seen: the rest of the block waits."""
 
 
 @dataclass
@@ -145,7 +141,7 @@ def _head(stream: BlockStream, final: list[torch.Tensor], index: dict, choice: C
         weight = stream.weights.get(spec).float()
         store.save_quantized(index[module], module, rounder(spec, weight, *choice(module)))
         return
-    moments = _InputMoments(head.in_features)
+    moments = InputMoments(head.in_features)
     parts = stream.head_modules()
     for n, m in parts:
         stream.materialize(m, n)
@@ -155,7 +151,7 @@ def _head(stream: BlockStream, final: list[torch.Tensor], index: dict, choice: C
     try:
         with torch.no_grad():
             for h, ids in zip(final, stream.chunks(), strict=True):
-                with contextlib.suppress(_GroupDone):
+                with contextlib.suppress(InputSeen):
                     stream.head_logits(h.to(stream.dtype), ids)
                 bar.advance(task)
         qt = gptq_quantize(head.weight.data.float(), moments.mean(), *choice(module))
@@ -315,33 +311,13 @@ def _group_moments(stream: BlockStream, b: int, hidden: list[torch.Tensor], grou
     lead = targets[group[0]]
     if lead.bank:
         return _expert_moments(stream, b, hidden, group[0], lead)
-    moments = _InputMoments(lead.param.shape[1])
+    moments = InputMoments(lead.param.shape[1])
     handle = lead.owner.register_forward_pre_hook(moments.hook)
     try:
         _run(stream, b, hidden)
     finally:
         handle.remove()
     return moments.mean()
-
-
-class _InputMoments:
-    """X^T X of a module's input, summed by a forward pre-hook that then stops the forward
-    (nothing after the module is needed)."""
-
-    def __init__(self, width: int) -> None:
-        self.total, self.count = torch.zeros(width, width), 0
-
-    def add(self, x: torch.Tensor) -> None:
-        x = x.detach().float().reshape(-1, self.total.shape[0])
-        self.total.addmm_(x.T, x)
-        self.count += x.shape[0]
-
-    def hook(self, _module: nn.Module, inputs: tuple) -> None:
-        self.add(inputs[0])
-        raise _GroupDone
-
-    def mean(self) -> torch.Tensor:
-        return self.total / max(self.count, 1)
 
 
 def _expert_moments(stream: BlockStream, b: int, hidden: list[torch.Tensor], name: str,
@@ -363,9 +339,9 @@ def _expert_moments(stream: BlockStream, b: int, hidden: list[torch.Tensor], nam
 
 
 def _run(stream: BlockStream, b: int, hidden: list[torch.Tensor]) -> None:
-    """The block over every chunk, each stopped where a hook raises ``_GroupDone``."""
+    """The block over every chunk, each stopped where a hook raises ``InputSeen``."""
     block = stream.blocks[b]
     with torch.no_grad():
         for h, (args, kwargs) in zip(hidden, stream.args[b], strict=True):
-            with contextlib.suppress(_GroupDone):
+            with contextlib.suppress(InputSeen):
                 block(h.to(stream.dtype), *args, **kwargs)
