@@ -17,7 +17,7 @@ from pathlib import Path
 from scipy.stats import spearmanr
 
 from benchmarks.common import figure, machine, quality_models
-from dynquant.pipeline.frontier import plot_frontier, size_quality_frontier
+from dynquant.pipeline.report.frontier import plot_frontier, size_quality_frontier
 
 ROOT = Path(__file__).parents[1]
 CALIB, HELDOUT = ROOT / "data" / "calibration.txt", ROOT / "data" / "heldout.txt"

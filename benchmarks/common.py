@@ -8,8 +8,11 @@ import subprocess
 import sys
 import time
 from collections.abc import Callable
+from pathlib import Path
 
 import torch
+
+from scripts.prepare_real_model import real_model
 
 # As on an AVX2-only CPU: dynquant's kernels built for x86-64-v3 and torch's own kernels capped at
 # AVX2 (the nearest an AVX-512 machine gets to a real AVX2 part; it keeps its caches and clock).
@@ -59,8 +62,21 @@ def figure(name: str, value: float, unit: str = "") -> None:
     print(f"{name}: {value:.4g}{(' ' + unit) if unit else ''}", flush=True)
 
 
+def cpu_model() -> str:
+    """The CPU's marketing name (/proc/cpuinfo's ``model name``), else the architecture."""
+    try:
+        for line in Path("/proc/cpuinfo").read_text(encoding="utf-8").splitlines():
+            key, _, value = line.partition(":")
+            if key.strip() == "model name":
+                return " ".join(value.split())
+    except OSError:
+        pass
+    return platform.processor() or platform.machine()
+
+
 def machine() -> str:
-    """The machine in one line: CPU class and the flags that decide the kernels, threads, torch."""
+    """The machine in one line: CPU model, class and the flags that decide the kernels,
+    threads, torch."""
     import os
 
     from dynquant.numerics.compute_dtype import cpu_class, cpu_flags
@@ -68,29 +84,9 @@ def machine() -> str:
     shown = sorted(f for f in cpu_flags() if f.startswith(("avx", "amx", "fma", "f16c"))
                    or f in ("bf16", "asimd", "i8mm", "sve"))
     limits = {k: os.environ[k] for k in (*AVX2_LIMITS, "DYNQUANT_DTYPE") if k in os.environ}
-    return (f"{platform.processor() or platform.machine()} ({cpu_class()}: {' '.join(shown)}), "
+    return (f"{cpu_model()} ({cpu_class()}: {' '.join(shown)}), "
             f"{torch.get_num_threads()} threads, torch {torch.__version__}"
             + (f", limited by {limits}" if limits else ""))
-
-
-def real_model(name: str = "smollm2"):
-    """A prepared real pretrained model's folder (``scripts/prepare_real_model.py NAME``), or
-    None when it is not prepared."""
-    folder = prepared_models().model_dir(name)
-    return folder if (folder / "SOURCE.md").is_file() else None
-
-
-def prepared_models():
-    """``scripts/prepare_real_model.py`` as a module: where each real model and its GGUF lie."""
-    import importlib.util
-    from pathlib import Path
-
-    script = Path(__file__).parents[1] / "scripts" / "prepare_real_model.py"
-    spec = importlib.util.spec_from_file_location("prepare_real_model", script)
-    module = importlib.util.module_from_spec(spec)
-    sys.modules[spec.name] = module  # its dataclasses look their module up
-    spec.loader.exec_module(module)
-    return module
 
 
 def quality_models(root) -> dict:

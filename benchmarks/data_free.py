@@ -18,9 +18,9 @@ import tempfile
 from pathlib import Path
 
 from benchmarks.common import figure, machine, quality_models
-from dynquant.pipeline.forecast import LARGE_LOSS, forecast
-from dynquant.pipeline.frontier import knee, size_quality_frontier
-from dynquant.pipeline.measure import load_maps, maps_modules
+from dynquant.pipeline.allocate.forecast import LARGE_LOSS, forecast
+from dynquant.pipeline.allocate.maps import load_maps, maps_modules
+from dynquant.pipeline.report.frontier import knee, size_quality_frontier
 
 ROOT = Path(__file__).parents[1]
 HELDOUT = ROOT / "data" / "heldout.txt"

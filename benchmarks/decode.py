@@ -24,13 +24,14 @@ from pathlib import Path
 import torch
 from transformers import AutoModelForCausalLM, Qwen3MoeConfig
 
-from benchmarks.common import figure, machine, real_model, rerun_as_avx2
+from benchmarks.common import figure, machine, rerun_as_avx2
 from dynquant.models.sources import resolve_model
-from dynquant.pipeline.demo import demo_widths
-from dynquant.pipeline.quantize import quantize_model
+from dynquant.pipeline.codes.write import quantize_model
+from dynquant.pipeline.report.demo import demo_widths
 from dynquant.runtime.loader import load, load_dequantized
 from dynquant.runtime.memory import resident_weight_nbytes
 from dynquant.runtime.packed_modules import QuantExpertBank, QuantLinear, TiedQuantHead
+from scripts.prepare_real_model import real_model
 
 NEW_TOKENS = 32
 ROUNDS = 3

@@ -86,10 +86,10 @@ def worker_throughput(src: Path) -> dict[str, float]:
     """Weights per second of one worker (one thread) for the two per-tensor jobs, on one
     decoder block's tensors (read from the shards, page cache warm)."""
     from dynquant.models.sources import resolve_model
-    from dynquant.pipeline.code_chooser import CodeChooser
-    from dynquant.pipeline.measure import CandidatesWork, ModuleJob, candidates_job
-    from dynquant.pipeline.quantize import QuantizeWork, TensorJob, quantize_job
-    from dynquant.pipeline.weights import WeightsAt
+    from dynquant.pipeline.calibrate.weights import WeightsAt
+    from dynquant.pipeline.codes.code_chooser import CodeChooser
+    from dynquant.pipeline.codes.write import QuantizeWork, TensorJob, quantize_job
+    from dynquant.pipeline.measure.run import CandidatesWork, ModuleJob, candidates_job
 
     source = resolve_model(str(src))
     specs = [s for s in source.tensor_specs() if s.quantizable and ".layers.3." in s.name]

@@ -25,15 +25,16 @@ from safetensors.torch import load_file
 from benchmarks.common import figure, machine, quality_models
 from benchmarks.quality_vs_hqq import hqq_model
 from dynquant.models.sources import resolve_model
-from dynquant.pipeline.allocate import allocate_widths, uniform_widths
-from dynquant.pipeline.calibration import calibration_ids, default_calibration
-from dynquant.pipeline.code_chooser import CodeChooser
-from dynquant.pipeline.evaluate import evaluate
-from dynquant.pipeline.frontier import evaluate_checkpoints
-from dynquant.pipeline.generate import load_tokenizer
-from dynquant.pipeline.measure import MeasureOptions, maps_modules, measure
-from dynquant.pipeline.quantize import quantize_model
-from dynquant.pipeline.sequential_gptq import SequentialCalibration
+from dynquant.models.tokenizer import load_tokenizer
+from dynquant.pipeline.allocate.allocation import allocate_widths, uniform_widths
+from dynquant.pipeline.allocate.maps import maps_modules
+from dynquant.pipeline.calibrate.calibration import calibration_ids, default_calibration
+from dynquant.pipeline.codes.code_chooser import CodeChooser
+from dynquant.pipeline.codes.sequential_gptq import SequentialCalibration
+from dynquant.pipeline.codes.write import quantize_model
+from dynquant.pipeline.measure.run import MeasureOptions, measure
+from dynquant.pipeline.report.evaluate import evaluate
+from dynquant.pipeline.report.frontier import evaluate_checkpoints
 
 ROOT = Path(__file__).parents[1]
 HELDOUT = ROOT / "data" / "heldout.txt"

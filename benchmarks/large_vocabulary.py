@@ -28,7 +28,8 @@ import sys
 import time
 from pathlib import Path
 
-from benchmarks.common import machine, prepared_models
+from benchmarks.common import machine
+from scripts import prepare_real_model as prepare
 
 ROOT = Path(__file__).parents[1]
 WORK = ROOT / "out" / "bench" / "large_vocabulary"
@@ -56,8 +57,8 @@ def measured(real: Path, work: Path, extra: list[str]) -> tuple[Path, float | No
 
 def dynquant_rows(name: str, real: Path) -> dict[str, tuple[Path, float | None]]:
     """Checkpoints by row label, with their forecast KL (None: data-free)."""
-    from dynquant.pipeline.forecast import forecast
-    from dynquant.pipeline.measure import load_maps, maps_modules
+    from dynquant.pipeline.allocate.forecast import forecast
+    from dynquant.pipeline.allocate.maps import load_maps, maps_modules
 
     rows = {}
     for kind, extra in (("calibrated", []), ("data-free", ["--no-calib"])):
@@ -93,7 +94,7 @@ def llama_rows(name: str, real: Path, gguf: Path) -> dict[str, tuple[Path, int]]
                 raise RuntimeError(f"llama_model_quantize {kind} failed")
             os.replace(tmp, file)
         if not (out / "config.json").is_file():
-            prepared_models().gguf_to_folder(file, out, tokenizer_from=real)
+            prepare.gguf_to_folder(file, out, tokenizer_from=real)
         rows[f"llama.cpp {kind}"] = (out, file.stat().st_size)
     return rows
 
@@ -103,7 +104,6 @@ def score(model: Path, real: Path) -> dict:
 
 
 def table(name: str) -> None:
-    prepare = prepared_models()
     real = prepare.prepare(name)
     (WORK / name).mkdir(parents=True, exist_ok=True)
     rows: dict[str, tuple[Path, int, float | None]] = {}

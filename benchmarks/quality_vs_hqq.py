@@ -21,11 +21,12 @@ from benchmarks.quantizer_vs_hqq import hqq_dequantize, hqq_quantize
 from dynquant.checkpoint.writer import SIDE_FILES
 from dynquant.models.registration import register
 from dynquant.models.sources import resolve_model
-from dynquant.pipeline.allocate import reachable_range, uniform_widths
-from dynquant.pipeline.evaluate import evaluate
-from dynquant.pipeline.frontier import evaluate_checkpoints, size_quality_frontier
-from dynquant.pipeline.measure import MeasureOptions, load_maps, maps_modules, measure
-from dynquant.pipeline.quantize import quantize_model
+from dynquant.pipeline.allocate.allocation import reachable_range, uniform_widths
+from dynquant.pipeline.allocate.maps import load_maps, maps_modules
+from dynquant.pipeline.codes.write import quantize_model
+from dynquant.pipeline.measure.run import MeasureOptions, measure
+from dynquant.pipeline.report.evaluate import evaluate
+from dynquant.pipeline.report.frontier import evaluate_checkpoints, size_quality_frontier
 
 ROOT = Path(__file__).parents[1]
 HELDOUT = ROOT / "data" / "heldout.txt"

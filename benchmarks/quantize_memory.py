@@ -15,6 +15,7 @@ import torch
 from transformers import AutoModelForCausalLM, LlamaConfig
 
 from benchmarks.common import figure, machine, run_child
+from scripts.bpe_tokenizer import train_bpe_tokenizer
 
 CALIB = Path(__file__).parents[1] / "data" / "calibration.txt"
 
@@ -78,16 +79,7 @@ def main() -> None:
 def save_tokenizer(out: Path) -> None:
     """A byte-level BPE tokenizer trained on the calibration text (the model is random: only
     token ids matter)."""
-    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
-    from transformers import PreTrainedTokenizerFast
-
-    tok = Tokenizer(models.BPE())
-    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
-    tok.decoder = decoders.ByteLevel()
-    tok.train([str(CALIB)], trainers.BpeTrainer(
-        vocab_size=4096, special_tokens=["<|endoftext|>"],
-        initial_alphabet=pre_tokenizers.ByteLevel.alphabet()))
-    PreTrainedTokenizerFast(tokenizer_object=tok, eos_token="<|endoftext|>").save_pretrained(out)
+    train_bpe_tokenizer([CALIB.read_text(encoding="utf-8")], 4096, out)
 
 
 def calibrated_measure(cfg: LlamaConfig) -> None:

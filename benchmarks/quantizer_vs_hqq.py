@@ -16,7 +16,7 @@ from benchmarks.common import figure, machine
 from dynquant import quantize_tensor
 from dynquant.models.sources import resolve_model
 from dynquant.numerics import native
-from dynquant.pipeline.weights import SafetensorsWeights
+from dynquant.pipeline.calibrate.weights import SafetensorsWeights
 
 ROOT = Path(__file__).parents[1]
 

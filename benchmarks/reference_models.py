@@ -8,8 +8,8 @@ from pathlib import Path
 
 from benchmarks.common import figure, machine, quality_models
 from dynquant.models.sources import resolve_model
-from dynquant.pipeline.evaluate import evaluate
-from dynquant.pipeline.quantize import quantize_model
+from dynquant.pipeline.codes.write import quantize_model
+from dynquant.pipeline.report.evaluate import evaluate
 
 ROOT = Path(__file__).parents[1]
 HELDOUT = ROOT / "data" / "heldout.txt"

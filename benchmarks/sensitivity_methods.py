@@ -25,17 +25,19 @@ import torch
 from safetensors.torch import load_file
 from scipy.stats import spearmanr
 
-from benchmarks.common import figure, machine, real_model, run_child
+from benchmarks.common import figure, machine, run_child
 from dynquant.models.sources import resolve_model
-from dynquant.pipeline.allocate import allocate_widths
-from dynquant.pipeline.calibration import calibration_ids, default_calibration
-from dynquant.pipeline.code_chooser import CodeChooser
-from dynquant.pipeline.evaluate import load_any
-from dynquant.pipeline.frontier import evaluate_checkpoints, size_quality_frontier
-from dynquant.pipeline.generate import load_tokenizer
-from dynquant.pipeline.measure import MeasureOptions, maps_modules, probe_bits
-from dynquant.pipeline.quantize import quantize_model
-from dynquant.pipeline.sequential_gptq import SequentialCalibration
+from dynquant.models.tokenizer import load_tokenizer
+from dynquant.pipeline.allocate.allocation import allocate_widths
+from dynquant.pipeline.allocate.maps import maps_modules
+from dynquant.pipeline.calibrate.calibration import calibration_ids, default_calibration
+from dynquant.pipeline.codes.code_chooser import CodeChooser
+from dynquant.pipeline.codes.sequential_gptq import SequentialCalibration
+from dynquant.pipeline.codes.write import quantize_model
+from dynquant.pipeline.measure.run import MeasureOptions, probe_bits
+from dynquant.pipeline.report.frontier import evaluate_checkpoints, size_quality_frontier
+from dynquant.runtime.any_model import load_any
+from scripts.prepare_real_model import real_model
 
 ROOT = Path(__file__).parents[1]
 CALIB = ROOT / "data" / "calibration.txt"

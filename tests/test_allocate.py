@@ -9,7 +9,7 @@ from hypothesis import example, given, settings
 from hypothesis import strategies as st
 
 from dynquant.format.layout import LayerLayout
-from dynquant.pipeline.allocate import (
+from dynquant.pipeline.allocate.allocation import (
     AllocationError,
     Candidate,
     Constraints,

@@ -112,7 +112,7 @@ def test_opening_a_checkpoint_reads_each_header_once(tmp_path, monkeypatch):
     from dynquant.checkpoint.reader import open_checkpoint
     from dynquant.format import validate as validate_mod
     from dynquant.models.sources import resolve_model
-    from dynquant.pipeline.quantize import quantize_model
+    from dynquant.pipeline.codes.write import quantize_model
     from dynquant.runtime import loader  # noqa: F401  (the reader's users import it first)
 
     source = resolve_model("tiny")

@@ -81,7 +81,7 @@ def test_load_and_from_pretrained_follow_the_decision(tmp_path, monkeypatch):
     import dynquant  # noqa: F401  (registers with transformers)
     from dynquant.format.layout import LayerLayout
     from dynquant.models.sources import resolve_model
-    from dynquant.pipeline.quantize import quantize_model
+    from dynquant.pipeline.codes.write import quantize_model
     from dynquant.runtime.loader import load
     from dynquant.runtime.packed_modules import PackedWeight, QuantLinear
     from dynquant.runtime.stored_linear import StoredLinear

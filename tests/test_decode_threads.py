@@ -19,7 +19,7 @@ from model_zoo import save_tiny_model
 
 @pytest.fixture(scope="module")
 def checkpoint(tmp_path_factory):
-    from dynquant.pipeline.quantize import quantize_model
+    from dynquant.pipeline.codes.write import quantize_model
 
     root = tmp_path_factory.mktemp("decode_threads")
     source = resolve_model(str(save_tiny_model("llama", root / "src")))

@@ -13,9 +13,10 @@ from dynquant import evaluate
 from dynquant.cli import main
 from dynquant.errors import ModelError
 from dynquant.models.sources import resolve_model
-from dynquant.pipeline.evaluate import evaluate_models, load_any, tokenize_text
-from dynquant.pipeline.generate import load_tokenizer
-from dynquant.pipeline.quantize import quantize_model
+from dynquant.models.tokenizer import load_tokenizer
+from dynquant.pipeline.codes.write import quantize_model
+from dynquant.pipeline.report.evaluate import evaluate_models, tokenize_text
+from dynquant.runtime.any_model import load_any
 from model_zoo import save_tiny_model, save_tiny_tokenizer
 
 ROOT = Path(__file__).parents[1]

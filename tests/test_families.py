@@ -11,7 +11,7 @@ from transformers import AutoModelForCausalLM
 
 from dynquant import validate_checkpoint
 from dynquant.models.sources import resolve_model
-from dynquant.pipeline.quantize import quantize_model
+from dynquant.pipeline.codes.write import quantize_model
 from dynquant.runtime.loader import load, load_dequantized
 from dynquant.runtime.packed_modules import QuantEmbedding, QuantExpertBank, QuantLinear
 from model_zoo import family_configs, save_tiny_model
@@ -75,7 +75,7 @@ def test_packed_model_matches_the_dequantized_float_model(quantized, family):
 def test_dequantized_weights_are_close_to_the_source(quantized, family):
     src_dir, ck_dir, doc, _ = quantized[family]
     from dynquant import open_checkpoint
-    from dynquant.pipeline.weights import SafetensorsWeights
+    from dynquant.pipeline.calibrate.weights import SafetensorsWeights
 
     ck = open_checkpoint(ck_dir)
     source = resolve_model(str(src_dir))

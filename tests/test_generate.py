@@ -8,8 +8,9 @@ import torch
 
 from dynquant.cli import main
 from dynquant.models.sources import resolve_model
-from dynquant.pipeline.generate import generate_text, load_tokenizer
-from dynquant.pipeline.quantize import quantize_model
+from dynquant.models.tokenizer import load_tokenizer
+from dynquant.pipeline.codes.write import quantize_model
+from dynquant.pipeline.report.generate import generate_text
 from dynquant.runtime.loader import load_dequantized
 from model_zoo import save_tiny_model, save_tiny_tokenizer
 

@@ -14,7 +14,7 @@ from dynquant.format.packing import unpack_codes
 from dynquant.numerics.gptq import gptq_quantize, gptq_quantize_ref
 from dynquant.numerics.quantizer import quantize_tensor
 from dynquant.numerics.reference import dequantize_ref
-from dynquant.pipeline.calibration import default_calibration
+from dynquant.pipeline.calibrate.calibration import default_calibration
 
 ROOT = Path(__file__).parents[1]
 
@@ -66,8 +66,8 @@ def test_codes_decode_with_the_format_reference():
 
 def _real_activations(text: Path, seqs: int) -> dict[str, tuple[torch.Tensor, torch.Tensor]]:
     """(weight, inputs) of two Linears of llama-ref on ``seqs`` x 256 tokens of ``text``."""
-    from dynquant.pipeline.evaluate import load_any
-    from dynquant.pipeline.generate import load_tokenizer
+    from dynquant.models.tokenizer import load_tokenizer
+    from dynquant.runtime.any_model import load_any
 
     model_dir = ROOT / "models" / "llama-ref"
     model = load_any(model_dir, dtype="float32")
@@ -144,7 +144,7 @@ def test_measure_prices_candidates_with_the_compensated_codes(tmp_path):
     from dynquant.errors import DynquantError
     from dynquant.models.sources import resolve_model
     from dynquant.numerics.gptq import output_error
-    from dynquant.pipeline.measure import MeasureOptions, measure
+    from dynquant.pipeline.measure.run import MeasureOptions, measure
     from model_zoo import save_tiny_model, save_tiny_tokenizer
 
     src = save_tiny_model("llama", tmp_path / "src")

@@ -43,7 +43,7 @@ def _run(script: str, *args: str) -> str:
 @pytest.fixture(scope="module")
 def checkpoint(tmp_path_factory):
     from dynquant.models.sources import resolve_model
-    from dynquant.pipeline.quantize import quantize_model
+    from dynquant.pipeline.codes.write import quantize_model
 
     source = resolve_model("tiny")
     out = tmp_path_factory.mktemp("ck") / "tiny"

@@ -17,7 +17,7 @@ from dynquant.numerics.packed_matvec import (
     packed_vecmat,
     packed_vecmat_experts,
 )
-from dynquant.pipeline.quantize import quantize_model
+from dynquant.pipeline.codes.write import quantize_model
 from dynquant.runtime import experts as experts_module
 from dynquant.runtime.loader import load, load_dequantized
 from dynquant.runtime.packed_modules import QuantExpertBank

@@ -11,8 +11,9 @@ import pytest
 from dynquant import validate_checkpoint
 from dynquant.cli import main
 from dynquant.models.sources import resolve_model
-from dynquant.pipeline.allocate import allocate_widths
-from dynquant.pipeline.measure import MeasureOptions, compensates_head, maps_modules, measure
+from dynquant.pipeline.allocate.allocation import allocate_widths
+from dynquant.pipeline.allocate.maps import compensates_head, maps_modules
+from dynquant.pipeline.measure.run import MeasureOptions, measure
 from model_zoo import TOKENIZER_TEXT, save_tiny_model, save_tiny_tokenizer
 
 
@@ -109,7 +110,7 @@ def test_uniform_pins_and_unreachable_budget(tmp_path, capsys):
 
 KILLING = """
 import os, signal, sys
-from dynquant.pipeline import quantize as q
+from dynquant.pipeline.codes import write as q
 real = q.quantize_model
 
 def killing(*args, **kwargs):
@@ -248,8 +249,8 @@ def test_forecasts_for_the_written_codes_hold_on_the_reference_model(tmp_path):
     written codes against the KL measured on held-out text. The band: within 30% from 4.25
     bits up (measured 0.92x and 0.98x on 16,384 tokens), within 2x at 3.25 (1.6x: the
     sequential pass gains more than each module's own output-error ratio says)."""
-    from dynquant.pipeline.forecast import forecast
-    from dynquant.pipeline.frontier import evaluate_checkpoints
+    from dynquant.pipeline.allocate.forecast import forecast
+    from dynquant.pipeline.report.frontier import evaluate_checkpoints
 
     root = Path(__file__).parents[1]
     model = root / "models" / "llama-ref"

@@ -7,8 +7,8 @@ import re
 import subprocess
 import sys
 
-from dynquant.pipeline import progress as progress_mod
-from dynquant.pipeline.progress import StageProgress
+from dynquant.pipeline.execute import progress as progress_mod
+from dynquant.pipeline.execute.progress import StageProgress
 
 
 def _quantize(tmp_path, *extra: str) -> str:

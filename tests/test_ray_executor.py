@@ -20,7 +20,7 @@ ray = pytest.importorskip("ray", reason="the Ray executor needs ray (pip install
 from test_pipeline import KILLING  # noqa: E402  (the script that kills a run at a tensor)
 
 from dynquant.cli import main  # noqa: E402
-from dynquant.pipeline.ray_executor import RayExecutor  # noqa: E402
+from dynquant.pipeline.execute.ray_executor import RayExecutor  # noqa: E402
 from model_zoo import TOKENIZER_TEXT, save_tiny_model, save_tiny_tokenizer  # noqa: E402
 
 

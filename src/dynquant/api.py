@@ -9,17 +9,19 @@ from collections.abc import Sequence
 from pathlib import Path
 
 from dynquant.models.sources import resolve_model
-from dynquant.pipeline.allocate import (
+from dynquant.pipeline.allocate.allocation import (
     Allocation,
     Constraints,
     allocate_widths,
     parse_pins,
     uniform_widths,
 )
-from dynquant.pipeline.executor import Executor, executor_scope
-from dynquant.pipeline.measure import DEFAULT_BUDGETS, DEFAULT_WIDTHS, MeasureOptions, load_maps, maps_modules
-from dynquant.pipeline.measure import measure as _measure
-from dynquant.pipeline.quantize import QuantizeRequest, run_quantize
+from dynquant.pipeline.allocate.maps import load_maps, maps_modules
+from dynquant.pipeline.execute.executor import Executor
+from dynquant.pipeline.execute.scope import executor_scope
+from dynquant.pipeline.measure.run import DEFAULT_BUDGETS, DEFAULT_WIDTHS, MeasureOptions
+from dynquant.pipeline.measure.run import measure as _measure
+from dynquant.pipeline.workflow import QuantizeRequest, run_quantize
 
 
 def measure(model: str | Path, output: str | Path | None = None, *,

@@ -38,13 +38,13 @@ def _plan_widths(arg: str) -> dict:
     """A widths source; maps.json:BUDGET is allocated here (from the maps alone, no weights),
     and its forecast printed to stderr."""
     from dynquant.format.widths_file import load_widths
-    from dynquant.pipeline.quantize import is_maps, split_maps_arg
+    from dynquant.pipeline.allocate.maps import is_maps, split_maps_arg
 
     if not is_maps(arg):
         return load_widths(arg)
-    from dynquant.pipeline.allocate import allocate_widths
-    from dynquant.pipeline.forecast import forecast
-    from dynquant.pipeline.measure import load_maps, maps_modules
+    from dynquant.pipeline.allocate.allocation import allocate_widths
+    from dynquant.pipeline.allocate.forecast import forecast
+    from dynquant.pipeline.allocate.maps import load_maps, maps_modules
 
     path, budget = split_maps_arg(arg)
     if budget is None:
@@ -91,7 +91,7 @@ def _cmd_validate(args: argparse.Namespace) -> int:
 def _cmd_quantize(args: argparse.Namespace) -> int:
     from dynquant.format.summary import render_element_counts, render_summary
     from dynquant.models.sources import resolve_model
-    from dynquant.pipeline.quantize import QuantizeRequest, run_quantize
+    from dynquant.pipeline.workflow import QuantizeRequest, run_quantize
 
     source = resolve_model(args.model)
     forecasts = []
@@ -129,9 +129,9 @@ def _ints(text: str | None) -> list[int] | None:
 
 def _cmd_measure(args: argparse.Namespace) -> int:
     from dynquant.models.sources import resolve_model
-    from dynquant.pipeline.executor import executor_scope
-    from dynquant.pipeline.forecast import measure_summary, summary_lines
-    from dynquant.pipeline.measure import MeasureOptions, measure
+    from dynquant.pipeline.allocate.forecast import measure_summary, summary_lines
+    from dynquant.pipeline.execute.scope import executor_scope
+    from dynquant.pipeline.measure.run import MeasureOptions, measure
 
     opts = MeasureOptions(widths=_ints(args.widths), group_sizes=_ints(args.group_sizes),
                           budgets=[float(b) for b in args.budgets.split(",") if b],
@@ -182,14 +182,14 @@ def _method(args: argparse.Namespace) -> str | None:
 
 
 def _cmd_allocate(args: argparse.Namespace) -> int:
-    from dynquant.pipeline.allocate import (
+    from dynquant.pipeline.allocate.allocation import (
         Constraints,
         allocate_widths,
         parse_pins,
         uniform_widths,
         widths_mapping,
     )
-    from dynquant.pipeline.measure import load_maps, maps_modules
+    from dynquant.pipeline.allocate.maps import load_maps, maps_modules
 
     maps = load_maps(args.maps)
     modules = maps_modules(maps)
@@ -214,7 +214,7 @@ def _cmd_allocate(args: argparse.Namespace) -> int:
 
 
 def _cmd_generate(args: argparse.Namespace) -> int:
-    from dynquant.pipeline.generate import generate_text
+    from dynquant.pipeline.report.generate import generate_text
 
     generate_text(args.checkpoint, args.prompt, args.max_new_tokens, args.temperature, args.seed,
                   dtype=args.dtype, chat=args.chat, activations=args.activations)
@@ -223,7 +223,7 @@ def _cmd_generate(args: argparse.Namespace) -> int:
 
 def _cmd_eval(args: argparse.Namespace) -> int:
     from dynquant.numerics.compute_dtype import describe, resolve_dtype
-    from dynquant.pipeline.evaluate import evaluate
+    from dynquant.pipeline.report.evaluate import evaluate
 
     dtype = resolve_dtype(args.dtype)
     print(f"[{describe(dtype)}]", file=sys.stderr)
@@ -248,7 +248,7 @@ def _cmd_eval(args: argparse.Namespace) -> int:
 
 
 def _cmd_demo(args: argparse.Namespace) -> int:
-    from dynquant.pipeline.demo import run_demo
+    from dynquant.pipeline.report.demo import run_demo
 
     run_demo(args.output, dtype=args.dtype)
     return 0

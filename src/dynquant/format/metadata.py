@@ -9,6 +9,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 
 from dynquant.format.widths import DEFAULT_GROUP_SIZE
+from dynquant.version import package_version
 
 SCHEMA = "dynquant_checkpoint_v2"
 SCHEMA_VERSION = 1
@@ -21,9 +22,7 @@ ALLOCATORS = ("sensitivity", "uniform", "manual")
 
 
 def core_version() -> str:
-    from dynquant import __version__
-
-    return __version__
+    return package_version()
 
 
 @dataclass

@@ -76,7 +76,9 @@ INPUT_DTYPES = {torch.float32: 0, torch.bfloat16: 1}
 MAX_GROUP_SIZE = 1024  # the kernels' per-group scratch
 
 
-def _cache_dir() -> Path:
+def cache_dir() -> Path:
+    """Where dynquant keeps what it builds or fetches: ``$DYNQUANT_CACHE_DIR``, else
+    ``$XDG_CACHE_HOME/dynquant``, else ``~/.cache/dynquant``."""
     if os.environ.get("DYNQUANT_CACHE_DIR"):
         return Path(os.environ["DYNQUANT_CACHE_DIR"])
     base = os.environ.get("XDG_CACHE_HOME") or str(Path.home() / ".cache")
@@ -132,7 +134,7 @@ def _library_path() -> tuple[Path | None, str]:
     parts = [*(f.read_text() for f in SOURCES + HEADERS), " ".join(BASE_FLAGS), repr(_arch_flags()),
              version, platform.machine(), _cpu_fingerprint()]
     key = hashlib.sha256("\n".join(parts).encode()).hexdigest()[:16]
-    for root in (_cache_dir(), Path(tempfile.gettempdir()) / "dynquant-cache"):
+    for root in (cache_dir(), Path(tempfile.gettempdir()) / "dynquant-cache"):
         directory = root / "native" / key
         if (directory / LIBRARY_NAME).is_file():
             return directory / LIBRARY_NAME, ""

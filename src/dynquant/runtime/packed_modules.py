@@ -67,7 +67,7 @@ BF16_GEMM_MAX_TOKENS = 32
 _scratch_buffers = threading.local()
 
 
-def _scratch(shape: tuple[int, int], dtype: torch.dtype) -> torch.Tensor:
+def thread_scratch(shape: tuple[int, int], dtype: torch.dtype) -> torch.Tensor:
     """A [rows, cols] view of this thread's scratch buffer, grown as needed and kept for the
     thread's life (one block: 8-32 MB). Prefill dequantizes block after block; a fresh multi-MB
     tensor per block costs more in page faults than the dequantization itself (8 ms vs 2 ms for
@@ -79,7 +79,7 @@ def _scratch(shape: tuple[int, int], dtype: torch.dtype) -> torch.Tensor:
     return buf[:numel].view(shape)
 
 
-def _needs_grad(x: torch.Tensor) -> bool:
+def needs_grad(x: torch.Tensor) -> bool:
     return torch.is_grad_enabled() and x.requires_grad
 
 
@@ -94,7 +94,7 @@ def _decode_product(product: Callable[..., torch.Tensor | None], x: torch.Tensor
     dequantizes."""
     flat = x.reshape(-1, x.shape[-1])
     m = flat.shape[0]
-    if _needs_grad(x):
+    if needs_grad(x):
         return None
     if m > MAX_TOKENS:
         if gemm is None or not packed_gemm_serves(x):
@@ -152,7 +152,7 @@ class PackedWeight(nn.Module):
         caller that is done with the result before it asks for the next block."""
         lay = self.layout
         dtype = dtype or self.compute_dtype
-        out = _scratch((stop - start, lay.in_features), dtype) if scratch else None
+        out = thread_scratch((stop - start, lay.in_features), dtype) if scratch else None
         return dequantize_rows(self.qweight[start:stop], self.scales[start:stop],
                                self.offsets[start:stop], lay.bits, lay.group_size,
                                lay.in_features, dtype, out=out)
@@ -184,7 +184,7 @@ class PackedWeight(nn.Module):
         apply. A decode step makes this call once per Linear: a forward at 256 x 256 13.3 ->
         10.6 -> 8 us with the prepared argument block (nn.Linear: 6.6-6.9 us)."""
         lib = native.library()  # DYNQUANT_NATIVE=0 switches the kernels off at any call
-        if lib is None or _needs_grad(x):
+        if lib is None or needs_grad(x):
             return None
         fast = self.one_token_product()
         return None if fast is None else (fast, lib)
@@ -264,7 +264,7 @@ class QuantLinear(PackedWeight):
         if not self._int4_rows():
             return super().dequantize_rows(start, stop, dtype, scratch)
         dtype = dtype or self.compute_dtype
-        out = _scratch((stop - start, self.in_features), dtype) if scratch else None
+        out = thread_scratch((stop - start, self.in_features), dtype) if scratch else None
         return dequantize_int4_rows(*self._int4, self.offsets, self.layout.group_size, start,
                                     stop, dtype, out=out)
 
@@ -282,7 +282,7 @@ class QuantLinear(PackedWeight):
         # Long bf16 prefills (and gradients): dequantize a block of rows at a time into the reused
         # scratch buffer (it stays in cache while it is used) and let the BLAS multiply it.
         step = max(1, DEQUANT_BLOCK_ELEMENTS // self.in_features)
-        scratch = not _needs_grad(x)
+        scratch = not needs_grad(x)
         parts = [F.linear(x, self.dequantize_rows(r, min(r + step, self.out_features), x.dtype,
                                                   scratch=scratch))
                  for r in range(0, self.out_features, step)]
@@ -294,9 +294,9 @@ class QuantLinear(PackedWeight):
         (the kernel has no backward) and prefills past BF16_GEMM_MAX_TOKENS (3072 x 1024, 512
         tokens: kernel 8.6 ms, dequantize + bf16 GEMM 4.3 ms, dense bf16 3.6 ms)."""
         if not self._int4_rows():
-            return (F.linear(x, self.dequantize(x.dtype)) if _needs_grad(x)
+            return (F.linear(x, self.dequantize(x.dtype)) if needs_grad(x)
                     else int4_linear(x, *self._int4, self.layout.group_size))
-        if _needs_grad(x) or _past_bf16_gemm_tokens(x):
+        if needs_grad(x) or _past_bf16_gemm_tokens(x):
             return None
         return int4_linear(x, *self._int4, self.layout.group_size)
 
@@ -336,7 +336,7 @@ class TiedQuantHead(nn.Module):
         if y is not None:
             return y
         parts = [h @ emb.dequantize_rows(s, min(s + HEAD_CHUNK_ROWS, emb.num_embeddings),
-                                         h.dtype, scratch=not _needs_grad(h)).T
+                                         h.dtype, scratch=not needs_grad(h)).T
                  for s in range(0, emb.num_embeddings, HEAD_CHUNK_ROWS)]
         return torch.cat(parts, dim=-1)
 
@@ -356,7 +356,7 @@ class QuantExpertBank(PackedWeight):
 
     def _pairs(self, product: Callable[..., torch.Tensor | None], x: torch.Tensor,
                experts: torch.Tensor) -> torch.Tensor | None:
-        if x.shape[0] > MAX_PAIRS or _needs_grad(x):
+        if x.shape[0] > MAX_PAIRS or needs_grad(x):
             return None
         fast = (self._prepared(product is packed_matvec_experts)
                 if x.dtype in _ONE_TOKEN_DTYPES else None)
@@ -408,7 +408,7 @@ class QuantExpertBank(PackedWeight):
         such experts a forward took ~2.4 ms on the packed GEMM); a run of such experts alone
         keeps the packed GEMM. None where the per-expert products serve better (float32, or only
         experts with few tokens) or can't (gradients, mixed dtypes)."""
-        if (not xs or any(_needs_grad(x) or x.dtype != xs[0].dtype for x in xs)
+        if (not xs or any(needs_grad(x) or x.dtype != xs[0].dtype for x in xs)
                 or all(packed_gemm_serves(x) for x in xs)):
             return None
         n, a, c = self.shape

@@ -16,7 +16,7 @@ from torch import nn
 
 from dynquant.numerics import native
 from dynquant.numerics.packed_matvec import MAX_TOKENS, PARALLEL_MIN_ELEMENTS
-from dynquant.runtime.packed_modules import DEQUANT_BLOCK_ELEMENTS, _needs_grad, _scratch
+from dynquant.runtime.packed_modules import DEQUANT_BLOCK_ELEMENTS, needs_grad, thread_scratch
 
 
 class StoredLinear(nn.Module):
@@ -32,7 +32,7 @@ class StoredLinear(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         w = self.weight
-        if x.dtype == w.dtype or _needs_grad(x):
+        if x.dtype == w.dtype or needs_grad(x):
             y = F.linear(x, w.to(x.dtype))
         else:
             y = self._float_product(x.reshape(-1, self.in_features)).view(*x.shape[:-1], -1)
@@ -53,7 +53,7 @@ class StoredLinear(nn.Module):
         step = max(1, DEQUANT_BLOCK_ELEMENTS // self.in_features)
         parts = []
         for r in range(0, self.out_features, step):
-            block = _scratch((min(step, self.out_features - r), self.in_features), x.dtype)
+            block = thread_scratch((min(step, self.out_features - r), self.in_features), x.dtype)
             block.copy_(w[r:r + step])
             parts.append(F.linear(x, block))
         return parts[0] if len(parts) == 1 else torch.cat(parts, dim=-1)

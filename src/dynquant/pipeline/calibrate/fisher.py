@@ -31,15 +31,15 @@ from torch import nn
 from dynquant.format.planner import TensorSpec
 from dynquant.models.embedding_scale import embedding_scale
 from dynquant.numerics.quantizer import QuantizedTensor, dequantize_rows
-from dynquant.pipeline.block_stream import (
+from dynquant.pipeline.calibrate.block_stream import (
     BlockStream,
     InputMoments,
     InputSeen,
-    _first_output,
-    _parameter_slots,
+    first_output,
+    parameter_slots,
 )
-from dynquant.pipeline.calibration_pass import CalibrationPass
-from dynquant.pipeline.progress import StageProgress
+from dynquant.pipeline.calibrate.calibration_pass import CalibrationPass
+from dynquant.pipeline.execute.progress import StageProgress
 
 # module's spec, its float32 weight -> the module quantized at the probe width
 ProbeWeight = Callable[[TensorSpec, torch.Tensor], QuantizedTensor]
@@ -191,14 +191,14 @@ def _watch(stream: BlockStream, module: nn.Module, prefix: str, modules: set[str
     ``grad=False`` no weight gradients at all; parameters named in ``tapped`` get neither: their
     Linear's taps measure them). Returns module -> parameter."""
     wanted = {}
-    for name, _owner, _leaf in _parameter_slots(module):
+    for name, _owner, _leaf in parameter_slots(module):
         full = f"{prefix}.{name}" if prefix else name
         spec = stream.specs.get(stream.tied.get(full, full))
         if spec is not None and spec.module in modules:
             wanted[full] = spec
     stream.materialize(module, prefix, grad=set(wanted) - tapped if grad else set())
     watched = {}
-    for name, owner, leaf in _parameter_slots(module):
+    for name, owner, leaf in parameter_slots(module):
         full = f"{prefix}.{name}" if prefix else name
         if full in wanted:
             spec, param = wanted[full], owner._parameters[leaf]
@@ -516,7 +516,7 @@ def _block_backward(stream: BlockStream, index: int, inputs: list[torch.Tensor],
     try:
         for s, (x, (a, kw)) in enumerate(zip(_sequences(inputs), args, strict=True)):
             x = x.clone().requires_grad_(True)
-            y = _first_output(block(x, *a, **kw))
+            y = first_output(block(x, *a, **kw))
             moved = {m: t.times_error(acc.errors[m]) for m, t in taps.items()}
             per_draw, grads[s] = grads[s], []  # dropped as used: one level of them alive
             below = []

@@ -3,7 +3,7 @@ tokens per expert, optionally X^T X per Linear, and each block's input hidden st
 the Fisher pass) in one streamed forward over the calibration sequences.
 
 Each block's sequences run in shards of ``SHARD_SEQS`` (fixed, whatever runs them), each shard
-a job on the executor (``pipeline/executor.py``): here, or on a Ray worker that reads the
+a job on the executor (``pipeline/execute/executor.py``): here, or on a Ray worker that reads the
 block's weights itself and returns the shard's outputs and raw sums. The driver folds the
 shards' sums in shard order, so the statistics are the same bits on either executor; the
 block's forward runs on the driver's number of threads everywhere (a worker takes it on; a
@@ -18,11 +18,11 @@ from pathlib import Path
 import torch
 from safetensors.torch import save_file
 
-from dynquant.pipeline.block_stream import ActivationStore, BlockStream
-from dynquant.pipeline.calibration import InputStatistics
-from dynquant.pipeline.executor import Executor, LocalExecutor, use_threads
-from dynquant.pipeline.progress import StageProgress
-from dynquant.pipeline.weights import WeightsAt
+from dynquant.pipeline.calibrate.block_stream import ActivationStore, BlockStream
+from dynquant.pipeline.calibrate.calibration import InputStatistics
+from dynquant.pipeline.calibrate.weights import WeightsAt
+from dynquant.pipeline.execute.executor import Executor, LocalExecutor, use_threads
+from dynquant.pipeline.execute.progress import StageProgress
 
 SHARD_SEQS = 8  # calibration sequences per job (the default --calib-seqs: one job per block)
 

@@ -9,7 +9,7 @@ and it goes back to meta. Peak memory: one block, plus the hidden states (kept i
 disk past a limit, see ActivationStore).
 
 This is how GPTQModel and llm-compressor calibrate models larger than memory; here it serves
-the statistics of the calibration pass and the Fisher sensitivities (``pipeline/fisher.py``).
+the statistics of the calibration pass and the Fisher sensitivities (``pipeline/calibrate/fisher.py``).
 """
 
 from __future__ import annotations
@@ -27,7 +27,8 @@ from torch import nn
 from dynquant.errors import ModelError
 from dynquant.format.planner import TensorSpec
 from dynquant.models.sources import ModelSource
-from dynquant.pipeline.weights import WeightSource
+from dynquant.pipeline.calibrate.weights import WeightSource
+from dynquant.runtime.loader import empty_model
 
 
 class _Stop(Exception):
@@ -90,7 +91,7 @@ def _blocks(model: nn.Module) -> nn.ModuleList:
     raise ModelError("cannot find the model's decoder blocks", field="num_hidden_layers")
 
 
-def _first_output(out) -> torch.Tensor:
+def first_output(out) -> torch.Tensor:
     return out[0] if isinstance(out, tuple | list) else out
 
 
@@ -141,7 +142,6 @@ class BlockStream:
     args: list[list[tuple]] = field(init=False)  # per block, per chunk: (args, kwargs)
 
     def __post_init__(self) -> None:
-        from dynquant.runtime.loader import empty_model
 
         self.model = empty_model(self.source.config, self.dtype).eval()
         self.blocks = _blocks(self.model)
@@ -155,7 +155,7 @@ class BlockStream:
     def materialize(self, module: nn.Module, prefix: str, grad: set[str] = frozenset()) -> None:
         """Read ``module``'s parameters (full names ``prefix.NAME``) from disk; those in
         ``grad`` require gradients."""
-        for name, owner, leaf in _parameter_slots(module):
+        for name, owner, leaf in parameter_slots(module):
             full = f"{prefix}.{name}" if prefix else name
             stored = self.tied.get(full, full)
             if stored not in self.specs:
@@ -164,7 +164,7 @@ class BlockStream:
             owner._parameters[leaf] = nn.Parameter(value, requires_grad=full in grad)
 
     def release(self, module: nn.Module) -> None:
-        for _, owner, leaf in _parameter_slots(module):
+        for _, owner, leaf in parameter_slots(module):
             p = owner._parameters[leaf]
             owner._parameters[leaf] = nn.Parameter(p.detach().to("meta"), requires_grad=False)
 
@@ -220,7 +220,7 @@ class BlockStream:
         out = []
         with torch.no_grad():
             for h, (args, kwargs) in zip(hidden, recorded or self.args[index], strict=True):
-                out.append(_first_output(block(h.to(self.dtype), *args, **kwargs)).float())
+                out.append(first_output(block(h.to(self.dtype), *args, **kwargs)).float())
         return out
 
     def head_logits(self, final: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
@@ -284,7 +284,7 @@ class InputMoments:
         return self.total / max(self.count, 1)
 
 
-def _parameter_slots(module: nn.Module) -> list[tuple[str, nn.Module, str]]:
+def parameter_slots(module: nn.Module) -> list[tuple[str, nn.Module, str]]:
     """(name relative to ``module``, owning submodule, attribute) of every parameter."""
     return [(f"{mod_name}.{leaf}" if mod_name else leaf, owner, leaf)
             for mod_name, owner in module.named_modules()

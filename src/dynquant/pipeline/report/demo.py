@@ -16,9 +16,11 @@ from rich.table import Table
 from dynquant.format.planner import WidthChoice
 from dynquant.format.summary import console as summary_console
 from dynquant.format.summary import module_type
-from dynquant.pipeline.frontier import FrontierPoint, plot_frontier, size_quality_frontier
+from dynquant.numerics.compute_dtype import describe, resolve_dtype
+from dynquant.pipeline.report.frontier import FrontierPoint, plot_frontier, size_quality_frontier
+from dynquant.pipeline.report.generate import generate_text
 
-ROOT = Path(__file__).resolve().parents[3]
+ROOT = Path(__file__).resolve().parents[4]
 DEMO_MODEL = ROOT / "models" / "hybrid-ref"
 CALIB = ROOT / "data" / "calibration.txt"
 HELDOUT = ROOT / "data" / "heldout.txt"
@@ -54,8 +56,6 @@ def _table(points: list[FrontierPoint]) -> Table:
 
 
 def run_demo(output: str | Path, dtype: str | None = None) -> None:
-    from dynquant.numerics.compute_dtype import describe, resolve_dtype
-    from dynquant.pipeline.generate import generate_text
 
     console = summary_console()
     resolved = resolve_dtype(dtype)

@@ -2,196 +2,41 @@
 
 from __future__ import annotations
 
-import math
 import shutil
 import sys
 import tempfile
-from collections.abc import Callable, Mapping, Sequence
-from dataclasses import dataclass, field, replace
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
 from pathlib import Path
 
-import torch
-from rich.progress import BarColumn, MofNCompleteColumn, TextColumn, TimeElapsedColumn
+from safetensors.torch import load_file
 
-from dynquant.checkpoint.resume import ResumeStore
-from dynquant.checkpoint.writer import SIDE_FILES, CheckpointWriter, dense_storage_dtype
 from dynquant.errors import DynquantError
-from dynquant.format import metadata as md
-from dynquant.format.layout import LayerLayout
-from dynquant.format.planner import TensorSpec, WidthChoice, plan_document, split_choice
-from dynquant.format.safetensors_header import TensorInfo
-from dynquant.format.safetensors_writer import TORCH_DTYPES
+from dynquant.format.widths_file import load_widths
 from dynquant.models.sources import ModelSource
-from dynquant.numerics.quantizer import QuantizedTensor
-from dynquant.pipeline.code_chooser import CodeChooser, check_quantizer
-from dynquant.pipeline.executor import Executor, LocalExecutor, executor_scope
-from dynquant.pipeline.forecast import Forecast, forecast
-from dynquant.pipeline.progress import StageProgress
-from dynquant.pipeline.sequential_gptq import SequentialCalibration
-from dynquant.pipeline.weights import WeightsAt, WeightSource
-
-
-def _progress(enabled: bool) -> StageProgress:
-    return StageProgress(TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(),
-                         TimeElapsedColumn(), enabled=enabled)
-
-
-@dataclass(frozen=True)
-class TensorJob:
-    """One tensor of a quantization: stored dense (``bits`` None) or quantized."""
-
-    index: int
-    spec: TensorSpec
-    bits: int | None = None
-    group_size: int = 0
-
-
-@dataclass
-class QuantizeWork:
-    """What every tensor job of a quantization shares (sent to a worker once)."""
-
-    weights: WeightsAt
-    chooser: CodeChooser
-
-
-def quantize_job(job: TensorJob, work: QuantizeWork) -> QuantizedTensor | torch.Tensor:
-    """The pure per-tensor work (run by an executor, here or on a worker): read the tensor,
-    return its codes, or the tensor itself in its storage dtype."""
-    tensor = work.weights.open().get(job.spec)
-    if job.bits is None:
-        return tensor.to(dense_storage_dtype(tensor.dtype))
-    return work.chooser.quantize(job.spec, tensor, job.bits, job.group_size)
-
-
-def quantize_model(
-    source: ModelSource,
-    widths: Mapping[str, WidthChoice],
-    out: str | Path,
-    *,
-    group_size: int = 128,
-    random_init: bool = False,
-    seed: int = 0,
-    overwrite: bool = False,
-    allocator: str = "manual",
-    widths_from: str | None = None,
-    lm_head_quantized: bool = False,
-    modules_to_not_convert: tuple[str, ...] = (),
-    importance: Mapping[str, torch.Tensor] | None = None,
-    chooser: CodeChooser | None = None,
-    stats: str | None = None,
-    calibration: dict | None = None,
-    extra_files: Sequence[Path] = (),
-    progress: bool = True,
-    on_tensor: Callable[[int], None] | None = None,
-    executor: Executor | None = None,
-) -> dict:
-    """Quantize every quantizable tensor of ``source`` with ``widths``; returns the metadata.
-    Codes by ``chooser`` (default: round-to-nearest weighted by ``importance``); the tensors
-    the sequential pass does not compute run on ``executor`` (default: this process).
-    ``on_tensor`` is told the index of each tensor this run puts in the resume store (progress
-    hooks, and the test that kills a run at a chosen tensor)."""
-    specs = source.tensor_specs(lm_head_quantized)
-    plan = plan_document(specs, widths, model=source.name, group_size=group_size,
-                         tied=source.tied, modules_to_not_convert=modules_to_not_convert,
-                         lm_head_quantized=lm_head_quantized)
-    writer = CheckpointWriter(out, options=md.QuantizationOptions(
-        group_size, lm_head_quantized, plan["quantization_config"]["modules_to_not_convert"]),
-        overwrite=overwrite)
-    chooser = chooser or CodeChooser(importance=importance or {})
-    store = ResumeStore(out, {"model": source.name, "widths": sorted(widths.items()),
-                              "group_size": group_size, "lm_head": lm_head_quantized,
-                              "not_convert": sorted(modules_to_not_convert),
-                              "random_init": random_init, "seed": seed,
-                              "codes": chooser.digest(), "version": md.core_version()})
-    executor = executor or LocalExecutor()
-    # this process's source, the one the sequential pass and jobs run here use
-    work = QuantizeWork(WeightsAt.of(source, random_init, seed),
-                        replace(chooser, sequential=None, _cached=None))
-    if chooser.sequential is not None:
-        _sequential(source, work.weights.open(), specs, plan, widths, group_size, chooser,
-                    store, progress, executor)
-    jobs = [_job(index, spec, plan, widths, group_size) for index, spec in enumerate(specs)
-            if not store.has(index)]
-    with _progress(progress) as bar:
-        task = bar.add_task("quantizing", total=len(specs), completed=len(specs) - len(jobs))
-
-        def done(index: int) -> None:
-            bar.advance(task)
-            if on_tensor is not None:
-                on_tensor(index)
-
-        _fill_store(store, jobs, work, executor, done)
-    executor.idle()  # writing the checkpoint needs no workers
-    for index in range(len(specs)):  # the writer keeps a way to load each, not the data
-        kind, name, value, load = store.load(index)
-        (writer.add_quantized if kind == "quantized" else writer.add_dense)(name, value, load)
-    side = [] if source.directory is None else [
-        source.directory / f for f in SIDE_FILES if (source.directory / f).is_file()]
-    provenance = md.Provenance(model=source.name, allocator=allocator, widths_from=widths_from,
-                               stats=stats, predicted_nbytes=plan["accounting"]["total_nbytes"],
-                               calibration=calibration,
-                               quantizer=None if chooser.quantizer == "rtn" else chooser.quantizer)
-    doc = writer.finish(provenance, config=source.config.to_dict(), tied=source.tied,
-                        side_files=[*side, *extra_files])
-    store.discard()
-    return doc
-
-
-def _fill_store(store: ResumeStore, jobs: list[TensorJob], work: QuantizeWork,
-                executor: Executor, done: Callable[[int], None]) -> None:
-    """Every job's result into the store, in the jobs' order (``done`` told each index).
-    Dense tensors stored as they will be written are copied here a chunk at a time; the rest
-    run on ``executor``."""
-    direct = {job.index: info for job in jobs if job.bits is None
-              and (info := _copyable(work.weights.open(), job.spec)) is not None}
-    computed = executor.map(quantize_job, [j for j in jobs if j.index not in direct], work,
-                            job_nbytes)
-    for job in jobs:
-        if job.index in direct:
-            store.save_dense_bytes(job.index, job.spec.name, direct[job.index])
-        elif isinstance(result := next(computed), QuantizedTensor):
-            store.save_quantized(job.index, job.spec.module, result)
-        else:
-            store.save_dense(job.index, job.spec.name, result)
-        done(job.index)
-
-
-def _copyable(weights: WeightSource, spec: TensorSpec) -> TensorInfo | None:
-    """Where a dense tensor lies in the model's files, when it is stored in its checkpoint
-    dtype already (bf16, narrower, or not a float)."""
-    info = weights.stored_as_is(spec)
-    if info is None:
-        return None
-    dtype = TORCH_DTYPES[info.dtype]
-    return info if dense_storage_dtype(dtype) == dtype else None
-
-
-def job_nbytes(job: TensorJob) -> int:
-    """The bytes of a job's result (the executor's backpressure counts them)."""
-    if job.bits is None:
-        return math.prod(job.spec.shape) * 4  # at most float32
-    return LayerLayout.create(job.spec.shape, job.bits, job.group_size).nbytes
-
-
-def _job(index: int, spec: TensorSpec, plan: dict, widths: Mapping, group_size: int
-         ) -> TensorJob:
-    if spec.module not in plan["layers"]:
-        return TensorJob(index, spec)
-    return TensorJob(index, spec, *split_choice(widths[spec.module], group_size))
-
-
-def _sequential(source: ModelSource, weights: WeightSource, specs: list, plan: dict,
-                widths: Mapping, group_size: int, chooser: CodeChooser, store: ResumeStore,
-                progress: bool, executor: Executor) -> None:
-    """The decoder blocks' tensors, compensated block by block into ``store``."""
-    from dynquant.pipeline.block_stream import BlockStream
-    from dynquant.pipeline.sequential_gptq import sequential_gptq
-
-    assert chooser.sequential is not None
-    stream = BlockStream(source, weights, chooser.sequential.ids, chunk=1)
-    sequential_gptq(stream, specs, set(plan["layers"]),
-                    lambda m: split_choice(widths[m], group_size), chooser.quantize, store,
-                    progress, executor, chooser.sequential.compensate_head)
+from dynquant.models.tokenizer import load_tokenizer
+from dynquant.pipeline.allocate.allocation import Constraints, allocate_widths, parse_pins
+from dynquant.pipeline.allocate.allocation import uniform_widths as uniform
+from dynquant.pipeline.allocate.forecast import Forecast, forecast
+from dynquant.pipeline.allocate.maps import (
+    compensates_head,
+    is_maps,
+    load_maps,
+    maps_modules,
+    split_maps_arg,
+)
+from dynquant.pipeline.calibrate.calibration import (
+    BUNDLED_TEXT,
+    calibration_blocker,
+    calibration_ids,
+    default_calibration,
+)
+from dynquant.pipeline.codes.code_chooser import CodeChooser, check_quantizer
+from dynquant.pipeline.codes.sequential_gptq import SequentialCalibration
+from dynquant.pipeline.codes.write import quantize_model
+from dynquant.pipeline.execute.executor import Executor
+from dynquant.pipeline.execute.scope import executor_scope
+from dynquant.pipeline.measure.run import MeasureOptions, measure
 
 
 @dataclass
@@ -225,27 +70,16 @@ class QuantizeRequest:
     # gptq when calibrating on text, else rtn
     quantizer: str = "auto"
     gptq_seqs: int = 48  # calibration windows the sequential gptq pass streams
-    # where the per-module work runs (pipeline/executor.py): None/"local", "ray" (on the
+    # where the per-module work runs (pipeline/execute/executor.py): None/"local", "ray" (on the
     # cluster at ``address``, or a local Ray instance), or an Executor
     executor: Executor | str | None = None
     address: str | None = None
-
-
-def split_maps_arg(arg: str) -> tuple[str, float | None]:
-    path, sep, budget = arg.rpartition(":")
-    if sep and path.endswith(".json"):
-        try:
-            return path, float(budget)
-        except ValueError:
-            pass
-    return arg, None
 
 
 def _maps_for(source: ModelSource, req: QuantizeRequest, workdir: Path,
               executor: Executor | None = None) -> tuple[dict, Path, float | None]:
     """The maps document to allocate from (given, or measured now, candidates priced with
     round-to-nearest unless ``--quantizer gptq``), its path, and the budget."""
-    from dynquant.pipeline.measure import MeasureOptions, load_maps, measure
 
     if req.widths is not None:
         path, budget = split_maps_arg(req.widths)
@@ -261,14 +95,6 @@ def _maps_for(source: ModelSource, req: QuantizeRequest, workdir: Path,
                           not_convert=req.not_convert, dtype=req.dtype)
     return (measure(source, opts, maps_path, req.progress, req.random_init, executor),
             maps_path, req.budget)
-
-
-def is_maps(path: str) -> bool:
-    from dynquant.format.validate import load_metadata
-    from dynquant.pipeline.measure import MAPS_SCHEMA
-
-    doc = load_metadata(split_maps_arg(path)[0])
-    return isinstance(doc, dict) and doc.get("schema") == MAPS_SCHEMA
 
 
 @dataclass
@@ -290,8 +116,6 @@ def resolve_widths(source: ModelSource, req: QuantizeRequest, workdir: Path,
                    executor: Executor | None = None) -> Widths:
     """The widths a quantize request asks for: given as a widths file, or allocated (uniform
     or at a budget) from a maps document, measured now when none is given."""
-    from dynquant.format.widths_file import load_widths
-    from dynquant.pipeline.measure import compensates_head
 
     if req.widths is not None and not is_maps(req.widths):
         return Widths(dict(load_widths(req.widths)), "manual", req.widths)
@@ -320,9 +144,6 @@ def _allocate(req: QuantizeRequest, maps: dict, maps_path: Path, budget: float |
               codes: str) -> tuple[dict, str, str]:
     """(widths, allocator, tag): uniform, or the sensitivity allocation at ``budget`` for the
     ``codes`` that will be written (its forecast told before anything is written)."""
-    from dynquant.pipeline.allocate import Constraints, allocate_widths, parse_pins
-    from dynquant.pipeline.allocate import uniform_widths as uniform
-    from dynquant.pipeline.measure import maps_modules
 
     cons = Constraints(pins=parse_pins(req.pins), min_bits=req.min_bits,
                        max_bits=req.max_bits, group_sizes=req.group_sizes)
@@ -342,7 +163,6 @@ def _statistics(maps: dict, maps_path: Path) -> tuple[dict | None, Path | None]:
     """The calibration statistics the maps recorded beside themselves, and their path."""
     if not maps.get("stats"):
         return None, None
-    from safetensors.torch import load_file
 
     stats_path = maps_path.parent / maps["stats"]
     return load_file(stats_path), stats_path
@@ -354,8 +174,6 @@ def auto_quantizer(source: ModelSource, req: QuantizeRequest, record: dict | Non
     bundled text) and a model that can run it; round-to-nearest on the data-free path, and
     (with one line saying so, unless not ``say``) for widths measured on a text not given
     again."""
-    from dynquant.pipeline.calibration import BUNDLED_TEXT
-    from dynquant.pipeline.measure import calibration_blocker
 
     if req.quantizer != "auto":
         return req.quantizer
@@ -371,7 +189,6 @@ def auto_quantizer(source: ModelSource, req: QuantizeRequest, record: dict | Non
 
 
 def check_gptq_source(source: ModelSource, req: QuantizeRequest) -> None:
-    from dynquant.pipeline.measure import calibration_blocker
 
     if calibration_blocker(source, req.random_init) is not None:
         raise DynquantError("--quantizer gptq needs model weights and a tokenizer (a model "
@@ -383,8 +200,6 @@ def gptq_calibration(source: ModelSource, req: QuantizeRequest, record: dict | N
     """The windows the sequential gptq pass streams: of ``--calib``, else of the text the
     widths were measured on when that is dynquant's bundled text (or nothing was measured).
     The model can run them (``check_gptq_source`` / ``auto_quantizer`` made sure)."""
-    from dynquant.pipeline.calibration import BUNDLED_TEXT, calibration_ids, default_calibration
-    from dynquant.pipeline.generate import load_tokenizer
 
     texts = list(req.calib)
     if not texts:

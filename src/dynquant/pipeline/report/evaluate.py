@@ -14,8 +14,10 @@ import torch
 from torch import nn
 
 from dynquant.errors import ModelError
-from dynquant.format.metadata import METADATA_FILE
-from dynquant.pipeline.progress import StageProgress
+from dynquant.models.sources import model_folder
+from dynquant.models.tokenizer import load_tokenizer
+from dynquant.pipeline.execute.progress import StageProgress
+from dynquant.runtime.any_model import load_any
 
 
 @dataclass
@@ -34,36 +36,6 @@ class EvalResult:
 
     def to_json(self) -> str:
         return json.dumps(asdict(self), indent=2)
-
-
-def load_any(path: str | Path, dtype: str | torch.dtype | None = None,
-             activations: str | None = None) -> nn.Module:
-    """A dynquant checkpoint (packed) or a transformers model folder (dense), in eval mode, in the
-    compute dtype ``dtype`` (None/"auto": the CPU's, ``numerics/compute_dtype.py``). A checkpoint
-    with int8 ``activations`` computes every product as decode does, token by token
-    (``runtime/activations.py``)."""
-    from transformers import AutoModelForCausalLM
-
-    from dynquant.models.registration import register
-    from dynquant.numerics.compute_dtype import resolve_dtype
-    from dynquant.runtime.loader import load
-
-    dtype = resolve_dtype(dtype)
-
-    path = Path(path)
-    if not (path / "config.json").is_file():
-        raise ModelError("not a model folder (no config.json)", file=str(path))
-    if (path / METADATA_FILE).is_file():
-        from dynquant.runtime.activations import use_activations
-
-        model = load(path, dtype=dtype, activations="float")
-        use_activations(model, activations, every_token=True)
-        return model
-    register()
-    model = AutoModelForCausalLM.from_pretrained(str(path), dtype=dtype)
-    if getattr(model, "_can_set_experts_implementation", lambda: False)():
-        model.set_experts_implementation("eager")
-    return model.eval()
 
 
 def tokenize_text(tokenizer, text: str, ctx: int, max_tokens: int | None) -> torch.Tensor:
@@ -148,8 +120,6 @@ def evaluate(model: str | Path, base: str | Path, text: str | Path, ctx: int = 5
     run in the compute dtype ``dtype`` (None/"auto": the CPU's); MODEL's products with
     ``activations`` (int8: every token as decode computes it; BASE, the reference, always
     float32), so a checkpoint against itself measures what int8 activations cost."""
-    from dynquant.models.sources import model_folder
-    from dynquant.pipeline.generate import load_tokenizer
 
     model, base = model_folder(model), model_folder(base)  # hub names from the local cache
     text_path = Path(text)

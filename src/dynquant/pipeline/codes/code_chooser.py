@@ -6,7 +6,7 @@ quantization (``numerics/gptq.py``) of the 2-D Linears, two ways:
 
 - sequential (what ``quantize --quantizer gptq`` writes; ``sequential`` set): the calibration
   windows stream through the blocks as they are quantized, each module compensated against the
-  inputs the quantized model before it gives (``pipeline/sequential_gptq.py``);
+  inputs the quantized model before it gives (``pipeline/codes/sequential_gptq.py``);
 - from stored second moments (what ``measure --quantizer gptq`` prices candidates with;
   ``moments`` set): X^T X / n of the *float* model's inputs, written by the calibration pass
   (``MAPS_STEM.moments/block_NNN.safetensors``), each module on its own.
@@ -29,9 +29,9 @@ from dynquant.errors import DynquantError
 from dynquant.format.planner import TensorSpec
 from dynquant.numerics.gptq import gptq_quantize, inverse_factor, output_error
 from dynquant.numerics.quantizer import QuantizedTensor, quantize_tensor, relative_error
-from dynquant.pipeline.calibration import importance_of
-from dynquant.pipeline.priors import block_index
-from dynquant.pipeline.sequential_gptq import SequentialCalibration
+from dynquant.pipeline.calibrate.calibration import importance_of
+from dynquant.pipeline.calibrate.priors import block_index
+from dynquant.pipeline.codes.sequential_gptq import SequentialCalibration
 
 QUANTIZERS = ("rtn", "gptq")
 

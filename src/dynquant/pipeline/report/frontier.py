@@ -16,10 +16,14 @@ from safetensors.torch import load_file
 
 from dynquant.format.widths import width
 from dynquant.models.sources import resolve_model
-from dynquant.pipeline.allocate import allocate_widths, uniform_widths
-from dynquant.pipeline.evaluate import EvalResult
-from dynquant.pipeline.measure import MeasureOptions, load_maps, maps_modules, measure
-from dynquant.pipeline.quantize import quantize_model
+from dynquant.models.tokenizer import load_tokenizer
+from dynquant.pipeline.allocate.allocation import allocate_widths, uniform_widths
+from dynquant.pipeline.allocate.maps import load_maps, maps_modules
+from dynquant.pipeline.codes.write import quantize_model
+from dynquant.pipeline.measure.run import MeasureOptions, measure
+from dynquant.pipeline.report.evaluate import EvalResult, evaluate_many, tokenize_text
+from dynquant.runtime.any_model import load_any
+from dynquant.runtime.loader import load
 
 BUDGETS = (2.5, 3.0, 3.25, 3.5, 4.25)
 
@@ -116,9 +120,6 @@ def evaluate_checkpoints(base_dir: Path, out: Path, names: list[str], heldout: s
                          ctx: int, max_tokens: int | None, dtype: str | None
                          ) -> dict[str, EvalResult]:
     """Each checkpoint ``out / NAME`` against the base model on the held-out text."""
-    from dynquant.pipeline.evaluate import evaluate_many, load_any, tokenize_text
-    from dynquant.pipeline.generate import load_tokenizer
-    from dynquant.runtime.loader import load
 
     ids = tokenize_text(load_tokenizer(base_dir), Path(heldout).read_text(encoding="utf-8"),
                         ctx, max_tokens)

@@ -13,7 +13,7 @@ import math
 from collections.abc import Sequence
 from dataclasses import asdict, dataclass, field
 
-from dynquant.pipeline.allocate import (
+from dynquant.pipeline.allocate.allocation import (
     Allocation,
     AllocationError,
     Constraints,
@@ -21,6 +21,7 @@ from dynquant.pipeline.allocate import (
     allocate_widths,
     reachable_range,
 )
+from dynquant.pipeline.allocate.maps import maps_modules
 
 LARGE_LOSS = 0.1  # nats per token: beyond it a model visibly degrades (PPL up by ~10 %)
 STEP = 0.25  # bits between the budgets compared
@@ -116,7 +117,6 @@ def _advice(budget: float, highest: float, kl_at) -> tuple[float, float] | None:
 def measure_summary(maps: dict) -> dict:
     """Every budget of a maps document with its predicted KL, and one piece of advice: the
     smallest quarter-bit budget predicting under LARGE_LOSS when any budget predicts more."""
-    from dynquant.pipeline.measure import maps_modules
 
     kl = predicts_kl(maps)
     budgets = {}

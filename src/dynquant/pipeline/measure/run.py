@@ -5,12 +5,12 @@ Sensitivity methods (the sensitivity is the mean KL(base || perturbed) of the ne
 distribution on the calibration tokens with the module alone at its 3-bit weights, divided by
 that module's relative error: KL ~ s * ||dW||^2 / ||W||^2 holds for small perturbations):
 - ``fisher`` (the default): that KL estimated from one streamed forward and one streamed
-  backward pass, a block in memory at a time (``pipeline/fisher.py``). Without ``--calib`` it
+  backward pass, a block in memory at a time (``pipeline/calibrate/fisher.py``). Without ``--calib`` it
   calibrates on the generic English text the package ships (``dynquant/data/``).
 - ``kl-exact`` (``kl`` is its old name): that KL measured, one full-model forward per module,
   the dense model in memory. The reference the estimate is checked against; small models.
 - ``weight`` (data-free, ``--no-calib``; also what a model without weights or tokenizer gets):
-  a prior per unit of relative error by the module's role and depth (``pipeline/priors.py``).
+  a prior per unit of relative error by the module's role and depth (``pipeline/calibrate/priors.py``).
   Its predicted error is in relative units, not nats: no loss prediction without text.
 """
 
@@ -33,10 +33,11 @@ from dynquant.format.layout import LayerLayout
 from dynquant.format.metadata import core_version
 from dynquant.format.planner import TensorSpec, excluded_modules
 from dynquant.models.sources import ModelSource
+from dynquant.models.tokenizer import load_tokenizer
 from dynquant.numerics.compute_dtype import resolve_dtype
 from dynquant.numerics.gptq import concat_rows, gptq_quantize, inverse_factor, output_error
 from dynquant.numerics.quantizer import QuantizedTensor
-from dynquant.pipeline.allocate import (
+from dynquant.pipeline.allocate.allocation import (
     AllocationError,
     Candidate,
     Constraints,
@@ -44,8 +45,10 @@ from dynquant.pipeline.allocate import (
     allocate_widths,
     widths_mapping,
 )
-from dynquant.pipeline.block_stream import BlockStream
-from dynquant.pipeline.calibration import (
+from dynquant.pipeline.allocate.maps import MAPS_SCHEMA, maps_modules
+from dynquant.pipeline.calibrate.block_stream import BlockStream
+from dynquant.pipeline.calibrate.calibration import (
+    calibration_blocker,
     calibration_ids,
     calibration_record,
     default_calibration,
@@ -54,22 +57,21 @@ from dynquant.pipeline.calibration import (
     synthetic_ids,
     synthetic_record,
 )
-from dynquant.pipeline.calibration_pass import run_calibration_pass
-from dynquant.pipeline.code_chooser import (
+from dynquant.pipeline.calibrate.calibration_pass import run_calibration_pass
+from dynquant.pipeline.calibrate.fisher import fisher_kl, head_input_moments
+from dynquant.pipeline.calibrate.priors import block_index, data_free_sensitivity
+from dynquant.pipeline.calibrate.weights import WeightsAt, WeightSource
+from dynquant.pipeline.codes.code_chooser import (
     CodeChooser,
     GivenMoments,
     SecondMoments,
     check_quantizer,
 )
-from dynquant.pipeline.executor import Executor, LocalExecutor, use_threads
-from dynquant.pipeline.fisher import fisher_kl, head_input_moments
-from dynquant.pipeline.generate import has_tokenizer, load_tokenizer
-from dynquant.pipeline.heap import return_freed_memory
-from dynquant.pipeline.priors import block_index, data_free_sensitivity
-from dynquant.pipeline.progress import StageProgress
-from dynquant.pipeline.weights import WeightsAt, WeightSource
+from dynquant.pipeline.execute.executor import Executor, LocalExecutor, use_threads
+from dynquant.pipeline.execute.heap import return_freed_memory
+from dynquant.pipeline.execute.progress import StageProgress
+from dynquant.runtime.any_model import load_any
 
-MAPS_SCHEMA = "dynquant_maps_v1"
 METHODS = ("weight", "fisher", "kl-exact")
 ALIASES = {"kl": "kl-exact"}
 DEFAULT_WIDTHS = (2, 3, 4, 8)
@@ -168,58 +170,7 @@ def allocations(modules: list[ModuleChoices], budgets: Sequence[float], group_si
     return out
 
 
-def maps_codes(maps: dict) -> str:
-    """The codes ``quantize`` writes from a maps document by default (``--quantizer auto``):
-    gptq when it was measured on text, else round-to-nearest."""
-    return "gptq" if maps.get("quantizer") == "gptq" or maps.get("method") in (
-        "fisher", "kl-exact") else "rtn"
-
-
-def maps_modules(maps: dict, codes: str | None = None) -> list[ModuleChoices]:
-    """The allocator's view of a maps document, for the codes that will be written (``codes``,
-    default :func:`maps_codes`): errors of rtn-priced candidates times the module's measured
-    ``gptq_ratio`` when they will be gptq codes."""
-    codes = codes or maps_codes(maps)
-
-    def factor(m: dict, c: dict) -> float:
-        if codes != "gptq":
-            return 1.0
-        if "gptq_ratio" in c:  # a head: compensated only where that measured better
-            return min(1.0, c["gptq_ratio"])
-        return m.get("gptq_ratio", 1.0)
-
-    return [ModuleChoices(name, m["elements"], m["sensitivity"],
-                          [Candidate(c["bits"], c["group_size"], c["nbytes"],
-                                     c["error"] * factor(m, c)) for c in m["candidates"]])
-            for name, m in sorted(maps["modules"].items())]
-
-
-def compensates_head(maps: dict, widths: dict) -> bool:
-    """Whether gptq codes compensate the output head (a tied embedding included) at the
-    widths chosen: unless its measured compensated codes cost more KL than rounded ones."""
-    for name, m in maps["modules"].items():
-        if name not in widths:
-            continue
-        choice = widths[name]
-        bits, gs = choice if isinstance(choice, tuple) else (choice, None)
-        for c in m["candidates"]:
-            if c["bits"] == bits and gs in (None, c["group_size"]) and c.get(
-                    "gptq_ratio", 0.0) >= 1.0:
-                return False
-    return True
-
-
-def load_maps(path: str | Path) -> dict:
-    from dynquant.format.validate import load_metadata
-
-    doc = load_metadata(str(path))
-    if not isinstance(doc, dict) or doc.get("schema") != MAPS_SCHEMA:
-        raise DynquantError(f"not a {MAPS_SCHEMA} document", file=str(path), field="schema")
-    return doc
-
-
 def _dense_model(source: ModelSource, dtype: str) -> nn.Module:
-    from dynquant.pipeline.evaluate import load_any
 
     if source.directory is None:
         raise DynquantError("the kl method needs model weights (a model directory)",
@@ -265,15 +216,6 @@ def calibration_plan(source: ModelSource, opts: MeasureOptions, random_init: boo
     return (replace(opts, method="weight", synthetic=runnable),
             f"data-free sensitivities{why}: priors by module role and depth{stats}; "
             "no loss prediction")
-
-
-def calibration_blocker(source: ModelSource, random_init: bool) -> str | None:
-    """What the model lacks to run calibration text through it (None: nothing)."""
-    if random_init or source.directory is None:
-        return "model weights (a model directory)"
-    if not has_tokenizer(source.directory):
-        return "a tokenizer in the model directory"
-    return None
 
 
 def measure(source: ModelSource, opts: MeasureOptions, out: str | Path | None = None,

@@ -5,16 +5,13 @@ its widths), ``shared`` is what every job of a run needs (where the weights are,
 chosen); the function reads its tensor itself. An executor maps the function over the jobs and
 yields the results **in the jobs' order**, so the driver writes the same bytes whichever
 executor ran them. ``LocalExecutor`` is the plain loop (the default); ``RayExecutor``
-(``pipeline/ray_executor.py``) runs the same function on Ray workers.
+(``pipeline/execute/ray_executor.py``) runs the same function on Ray workers.
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable, Iterable, Iterator
-from contextlib import contextmanager
 from typing import TypeVar
-
-from dynquant.errors import DynquantError
 
 J = TypeVar("J")
 R = TypeVar("R")
@@ -57,29 +54,3 @@ def use_threads(threads: int) -> None:
 
     if torch.get_num_threads() != threads:
         torch.set_num_threads(threads)
-
-
-def executor_for(spec: Executor | str | None, address: str | None = None) -> Executor:
-    """``None``/``"local"``: this process; ``"ray"``: a Ray cluster (``address``: an existing
-    one, e.g. ``ray://head:10001`` or ``auto``; None: a local one started for the run)."""
-    if isinstance(spec, Executor):
-        return spec
-    if spec in (None, "local"):
-        return LocalExecutor()
-    if spec == "ray":
-        from dynquant.pipeline.ray_executor import RayExecutor
-
-        return RayExecutor(address)
-    raise DynquantError(f"unknown executor {spec!r} (local or ray)", field="executor")
-
-
-@contextmanager
-def executor_scope(spec: Executor | str | None, address: str | None = None
-                   ) -> Iterator[Executor]:
-    """``executor_for``, closed afterwards when it was made here (not a caller's executor)."""
-    executor = executor_for(spec, address)
-    try:
-        yield executor
-    finally:
-        if executor is not spec:
-            executor.close()

@@ -21,7 +21,7 @@ from collections.abc import Callable, Iterable, Iterator
 from typing import Any
 
 from dynquant.errors import DynquantError
-from dynquant.pipeline.executor import Executor, J, R, S
+from dynquant.pipeline.execute.executor import Executor, J, R, S
 
 MAX_RETRIES = 3  # runs of a task whose worker died, after the first
 MAX_IN_FLIGHT_BYTES = 2 << 30  # results submitted and not yet collected (one may be larger)

@@ -16,7 +16,9 @@ from safetensors.torch import save_file
 from torch import nn
 
 from dynquant.errors import ModelError
-from dynquant.pipeline.bank_products import BankProducts
+from dynquant.models.sources import ModelSource
+from dynquant.models.tokenizer import has_tokenizer
+from dynquant.pipeline.calibrate.bank_products import BankProducts
 
 
 def read_calibration(files: list[str | Path]) -> list[str]:
@@ -250,3 +252,12 @@ def importance_of(stats: dict[str, torch.Tensor], module: str, shape: tuple[int,
 
 def save_stats(stats: dict[str, torch.Tensor], path: Path) -> None:
     save_file(stats, str(path), metadata={"format": "dynquant-stats"})
+
+
+def calibration_blocker(source: ModelSource, random_init: bool) -> str | None:
+    """What the model lacks to run calibration text through it (None: nothing)."""
+    if random_init or source.directory is None:
+        return "model weights (a model directory)"
+    if not has_tokenizer(source.directory):
+        return "a tokenizer in the model directory"
+    return None

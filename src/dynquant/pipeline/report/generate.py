@@ -10,24 +10,11 @@ from pathlib import Path
 import torch
 
 from dynquant.errors import ModelError
-
-TOKENIZER_FILES = ("tokenizer.json", "tokenizer.model", "vocab.json", "tokenizer_config.json")
-
-
-def has_tokenizer(path: str | Path) -> bool:
-    return any((Path(path) / f).is_file() for f in TOKENIZER_FILES)
-
-
-def load_tokenizer(path: str | Path):
-    from transformers import AutoTokenizer
-
-    if not has_tokenizer(path):
-        raise ModelError("no tokenizer in the checkpoint (it copies tokenizer.json and friends "
-                         "from the source model directory)", file=str(path))
-    try:
-        return AutoTokenizer.from_pretrained(str(path))
-    except (OSError, ValueError, TypeError) as exc:
-        raise ModelError(f"no usable tokenizer in the checkpoint ({exc})", file=str(path)) from exc
+from dynquant.models.tokenizer import load_tokenizer
+from dynquant.numerics.compute_dtype import describe, resolve_dtype
+from dynquant.runtime.activations import describe_activations
+from dynquant.runtime.loader import load
+from dynquant.runtime.memory import resident_weight_nbytes
 
 
 @dataclass
@@ -84,10 +71,6 @@ def generate_text(path: str | Path, prompt: str, max_new_tokens: int = 64,
     (``runtime/activations.py``)."""
     from transformers import TextStreamer
 
-    from dynquant.numerics.compute_dtype import describe, resolve_dtype
-    from dynquant.runtime.activations import describe_activations
-    from dynquant.runtime.loader import load
-    from dynquant.runtime.memory import resident_weight_nbytes
 
     if not prompt:
         raise ModelError("the prompt is empty", field="prompt")

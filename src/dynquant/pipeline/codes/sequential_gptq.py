@@ -44,11 +44,11 @@ from dynquant.numerics.gptq import (
     rows_factor,
 )
 from dynquant.numerics.quantizer import QuantizedTensor
-from dynquant.pipeline.bank_products import BankProducts
-from dynquant.pipeline.block_stream import BlockStream, InputMoments, InputSeen
-from dynquant.pipeline.calibration import InputStatistics
-from dynquant.pipeline.executor import Executor, LocalExecutor
-from dynquant.pipeline.progress import StageProgress
+from dynquant.pipeline.calibrate.bank_products import BankProducts
+from dynquant.pipeline.calibrate.block_stream import BlockStream, InputMoments, InputSeen
+from dynquant.pipeline.calibrate.calibration import InputStatistics
+from dynquant.pipeline.execute.executor import Executor, LocalExecutor
+from dynquant.pipeline.execute.progress import StageProgress
 
 Choice = Callable[[str], tuple[int, int]]  # module -> (bits, group size)
 Rounder = Callable[[TensorSpec, torch.Tensor, int, int], QuantizedTensor]

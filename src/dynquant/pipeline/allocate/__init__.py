@@ -1,0 +1,1 @@
+"""Widths from sensitivities: the maps document, the allocation at a budget, its forecast."""

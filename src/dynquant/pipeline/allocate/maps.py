@@ -1,0 +1,76 @@
+"""The maps document (``maps.json``, schema ``dynquant_maps_v1``) that ``measure`` writes and
+``allocate``, ``forecast`` and ``quantize`` read: per module, its elements, sensitivity and
+candidate widths with their exact bytes and errors (docs/pipeline.md)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from dynquant.errors import DynquantError
+from dynquant.format.validate import load_metadata
+from dynquant.pipeline.allocate.allocation import Candidate, ModuleChoices
+
+MAPS_SCHEMA = "dynquant_maps_v1"
+
+
+def maps_codes(maps: dict) -> str:
+    """The codes ``quantize`` writes from a maps document by default (``--quantizer auto``):
+    gptq when it was measured on text, else round-to-nearest."""
+    return "gptq" if maps.get("quantizer") == "gptq" or maps.get("method") in (
+        "fisher", "kl-exact") else "rtn"
+
+
+def maps_modules(maps: dict, codes: str | None = None) -> list[ModuleChoices]:
+    """The allocator's view of a maps document, for the codes that will be written (``codes``,
+    default :func:`maps_codes`): errors of rtn-priced candidates times the module's measured
+    ``gptq_ratio`` when they will be gptq codes."""
+    codes = codes or maps_codes(maps)
+
+    def factor(m: dict, c: dict) -> float:
+        if codes != "gptq":
+            return 1.0
+        if "gptq_ratio" in c:  # a head: compensated only where that measured better
+            return min(1.0, c["gptq_ratio"])
+        return m.get("gptq_ratio", 1.0)
+
+    return [ModuleChoices(name, m["elements"], m["sensitivity"],
+                          [Candidate(c["bits"], c["group_size"], c["nbytes"],
+                                     c["error"] * factor(m, c)) for c in m["candidates"]])
+            for name, m in sorted(maps["modules"].items())]
+
+
+def compensates_head(maps: dict, widths: dict) -> bool:
+    """Whether gptq codes compensate the output head (a tied embedding included) at the
+    widths chosen: unless its measured compensated codes cost more KL than rounded ones."""
+    for name, m in maps["modules"].items():
+        if name not in widths:
+            continue
+        choice = widths[name]
+        bits, gs = choice if isinstance(choice, tuple) else (choice, None)
+        for c in m["candidates"]:
+            if c["bits"] == bits and gs in (None, c["group_size"]) and c.get(
+                    "gptq_ratio", 0.0) >= 1.0:
+                return False
+    return True
+
+
+def load_maps(path: str | Path) -> dict:
+    doc = load_metadata(str(path))
+    if not isinstance(doc, dict) or doc.get("schema") != MAPS_SCHEMA:
+        raise DynquantError(f"not a {MAPS_SCHEMA} document", file=str(path), field="schema")
+    return doc
+
+
+def split_maps_arg(arg: str) -> tuple[str, float | None]:
+    path, sep, budget = arg.rpartition(":")
+    if sep and path.endswith(".json"):
+        try:
+            return path, float(budget)
+        except ValueError:
+            pass
+    return arg, None
+
+
+def is_maps(path: str) -> bool:
+    doc = load_metadata(split_maps_arg(path)[0])
+    return isinstance(doc, dict) and doc.get("schema") == MAPS_SCHEMA

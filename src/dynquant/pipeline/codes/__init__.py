@@ -1,0 +1,2 @@
+"""How codes are chosen (round-to-nearest or error-compensating GPTQ) and written to a
+checkpoint."""

@@ -1,0 +1,1 @@
+"""The measure stage: a model's maps document (sensitivities and candidate errors per module)."""

@@ -1,0 +1,1 @@
+"""What runs a written checkpoint for people: evaluation, generation, the size-quality frontier, the demo."""
