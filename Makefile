@@ -40,6 +40,7 @@ clean:
 BENCHMARKS := vs_llamacpp large_vocabulary one_token_products packed_products gemm_peak int4_gemv quantizer_vs_hqq seed_scale quantize_memory decode reference_models allocation_quality quality_vs_hqq sensitivity_methods data_free gptq_quality distributed_quantize demo_under_load
 
 .PHONY: bench
+# each benchmark writes its section as markdown to out/bench/NAME[-ARGS].md (benchmarks/__main__.py)
 # llama.cpp for vs_llamacpp, built from source with this CPU's instruction sets (no AMX), and an
 # AVX2-only build beside it for the --as-avx2 run
 LLAMA_AVX2 := $(HOME)/.cache/dynquant/llama-cpp-avx2
@@ -48,12 +49,11 @@ bench: real-model
 	$(BIN)/pip install -q 'hqq>=0.2.8'
 	$(BIN)/python scripts/install_llama_cpp.py
 	test -d $(LLAMA_AVX2)/llama_cpp || $(BIN)/python scripts/install_llama_cpp.py --avx2 --target $(LLAMA_AVX2)
-	mkdir -p out/bench
-	for b in $(BENCHMARKS); do $(BIN)/python -m benchmarks.$$b | tee out/bench/$$b.txt; done
+	for b in $(BENCHMARKS); do $(BIN)/python -m benchmarks $$b || exit 1; done
 	# as on an AVX2-only CPU, and decode in float32 beside the CPU's own compute dtype
-	$(BIN)/python -m benchmarks.packed_products --as-avx2 | tee out/bench/packed_products_avx2.txt
-	$(BIN)/python -m benchmarks.gemm_peak --as-avx2 | tee out/bench/gemm_peak_avx2.txt
-	$(BIN)/python -m benchmarks.decode --as-avx2 | tee out/bench/decode_avx2.txt
-	$(BIN)/python -m benchmarks.one_token_products --as-avx2 | tee out/bench/one_token_products_avx2.txt
-	LLAMA_CPP_LIB_PATH=$(LLAMA_AVX2)/llama_cpp/lib $(BIN)/python -m benchmarks.vs_llamacpp --as-avx2 | tee out/bench/vs_llamacpp_avx2.txt
-	$(BIN)/python -m benchmarks.decode --dtype float32 | tee out/bench/decode_float32.txt
+	$(BIN)/python -m benchmarks packed_products --as-avx2
+	$(BIN)/python -m benchmarks gemm_peak --as-avx2
+	$(BIN)/python -m benchmarks decode --as-avx2
+	$(BIN)/python -m benchmarks one_token_products --as-avx2
+	LLAMA_CPP_LIB_PATH=$(LLAMA_AVX2)/llama_cpp/lib $(BIN)/python -m benchmarks vs_llamacpp --as-avx2
+	$(BIN)/python -m benchmarks decode --dtype float32

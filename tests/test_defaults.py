@@ -176,8 +176,8 @@ def _cost_at_3_bits(maps: dict) -> dict[str, float]:
 
 
 def test_data_free_priors_rank_modules_like_the_calibrated_measurement(tmp_path):
-    """llama-ref (trained here): the priors' 3-bit costs against Fisher's, and against the old
-    proxy (the absolute squared weight error, usage x ||W||^2 x relative error)."""
+    """llama-ref (trained here): the priors' 3-bit costs against Fisher's, and against a
+    size proxy (the absolute squared weight error, usage x ||W||^2 x relative error)."""
     source = resolve_model(str(ROOT / "models" / "llama-ref"))
     calib = [str(ROOT / "data" / "calibration.txt")]
     calibrated = measure(source, MeasureOptions(calib=calib, budgets=[]), None, progress=False)

@@ -346,8 +346,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--quantizer", choices=("rtn", "gptq"), default="rtn",
                    help="the quantizer the candidates are priced with: rtn (default; what "
                    "quantize --quantizer auto uses), gptq (each candidate width compensated "
-                   "on the float model's inputs: about twice the measuring time; implies "
-                   "--second-moments)")
+                   "on the float model's inputs: a slower measure, BENCHMARKS.md "
+                   "'Error-compensating codes'; implies --second-moments)")
     p.add_argument("--quiet", action="store_true", help="no progress and no summary")
     p.add_argument("--moment-seqs", type=int, default=48,
                    help="calibration sequences for the second moments (default 48: X^T X needs "

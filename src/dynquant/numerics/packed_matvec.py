@@ -29,13 +29,10 @@ from dynquant.numerics.quantizer import dequantize_rows
 
 MAX_TOKENS = 8
 # Below this many weights a decode product runs on one thread. The decode kernels split their
-# work with native/pool.c, whose hand-off takes ~1 us while its worker spins, but ~25 us to wake
-# it once it sleeps (after 20 us idle), which is how a decode step finds it: its products are
-# separated by norms and attention. One-token 3-bit matvec, 2 cores, 60 us of other work before
-# each call (`benchmarks/packed_products.py`, "hand-off"): 1 vs 2 threads 6.5 vs 25.6 us at 64 K
-# weights, 29 vs 39 us at 512 K, 54 vs 51 us at 1 M, 209 vs 136 us at 4 M (back to back, 2
-# threads win from 64 K: 6.5 vs 4.6 us). With 64 K here, SmolLM2-135M decoded at 35.0 ms per
-# token and llama-ref at 2.25 ms; with 1 M, 26.6 and 1.50 ms.
+# work with native/pool.c, whose hand-off takes ~1 us while its worker spins, but tens of µs to
+# wake it once it sleeps (after 20 us idle), which is how a decode step finds it: its products
+# are separated by norms and attention. With a pause before each call two threads win only from
+# about 1 M weights (back to back, from 64 K): `benchmarks/packed_products.py`, "hand-off".
 PARALLEL_MIN_ELEMENTS = 1 << 20
 VECMAT_PARALLEL_MIN_ELEMENTS = 1 << 20
 # The packed GEMMs split their work across threads (native/pool.c) from this many multiply-adds

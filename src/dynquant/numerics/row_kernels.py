@@ -60,8 +60,8 @@ def quantize_rows(w: torch.Tensor, bits: int, group_size: int, alphas: torch.Ten
 
 
 # Below this many values a dequantization runs on one thread. On the native pool (a part reaches a
-# waiting worker within a microsecond, a sleeping one in ~20 us) splitting pays from ~256 K values:
-# SmolLM2's 332-885 K-value Linears, bf16 prefill 512: 0.89-0.91 -> 0.93-0.94x dense (1 M before).
+# waiting worker within a microsecond, a sleeping one in tens of µs) splitting pays from ~256 K
+# values: a prefill dequantizes block after block, so the worker is awake.
 DEQUANT_PARALLEL_MIN_ELEMENTS = 1 << 18
 
 

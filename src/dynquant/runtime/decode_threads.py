@@ -4,13 +4,13 @@ In a decode step of a packed model the products run in dynquant's kernel pool
 (``numerics/native/pool.c``); what is left to torch is small: norms, rotary, attention over the
 cache, routing, and ``generate``'s own per-step work. Each parallel torch op wakes torch's OpenMP
 workers, asleep after the short spin dynquant sets for machines under load (``openmp.py``), and
-the wake-up costs more than the op: 25-100 us a call on a 2-core VM (hybrid-ref's attention: 68
-us in a decode step, 5-6 us back to back). So, while a model loaded by dynquant generates, its
+the wake-up costs more than the op (tens of µs: an attention call in a decode step takes ~10x its
+time back to back). So, while a model loaded by dynquant generates, its
 decode steps (one new token per sequence, a short cache) lower torch's thread count to one
 until the next prefill or the end of ``generate``; the kernel pool keeps its threads
 (``native.pool_threads``). Outside ``generate`` a one-token forward restores the count when it
 returns. Caches past ``MAX_CACHE_BYTES`` keep torch's threads: attention over them is real work
-(SmolLM2-135M, float32: even at 512 cached tokens, 47 MB; one thread 10% slower at 2048).
+that one thread does more slowly.
 
 ``DYNQUANT_DECODE_THREADS=0`` switches this off (torch's thread count is then never touched).
 """

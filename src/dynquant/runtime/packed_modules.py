@@ -55,12 +55,10 @@ MAX_PAIRS = 32
 # all threads (it splits from 1 M values), small enough to stay in L3 while it is used.
 DEQUANT_BLOCK_ELEMENTS = 1 << 22
 # bfloat16 inputs up to this many tokens take the packed GEMM (float32 inside); beyond it, a CPU
-# with native bf16 multiplies dequantized bf16 blocks faster (4096^2 with VBMI + AVX512_BF16:
-# 9 tokens 2.5 vs 5.9 ms, 64 tokens 10 vs ~6 ms). float32 inputs always take the packed GEMM.
-# Since the strips' transposed dequantization the blocks win from ~14 tokens (2 threads, 4096^2:
-# 16 / 32 tokens 2.9 / 5.6 vs 2.1 / 3.2 ms), but short prompts stay on the float32-inside GEMM
-# for accuracy: with blocks from 13 tokens a tiny OLMoE's 24-token prefill moved 5.4% of the
-# logits' span from the float model (1% allowed; tests/test_moe_decode.py).
+# with native bf16 multiplies dequantized bf16 blocks faster. The blocks are faster from fewer
+# tokens too, but short prompts stay on the float32-inside GEMM for accuracy: bf16 blocks there
+# move a tiny OLMoE's prefill logits past what tests/test_moe_decode.py allows. float32 inputs
+# always take the packed GEMM (BENCHMARKS.md "Packed products and the compute peak").
 BF16_GEMM_MAX_TOKENS = 32
 
 
@@ -70,8 +68,8 @@ _scratch_buffers = threading.local()
 def thread_scratch(shape: tuple[int, int], dtype: torch.dtype) -> torch.Tensor:
     """A [rows, cols] view of this thread's scratch buffer, grown as needed and kept for the
     thread's life (one block: 8-32 MB). Prefill dequantizes block after block; a fresh multi-MB
-    tensor per block costs more in page faults than the dequantization itself (8 ms vs 2 ms for
-    4096 x 4096). Never used when autograd may keep the block for a backward pass."""
+    tensor per block costs more in page faults than the dequantization itself. Never used when
+    autograd may keep the block for a backward pass."""
     numel = shape[0] * shape[1]
     buf = getattr(_scratch_buffers, "buf", None)
     if buf is None or buf.dtype != dtype or buf.numel() < numel:
@@ -181,8 +179,8 @@ class PackedWeight(nn.Module):
     def _one_token(self, x: torch.Tensor) -> tuple[OneTokenMatvec, object] | None:
         """Decode's common case (one token, a small matrix) without the general call's per-call
         work: the prepared ``OneTokenMatvec`` and the native library; None where it does not
-        apply. A decode step makes this call once per Linear: a forward at 256 x 256 13.3 ->
-        10.6 -> 8 us with the prepared argument block (nn.Linear: 6.6-6.9 us)."""
+        apply. A decode step makes this call once per Linear, so its per-call Python is most of a
+        small product's time (`benchmarks/one_token_products.py`)."""
         lib = native.library()  # DYNQUANT_NATIVE=0 switches the kernels off at any call
         if lib is None or needs_grad(x):
             return None
@@ -226,8 +224,9 @@ class QuantLinear(PackedWeight):
         super().__init__(layout, compute_dtype)
         self.out_features, self.in_features = layout.logical_shape
         self.bias = None if bias is None else nn.Parameter(bias, requires_grad=False)
-        # torch's int4 kernel wins only with bf16 activations (float32 ones: 12 ms vs our matvec's
-        # 0.5-1.1 ms at 4096^2, one token), so it serves bf16 compute alone.
+        # torch's int4 kernel wins only with bf16 activations (with float32 ones it is an order of
+        # magnitude slower than the packed matvec: benchmarks/int4_gemv.py), so it serves bf16
+        # compute alone.
         self.use_int4 = (use_int4 and layout.bits == 4 and compute_dtype == torch.bfloat16
                          and int4_supported(self.out_features, self.in_features,
                                             layout.group_size))
@@ -291,8 +290,8 @@ class QuantLinear(PackedWeight):
 
     def _int4_product(self, x: torch.Tensor) -> torch.Tensor | None:
         """The int4 kernel's product, or None where dequantized blocks serve better: gradients
-        (the kernel has no backward) and prefills past BF16_GEMM_MAX_TOKENS (3072 x 1024, 512
-        tokens: kernel 8.6 ms, dequantize + bf16 GEMM 4.3 ms, dense bf16 3.6 ms)."""
+        (the kernel has no backward) and prefills past BF16_GEMM_MAX_TOKENS (there dequantized blocks
+        and the bf16 GEMM take about half the kernel's time)."""
         if not self._int4_rows():
             return (F.linear(x, self.dequantize(x.dtype)) if needs_grad(x)
                     else int4_linear(x, *self._int4, self.layout.group_size))
@@ -311,8 +310,8 @@ class QuantEmbedding(PackedWeight):
 
     def forward(self, ids: torch.Tensor) -> torch.Tensor:
         """The rows of ``ids``, gathered packed and dequantized: the output is as large as
-        the dequantized rows, so finding repeated ids first (a sort) saves nothing (it cost
-        more than the lookup: 0.5 of 0.6 ms for 512 ids on llama-ref)."""
+        the dequantized rows, so finding repeated ids first (a sort) saves nothing: the sort
+        costs more than the lookup."""
         flat = ids.reshape(-1)
         lay = self.layout
         rows = dequantize_rows(self.qweight[flat], self.scales[flat], self.offsets[flat],
@@ -370,7 +369,7 @@ class QuantExpertBank(PackedWeight):
     def _prepared(self, along_groups: bool) -> tuple[ExpertPairs, object] | None:
         """The bank's prepared pair products (``ExpertPairs``) and the native library; None
         where they do not apply. Decode calls a bank once per step: the general call's checks
-        cost more than a small bank's product (hybrid-ref: ~18 us of Python per call)."""
+        cost more than a small bank's product."""
         lib = native.library()  # DYNQUANT_NATIVE=0 switches the kernels off at any call
         if lib is None:
             return None
@@ -402,12 +401,12 @@ class QuantExpertBank(PackedWeight):
                  ) -> list[torch.Tensor] | None:
         """Each expert's tokens times its matrix, the experts dequantized a run at a time (one
         native call for up to DEQUANT_BLOCK_ELEMENTS values, into the reused scratch buffer) and
-        their products back to back: expert by expert, each product paid a call and the wake-up
-        of torch's threads after it (hybrid-ref, 256 x 256, 128 tokens: 71 vs 29 us dense). An
-        expert with few tokens in a run that is dequantized anyway uses it too (Qwen3-MoE: 18
-        such experts a forward took ~2.4 ms on the packed GEMM); a run of such experts alone
-        keeps the packed GEMM. None where the per-expert products serve better (float32, or only
-        experts with few tokens) or can't (gradients, mixed dtypes)."""
+        their products back to back: expert by expert, each product would pay a call and the
+        wake-up of torch's threads after it, more than a small expert's product. An expert with
+        few tokens in a run that is dequantized anyway uses it too (cheaper than its own packed
+        GEMM); a run of such experts alone keeps the packed GEMM. None where the per-expert
+        products serve better (float32, or only experts with few tokens) or can't (gradients,
+        mixed dtypes)."""
         if (not xs or any(needs_grad(x) or x.dtype != xs[0].dtype for x in xs)
                 or all(packed_gemm_serves(x) for x in xs)):
             return None
@@ -497,7 +496,7 @@ class PackedExpert:
         # dequantized in the dtype of the tensor it meets (else the bank's compute dtype)
         dtype = x.dtype if isinstance(x, torch.Tensor) and x.is_floating_point() else None
         if isinstance(w, PackedExpert) and not kwargs and len(args) == 2:
-            return func(x, w.dense(dtype))  # a prefill's x @ W[e]: no tree walk (~25 us each)
+            return func(x, w.dense(dtype))  # a prefill's x @ W[e]: no pytree walk of the arguments
 
         def densify(a: object) -> object:
             return a.dense(dtype) if isinstance(a, PackedExpert) else a

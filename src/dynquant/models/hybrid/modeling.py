@@ -103,7 +103,7 @@ class ShortConv(nn.Module):
         if cache is not None:  # prepend the cached inputs, keep the last k for the next step
             u = cache.update_conv_state(u, self.layer_idx, conv_kernel_size=self.k)
         if t == 1 and u.shape[-1] >= self.k:  # decode: one output, the last k inputs . kernel
-            # (a conv1d call costs ~180 us of oneDNN set-up for this one dot product per channel)
+            # (a conv1d call's oneDNN set-up costs far more than this one dot product per channel)
             y = (u[..., -self.k:] * self.conv.weight[:, 0, :]).sum(-1, keepdim=True)
         else:
             y = F.conv1d(u, self.conv.weight, groups=u.shape[1], padding=self.k - 1)

@@ -54,10 +54,9 @@ typedef float vf __attribute__((vector_size(16)));
 
 #define NRV (2 * VW)
 /* Fewer tokens than DOT_MAX_TOKENS take the dot form (panels of rows stored as rows, each output
- * a vector of partial sums along k summed at the end); more, the strips and register tiles below.
- * 4096 x 4096, 3-bit, one thread: with AVX-512 (MR 12) strips win from 9 tokens (9 / 20 tokens:
- * 3.9 / 5.8 ms vs 5.0 / 7.3 ms as panels; 8 tokens: 3.75 vs 3.67), with AVX2 (MR 6) from 10
- * (9 tokens: 5.8 vs 5.0 ms; 10-11 even). */
+ * a vector of partial sums along k summed at the end); more, the strips and register tiles below,
+ * which win from about 9 tokens with AVX-512's 12-token tiles and 10 with AVX2's 6-token ones
+ * (`benchmarks/packed_products.py`). */
 #define PANEL_BYTES (256 * 1024)
 
 static inline vf load_vf(const float *p) {
@@ -127,8 +126,8 @@ static inline void transpose8(const float *src, int64_t lds, float *dst, int64_t
 /* Groups [g0, g1) of rows [0, count) of a strip from the packed rows, k-major: strip[k * NRV + j]
  * = w[j, g0 * gs + k]; rows [count, NRV) are zero. A group of every row is dequantized row by row
  * into `rows` (NRV x gs floats, contiguous stores), then transposed into the strip 8 x 8 at a
- * time: storing each value at its k-major place one by one cost more than the products of 64
- * tokens (4096 x 4096, 3-bit, one thread: 8.5-8.8 ms of dequantization, AVX2 and VBMI builds). */
+ * time: storing each value at its k-major place one by one costs more than the products of 64
+ * tokens. */
 static void dequantize_strip(const uint32_t *qweight, const uint16_t *scales,
                              const uint16_t *offsets, int64_t count, int64_t groups, int64_t g0,
                              int64_t g1, int64_t gs, int bits, int portable, float *strip,
@@ -243,8 +242,8 @@ static int gemm_panels(const uint32_t *qweight, const uint16_t *scales, const ui
 
 /* Strips of NRV rows, each STRIP_KC columns (or one longer group) at a time: the chunk's k-major
  * values (128 KB) are dequantized and every block of MR tokens passes them while they
- * are in L2 (a whole-row strip, 512 KB, was evicted by the tokens streaming past: VBMI build, one
- * thread, 24 / 48 tokens 8.7-8.9 / 11.8-12.0 -> 6.7 / 10.7 ms at 4096 x 4096). y carries each
+ * are in L2 (a whole-row strip of a 4096-wide matrix, 512 KB, is evicted by the tokens streaming
+ * past). y carries each
  * token block's sums from chunk to chunk, in the order `tile` adds its KC blocks: the same bits
  * as one pass over the whole row, a chunk being a whole number of KC blocks for the format's
  * group sizes (32, 64, 128; others would sum in another order, as exactly). */
@@ -335,7 +334,7 @@ int dq_gemm_t(const uint32_t *qweight, const uint16_t *scales, const uint16_t *o
 }
 
 /* Both GEMMs with their rows (dq_gemm) or groups (dq_gemm_t) split over `threads` threads
- * (pool.c): the Python pool's ~50 us hand-off was a fifth of a small model's product. */
+ * (pool.c): a Python pool's hand-off costs a fifth of a small model's product. */
 int dq_gemm_mt(const uint32_t *qweight, const uint16_t *scales, const uint16_t *offsets,
                int64_t rows, int64_t padded_n, int64_t gs, int bits, const float *x, int64_t m,
                float *y, int64_t y_stride, int portable, int threads) {

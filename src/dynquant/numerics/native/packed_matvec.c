@@ -8,9 +8,9 @@
  * with a token are summed in 16 lanes (lane l: j % 16 == l, in order of j), each lane scaled by
  * the group's scale and added to the row's 16 running lanes, group after group; the row's lanes
  * are combined once, as lane_sum's fixed tree, and the offsets' sum (group after group) added.
- * Every unpack path computes exactly this, so all give the same bits. (Combining the lanes once
- * a row instead of once a group: one-token products, 1024 x 1024 3-bit, one thread, gs 64 / 128
- * 15.9 / 20.2 -> 21.0 / 23.0 G weights/s.)
+ * Every unpack path computes exactly this, so all give the same bits. The lanes are combined
+ * once a row, not once a group: a horizontal sum per group costs more than the group's
+ * multiply-adds at small group sizes.
  */
 #include "pool.h"
 #include "unpack.h"

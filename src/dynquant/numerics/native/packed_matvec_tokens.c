@@ -12,9 +12,9 @@
 #ifdef DQ_HAVE_VBMI
 /* Row r for M (2..8) tokens, codes and every sum in registers: each group's codes are unpacked
  * once for all tokens; token t's lane l sums j % 16 == l in order of j, exactly as
- * add_scaled_lanes does after unpacking to memory. 1152 x 1024, 3-bit, one thread: 2 / 4 / 8
- * tokens 217 / 331 / 560 -> 86 / 130 / 218 us (through memory, 2 tokens took 3.6x one token's
- * time). One token keeps lanes_codes_vbmi: the general form ran it ~10% slower. */
+ * add_scaled_lanes does after unpacking to memory (unpacking once per token through memory
+ * costs more than the products). One token keeps lanes_codes_vbmi: the general form runs it
+ * slower. */
 static inline __attribute__((always_inline)) void row_vbmi(
     const uint8_t *row, const uint16_t *scales, const uint16_t *offsets, int64_t groups,
     int64_t gs, int bits, const unpacker *u, const float *x, int64_t padded_n,

@@ -4,9 +4,8 @@
  *   y[t, j] = sum_h (x[t, h] * scale[h, g(j)]) * q[h, j]  +  sum_h x[t, h] * offset[h, g(j)]
  * in float32, rows h in order; the offsets' part is one number per group, added at the end. Codes
  * are unpacked by unpack.h (VBMI, AVX2 or portable); on VBMI they stay in registers, and for
- * several tokens so do the sums of 64 outputs for up to 4 tokens across 64 rows at a time
- * (1024 x 1152, 3-bit, one thread: 4 / 8 tokens 205 / 335 -> 119 / 226 us; one token keeps the
- * row-by-row loop, which streams from memory better: the seed's decode was slower blocked).
+ * several tokens so do the sums of 64 outputs for up to 4 tokens across 64 rows at a time (one
+ * token keeps the row-by-row loop, which streams from memory better than the blocked one).
  * Every path does the same float operations in the same order: bit-identical.
  */
 #include "pool.h"

@@ -4,9 +4,9 @@
  *
  * Waiting is bounded: a worker (and the caller, for the workers' results) spins for at most
  * SPIN_NS, then sleeps on a condition variable, so an idle pool or a machine shared with other
- * processes costs no CPU beyond that (never an unbounded spin). SPIN_NS = 20 us: on the seed
- * architecture's decode as fast as 50 us, and less in the way of torch's own threads and of
- * other processes. Jobs are run one at a time (callers are serialised by a mutex); the caller takes part 0 itself. A forked child starts with
+ * processes costs no CPU beyond that (never an unbounded spin). SPIN_NS = 20 us: as fast as longer spins on
+ * the seed architecture's decode, and less in the way of torch's own threads and of other
+ * processes (`benchmarks/demo_under_load.py`). Jobs are run one at a time (callers are serialised by a mutex); the caller takes part 0 itself. A forked child starts with
  * no workers (pthread_atfork) and makes its own on first use.
  */
 #define _GNU_SOURCE

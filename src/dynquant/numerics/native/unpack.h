@@ -35,11 +35,10 @@ static inline uint16_t bf16_round(float x) {
 }
 
 /* Software prefetch of the packed codes ahead of their use. Decode streams every weight from
- * memory once per token, and the hardware prefetcher alone kept a 3-bit product at ~4 GB/s a
- * core here (benchmarks/packed_products.py "from memory": 16 matrices of 4096 x 4096, one token,
- * 1 / 2 threads: 3-bit 9.5 / 19.1 G weights/s without it, 20.3 / 40.4 with it, about the
- * in-cache rate; 8-bit 19.9 / 36.6 -> 19.7 / 41.5). 2 KiB ahead: 512 bytes slowed 8-bit down
- * (15.1 G weights/s). A prefetch never faults, so running past the end is harmless. */
+ * memory once per token, and the hardware prefetcher alone keeps a narrow-code product at about
+ * half its in-cache rate; 2 KiB ahead brings it to that rate (a shorter distance slows 8-bit
+ * codes): benchmarks/packed_products.py "from memory". A prefetch never faults, so running past
+ * the end is harmless. */
 #define DQ_PREFETCH_BYTES 2048
 static inline void prefetch_codes(const uint8_t *bytes) {
     __builtin_prefetch(bytes + DQ_PREFETCH_BYTES, 0, 3);
@@ -265,8 +264,8 @@ static inline float lane_sum_ymm2(__m256 lo, __m256 hi) {
     return _mm_cvtss_f32(_mm_add_ss(t, _mm_shuffle_ps(t, t, 1)));
 }
 
-/* The units that lie 8 bytes inside the group first, without unit_floats_avx2's test (float32
- * dequantization of 1152 x 1024, 3-bit: 148 -> 119 us), then the group's last ones. */
+/* The units that lie 8 bytes inside the group first, without unit_floats_avx2's per-unit test
+ * (a branch per unit in the hot loop), then the group's last ones. */
 static inline void unpack_units_avx2(const uint8_t *bytes, int64_t gs, int bits, float *q) {
     const avx2_unpacker u = make_avx2_unpacker(bits);
     const int64_t group_bytes = gs * bits / 8, inside = (group_bytes - 8) / bits + 1;

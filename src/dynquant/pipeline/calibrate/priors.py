@@ -2,8 +2,8 @@
 
 A module's relative error r = ||dW||^2 / ||W||^2 becomes (for inputs without strong structure) a
 relative error of about r in what it writes, so the cost of r depends on where the module
-writes, not on its size or weight norm (the old proxy, usage x ||W||^2, made large-norm modules
-expensive and put e.g. a layer-0 v_proj with small weights at 2 bits on a real model). The
+writes, not on its size or weight norm (a proxy such as usage x ||W||^2 makes large-norm modules
+expensive and puts e.g. a layer-0 v_proj with small weights at 2 bits on a real model). The
 priors below are relative costs per unit of relative error by role and depth, read off the
 calibrated (Fisher) sensitivities of three models: the two reference models (dense Llama, hybrid
 conv/attention MoE) and SmolLM2-135M (30 blocks). On each, the calibrated sensitivity per unit
@@ -18,8 +18,8 @@ of relative error clusters by role within a factor of about 3, with these regula
   output is the head's input).
 
 With these (and the quantizer's column statistics from random tokens, ``measure.py``), the
-data-free checkpoints' measured KL is 0.94-1.25x the calibrated ones' at equal bytes at 3.25 and
-4.25 bits on all three models (BENCHMARKS.md; the old proxy: 3.0x and 3.8x on SmolLM2).
+data-free checkpoints' measured KL is close to the calibrated ones' at equal bytes on all three
+models (BENCHMARKS.md "Calibrated vs data-free defaults").
 """
 
 from __future__ import annotations

@@ -95,9 +95,9 @@ class MeasureOptions:
     dtype: str = "float32"
     # Also write each Linear's input second moments X^T X / tokens beside maps.json
     # (``NAME.moments/block_NNN.safetensors``), for error-compensating quantizers, from
-    # ``moment_seqs`` windows (a forward pass of their own when more than ``calib_seqs``: with
-    # 2,048 tokens GPTQ fits them, on SmolLM2 KL 0.95x round-to-nearest's at 3.25 bits; with
-    # 10,240, 0.55x).
+    # ``moment_seqs`` windows (a forward pass of their own when more than ``calib_seqs``: GPTQ
+    # needs many more tokens for X^T X than the sensitivities do, BENCHMARKS.md
+    # "Error-compensating codes").
     second_moments: bool = False
     moment_seqs: int = 48
     # Label draws per calibration sequence for the Fisher estimate: its relative noise per
@@ -518,8 +518,8 @@ def _measure_modules(quantizable: list[TensorSpec], weights: WeightsAt, opts: Me
         f"m{index:06d}.json") for index in range(len(quantizable))]
     todo = [index for index, entry in enumerate(entries) if entry is None]
     # data-free: random-token statistics steer the clip search, but the priors price plain
-    # relative errors (weighting them by those statistics misled the allocation on SmolLM2:
-    # KL 0.69 vs 0.53 at 4.25 bits)
+    # relative errors (random tokens' statistics weigh the columns unlike text does, and
+    # weighting the candidates' errors by them misleads the allocation: `benchmarks/data_free.py`)
     moments = chooser.moments or ratio_moments
     work = CandidatesWork(weights, opts.widths, opts.group_sizes,
                           replace(chooser, moments=None), weighted=opts.method != "weight",
