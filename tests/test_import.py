@@ -32,12 +32,21 @@ print(type(model).__name__, type(model.lm_head).__name__)
 """
 
 
+def _start(script: str, *args: str) -> subprocess.Popen:
+    return subprocess.Popen([sys.executable, "-W", "error::RuntimeWarning:dynquant.autoregister",
+                             "-c", script, *args], stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE, text=True)
+
+
+def _output(proc: subprocess.Popen) -> str:
+    out, err = proc.communicate(timeout=300)
+    assert proc.returncode == 0, err[-2000:]
+    assert "could not register" not in err
+    return out
+
+
 def _run(script: str, *args: str) -> str:
-    out = subprocess.run([sys.executable, "-W", "error::RuntimeWarning:dynquant.autoregister", "-c",
-                          script, *args], capture_output=True, text=True, timeout=300)
-    assert out.returncode == 0, out.stderr[-2000:]
-    assert "could not register" not in out.stderr
-    return out.stdout
+    return _output(_start(script, *args))
 
 
 @pytest.fixture(scope="module")
@@ -56,11 +65,11 @@ def test_validate_and_inspect_import_neither_torch_nor_transformers(checkpoint):
     assert _run(_LIGHT, str(checkpoint)).splitlines()[-1] == "heavy: []"
 
 
-@pytest.mark.parametrize("order", ["dynquant first", "transformers first",
-                                   "a dynquant module imports transformers"])
-def test_transformers_knows_dynquant_whichever_is_imported_first(checkpoint, order):
-    out = _run(_REGISTERS, str(checkpoint), order)
-    assert out.splitlines()[-1] == "DynquantHybridForCausalLM TiedQuantHead"
+def test_transformers_knows_dynquant_whichever_is_imported_first(checkpoint):
+    orders = ("dynquant first", "transformers first", "a dynquant module imports transformers")
+    runs = {order: _start(_REGISTERS, str(checkpoint), order) for order in orders}  # at once
+    for order, proc in runs.items():
+        assert _output(proc).splitlines()[-1] == "DynquantHybridForCausalLM TiedQuantHead", order
 
 
 _SPIN = """

@@ -17,7 +17,7 @@ import pytest
 ray = pytest.importorskip("ray", reason="the Ray executor needs ray (pip install "
                           "'dynquant[ray]'; make test installs it)")
 
-from test_pipeline import KILLING  # noqa: E402  (the script that kills a run at a tensor)
+from killed_run import killed_quantize, quantize_argv  # noqa: E402
 
 from dynquant.cli import main  # noqa: E402
 from dynquant.pipeline.execute.ray_executor import RayExecutor  # noqa: E402
@@ -154,16 +154,9 @@ def test_a_killed_driver_resumes_to_identical_bytes(cluster, tmp_path):
     """The driver killed (SIGKILL) after 20 tensors of a run on the cluster at an address: the
     cluster lives on, the rerun resumes from the resume store and writes the local run's
     bytes."""
-    import subprocess
-
     address = ray.get_runtime_context().gcs_address
-
-    def run(out: Path, kill_after: int = 0, *extra: str) -> int:
-        script = KILLING.format(kill_after=kill_after, out=str(out), extra=list(extra))
-        return subprocess.run([sys.executable, "-c", script], capture_output=True).returncode
-
-    assert run(tmp_path / "a", 20, "--ray", address) == -signal.SIGKILL
+    assert killed_quantize(tmp_path / "a", 20, "--ray", address) == -signal.SIGKILL
     assert len(list((tmp_path / ".a.partial").glob("*.safetensors"))) == 20
-    assert run(tmp_path / "a", 0, "--ray", address) == 0
-    assert run(tmp_path / "b") == 0
+    assert main(quantize_argv(tmp_path / "a", "--ray", address)) == 0  # resumed on the cluster
+    assert main(quantize_argv(tmp_path / "b")) == 0
     assert _digest(tmp_path / "a") == _digest(tmp_path / "b")

@@ -104,25 +104,39 @@ def _compiler_version(cc: str) -> str:
     return out.stdout.splitlines()[0] if out.returncode == 0 and out.stdout else ""
 
 
+def _compile(cc: str, flags: list[str], source: Path, obj: str) -> str:
+    """One translation unit to an object file; "" or the compiler's last line."""
+    out = subprocess.run([cc, *flags, "-c", "-o", obj, str(source)], capture_output=True,
+                         text=True, timeout=120)
+    return "" if out.returncode == 0 else (out.stderr.strip().splitlines() or ["failed"])[-1]
+
+
 def _build(cc: str, directory: Path) -> tuple[Path | None, str]:
-    """Compile the kernel into ``directory`` (atomically); (library, "") or (None, why)."""
+    """Compile the kernel into ``directory`` (atomically), its sources on all cores at once;
+    (library, "") or (None, why)."""
     directory.mkdir(parents=True, exist_ok=True)
     target = directory / LIBRARY_NAME
     why = ""
     for arch in _arch_flags():
-        fd, tmp = tempfile.mkstemp(suffix=".so", dir=directory)
-        os.close(fd)
-        cmd = [cc, *BASE_FLAGS, *arch, "-o", tmp, *map(str, SOURCES), "-lm"]
-        try:
-            out = subprocess.run(cmd, capture_output=True, text=True, timeout=120)
-        except (OSError, subprocess.TimeoutExpired) as exc:
-            os.unlink(tmp)
-            return None, f"{cc}: {exc}"
-        if out.returncode == 0:
-            os.replace(tmp, target)
-            return target, ""
-        os.unlink(tmp)
-        why = (out.stderr.strip().splitlines() or ["compiler failed"])[-1]
+        with tempfile.TemporaryDirectory(dir=directory) as work:
+            flags = [f for f in (*BASE_FLAGS, *arch) if f != "-shared"]
+            objs = [str(Path(work) / f"{s.stem}.o") for s in SOURCES]
+            tmp = str(Path(work) / LIBRARY_NAME)
+            try:
+                with ThreadPoolExecutor(os.cpu_count() or 1) as pool:
+                    errors = list(pool.map(_compile, [cc] * len(objs), [flags] * len(objs),
+                                           SOURCES, objs))
+                why = next((e for e in errors if e), "")
+                if not why:
+                    out = subprocess.run([cc, *flags, "-shared", "-o", tmp, *objs, "-lm"],
+                                         capture_output=True, text=True, timeout=120)
+                    why = "" if out.returncode == 0 else (
+                        out.stderr.strip().splitlines() or ["link failed"])[-1]
+            except (OSError, subprocess.TimeoutExpired) as exc:
+                return None, f"{cc}: {exc}"
+            if not why:
+                os.replace(tmp, target)
+                return target, ""
     return None, why
 
 

@@ -5,6 +5,7 @@ from __future__ import annotations
 import hashlib
 import json
 from collections.abc import Iterator
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -39,18 +40,38 @@ class WeightSource:
         """Release open files."""
 
 
+RANDOM_CHUNK = 1 << 22  # weights drawn from one generator: the unit of parallel random init
+
+
 class RandomWeights(WeightSource):
-    """i.i.d. Gaussian matrices (std ``std``) and unit norms, seeded per tensor name."""
+    """i.i.d. Gaussian matrices (std ``std``) and unit norms, seeded per tensor name and chunk of
+    rows, so that chunks are drawn on all of torch's threads and the values do not depend on
+    their number (torch's generator draws on one thread)."""
 
     def __init__(self, seed: int = 0, std: float = 0.02) -> None:
         self.seed, self.std = seed, std
 
     def get(self, spec: TensorSpec, dtype: torch.dtype | None = None) -> torch.Tensor:
-        digest = hashlib.sha256(f"{self.seed}:{spec.name}".encode()).digest()
-        gen = torch.Generator().manual_seed(int.from_bytes(digest[:8], "little"))
         if len(spec.shape) == 1:
             return torch.ones(spec.shape, dtype=dtype)
-        return (torch.randn(spec.shape, generator=gen) * self.std).to(dtype or torch.float32)
+        out = torch.empty(spec.shape, dtype=torch.float32)
+        rows = out.view(-1, spec.shape[-1])
+        step = max(1, RANDOM_CHUNK // spec.shape[-1])
+
+        def draw(start: int) -> None:
+            key = f"{self.seed}:{spec.name}" + (f":{start}" if start else "")
+            digest = hashlib.sha256(key.encode()).digest()
+            gen = torch.Generator().manual_seed(int.from_bytes(digest[:8], "little"))
+            chunk = rows[start : start + step]
+            chunk.normal_(0.0, self.std, generator=gen)
+
+        starts = range(0, rows.shape[0], step)
+        if len(starts) == 1:
+            draw(0)
+        else:
+            with ThreadPoolExecutor(torch.get_num_threads()) as pool:
+                list(pool.map(draw, starts))
+        return out if dtype in (None, torch.float32) else out.to(dtype)
 
 
 READ_CHUNK = 16 << 20  # bytes read and converted at once

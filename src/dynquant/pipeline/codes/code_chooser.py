@@ -88,7 +88,8 @@ class CodeChooser:
 
     def quantize(self, spec: TensorSpec, tensor: torch.Tensor, bits: int, group_size: int
                  ) -> QuantizedTensor:
-        return self.quantize_with_error(spec, tensor, bits, group_size)[0]
+        """The codes alone (what ``quantize`` writes: no error is computed)."""
+        return self._codes(spec, tensor, bits, group_size)[0]
 
     def quantize_with_error(self, spec: TensorSpec, tensor: torch.Tensor, bits: int,
                             group_size: int, weighted: bool = True
@@ -96,16 +97,23 @@ class CodeChooser:
         """The codes, and the error the allocator prices them at: for a compensated module the
         relative output error over its calibration inputs, else the relative weight error,
         weighted per input column by the statistics (unless ``weighted`` is False)."""
+        qt, hessian, cols = self._codes(spec, tensor, bits, group_size)
+        if hessian is not None:
+            return qt, output_error(tensor, qt, hessian)
+        return qt, relative_error(tensor, qt, cols if weighted else None)
+
+    def _codes(self, spec: TensorSpec, tensor: torch.Tensor, bits: int, group_size: int
+               ) -> tuple[QuantizedTensor, torch.Tensor | None, torch.Tensor | None]:
+        """(codes, the second moments they were compensated with or None, the column
+        importance they were rounded with or None)."""
         hessian = (self.moments.get(spec.module)
                    if self.quantizer == "gptq" and self.moments is not None and tensor.ndim == 2
                    else None)
         if hessian is not None:
-            qt = gptq_quantize(tensor.float(), hessian, bits, group_size,
-                               factor=self._factor(spec.module, hessian))
-            return qt, output_error(tensor, qt, hessian)
+            return (gptq_quantize(tensor.float(), hessian, bits, group_size,
+                                  factor=self._factor(spec.module, hessian)), hessian, None)
         cols = importance_of(dict(self.importance), spec.module, spec.shape)
-        qt = quantize_tensor(tensor, bits, group_size, importance=cols)
-        return qt, relative_error(tensor, qt, cols if weighted else None)
+        return quantize_tensor(tensor, bits, group_size, importance=cols), None, cols
 
     def _factor(self, module: str, hessian: torch.Tensor) -> torch.Tensor:
         """The inverse factor of the last module asked for: a measure quantizes each module at
