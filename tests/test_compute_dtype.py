@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import pytest
 import torch
 
@@ -52,9 +54,22 @@ def test_explicit_requests_and_the_environment_override_auto(monkeypatch):
         cd.resolve_dtype(torch.float16)
 
 
-def test_this_machine_reads_its_own_flags():
-    flags = cd.cpu_flags()
-    assert cd.auto_dtype() == (torch.bfloat16 if cd.bf16_native(flags) else torch.float32)
+def _cpuinfo_flags() -> set[str]:
+    """/proc/cpuinfo's feature line, read here without dynquant's reader."""
+    for line in Path("/proc/cpuinfo").read_text().splitlines():
+        if line.split(":")[0].strip() in ("flags", "Features"):
+            return set(line.split(":", 1)[1].split())
+    return set()
+
+
+@pytest.mark.skipif(not Path("/proc/cpuinfo").is_file(), reason="reads /proc/cpuinfo")
+def test_this_machine_reads_its_own_flags(monkeypatch):
+    monkeypatch.delenv("DYNQUANT_DTYPE", raising=False)
+    flags = _cpuinfo_flags()
+    assert cd.cpu_flags() == frozenset(flags)
+    native_bf16 = bool({"avx512_bf16", "amx_bf16"} & flags) or (
+        "bf16" in flags and "asimd" in flags)  # x86 / Arm names of bf16 dot products
+    assert cd.auto_dtype() == (torch.bfloat16 if native_bf16 else torch.float32)
     assert cd.describe(torch.float32).startswith(f"compute dtype float32 (CPU {cd.cpu_class()}")
 
 

@@ -63,8 +63,14 @@ def test_quantize_records_the_default_calibration_in_provenance(model_dir, tmp_p
     assert prov["calibration"]["texts"] == ["dynquant:calibration_default.txt"]
     assert prov["calibration"]["sha256"] == hashlib.sha256(
         default_calibration().read_bytes()).hexdigest()
-    with safe_open(out / prov["stats"], "pt") as f:  # the statistics came from that text
-        assert len(list(f.keys())) > 0
+    source = resolve_model(str(model_dir))
+    linears = {s.module: s.shape for s in source.tensor_specs()
+               if s.quantizable and s.module != "model.embed_tokens"}
+    with safe_open(out / prov["stats"], "pt") as f:  # every Linear's input columns, from text
+        assert set(f.keys()) == set(linears)
+        for name, shape in linears.items():
+            stat = f.get_tensor(name)
+            assert stat.shape == (shape[-1],) and bool((stat > 0).all()), name
 
 
 @pytest.mark.parametrize("flag", [["--no-calib"], ["--method", "weight"]])

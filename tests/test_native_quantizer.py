@@ -100,23 +100,30 @@ print(ok, hashlib.sha256(qt.qweight.numpy().tobytes() + qt.scales.view(torch.int
 """
 
 
-def _probe(tmp_path, **env) -> list[str]:
+def _start_probe(tmp_path, **env) -> subprocess.Popen:
     full = {**os.environ, "DYNQUANT_CACHE_DIR": str(tmp_path / "cache"), **env}
     full.pop("DYNQUANT_NATIVE", None)
-    out = subprocess.run([sys.executable, "-c", _PROBE], env=full, capture_output=True,
-                         text=True, check=True)
-    return out.stdout.strip().split(";", 2)
+    return subprocess.Popen([sys.executable, "-c", _PROBE], env=full, stdout=subprocess.PIPE,
+                            text=True)
+
+
+def _result(probe: subprocess.Popen) -> list[str]:
+    out, _ = probe.communicate(timeout=300)
+    assert probe.returncode == 0
+    return out.strip().split(";", 2)
 
 
 def test_fresh_cache_builds_and_no_compiler_falls_back_with_the_same_result(tmp_path):
-    ok, digest, warned = _probe(tmp_path)
+    fresh = _start_probe(tmp_path)
+    without = _start_probe(tmp_path / "other", CC="/nonexistent/cc")  # at the same time
+    ok, digest, warned = _result(fresh)
     assert ok == "True" and warned == ""
     built = list((tmp_path / "cache" / "native").glob("*/" + native.LIBRARY_NAME))
     assert len(built) == 1
     assert list(built[0].parent.iterdir()) == built  # no temporary files left behind
-    again = _probe(tmp_path)  # loads the cached library
+    again = _result(_start_probe(tmp_path))  # loads the cached library
     assert again == [ok, digest, warned]
-    ok2, digest2, warned2 = _probe(tmp_path / "other", CC="/nonexistent/cc")
+    ok2, digest2, warned2 = _result(without)
     assert ok2 == "False" and "native kernels unavailable" in warned2
     assert digest2 == digest
 

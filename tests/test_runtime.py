@@ -14,8 +14,10 @@ from dynquant.models.presets import preset_config
 from dynquant.models.sources import resolve_model
 from dynquant.numerics import row_kernels
 from dynquant.numerics.packed_matvec import MAX_TOKENS
+from dynquant.numerics.quantizer import dequantize_rows
 from dynquant.pipeline.codes.write import quantize_model
 from dynquant.pipeline.report.demo import demo_widths
+from dynquant.runtime import packed_modules
 from dynquant.runtime.int4_cpu import (
     dequantize_int4_rows,
     int4_linear,
@@ -121,13 +123,22 @@ def test_dequantize_path_for_other_widths_and_bias():
     torch.testing.assert_close(lin(x), x @ qt.dequantize(torch.float32).T + bias)
 
 
-def test_embedding_dequantizes_only_looked_up_rows():
+def test_embedding_dequantizes_only_looked_up_rows(monkeypatch):
     g = torch.Generator().manual_seed(2)
     w = torch.randn(1000, 64, generator=g)
     emb, qt = _packed(QuantEmbedding, w, 4, compute_dtype=torch.float32)
     ids = torch.tensor([[5, 999, 5], [0, 17, 3]])
     table = qt.dequantize(torch.float32)
-    torch.testing.assert_close(emb(ids), table[ids], atol=0, rtol=0)
+    rows = []
+
+    def counting(qweight, *args, **kwargs):
+        rows.append(qweight.shape[0])
+        return dequantize_rows(qweight, *args, **kwargs)
+
+    monkeypatch.setattr(packed_modules, "dequantize_rows", counting)
+    looked_up = emb(ids)
+    assert rows == [6]  # one call for the six ids, none for the other 994 rows
+    torch.testing.assert_close(looked_up, table[ids], atol=0, rtol=0)
     head = TiedQuantHead(emb)
     h = torch.randn(2, 64, generator=g)
     torch.testing.assert_close(head(h), h @ table.T)

@@ -6,14 +6,11 @@ from __future__ import annotations
 
 import json
 
-import pytest
-
 from dynquant.cli import main
 
 TOL = 0.01
 
 
-@pytest.mark.slow
 def test_seed_random_init_reproduces_the_seed(tmp_path, seed_path, seed_doc):
     out = tmp_path / "seed"
     assert main(["quantize", "seed", "--random-init", "--widths", str(seed_path), "-o",
