@@ -30,7 +30,7 @@ from dynquant.models.sources import resolve_model
 from dynquant.models.tokenizer import load_tokenizer
 from dynquant.pipeline.allocate.allocation import allocate_widths
 from dynquant.pipeline.allocate.maps import maps_modules
-from dynquant.pipeline.calibrate.calibration import calibration_ids, default_calibration
+from dynquant.pipeline.calibrate.text import calibration_ids, default_calibration
 from dynquant.pipeline.codes.code_chooser import CodeChooser
 from dynquant.pipeline.codes.sequential_gptq import SequentialCalibration
 from dynquant.pipeline.codes.write import quantize_model

@@ -17,7 +17,7 @@ from dynquant.cli import main
 from dynquant.models.sources import resolve_model
 from dynquant.pipeline.allocate.allocation import Candidate, ModuleChoices
 from dynquant.pipeline.allocate.forecast import LARGE_LOSS, forecast
-from dynquant.pipeline.calibrate.calibration import default_calibration
+from dynquant.pipeline.calibrate.text import default_calibration
 from dynquant.pipeline.measure.run import MeasureOptions, measure
 from model_zoo import save_tiny_model, save_tiny_tokenizer
 

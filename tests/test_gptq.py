@@ -14,7 +14,7 @@ from dynquant.format.packing import unpack_codes
 from dynquant.numerics.gptq import gptq_quantize, gptq_quantize_ref
 from dynquant.numerics.quantizer import quantize_tensor
 from dynquant.numerics.reference import dequantize_ref
-from dynquant.pipeline.calibrate.calibration import default_calibration
+from dynquant.pipeline.calibrate.text import default_calibration
 
 ROOT = Path(__file__).parents[1]
 

@@ -14,9 +14,10 @@ from dynquant.models.sources import resolve_model
 from dynquant.models.tokenizer import load_tokenizer
 from dynquant.numerics.quantizer import quantize_tensor
 from dynquant.pipeline.calibrate.block_stream import BlockStream
-from dynquant.pipeline.calibrate.calibration import calibration_ids, collect_stats
 from dynquant.pipeline.calibrate.calibration_pass import run_calibration_pass
 from dynquant.pipeline.calibrate.fisher import fisher_kl
+from dynquant.pipeline.calibrate.statistics import collect_stats
+from dynquant.pipeline.calibrate.text import calibration_ids
 from dynquant.pipeline.calibrate.weights import SafetensorsWeights
 from dynquant.pipeline.codes.write import quantize_model
 from dynquant.pipeline.measure.run import KLProbe

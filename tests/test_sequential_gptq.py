@@ -13,7 +13,7 @@ import torch
 
 from dynquant.models.sources import resolve_model
 from dynquant.models.tokenizer import load_tokenizer
-from dynquant.pipeline.calibrate.calibration import calibration_ids, default_calibration
+from dynquant.pipeline.calibrate.text import calibration_ids, default_calibration
 from dynquant.pipeline.codes import sequential_gptq as seq
 from dynquant.pipeline.codes.code_chooser import CodeChooser
 from dynquant.pipeline.codes.sequential_gptq import SequentialCalibration

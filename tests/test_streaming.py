@@ -15,9 +15,10 @@ from dynquant.models.sources import resolve_model
 from dynquant.models.tokenizer import load_tokenizer
 from dynquant.numerics.quantizer import quantize_tensor
 from dynquant.pipeline.calibrate.block_stream import ActivationStore, BlockStream
-from dynquant.pipeline.calibrate.calibration import InputStatistics, calibration_ids, collect_stats
 from dynquant.pipeline.calibrate.calibration_pass import run_calibration_pass
 from dynquant.pipeline.calibrate.fisher import fisher_kl
+from dynquant.pipeline.calibrate.statistics import InputStatistics, collect_stats
+from dynquant.pipeline.calibrate.text import calibration_ids
 from dynquant.pipeline.calibrate.weights import SafetensorsWeights
 from dynquant.pipeline.measure.run import KLProbe, MeasureOptions, measure
 from dynquant.runtime.any_model import load_any
@@ -197,7 +198,8 @@ def test_measure_writes_second_moments_when_asked(tmp_path):
     # the moments come from their own pass over moment_seqs (48) windows, not the 2 of the
     # statistics: X^T X / n of the whole model's inputs over those windows
     from dynquant.models.tokenizer import load_tokenizer
-    from dynquant.pipeline.calibrate.calibration import InputStatistics, calibration_ids
+    from dynquant.pipeline.calibrate.statistics import InputStatistics
+    from dynquant.pipeline.calibrate.text import calibration_ids
     from dynquant.runtime.any_model import load_any
 
     model = load_any(model_dir, dtype="float32")
@@ -271,7 +273,7 @@ def test_expert_banks_quantize_each_expert_with_its_own_inputs():
 
 
 def test_importance_of_a_bank_comes_from_its_routed_tokens():
-    from dynquant.pipeline.calibrate.calibration import importance_of
+    from dynquant.pipeline.calibrate.statistics import importance_of
 
     stats = {"m.experts.down_proj.expert_inputs": torch.tensor([[1.0, 2.0], [0.0, 0.0],
                                                                  [3.0, 4.0]]),

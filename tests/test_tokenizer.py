@@ -11,7 +11,7 @@ import sentencepiece as spm
 from dynquant.errors import ModelError
 from dynquant.models.sources import resolve_model
 from dynquant.models.tokenizer import has_tokenizer, load_tokenizer
-from dynquant.pipeline.calibrate.calibration import calibration_blocker, calibration_ids
+from dynquant.pipeline.calibrate.text import calibration_blocker, calibration_ids
 from model_zoo import TOKENIZER_TEXT, save_tiny_model
 
 

@@ -25,7 +25,7 @@ from dynquant.pipeline.allocate.maps import (
     maps_modules,
     split_maps_arg,
 )
-from dynquant.pipeline.calibrate.calibration import (
+from dynquant.pipeline.calibrate.text import (
     BUNDLED_TEXT,
     calibration_blocker,
     calibration_ids,

@@ -19,7 +19,7 @@ import torch
 from safetensors.torch import save_file
 
 from dynquant.pipeline.calibrate.block_stream import ActivationStore, BlockStream
-from dynquant.pipeline.calibrate.calibration import InputStatistics
+from dynquant.pipeline.calibrate.statistics import InputStatistics
 from dynquant.pipeline.calibrate.weights import WeightsAt
 from dynquant.pipeline.execute.executor import Executor, LocalExecutor, use_threads
 from dynquant.pipeline.execute.progress import StageProgress

@@ -29,8 +29,8 @@ from dynquant.errors import DynquantError
 from dynquant.format.planner import TensorSpec
 from dynquant.numerics.gptq import gptq_quantize, inverse_factor, output_error
 from dynquant.numerics.quantizer import QuantizedTensor, quantize_tensor, relative_error
-from dynquant.pipeline.calibrate.calibration import importance_of
 from dynquant.pipeline.calibrate.priors import block_index
+from dynquant.pipeline.calibrate.statistics import importance_of
 from dynquant.pipeline.codes.sequential_gptq import SequentialCalibration
 
 QUANTIZERS = ("rtn", "gptq")

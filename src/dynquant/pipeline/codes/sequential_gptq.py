@@ -46,7 +46,7 @@ from dynquant.numerics.gptq import (
 from dynquant.numerics.quantizer import QuantizedTensor
 from dynquant.pipeline.calibrate.bank_products import BankProducts
 from dynquant.pipeline.calibrate.block_stream import BlockStream, InputMoments, InputSeen
-from dynquant.pipeline.calibrate.calibration import InputStatistics
+from dynquant.pipeline.calibrate.statistics import InputStatistics
 from dynquant.pipeline.execute.executor import Executor, LocalExecutor
 from dynquant.pipeline.execute.progress import StageProgress
 

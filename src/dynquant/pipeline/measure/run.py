@@ -47,19 +47,19 @@ from dynquant.pipeline.allocate.allocation import (
 )
 from dynquant.pipeline.allocate.maps import MAPS_SCHEMA, maps_modules
 from dynquant.pipeline.calibrate.block_stream import BlockStream
-from dynquant.pipeline.calibrate.calibration import (
+from dynquant.pipeline.calibrate.calibration_pass import run_calibration_pass
+from dynquant.pipeline.calibrate.fisher import fisher_kl, head_input_moments
+from dynquant.pipeline.calibrate.priors import block_index, data_free_sensitivity
+from dynquant.pipeline.calibrate.statistics import save_stats
+from dynquant.pipeline.calibrate.text import (
     calibration_blocker,
     calibration_ids,
     calibration_record,
     default_calibration,
     read_calibration,
-    save_stats,
     synthetic_ids,
     synthetic_record,
 )
-from dynquant.pipeline.calibrate.calibration_pass import run_calibration_pass
-from dynquant.pipeline.calibrate.fisher import fisher_kl, head_input_moments
-from dynquant.pipeline.calibrate.priors import block_index, data_free_sensitivity
 from dynquant.pipeline.calibrate.weights import WeightsAt, WeightSource
 from dynquant.pipeline.codes.code_chooser import (
     CodeChooser,
