@@ -14,7 +14,6 @@ from safetensors.torch import load_file
 from dynquant.errors import DynquantError
 from dynquant.format.widths_file import load_widths
 from dynquant.models.sources import ModelSource
-from dynquant.models.tokenizer import load_tokenizer
 from dynquant.pipeline.allocate.allocation import Constraints, allocate_widths, parse_pins
 from dynquant.pipeline.allocate.allocation import uniform_widths as uniform
 from dynquant.pipeline.allocate.forecast import Forecast, forecast
@@ -25,14 +24,8 @@ from dynquant.pipeline.allocate.maps import (
     maps_modules,
     split_maps_arg,
 )
-from dynquant.pipeline.calibrate.text import (
-    BUNDLED_TEXT,
-    calibration_blocker,
-    calibration_ids,
-    default_calibration,
-)
-from dynquant.pipeline.codes.code_chooser import CodeChooser, check_quantizer
-from dynquant.pipeline.codes.sequential_gptq import SequentialCalibration
+from dynquant.pipeline.codes.code_chooser import CodeChooser
+from dynquant.pipeline.codes.policy import check_request, choose_quantizer, gptq_calibration
 from dynquant.pipeline.codes.write import quantize_model
 from dynquant.pipeline.execute.executor import Executor
 from dynquant.pipeline.execute.scope import executor_scope
@@ -80,7 +73,6 @@ def _maps_for(source: ModelSource, req: QuantizeRequest, workdir: Path,
               executor: Executor | None = None) -> tuple[dict, Path, float | None]:
     """The maps document to allocate from (given, or measured now, candidates priced with
     round-to-nearest unless ``--quantizer gptq``), its path, and the budget."""
-
     if req.widths is not None:
         path, budget = split_maps_arg(req.widths)
         return load_maps(path), Path(path), budget if budget is not None else req.budget
@@ -116,13 +108,13 @@ def resolve_widths(source: ModelSource, req: QuantizeRequest, workdir: Path,
                    executor: Executor | None = None) -> Widths:
     """The widths a quantize request asks for: given as a widths file, or allocated (uniform
     or at a budget) from a maps document, measured now when none is given."""
-
     if req.widths is not None and not is_maps(req.widths):
         return Widths(dict(load_widths(req.widths)), "manual", req.widths)
     if req.widths is None and req.budget is None and req.uniform is None:
         raise DynquantError("give --widths, --budget or --uniform", field="widths")
     maps, maps_path, budget = _maps_for(source, req, workdir, executor)
-    codes = auto_quantizer(source, req, maps.get("calibration"), say=False)
+    codes = choose_quantizer(req.quantizer, source, req.random_init, req.calib,
+                             maps.get("calibration"))
     widths, allocator, tag = _allocate(req, maps, maps_path, budget, codes)
     measured_now = req.widths is None
     importance, stats_path = _statistics(maps, maps_path)
@@ -144,7 +136,6 @@ def _allocate(req: QuantizeRequest, maps: dict, maps_path: Path, budget: float |
               codes: str) -> tuple[dict, str, str]:
     """(widths, allocator, tag): uniform, or the sensitivity allocation at ``budget`` for the
     ``codes`` that will be written (its forecast told before anything is written)."""
-
     cons = Constraints(pins=parse_pins(req.pins), min_bits=req.min_bits,
                        max_bits=req.max_bits, group_sizes=req.group_sizes)
     modules = maps_modules(maps, codes)
@@ -168,51 +159,6 @@ def _statistics(maps: dict, maps_path: Path) -> tuple[dict | None, Path | None]:
     return load_file(stats_path), stats_path
 
 
-def auto_quantizer(source: ModelSource, req: QuantizeRequest, record: dict | None,
-                   say: bool = True) -> str:
-    """``auto``: gptq when the run has calibration text (``--calib``, or widths measured on the
-    bundled text) and a model that can run it; round-to-nearest on the data-free path, and
-    (with one line saying so, unless not ``say``) for widths measured on a text not given
-    again."""
-
-    if req.quantizer != "auto":
-        return req.quantizer
-    texts = (record or {}).get("texts")
-    if calibration_blocker(source, req.random_init) or not (req.calib or texts):
-        return "rtn"
-    if not req.calib and texts != [BUNDLED_TEXT]:
-        if req.progress and say:
-            print(f"dynquant: rounding to nearest: the widths were measured on "
-                  f"{', '.join(texts)}; give it with --calib for gptq codes", file=sys.stderr)
-        return "rtn"
-    return "gptq"
-
-
-def check_gptq_source(source: ModelSource, req: QuantizeRequest) -> None:
-
-    if calibration_blocker(source, req.random_init) is not None:
-        raise DynquantError("--quantizer gptq needs model weights and a tokenizer (a model "
-                            "directory) to calibrate with", file=source.name, field="quantizer")
-
-
-def gptq_calibration(source: ModelSource, req: QuantizeRequest, record: dict | None,
-                     compensate_head: bool = True) -> SequentialCalibration:
-    """The windows the sequential gptq pass streams: of ``--calib``, else of the text the
-    widths were measured on when that is dynquant's bundled text (or nothing was measured).
-    The model can run them (``check_gptq_source`` / ``auto_quantizer`` made sure)."""
-
-    texts = list(req.calib)
-    if not texts:
-        measured_on = (record or {}).get("texts", [BUNDLED_TEXT])
-        if measured_on != [BUNDLED_TEXT]:
-            raise DynquantError(f"--quantizer gptq: the widths were measured on "
-                                f"{', '.join(measured_on)}; give that text again with --calib",
-                                field="calib")
-        texts = [str(default_calibration())]
-    ids = calibration_ids(load_tokenizer(source.directory), texts, req.gptq_seqs, req.calib_len)
-    return SequentialCalibration(ids, compensate_head)
-
-
 def _report(req: QuantizeRequest, f: Forecast) -> None:
     if req.report is not None:
         req.report(f)
@@ -223,10 +169,7 @@ def _report(req: QuantizeRequest, f: Forecast) -> None:
 
 def run_quantize(source: ModelSource, req: QuantizeRequest) -> dict:
     """``dynquant quantize``: measure (unless widths are given) -> allocate -> quantize -> write."""
-    if req.quantizer != "auto":
-        check_quantizer(req.quantizer)
-    if req.quantizer == "gptq":  # before any measuring
-        check_gptq_source(source, req)
+    check_request(req.quantizer, source, req.random_init)  # before any measuring
     workdir = Path(tempfile.mkdtemp(prefix="dynquant-measure-"))
     try:
         with executor_scope(req.executor, req.address) as executor:
@@ -239,8 +182,10 @@ def _run(source: ModelSource, req: QuantizeRequest, workdir: Path, executor: Exe
     """The work of ``run_quantize``, on ``executor``."""
     w = resolve_widths(source, req, workdir, executor)
     stats = next((f.name for f in w.files if f.name.endswith(".stats.safetensors")), None)
-    quantizer = auto_quantizer(source, req, w.calibration)
-    sequential = (gptq_calibration(source, req, w.calibration, w.compensate_head)
+    quantizer = choose_quantizer(req.quantizer, source, req.random_init, req.calib,
+                                 w.calibration, say=req.progress)
+    sequential = (gptq_calibration(source, req.calib, w.calibration, req.gptq_seqs,
+                                   req.calib_len, w.compensate_head)
                   if quantizer == "gptq" else None)
     chooser = CodeChooser(quantizer, w.importance or {}, sequential=sequential)
     if not w.forecast_for_codes and w.allocator == "sensitivity" and req.progress:

@@ -117,7 +117,6 @@ def _advice(budget: float, highest: float, kl_at) -> tuple[float, float] | None:
 def measure_summary(maps: dict) -> dict:
     """Every budget of a maps document with its predicted KL, and one piece of advice: the
     smallest quarter-bit budget predicting under LARGE_LOSS when any budget predicts more."""
-
     kl = predicts_kl(maps)
     budgets = {}
     for budget, a in maps["allocations"].items():

@@ -142,7 +142,6 @@ class BlockStream:
     args: list[list[tuple]] = field(init=False)  # per block, per chunk: (args, kwargs)
 
     def __post_init__(self) -> None:
-
         self.model = empty_model(self.source.config, self.dtype).eval()
         self.blocks = _blocks(self.model)
         self.specs: dict[str, TensorSpec] = {s.name: s for s in self.source.tensor_specs()}

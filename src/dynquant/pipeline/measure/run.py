@@ -171,7 +171,6 @@ def allocations(modules: list[ModuleChoices], budgets: Sequence[float], group_si
 
 
 def _dense_model(source: ModelSource, dtype: str) -> nn.Module:
-
     if source.directory is None:
         raise DynquantError("the kl method needs model weights (a model directory)",
                             file=source.name)

@@ -56,7 +56,6 @@ def _table(points: list[FrontierPoint]) -> Table:
 
 
 def run_demo(output: str | Path, dtype: str | None = None) -> None:
-
     console = summary_console()
     resolved = resolve_dtype(dtype)
     console.print(describe(resolved))

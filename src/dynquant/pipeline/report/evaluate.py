@@ -120,7 +120,6 @@ def evaluate(model: str | Path, base: str | Path, text: str | Path, ctx: int = 5
     run in the compute dtype ``dtype`` (None/"auto": the CPU's); MODEL's products with
     ``activations`` (int8: every token as decode computes it; BASE, the reference, always
     float32), so a checkpoint against itself measures what int8 activations cost."""
-
     model, base = model_folder(model), model_folder(base)  # hub names from the local cache
     text_path = Path(text)
     if not text_path.is_file():

@@ -120,7 +120,6 @@ def evaluate_checkpoints(base_dir: Path, out: Path, names: list[str], heldout: s
                          ctx: int, max_tokens: int | None, dtype: str | None
                          ) -> dict[str, EvalResult]:
     """Each checkpoint ``out / NAME`` against the base model on the held-out text."""
-
     ids = tokenize_text(load_tokenizer(base_dir), Path(heldout).read_text(encoding="utf-8"),
                         ctx, max_tokens)
     models = {name: load(out / name, dtype=dtype) for name in names}

@@ -1,0 +1,69 @@
+"""Which codes a quantize writes: ``--quantizer auto`` (the default) decides from the run's text
+and model, ``rtn`` and ``gptq`` are asked for; gptq's calibration windows. The one place that
+decides and checks it."""
+
+from __future__ import annotations
+
+import sys
+from collections.abc import Sequence
+
+from dynquant.errors import DynquantError
+from dynquant.models.sources import ModelSource
+from dynquant.models.tokenizer import load_tokenizer
+from dynquant.pipeline.calibrate.text import (
+    BUNDLED_TEXT,
+    calibration_blocker,
+    calibration_ids,
+    default_calibration,
+)
+from dynquant.pipeline.codes.code_chooser import QUANTIZERS
+from dynquant.pipeline.codes.sequential_gptq import SequentialCalibration
+
+
+def check_request(requested: str, source: ModelSource, random_init: bool) -> None:
+    """A quantize's ``--quantizer`` before any work: a known name, and for gptq a model that
+    can run calibration text."""
+    if requested not in ("auto", *QUANTIZERS):
+        raise DynquantError(f"unknown quantizer {requested!r} (one of auto, "
+                            f"{', '.join(QUANTIZERS)})", field="quantizer")
+    if requested == "gptq" and calibration_blocker(source, random_init) is not None:
+        raise DynquantError("--quantizer gptq needs model weights and a tokenizer (a model "
+                            "directory) to calibrate with", file=source.name, field="quantizer")
+
+
+def choose_quantizer(requested: str, source: ModelSource, random_init: bool,
+                     calib: Sequence[str], record: dict | None, say: bool = False) -> str:
+    """The codes to write. ``auto``: gptq when the run has calibration text (``calib``, or
+    widths measured on the bundled text: ``record``, the maps' record of their text) and a
+    model that can run it; round-to-nearest on the data-free path, and (with one line saying so
+    when ``say``) for widths measured on a text not given again."""
+    if requested != "auto":
+        return requested
+    texts = (record or {}).get("texts")
+    if calibration_blocker(source, random_init) or not (calib or texts):
+        return "rtn"
+    if not calib and texts != [BUNDLED_TEXT]:
+        if say:
+            print(f"dynquant: rounding to nearest: the widths were measured on "
+                  f"{', '.join(texts)}; give it with --calib for gptq codes", file=sys.stderr)
+        return "rtn"
+    return "gptq"
+
+
+def gptq_calibration(source: ModelSource, calib: Sequence[str], record: dict | None,
+                     seqs: int, length: int, compensate_head: bool = True
+                     ) -> SequentialCalibration:
+    """The ``seqs`` windows of ``length`` tokens the sequential gptq pass streams: of
+    ``calib``, else of the text the widths were measured on when that is dynquant's bundled
+    text (or nothing was measured). The model can run them (``check_request`` /
+    ``choose_quantizer`` made sure)."""
+    texts = list(calib)
+    if not texts:
+        measured_on = (record or {}).get("texts", [BUNDLED_TEXT])
+        if measured_on != [BUNDLED_TEXT]:
+            raise DynquantError(f"--quantizer gptq: the widths were measured on "
+                                f"{', '.join(measured_on)}; give that text again with --calib",
+                                field="calib")
+        texts = [str(default_calibration())]
+    ids = calibration_ids(load_tokenizer(source.directory), texts, seqs, length)
+    return SequentialCalibration(ids, compensate_head)
