@@ -89,7 +89,7 @@ def worker_throughput(src: Path) -> dict[str, float]:
     from dynquant.pipeline.calibrate.weights import WeightsAt
     from dynquant.pipeline.codes.code_chooser import CodeChooser
     from dynquant.pipeline.codes.write import QuantizeWork, TensorJob, quantize_job
-    from dynquant.pipeline.measure.run import CandidatesWork, ModuleJob, candidates_job
+    from dynquant.pipeline.measure.candidates import CandidatesWork, ModuleJob, candidates_job
 
     source = resolve_model(str(src))
     specs = [s for s in source.tensor_specs() if s.quantizable and ".layers.3." in s.name]

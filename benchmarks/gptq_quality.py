@@ -32,7 +32,8 @@ from dynquant.pipeline.calibrate.text import calibration_ids, default_calibratio
 from dynquant.pipeline.codes.code_chooser import CodeChooser
 from dynquant.pipeline.codes.sequential_gptq import SequentialCalibration
 from dynquant.pipeline.codes.write import quantize_model
-from dynquant.pipeline.measure.run import MeasureOptions, measure
+from dynquant.pipeline.measure.options import MeasureOptions
+from dynquant.pipeline.measure.run import measure
 from dynquant.pipeline.report.evaluate import evaluate
 from dynquant.pipeline.report.frontier import evaluate_checkpoints
 

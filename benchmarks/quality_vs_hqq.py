@@ -24,7 +24,8 @@ from dynquant.models.sources import resolve_model
 from dynquant.pipeline.allocate.allocation import reachable_range, uniform_widths
 from dynquant.pipeline.allocate.maps import load_maps, maps_modules
 from dynquant.pipeline.codes.write import quantize_model
-from dynquant.pipeline.measure.run import MeasureOptions, measure
+from dynquant.pipeline.measure.options import MeasureOptions
+from dynquant.pipeline.measure.run import measure
 from dynquant.pipeline.report.evaluate import evaluate
 from dynquant.pipeline.report.frontier import evaluate_checkpoints, size_quality_frontier
 

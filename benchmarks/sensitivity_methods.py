@@ -34,7 +34,7 @@ from dynquant.pipeline.calibrate.text import calibration_ids, default_calibratio
 from dynquant.pipeline.codes.code_chooser import CodeChooser
 from dynquant.pipeline.codes.sequential_gptq import SequentialCalibration
 from dynquant.pipeline.codes.write import quantize_model
-from dynquant.pipeline.measure.run import MeasureOptions, probe_bits
+from dynquant.pipeline.measure.options import MeasureOptions, probe_bits
 from dynquant.pipeline.report.frontier import evaluate_checkpoints, size_quality_frontier
 from dynquant.runtime.any_model import load_any
 from scripts.prepare_real_model import real_model

@@ -18,7 +18,8 @@ from dynquant.models.sources import resolve_model
 from dynquant.pipeline.allocate.allocation import Candidate, ModuleChoices
 from dynquant.pipeline.allocate.forecast import LARGE_LOSS, forecast
 from dynquant.pipeline.calibrate.text import default_calibration
-from dynquant.pipeline.measure.run import MeasureOptions, measure
+from dynquant.pipeline.measure.options import MeasureOptions
+from dynquant.pipeline.measure.run import measure
 from model_zoo import save_tiny_model, save_tiny_tokenizer
 
 ROOT = Path(__file__).parents[1]

@@ -144,7 +144,8 @@ def test_measure_prices_candidates_with_the_compensated_codes(tmp_path):
     from dynquant.errors import DynquantError
     from dynquant.models.sources import resolve_model
     from dynquant.numerics.gptq import output_error
-    from dynquant.pipeline.measure.run import MeasureOptions, measure
+    from dynquant.pipeline.measure.options import MeasureOptions
+    from dynquant.pipeline.measure.run import measure
     from model_zoo import save_tiny_model, save_tiny_tokenizer
 
     src = save_tiny_model("llama", tmp_path / "src")

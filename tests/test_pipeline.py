@@ -14,7 +14,8 @@ from dynquant.cli import main
 from dynquant.models.sources import resolve_model
 from dynquant.pipeline.allocate.allocation import allocate_widths
 from dynquant.pipeline.allocate.maps import compensates_head, maps_modules
-from dynquant.pipeline.measure.run import MeasureOptions, measure
+from dynquant.pipeline.measure.options import MeasureOptions
+from dynquant.pipeline.measure.run import measure
 from model_zoo import TOKENIZER_TEXT, save_tiny_model, save_tiny_tokenizer
 
 

@@ -20,7 +20,7 @@ from dynquant.pipeline.calibrate.statistics import collect_stats
 from dynquant.pipeline.calibrate.text import calibration_ids
 from dynquant.pipeline.calibrate.weights import SafetensorsWeights
 from dynquant.pipeline.codes.write import quantize_model
-from dynquant.pipeline.measure.run import KLProbe
+from dynquant.pipeline.measure.probe import KLProbe
 from dynquant.pipeline.report.evaluate import evaluate
 from dynquant.runtime.any_model import load_any
 from scripts.prepare_real_model import real_model

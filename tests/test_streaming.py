@@ -20,7 +20,9 @@ from dynquant.pipeline.calibrate.fisher import fisher_kl
 from dynquant.pipeline.calibrate.statistics import InputStatistics, collect_stats
 from dynquant.pipeline.calibrate.text import calibration_ids
 from dynquant.pipeline.calibrate.weights import SafetensorsWeights
-from dynquant.pipeline.measure.run import KLProbe, MeasureOptions, measure
+from dynquant.pipeline.measure.options import MeasureOptions
+from dynquant.pipeline.measure.probe import KLProbe
+from dynquant.pipeline.measure.run import measure
 from dynquant.runtime.any_model import load_any
 from model_zoo import save_tiny_model, save_tiny_tokenizer
 
@@ -217,6 +219,7 @@ def test_measure_writes_second_moments_when_asked(tmp_path):
 def test_killed_measure_resumes_to_identical_maps(tmp_path, monkeypatch):
     """A measurement stopped part way keeps its calibration and finished modules in
     ``.maps.json.partial/``; the rerun computes only the rest and writes the same bytes."""
+    import dynquant.pipeline.measure.candidates as candidates_module
     import dynquant.pipeline.measure.run as measure_module
 
     model_dir = save_tiny_model("qwen3", tmp_path / "src")
@@ -227,7 +230,7 @@ def test_killed_measure_resumes_to_identical_maps(tmp_path, monkeypatch):
     source = resolve_model(str(model_dir))
     measure(source, opts, tmp_path / "whole" / "maps.json", progress=False)
 
-    original, calls = measure_module._entry, []
+    original, calls = candidates_module.module_entry, []
 
     def dies_after_three(*args, **kwargs):
         if len(calls) == 3:
@@ -236,7 +239,7 @@ def test_killed_measure_resumes_to_identical_maps(tmp_path, monkeypatch):
         return original(*args, **kwargs)
 
     out = tmp_path / "resumed" / "maps.json"
-    monkeypatch.setattr(measure_module, "_entry", dies_after_three)
+    monkeypatch.setattr(candidates_module, "module_entry", dies_after_three)
     with pytest.raises(KeyboardInterrupt):
         measure(source, opts, out, progress=False)
     assert not out.exists() and (out.parent / ".maps.json.partial").is_dir()
@@ -246,7 +249,7 @@ def test_killed_measure_resumes_to_identical_maps(tmp_path, monkeypatch):
 
     again: list[str] = []
     monkeypatch.setattr(measure_module, "fisher_kl", no_second_fisher_pass)
-    monkeypatch.setattr(measure_module, "_entry",
+    monkeypatch.setattr(candidates_module, "module_entry",
                         lambda *a, **k: again.append(a[0].module) or original(*a, **k))
     measure(source, opts, out, progress=False)
     assert not set(again) & set(calls)

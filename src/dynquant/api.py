@@ -19,7 +19,7 @@ from dynquant.pipeline.allocate.allocation import (
 from dynquant.pipeline.allocate.maps import load_maps, maps_modules
 from dynquant.pipeline.execute.executor import Executor
 from dynquant.pipeline.execute.scope import executor_scope
-from dynquant.pipeline.measure.run import DEFAULT_BUDGETS, DEFAULT_WIDTHS, MeasureOptions
+from dynquant.pipeline.measure.options import DEFAULT_BUDGETS, DEFAULT_WIDTHS, MeasureOptions
 from dynquant.pipeline.measure.run import measure as _measure
 from dynquant.pipeline.workflow import QuantizeRequest, run_quantize
 

@@ -131,7 +131,8 @@ def _cmd_measure(args: argparse.Namespace) -> int:
     from dynquant.models.sources import resolve_model
     from dynquant.pipeline.allocate.forecast import measure_summary, summary_lines
     from dynquant.pipeline.execute.scope import executor_scope
-    from dynquant.pipeline.measure.run import MeasureOptions, measure
+    from dynquant.pipeline.measure.options import MeasureOptions
+    from dynquant.pipeline.measure.run import measure
 
     opts = MeasureOptions(widths=_ints(args.widths), group_sizes=_ints(args.group_sizes),
                           budgets=[float(b) for b in args.budgets.split(",") if b],

@@ -29,7 +29,8 @@ from dynquant.pipeline.codes.policy import check_request, choose_quantizer, gptq
 from dynquant.pipeline.codes.write import quantize_model
 from dynquant.pipeline.execute.executor import Executor
 from dynquant.pipeline.execute.scope import executor_scope
-from dynquant.pipeline.measure.run import MeasureOptions, measure
+from dynquant.pipeline.measure.options import MeasureOptions
+from dynquant.pipeline.measure.run import measure
 
 
 @dataclass

@@ -20,7 +20,8 @@ from dynquant.models.tokenizer import load_tokenizer
 from dynquant.pipeline.allocate.allocation import allocate_widths, uniform_widths
 from dynquant.pipeline.allocate.maps import load_maps, maps_modules
 from dynquant.pipeline.codes.write import quantize_model
-from dynquant.pipeline.measure.run import MeasureOptions, measure
+from dynquant.pipeline.measure.options import MeasureOptions
+from dynquant.pipeline.measure.run import measure
 from dynquant.pipeline.report.evaluate import EvalResult, evaluate_many, tokenize_text
 from dynquant.runtime.any_model import load_any
 from dynquant.runtime.loader import load

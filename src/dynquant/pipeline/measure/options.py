@@ -1,0 +1,113 @@
+"""What a measurement is asked: its options, the method it runs, and the path it takes (the
+bundled text, the user's text, or data-free)."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass, replace
+from pathlib import Path
+
+from dynquant.errors import DynquantError
+from dynquant.models.sources import ModelSource
+from dynquant.pipeline.calibrate.text import (
+    calibration_blocker,
+    default_calibration,
+)
+from dynquant.pipeline.codes.code_chooser import (
+    check_quantizer,
+)
+
+METHODS = ("weight", "fisher", "kl-exact")
+ALIASES = {"kl": "kl-exact"}
+DEFAULT_WIDTHS = (2, 3, 4, 8)
+DEFAULT_BUDGETS = (2.5, 3.0, 3.25, 3.5, 4.25)
+PROBE_BITS = 3
+
+
+@dataclass
+class MeasureOptions:
+    widths: Sequence[int] = DEFAULT_WIDTHS
+    group_sizes: Sequence[int] = (128,)
+    budgets: Sequence[float] = DEFAULT_BUDGETS
+    method: str | None = None  # None: fisher (on the bundled text without calib), else weight
+    calib: Sequence[str] = ()  # empty: the bundled text (data/calibration_default.txt)
+    calib_seqs: int = 8
+    calib_len: int = 256
+    not_convert: Sequence[str] = ()
+    # The kl probe's compute dtype. float32 by default on every CPU: sensitivities are
+    # differences of small KLs, and bf16 rounding of activations would be noise of their size.
+    dtype: str = "float32"
+    # Also write each Linear's input second moments X^T X / tokens beside maps.json
+    # (``NAME.moments/block_NNN.safetensors``), for error-compensating quantizers, from
+    # ``moment_seqs`` windows (a forward pass of their own when more than ``calib_seqs``: GPTQ
+    # needs many more tokens for X^T X than the sensitivities do, BENCHMARKS.md
+    # "Error-compensating codes").
+    second_moments: bool = False
+    moment_seqs: int = 48
+    # Label draws per calibration sequence for the Fisher estimate: its relative noise per
+    # module is about sqrt(2 / (sequences * draws)); each draw costs one backward pass.
+    fisher_draws: int = 2
+    # how the checkpoint's codes will be chosen (code_chooser.QUANTIZERS): gptq prices every
+    # candidate, and probes the sensitivity, with the compensated codes (needs second moments)
+    quantizer: str = "rtn"
+    # data-free: the quantizer's column statistics from one streamed forward over uniform random
+    # token ids (no text); set by calibration_plan when the model has weights to run
+    synthetic: bool = False
+
+
+def measure_method(opts: MeasureOptions) -> str:
+    method = ALIASES.get(opts.method, opts.method) or "fisher"
+    if method not in METHODS:
+        raise DynquantError(f"unknown method {opts.method!r} (one of {', '.join(METHODS)})",
+                            field="method")
+    if method == "weight" and opts.calib:
+        raise DynquantError("--method weight is data-free: drop --calib, or use --method "
+                            "fisher", field="method")
+    check_quantizer(opts.quantizer)
+    if opts.quantizer == "gptq" and method == "weight":
+        raise DynquantError("--quantizer gptq needs calibration text (its second moments): "
+                            "drop --no-calib", field="quantizer")
+    return method
+
+
+def calibration_plan(source: ModelSource, opts: MeasureOptions, random_init: bool = False
+                     ) -> tuple[MeasureOptions, str | None]:
+    """The options a measurement runs with, and the one line to tell the user which path it
+    takes: the bundled text when none is given, the data-free path when asked for or when the
+    model has no weights or tokenizer to calibrate with (and no method needing them was asked
+    for); data-free runs the model on random tokens for the quantizer's statistics when it can."""
+    method = measure_method(opts)
+    if opts.calib:
+        return replace(opts, method=method), None
+    runnable = not random_init and source.directory is not None
+    blocker = calibration_blocker(source, random_init) if method != "weight" else None
+    if method != "weight" and blocker is None:
+        return (replace(opts, method=method, calib=[str(default_calibration())]),
+                f"calibrating on dynquant's bundled English text ({opts.calib_seqs} x "
+                f"{opts.calib_len} tokens); --calib FILE for your own, --no-calib for data-free")
+    if blocker is not None and opts.method is not None:
+        raise DynquantError(f"--method {method} needs {blocker}", file=source.name,
+                            field="method")
+    why = "" if blocker is None else f" ({blocker} to calibrate)"
+    stats = ", column statistics from random tokens" if runnable else ""
+    return (replace(opts, method="weight", synthetic=runnable),
+            f"data-free sensitivities{why}: priors by module role and depth{stats}; "
+            "no loss prediction")
+
+
+def probe_bits(opts: MeasureOptions) -> tuple[int, int]:
+    """The (width, group size) at which a module's KL is probed or estimated."""
+    return (PROBE_BITS if PROBE_BITS in opts.widths else sorted(opts.widths)[0],
+            max(opts.group_sizes))
+
+
+def moments_dir(out: str | Path) -> Path:
+    """Where a measure writes its second moments: ``NAME.moments`` beside ``NAME.json``."""
+    return Path(out).with_name(Path(out).stem + ".moments")
+
+
+def gptq_ratios(opts: MeasureOptions) -> bool:
+    """Whether the measure prices round-to-nearest codes on text, for a checkpoint that will be
+    written with gptq codes by default: then each Linear gets the ratio of the two codes'
+    output errors at the probe width (``gptq_ratio``), and forecasts are for gptq codes."""
+    return opts.quantizer == "rtn" and opts.method == "fisher" and bool(opts.calib)
