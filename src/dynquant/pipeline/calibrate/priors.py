@@ -17,7 +17,7 @@ of relative error clusters by role within a factor of about 3, with these regula
 - block 0 costs ~3x (every later block reads its output), the last block's MLP ~2x (its
   output is the head's input).
 
-With these (and the quantizer's column statistics from random tokens, ``measure.py``), the
+With these (and the quantizer's column statistics from random tokens, ``measure/run.py``), the
 data-free checkpoints' measured KL is close to the calibrated ones' at equal bytes on all three
 models (BENCHMARKS.md "Calibrated vs data-free defaults").
 """
