@@ -3,12 +3,10 @@ an AVX2-only CPU."""
 
 from __future__ import annotations
 
-import platform
 import subprocess
 import sys
 import time
 from collections.abc import Callable
-from pathlib import Path
 
 import torch
 
@@ -62,24 +60,12 @@ def figure(name: str, value: float, unit: str = "") -> None:
     print(f"{name}: {value:.4g}{(' ' + unit) if unit else ''}", flush=True)
 
 
-def cpu_model() -> str:
-    """The CPU's marketing name (/proc/cpuinfo's ``model name``), else the architecture."""
-    try:
-        for line in Path("/proc/cpuinfo").read_text(encoding="utf-8").splitlines():
-            key, _, value = line.partition(":")
-            if key.strip() == "model name":
-                return " ".join(value.split())
-    except OSError:
-        pass
-    return platform.processor() or platform.machine()
-
-
 def machine() -> str:
     """The machine in one line: CPU model, class and the flags that decide the kernels,
     threads, torch."""
     import os
 
-    from dynquant.numerics.compute_dtype import cpu_class, cpu_flags
+    from dynquant.numerics.compute_dtype import cpu_class, cpu_flags, cpu_model
 
     shown = sorted(f for f in cpu_flags() if f.startswith(("avx", "amx", "fma", "f16c"))
                    or f in ("bf16", "asimd", "i8mm", "sve"))

@@ -2,7 +2,10 @@
 
 from __future__ import annotations
 
+from functools import cache
 
+
+@cache
 def package_version() -> str:
     from importlib.metadata import PackageNotFoundError, version
 

@@ -44,17 +44,32 @@ def _darwin_flags() -> frozenset[str]:
     return frozenset({"bf16"}) if out.stdout.strip() == "1" else frozenset()
 
 
-@cache
-def cpu_flags() -> frozenset[str]:
-    """This CPU's feature flags (x86 ``flags`` / Arm ``Features`` of /proc/cpuinfo), lower case."""
+def _cpuinfo(*keys: str) -> str | None:
+    """The value of the first /proc/cpuinfo line named one of ``keys`` (None: no such line, or
+    no /proc/cpuinfo)."""
     try:
         for line in Path("/proc/cpuinfo").read_text().splitlines():
             key, _, value = line.partition(":")
-            if key.strip() in ("flags", "Features"):
-                return frozenset(value.lower().split())
+            if key.strip() in keys:
+                return value
     except OSError:
         pass
+    return None
+
+
+@cache
+def cpu_flags() -> frozenset[str]:
+    """This CPU's feature flags (x86 ``flags`` / Arm ``Features`` of /proc/cpuinfo), lower case."""
+    value = _cpuinfo("flags", "Features")
+    if value is not None:
+        return frozenset(value.lower().split())
     return _darwin_flags() if platform.system() == "Darwin" else frozenset()
+
+
+def cpu_model() -> str:
+    """The CPU's marketing name (/proc/cpuinfo's ``model name``), else the architecture."""
+    value = _cpuinfo("model name")
+    return " ".join(value.split()) if value else platform.processor() or platform.machine()
 
 
 def bf16_native(flags: Iterable[str]) -> bool:

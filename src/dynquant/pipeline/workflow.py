@@ -100,7 +100,6 @@ class Widths:
     importance: dict | None = None
     files: list[Path] = field(default_factory=list)  # shipped inside the checkpoint
     calibration: dict | None = None  # the maps' record of the calibration text
-    priced_with: str | None = None  # the quantizer the maps priced candidates with
     forecast_for_codes: bool = True  # the forecast is for the codes written (else for rtn's)
     compensate_head: bool = True  # gptq codes compensate the output head (compensates_head)
 
@@ -122,8 +121,9 @@ def resolve_widths(source: ModelSource, req: QuantizeRequest, workdir: Path,
     files = [] if not measured_now else [maps_path, *([stats_path] if stats_path else [])]
     where = maps_path.name if measured_now else str(maps_path)
     return Widths(widths, allocator, f"{where} [{tag}]", importance, files,
-                  maps.get("calibration"), maps.get("quantizer", "rtn"),
-                  _for_codes(maps, codes), compensates_head(maps, widths))
+                  calibration=maps.get("calibration"),
+                  forecast_for_codes=_for_codes(maps, codes),
+                  compensate_head=compensates_head(maps, widths))
 
 
 def _for_codes(maps: dict, codes: str) -> bool:

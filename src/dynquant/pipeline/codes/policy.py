@@ -16,16 +16,15 @@ from dynquant.pipeline.calibrate.text import (
     calibration_ids,
     default_calibration,
 )
-from dynquant.pipeline.codes.code_chooser import QUANTIZERS
+from dynquant.pipeline.codes.code_chooser import check_quantizer
 from dynquant.pipeline.codes.sequential_gptq import SequentialCalibration
 
 
 def check_request(requested: str, source: ModelSource, random_init: bool) -> None:
     """A quantize's ``--quantizer`` before any work: a known name, and for gptq a model that
     can run calibration text."""
-    if requested not in ("auto", *QUANTIZERS):
-        raise DynquantError(f"unknown quantizer {requested!r} (one of auto, "
-                            f"{', '.join(QUANTIZERS)})", field="quantizer")
+    if requested != "auto":
+        check_quantizer(requested)
     if requested == "gptq" and calibration_blocker(source, random_init) is not None:
         raise DynquantError("--quantizer gptq needs model weights and a tokenizer (a model "
                             "directory) to calibrate with", file=source.name, field="quantizer")
