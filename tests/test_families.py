@@ -14,6 +14,7 @@ from dynquant.models.sources import resolve_model
 from dynquant.pipeline.codes.write import quantize_model
 from dynquant.runtime.loader import load, load_dequantized
 from dynquant.runtime.packed_modules import QuantEmbedding, QuantExpertBank, QuantLinear
+from dynquant.runtime.stored_linear import StoredLinear
 from model_zoo import family_configs, save_tiny_model
 
 FAMILIES = sorted(family_configs())
@@ -124,9 +125,13 @@ def test_lm_head_when_asked_and_modules_kept_dense(tmp_path, capsys):
     assert qc["modules_to_not_convert"] == ["model.layers.0.mlp.down_proj",
                                             "model.layers.1.mlp.down_proj"]
     assert not any(n.endswith("down_proj") for n in doc["layers"])
+    # kept dense, held in bfloat16 as stored: an nn.Linear where the model computes in bfloat16,
+    # a StoredLinear (bfloat16 weight, float32 product) where it computes in float32
+    for dtype, kept_type in ((torch.bfloat16, torch.nn.Linear), (torch.float32, StoredLinear)):
+        kept = load(tmp_path / "q", dtype=dtype).model.layers[0].mlp.down_proj
+        assert type(kept) is kept_type and kept.weight.dtype == torch.bfloat16
     model = load(tmp_path / "q")
     assert isinstance(model.lm_head, QuantLinear)
-    assert isinstance(model.model.layers[0].mlp.down_proj, torch.nn.Linear)
     reference = load_dequantized(tmp_path / "q")
     ids = torch.randint(0, 384, (1, 7), generator=torch.Generator().manual_seed(2))
     with torch.no_grad():
