@@ -1,5 +1,6 @@
-"""One-token products (decode) from 576 to 4096 wide: dynquant's packed kernels with float32 and
-int8 activations against torch's dense float32 product of the same decoded weights.
+"""One-token products (decode) from 576 to 4096 wide: dynquant's packed kernels with float32, int8
+and int16 activations (int16: widths up to 6, what `auto` gives modules under 4 bits) against
+torch's dense float32 product of the same decoded weights.
 
 Each product is called as a decode step calls it (the module's prepared one-token path,
 ``OneTokenMatvec``), on the kernel pool's threads (``--threads``, default 2; products under
@@ -27,8 +28,9 @@ SHAPES = ((576, 576), (1536, 576), (576, 1536), (2048, 2048), (4096, 4096))
 WIDTHS = (2, 3, 4, 8)
 
 
-def prepared(q, int8: bool) -> OneTokenMatvec:
-    f = OneTokenMatvec(q.qweight, q.scales, q.offsets, q.layout, int8)
+def prepared(q, activations: str) -> OneTokenMatvec:
+    f = OneTokenMatvec(q.qweight, q.scales, q.offsets, q.layout, int8=activations == "int8",
+                       int16=activations == "int16")
     f.threads = native.threads_for(q.layout.num_rows * q.layout.in_features,
                                    STEP_PARALLEL_MIN_ELEMENTS)
     return f
@@ -46,8 +48,8 @@ def main() -> None:
     lib = native.library()
     print(f"# one-token products: kernels {simd_path()}, int8 {q8_path()}; {machine()}")
     print("| rows x cols | bits | dense float32 us | packed float us | packed int8 us | "
-          "float vs dense | int8 vs dense | int8 vs float |")
-    print("|---|---|---|---|---|---|---|---|")
+          "packed int16 us | float vs dense | int8 vs dense | int16 vs dense |")
+    print("|---|---|---|---|---|---|---|---|---|")
     g = torch.Generator().manual_seed(0)
     for rows, cols in SHAPES:
         w = torch.randn(rows, cols, generator=g)
@@ -55,17 +57,22 @@ def main() -> None:
         for bits in WIDTHS:
             q = quantize_tensor(w, bits)
             dense = q.dequantize(torch.float32)
-            fl, i8 = prepared(q, False), prepared(q, True)
-            runs = {"dense": lambda d=dense, x=x: F.linear(x, d),
-                    "float": lambda f=fl, x=x: f(lib, x), "int8": lambda f=i8, x=x: f(lib, x)}
+            runs = {"dense": lambda d=dense, x=x: F.linear(x, d)}
+            for kind in ("float", "int8", "int16")[:3 if bits <= 6 else 2]:
+                product = prepared(q, kind)
+                runs[kind] = lambda f=product, x=x: f(lib, x)
             best = dict.fromkeys(runs, float("inf"))
             repeat = max(5, int(2e7 // (rows * cols)))
             for _ in range(3):
                 for name, fn in runs.items():
                     best[name] = min(best[name], best_time(fn, repeat=repeat))
-            d, f, i = (best[k] * 1e6 for k in ("dense", "float", "int8"))
-            print(f"| {rows} x {cols} | {bits} | {d:.1f} | {f:.1f} | {i:.1f} | {d / f:.2f}x | "
-                  f"{d / i:.2f}x | {f / i:.2f}x |", flush=True)
+            us = {k: v * 1e6 for k, v in best.items()}
+            d = us["dense"]
+            i16, i16_ratio = ((f"{us['int16']:.1f}", f"{d / us['int16']:.2f}x") if "int16" in us
+                              else ("-", "-"))
+            print(f"| {rows} x {cols} | {bits} | {d:.1f} | {us['float']:.1f} | {us['int8']:.1f} | "
+                  f"{i16} | {d / us['float']:.2f}x | {d / us['int8']:.2f}x | {i16_ratio} |",
+                  flush=True)
     sys.stdout.flush()
 
 

@@ -192,16 +192,22 @@ def test_the_activations_setting(monkeypatch):
         assert model[0].int16_activations and not model[2].int16_activations
 
 
-def test_the_int16_quantizer_matches_its_reference():
-    x = torch.randn(6 * Q8_BLOCK, generator=torch.Generator().manual_seed(9)) * 3
-    x[:Q8_BLOCK] = 0.0
-    x[Q8_BLOCK] = 40.0
-    xq, d = quantize_activations(x, torch.int16)
-    ref_q, ref_d = quantize_activations_ref(x, torch.int16)
+@pytest.mark.parametrize("gs", GROUPS)
+def test_the_int16_quantizer_matches_its_reference(gs):
+    """int16 tokens are quantized per group of the layout (one scale a group)."""
+    x = torch.randn(6 * 128, generator=torch.Generator().manual_seed(9)) * 3
+    x[:gs] = 0.0  # an all-zero group
+    x[gs] = 40.0
+    xq, d = quantize_activations(x, torch.int16, gs)
+    ref_q, ref_d = quantize_activations_ref(x, torch.int16, gs)
     assert xq.dtype == torch.int16 and torch.equal(xq, ref_q) and torch.equal(d, ref_d)
-    assert xq.abs().max() == 32767 and not xq[:Q8_BLOCK].any()
-    err = (xq.float().view(-1, Q8_BLOCK) * d[:, None] - x.view(-1, Q8_BLOCK)).abs()
-    assert (err <= d[:, None] * 0.5 * (1 + 1e-6)).all()
+    assert d.shape == (6 * 128 // gs,) and d[0] == 0 and torch.isclose(d[1], torch.tensor(40 / 32767))
+    assert xq.abs().max() == 32767 and not xq[:gs].any()
+    # half a step, plus float32's rounding of x * (32767 / amax): up to ~2^-24 * 32767 of a step
+    err = (xq.float().view(-1, gs) * d[:, None] - x.view(-1, gs)).abs()
+    assert (err <= d[:, None] * (0.5 + 4e-3)).all()
+    with pytest.raises(ValueError, match="blocks of 32"):
+        quantize_activations(x, torch.int8, gs * 2)
 
 
 @pytest.mark.parametrize("bits", [2, 3, 4, 5, 6])

@@ -108,13 +108,14 @@ def packed_gemm(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor,
 LEVELS = {torch.int8: 127.0, torch.int16: 32767.0}
 
 
-def quantize_activations_ref(x: torch.Tensor, dtype: torch.dtype = torch.int8
-                             ) -> tuple[torch.Tensor, torch.Tensor]:
-    """int8 (or int16) [n] and float32 [n / Q8_BLOCK] for a float32 vector x [n] (n a multiple of
-    Q8_BLOCK): per block, ``d = amax / L`` and ``xq = round(x * (L / amax))`` (ties to even), in
-    float32, L = 127 (32767); what ``dq_q8_quantize`` (``dq_q16_quantize``) computes."""
+def quantize_activations_ref(x: torch.Tensor, dtype: torch.dtype = torch.int8,
+                             block: int = Q8_BLOCK) -> tuple[torch.Tensor, torch.Tensor]:
+    """int8 (or int16) [n] and float32 [n / block] for a float32 vector x [n] (n a multiple of
+    block): per block, ``d = amax / L`` and ``xq = round(x * (L / amax))`` (ties to even), in
+    float32, L = 127 (32767); what ``dq_q8_quantize`` (blocks of Q8_BLOCK) and
+    ``dq_q16_quantize`` (blocks of a layout's group size) compute."""
     levels = LEVELS[dtype]
-    blocks = x.to(torch.float32).reshape(-1, Q8_BLOCK)
+    blocks = x.to(torch.float32).reshape(-1, block)
     amax = blocks.abs().amax(dim=1)
     live = amax >= Q8_TINY
     zero = torch.zeros_like(amax)
@@ -123,17 +124,22 @@ def quantize_activations_ref(x: torch.Tensor, dtype: torch.dtype = torch.int8
     return torch.round(blocks * inv[:, None]).to(dtype).reshape(-1), d
 
 
-def quantize_activations(x: torch.Tensor, dtype: torch.dtype = torch.int8
-                         ) -> tuple[torch.Tensor, torch.Tensor] | None:
-    """:func:`quantize_activations_ref` by the native kernel (None without it)."""
+def quantize_activations(x: torch.Tensor, dtype: torch.dtype = torch.int8,
+                         block: int = Q8_BLOCK) -> tuple[torch.Tensor, torch.Tensor] | None:
+    """:func:`quantize_activations_ref` by the native kernel (None without it; int8 takes blocks
+    of Q8_BLOCK only)."""
     lib = native.library()
     if lib is None:
         return None
+    if dtype == torch.int8 and block != Q8_BLOCK:
+        raise ValueError(f"int8 activations are quantized in blocks of {Q8_BLOCK}")
     xf = x.to(torch.float32).contiguous()
     xq = torch.empty(xf.numel(), dtype=dtype)
-    d = torch.empty(xf.numel() // Q8_BLOCK)
-    kernel = lib.dq_q16_quantize if dtype == torch.int16 else lib.dq_q8_quantize
-    kernel(xf.data_ptr(), xf.numel(), xq.data_ptr(), d.data_ptr())
+    d = torch.empty(xf.numel() // block)
+    if dtype == torch.int16:
+        lib.dq_q16_quantize(xf.data_ptr(), xf.numel(), block, xq.data_ptr(), d.data_ptr())
+    else:
+        lib.dq_q8_quantize(xf.data_ptr(), xf.numel(), xq.data_ptr(), d.data_ptr())
     return xq, d
 
 
@@ -174,14 +180,23 @@ def q8_order(bits: int) -> torch.Tensor:
         return torch.where(p < 16, 2 * p, 2 * (p - 16) + 1)
     if bits == 2:
         return 4 * (p % 8) + p // 8
-    return p
+    if bits == 8:
+        return p
+    lane = p % 8  # 3, 5, 6 bits: the 16-bit lanes of unpack32_words packed to bytes
+    return 16 * (p // 16) + 4 * ((p % 16) // 8) + lane // 2 + 8 * (lane % 2)
 
 
-def q16_order() -> torch.Tensor:
-    """The int16 products' order of a block's codes (any width): the 16-bit lanes the AVX2
-    unpacking leaves, codes 0-7, 16-23, then 8-15, 24-31."""
-    t = torch.arange(Q8_BLOCK) % 16
-    return 16 * (t // 8) + torch.where(torch.arange(Q8_BLOCK) >= 16, 8, 0) + t % 8
+def q16_order(bits: int) -> torch.Tensor:
+    """The int16 products' order of a block's codes (``q16_code`` in
+    ``native/packed_matvec_q8.c``): position p is 16-bit lane i = p % 16 of unpacked register
+    r = p // 16."""
+    p = torch.arange(Q8_BLOCK)
+    r, i = p // 16, p % 16
+    if bits == 2:
+        return 4 * (2 * (i % 4) + r) + i // 4
+    if bits == 4:
+        return 2 * (2 * (i % 8) + r) + i // 8
+    return 16 * (i // 8) + 4 * r + (i % 8) // 2 + 8 * (i % 2)
 
 
 # Which positions of a block each of the 8 integer lanes sums: int8 4l .. 4l+3; int16 2l, 2l+1,
@@ -200,14 +215,17 @@ def packed_matvec_q8_ref(x: torch.Tensor, qweight: torch.Tensor, scales: torch.T
     int16: int16) activations, operation by operation as ``native/packed_matvec_q8.c`` defines
     it (its header, and its int16 section)."""
     xf = _padded_token(x, layout)
-    xq, d = quantize_activations_ref(xf, dtype)
     rows, gs = qweight.shape[0], layout.group_size
     groups, blocks = layout.padded_in_features // gs, gs // Q8_BLOCK
-    order = q16_order() if dtype == torch.int16 else q8_order(layout.bits)
+    int16 = dtype == torch.int16
+    xq, d = quantize_activations_ref(xf, dtype, gs if int16 else Q8_BLOCK)
+    order = q16_order(layout.bits) if int16 else q8_order(layout.bits)
     codes = unpack_codes(qweight, layout.bits).to(torch.int32).view(rows, -1, Q8_BLOCK)
     products = codes[:, :, order] * xq.to(torch.int32).view(-1, Q8_BLOCK)[:, order]
-    lanes = products[:, :, LANE_POSITIONS[dtype]].sum(-1).to(torch.float32)
-    lanes = lanes.view(rows, groups, blocks, 8)
+    lanes = products[:, :, LANE_POSITIONS[dtype]].sum(-1).view(rows, groups, blocks, 8)
+    if int16:
+        return _q16_epilogue(lanes.sum(2), xq, d, scales, offsets, gs)
+    lanes = lanes.to(torch.float32)
     block_sums = d * xq.to(torch.int32).view(-1, Q8_BLOCK).sum(-1).to(torch.float32)
     xsum = torch.zeros(groups)
     for b in range(blocks):  # the offsets multiply the quantized token too
@@ -218,6 +236,20 @@ def packed_matvec_q8_ref(x: torch.Tensor, qweight: torch.Tensor, scales: torch.T
         for b in range(blocks):
             gacc = gacc + d[g * blocks + b] * lanes[:, g, b]
         acc = acc + scales[:, g].float()[:, None] * gacc
+        o_sum = o_sum + offsets[:, g].float() * xsum[g]
+    s4 = acc[:, :4] + acc[:, 4:]
+    return ((s4[:, 0] + s4[:, 2]) + (s4[:, 1] + s4[:, 3])) + o_sum
+
+
+def _q16_epilogue(lanes: torch.Tensor, xq: torch.Tensor, d: torch.Tensor, scales: torch.Tensor,
+                  offsets: torch.Tensor, gs: int) -> torch.Tensor:
+    """The int16 product's float part from each group's integer lanes [rows, groups, 8] (exact
+    sums over its blocks) and the token quantized per group (xq, d [groups])."""
+    xsum = d * xq.to(torch.int32).view(-1, gs).sum(-1).to(torch.float32)
+    acc, o_sum = torch.zeros(lanes.shape[0], 8), torch.zeros(lanes.shape[0])
+    for g in range(lanes.shape[1]):
+        t = d[g] * scales[:, g].float()
+        acc = acc + t[:, None] * lanes[:, g].to(torch.float32)
         o_sum = o_sum + offsets[:, g].float() * xsum[g]
     s4 = acc[:, :4] + acc[:, 4:]
     return ((s4[:, 0] + s4[:, 2]) + (s4[:, 1] + s4[:, 3])) + o_sum

@@ -12,7 +12,9 @@
  *     codes[o(p)] * xq[o(p)], o the width's order of a block's 32 codes (exact):
  *     4 bits: o(p) = 2p, then 2(p - 16) + 1 (the low nibbles of the block's 16 bytes, then the
  *     high ones); 2 bits: o(p) = 4 (p % 8) + p / 8 (each byte's codes at one shift, byte by
- *     byte, shift after shift); other widths: o(p) = p;
+ *     byte, shift after shift); 8 bits: o(p) = p; 3, 5 and 6 bits: with h = p / 16,
+ *     r = (p % 16) / 8 and l = p % 8, o(p) = 16h + 4r + l / 2 + 8 (l % 2) (the 16-bit lanes
+ *     of unpack32_words packed to bytes);
  *   group g: gacc[l] = sum over its blocks, in order, of d[b] * float(lane l)   (mul, then add);
  *   row:     acc[l] = sum over groups, in order, of scale[g] * gacc[l];
  *            y = ((acc0+acc4)+(acc2+acc6)) + ((acc1+acc5)+(acc3+acc7)) + sum_g offset[g] * xsum[g]
@@ -27,10 +29,9 @@
  * Unpacking 32 codes into 32 bytes (AVX2): 4 and 2 bits in the order o above, where a mask and a
  * shift (4 bits: of the block's 16 bytes; 2 bits: of its 8 bytes broadcast, one shift a qword)
  * put every code in place, the token's int8 values permuted to match once per call. 3, 5 and 6
- * bits in order: code j's two bytes into a 16-bit
- * lane (vpshufb), the code moved to the lane's top bits by a multiply (vpmullw by a power of two,
- * a variable shift AVX2 lacks for 16-bit lanes) and down by a constant shift, then the two halves
- * packed (vpackuswb). No gather, no cross-lane permute in the loop. 8-bit codes are the bytes
+ * bits: the two bytes of codes j and j + 8 (which start at the same bit) into one 32-bit lane
+ * (vpshufb), one variable shift (vpsrlvd) and a mask, then the two registers packed
+ * (vpackuswb). No gather, no cross-lane permute, no multiply in the loop. 8-bit codes are the bytes
  * themselves; without VNNI they are split in nibbles (vpmaddubsw saturates past 16 bits).
  */
 #include <float.h>
@@ -84,7 +85,9 @@ void dq_q8_quantize(const float *x, int64_t padded_n, int8_t *xq, float *d) {
 static inline int q8_order(int bits, int p) {
     if (bits == 4) return p < 16 ? 2 * p : 2 * (p - 16) + 1;
     if (bits == 2) return 4 * (p % 8) + p / 8;
-    return p;
+    if (bits == 8) return p;
+    const int l = p % 8; /* 3, 5, 6 bits: lane half p / 16, register (p % 16) / 8 */
+    return 16 * (p / 16) + 4 * ((p % 16) / 8) + l / 2 + 8 * (l % 2);
 }
 
 /* xq [n] in natural order -> out [n] in the width's order, block by block. */
@@ -93,7 +96,7 @@ static void q8_permute(const int8_t *xq, int64_t n, int bits, int8_t *out) {
         for (int p = 0; p < Q8_BLOCK; p++) out[b + p] = xq[b + q8_order(bits, p)];
 }
 
-static inline int q8_permutes(int bits) { return bits == 2 || bits == 4; }
+static inline int q8_permutes(int bits) { return bits != 8; }
 
 /* A block's 32 codes as bytes, in order (plain C; unit k: 8 codes in `bits` bytes). */
 static inline void block_codes(const uint8_t *bytes, int bits, uint8_t *c) {
@@ -108,16 +111,15 @@ static inline void block_codes(const uint8_t *bytes, int bits, uint8_t *c) {
     }
 }
 
-/* The offsets' sums of a quantized token (the header's xsum): per group of gs, the sum over its
- * blocks in order of d[b] * float(the block's integer sum). xq: int8, or int16 where `wide`. */
-static void quantized_group_sums(const void *xq, int wide, const float *d, int64_t n,
-                                 int64_t gs, float *xsum) {
+/* The offsets' sums of an int8 token (the header's xsum): per group of gs, the sum over its
+ * blocks in order of d[b] * float(the block's integer sum). */
+static void quantized_group_sums(const int8_t *xq, const float *d, int64_t n, int64_t gs,
+                                 float *xsum) {
     for (int64_t g = 0; g < n / gs; g++) {
         float s = 0.0f;
         for (int64_t b = g * gs / Q8_BLOCK; b < (g + 1) * gs / Q8_BLOCK; b++) {
             int32_t isum = 0;
-            for (int64_t j = b * Q8_BLOCK; j < (b + 1) * Q8_BLOCK; j++)
-                isum += wide ? ((const int16_t *)xq)[j] : ((const int8_t *)xq)[j];
+            for (int64_t j = b * Q8_BLOCK; j < (b + 1) * Q8_BLOCK; j++) isum += xq[j];
             s += d[b] * (float)isum;
         }
         xsum[g] = s;
@@ -138,54 +140,66 @@ static inline void block_lanes_portable(const uint8_t *bytes, int bits, const in
 }
 
 #ifdef Q8_AVX2
-/* The vpshufb indices and vpmullw factors that put 16 codes of `bits` bits in 16-bit lanes,
- * shifted so that code j's bits end at bit 15. Lane half h of `lo` holds codes 16h + (0..7), of
- * `hi` codes 16h + (8..15), so that vpackuswb(lo, hi) lists the 32 codes in order; half h of the
- * source register holds the block's bytes from 2 * bits * h. */
+/* The vpshufb indices and vpsrlvd counts that put 16 codes of `bits` bits (3, 5, 6) in 16-bit
+ * lanes: code j and code j + 8 start at the same bit of their bytes (8 codes fill `bits` bytes),
+ * so one 32-bit lane holds both codes' two bytes (j's in its low half, j + 8's in its high half)
+ * and one variable shift puts both at their half's bit 0; a mask clears the rest. No multiply
+ * (on AMD Zen the vector multiplier is one pipe, which the dot products need). Register r, lane
+ * half h, 32-bit lane i of the half: codes 16h + 4r + i and that + 8; half h of the source
+ * register holds the block's bytes from 2 * bits * h. */
 typedef struct {
-    __m256i shuffle_lo, shuffle_hi, mul_lo, mul_hi;
+    __m256i shuffle_lo, shuffle_hi, shift_lo, shift_hi;
     int bits;
 } q8_unpacker;
 
 static q8_unpacker make_q8_unpacker(int bits) {
     int8_t shuf[2][32];
-    int16_t mul[2][16];
-    for (int part = 0; part < 2; part++)
+    int32_t shift[2][8];
+    for (int r = 0; r < 2; r++)
         for (int h = 0; h < 2; h++)
-            for (int i = 0; i < 8; i++) {
-                const int j = 16 * h + 8 * part + i;   /* the code */
-                const int bit = j * bits - 16 * bits * h; /* its first bit in the half's bytes */
-                shuf[part][16 * h + 2 * i] = (int8_t)(bit / 8);
-                shuf[part][16 * h + 2 * i + 1] = (int8_t)(bit / 8 + 1);
-                mul[part][8 * h + i] = (int16_t)(1 << (16 - bits - bit % 8));
+            for (int i = 0; i < 4; i++) {
+                const int code = 4 * r + i; /* and code + 8, in the half's bytes */
+                /* both halves read one 16-byte window broadcast for 2-4 bits (q8_window) */
+                const int first = code * bits / 8 + (bits <= 4 ? 2 * bits * h : 0);
+                int8_t *lane = shuf[r] + 16 * h + 4 * i;
+                lane[0] = (int8_t)first;
+                lane[1] = (int8_t)(first + 1);
+                lane[2] = (int8_t)(first + bits);
+                lane[3] = (int8_t)(first + bits + 1);
+                shift[r][4 * h + i] = code * bits % 8;
             }
-    if (bits <= 4) /* both halves read one 16-byte window (q8_window) */
-        for (int part = 0; part < 2; part++)
-            for (int i = 16; i < 32; i++) shuf[part][i] = (int8_t)(shuf[part][i] + 2 * bits);
     q8_unpacker u = {_mm256_loadu_si256((const __m256i *)shuf[0]),
                      _mm256_loadu_si256((const __m256i *)shuf[1]),
-                     _mm256_loadu_si256((const __m256i *)mul[0]),
-                     _mm256_loadu_si256((const __m256i *)mul[1]), bits};
+                     _mm256_loadu_si256((const __m256i *)shift[0]),
+                     _mm256_loadu_si256((const __m256i *)shift[1]), bits};
     return u;
 }
 
 /* A block's bytes in both lane halves: for 2-4 bits one 16-byte window broadcast from memory (a
- * load, no cross-lane shuffle; a 4-bit block's last code never needs its second byte, so index
- * 16's wrap to 0 only fills bits that the multiply shifts out), else the half from p and the
- * half from p + 2 * bits. Reads up to 16 bytes past a block's start + 2 * bits. */
+ * load, no cross-lane shuffle), else the half from p and the half from p + 2 * bits. Reads up to
+ * 16 bytes past a block's start + 2 * bits. */
 static inline __m256i q8_window(const uint8_t *p, int bits) {
     if (bits <= 4) return _mm256_broadcastsi128_si256(_mm_loadu_si128((const __m128i *)p));
     return _mm256_inserti128_si256(_mm256_castsi128_si256(_mm_loadu_si128((const __m128i *)p)),
                                    _mm_loadu_si128((const __m128i *)(p + 2 * bits)), 1);
 }
 
-/* 32 codes of 2-6 bits at p, in order, as bytes. Reads past the block (q8_window): callers give
- * a padded copy for a matrix's last. */
-static inline __m256i unpack32_avx2(const uint8_t *p, const q8_unpacker *u) {
-    const __m256i v = q8_window(p, u->bits);
-    const int down = 16 - u->bits;
-    const __m256i lo = _mm256_srli_epi16(_mm256_mullo_epi16(_mm256_shuffle_epi8(v, u->shuffle_lo), u->mul_lo), down);
-    const __m256i hi = _mm256_srli_epi16(_mm256_mullo_epi16(_mm256_shuffle_epi8(v, u->shuffle_hi), u->mul_hi), down);
+/* 32 codes of 3, 5 or 6 bits at p as 16-bit lanes in two registers (q8_unpacker's order). Reads
+ * past the block (q8_window): callers give a padded copy for a matrix's last. */
+static inline __attribute__((always_inline)) void unpack32_words(
+    const uint8_t *p, int bits, const q8_unpacker *u, __m256i *lo, __m256i *hi) {
+    const __m256i v = q8_window(p, bits);
+    const __m256i mask = _mm256_set1_epi16((int16_t)((1 << bits) - 1));
+    *lo = _mm256_and_si256(_mm256_srlv_epi32(_mm256_shuffle_epi8(v, u->shuffle_lo), u->shift_lo), mask);
+    *hi = _mm256_and_si256(_mm256_srlv_epi32(_mm256_shuffle_epi8(v, u->shuffle_hi), u->shift_hi), mask);
+}
+
+/* The same 32 codes as bytes (vpackuswb of the two registers: lane half h lists register 0's
+ * eight codes of the half, then register 1's). */
+static inline __attribute__((always_inline)) __m256i unpack32_avx2(const uint8_t *p, int bits,
+                                                                    const q8_unpacker *u) {
+    __m256i lo, hi;
+    unpack32_words(p, bits, u, &lo, &hi);
     return _mm256_packus_epi16(lo, hi);
 }
 
@@ -225,11 +239,13 @@ static inline __m256i dot_bytes(__m256i c, __m256i xq) {
 #endif
 }
 
-/* A block's 32 codes as bytes in the width's order. */
-static inline __m256i unpack_block(const uint8_t *bytes, int bits, const q8_unpacker *u) {
+/* A block's 32 codes as bytes in the width's order (`bits` a constant where it is inlined: the
+ * width's branches fold away). */
+static inline __attribute__((always_inline)) __m256i unpack_block(const uint8_t *bytes, int bits,
+                                                                  const q8_unpacker *u) {
     if (bits == 4) return unpack32_4bit(bytes);
     if (bits == 2) return unpack32_2bit(bytes);
-    return unpack32_avx2(bytes, u);
+    return unpack32_avx2(bytes, bits, u);
 }
 
 static inline __m256i block_lanes_avx2(const uint8_t *bytes, const int8_t *xq,
@@ -440,7 +456,7 @@ static int q8_rows(const void *ctx, int64_t lo, int64_t hi) {
 static void q8_quantize_ordered(const float *x, int64_t n, int64_t gs, int bits, int8_t *xq,
                                 float *d, float *xsum) {
     dq_q8_quantize(x, n, xq, d);
-    quantized_group_sums(xq, 0, d, n, gs, xsum);
+    quantized_group_sums(xq, d, n, gs, xsum);
     if (!q8_permutes(bits)) return;
     int8_t block[Q8_BLOCK];
     for (int64_t b = 0; b < n; b += Q8_BLOCK) {
@@ -564,56 +580,79 @@ int dq_matvec_q8_one(const int64_t *a, const float *x, float *y) {
 }
 
 /* ---- int16 activations ----
- * The same product with the token quantized to int16 (d = amax / 32767): GPTQ's 2- and 3-bit
- * codes carry a large error in directions the calibration's activations do not use, and int8's
- * noise reaches those directions (BENCHMARKS.md, "Against llama.cpp"); at 16 bits that noise is
- * 256 times smaller, for about the same work. Widths 2-6. Defined like the int8 product (the
- * header) but for the lanes: a block's positions p hold codes q16_order(p) (the 16-bit lanes the
- * AVX2 unpacking leaves before packing them to bytes), and lane l sums positions 2l, 2l+1,
- * 16+2l and 17+2l (vpmaddwd on each half, then the halves added). Every lane stays below 2^24,
- * so its float is exact. */
+ * The same product with the token quantized to int16 per group of the layout (d[g] = amax / 32767
+ * over the group's gs values): GPTQ's 2- and 3-bit codes carry a large error in directions the
+ * calibration's activations do not use, and int8's noise reaches those directions
+ * (BENCHMARKS.md, "Against llama.cpp"); at 16 bits that noise is ~100 times smaller. Widths 2-6.
+ * A block's position p holds code q16_code(bits, p) (the 16-bit lanes the AVX2 unpacking leaves)
+ * and lane l sums positions 2l, 2l+1, 16+2l and 17+2l (vpmaddwd on each half, then the halves
+ * added). A group's lanes are summed over its blocks as integers (exact: codes < 64, |xq| <=
+ * 32767, at most 128 products a lane for gs <= 1024), so the float work is once per group:
+ *   acc[l] = acc[l] + (d[g] * scale[g]) * float(lane l)           (mul, mul, then add);
+ *   y = ((acc0+acc4)+(acc2+acc6)) + ((acc1+acc5)+(acc3+acc7)) + sum_g offset[g] * xsum[g],
+ * xsum[g] = d[g] * float(the group's integer sum of xq). */
 #define Q16_LEVELS 32767.0f
 
-static inline int q16_order(int p) {
-    const int t = p & 15;
-    return 16 * (t / 8) + (p >= 16 ? 8 : 0) + t % 8;
+/* Which code of a block sits at position p: register r = p / 16 of the unpacking (the
+ * vpmaddwd of codes 0-15 or 16-31 of the positions), 16-bit lane i = p % 16 in it. 2 bits:
+ * byte b = 2 (i % 4) + r of the block's 8, shifted by 2 (i / 4); 4 bits: byte b = 2 (i % 8) + r
+ * of its 16, low nibble in the first 8 lanes, high in the rest; other widths: with l = i % 8,
+ * code 16 (i / 8) + 4 r + l / 2 + 8 (l % 2) (unpack32_words' order). */
+static inline int q16_code(int bits, int p) {
+    const int r = p / 16, i = p % 16;
+    if (bits == 2) return 4 * (2 * (i % 4) + r) + i / 4;
+    if (bits == 4) return 2 * (2 * (i % 8) + r) + i / 8;
+    return 16 * (i / 8) + 4 * r + (i % 8) / 2 + 8 * (i % 2);
 }
 
-/* x [n] -> xq [n] int16 (nearest, ties to even, of x * (32767 / amax) per block of 32), d
- * [n / 32]; natural order. */
-void dq_q16_quantize(const float *x, int64_t n, int16_t *xq, float *d) {
-    for (int64_t b = 0; b < n / Q8_BLOCK; b++) {
-        const float *xb = x + b * Q8_BLOCK;
+/* x [n] -> xq [n] int16 (nearest, ties to even, of x * (32767 / amax) per group of gs), d
+ * [n / gs]; natural order. */
+void dq_q16_quantize(const float *x, int64_t n, int64_t gs, int16_t *xq, float *d) {
+    for (int64_t g = 0; g < n / gs; g++) {
+        const float *xg = x + g * gs;
         float amax = 0.0f;
-        for (int j = 0; j < Q8_BLOCK; j++) amax = fmaxf(amax, fabsf(xb[j]));
+        for (int64_t j = 0; j < gs; j++) amax = fmaxf(amax, fabsf(xg[j]));
         const int live = amax >= Q8_TINY;
         const float inv = live ? Q16_LEVELS / amax : 0.0f;
-        d[b] = live ? amax / Q16_LEVELS : 0.0f;
-        for (int j = 0; j < Q8_BLOCK; j++) xq[b * Q8_BLOCK + j] = (int16_t)nearbyintf(xb[j] * inv);
+        d[g] = live ? amax / Q16_LEVELS : 0.0f;
+        for (int64_t j = 0; j < gs; j++) xq[g * gs + j] = (int16_t)nearbyintf(xg[j] * inv);
     }
 }
 
 typedef struct {
-    const int16_t *xq; /* [m, padded_n], each block in q16_order */
-    const float *d, *xsum;
+    const int16_t *xq; /* [m, padded_n], each block in q16_code's order */
+    const float *d, *xsum; /* [m, groups] each */
 } q16_tokens;
 
-static q16_tokens q16_quantize_tokens(const float *x, int64_t m, int64_t padded_n, int64_t gs) {
-    const int64_t blocks = padded_n / Q8_BLOCK, groups = padded_n / gs;
+/* The group sums of a token quantized per group (d one per group). */
+static void q16_group_sums(const int16_t *xq, const float *d, int64_t n, int64_t gs,
+                           float *xsum) {
+    for (int64_t g = 0; g < n / gs; g++) {
+        int32_t isum = 0;
+        for (int64_t j = g * gs; j < (g + 1) * gs; j++) isum += xq[j];
+        xsum[g] = d[g] * (float)isum;
+    }
+}
+
+/* Each block of 32 of q [n] (natural order) into q16_code's order for `bits`. */
+static void q16_permute(const int16_t *q, int64_t n, int bits, int16_t *out) {
+    for (int64_t b = 0; b < n; b += Q8_BLOCK)
+        for (int p = 0; p < Q8_BLOCK; p++) out[b + p] = q[b + q16_code(bits, p)];
+}
+
+static q16_tokens q16_quantize_tokens(const float *x, int64_t m, int64_t padded_n, int64_t gs,
+                                      int bits) {
+    const int64_t groups = padded_n / gs;
     q16_tokens t = {0};
-    float *d = malloc((size_t)(m * (blocks + groups)) * sizeof(float) +
-                      (size_t)(m * padded_n) * sizeof(int16_t));
+    float *d = malloc((size_t)(2 * m * groups) * sizeof(float) +
+                      (size_t)(2 * padded_n) * sizeof(int16_t) * (size_t)m);
     if (!d) return t;
-    int16_t *xq = (int16_t *)(d + m * (blocks + groups)), block[Q8_BLOCK];
-    float *xsum = d + m * blocks;
+    int16_t *xq = (int16_t *)(d + 2 * m * groups), *natural = xq + m * padded_n;
+    float *xsum = d + m * groups;
     for (int64_t i = 0; i < m; i++) {
-        int16_t *q = xq + i * padded_n;
-        dq_q16_quantize(x + i * padded_n, padded_n, q, d + i * blocks);
-        quantized_group_sums(q, 1, d + i * blocks, padded_n, gs, xsum + i * groups);
-        for (int64_t b = 0; b < padded_n; b += Q8_BLOCK) {
-            memcpy(block, q + b, sizeof block);
-            for (int p = 0; p < Q8_BLOCK; p++) q[b + p] = block[q16_order(p)];
-        }
+        dq_q16_quantize(x + i * padded_n, padded_n, gs, natural, d + i * groups);
+        q16_group_sums(natural, d + i * groups, padded_n, gs, xsum + i * groups);
+        q16_permute(natural, padded_n, bits, xq + i * padded_n);
     }
     t.xq = xq;
     t.d = d;
@@ -628,17 +667,41 @@ static inline void q16_lanes_portable(const uint8_t *bytes, int bits, const int1
     for (int l = 0; l < 8; l++) {
         const int p[4] = {2 * l, 2 * l + 1, 16 + 2 * l, 17 + 2 * l};
         int32_t s = 0;
-        for (int i = 0; i < 4; i++) s += (int32_t)c[q16_order(p[i])] * x[p[i]];
+        for (int i = 0; i < 4; i++) s += (int32_t)c[q16_code(bits, p[i])] * x[p[i]];
         lanes[l] = s;
     }
 }
 
 #ifdef Q8_AVX2
-static inline __m256i q16_lanes_avx2(const uint8_t *p, const int16_t *x, const q8_unpacker *u) {
-    const __m256i v = q8_window(p, u->bits);
-    const int down = 16 - u->bits;
-    const __m256i lo = _mm256_srli_epi16(_mm256_mullo_epi16(_mm256_shuffle_epi8(v, u->shuffle_lo), u->mul_lo), down);
-    const __m256i hi = _mm256_srli_epi16(_mm256_mullo_epi16(_mm256_shuffle_epi8(v, u->shuffle_hi), u->mul_hi), down);
+/* A block's 32 codes in two registers of 16-bit lanes (q16_code's order): 2 and 4 bits by masks
+ * and shifts of the bytes in place (2 bits: the 8 bytes broadcast, one shift a qword; 4 bits:
+ * the 16 bytes, and shifted by a nibble), other widths by unpack32_words. */
+static inline __attribute__((always_inline)) void q16_unpack(const uint8_t *p, int bits,
+                                                             const q8_unpacker *u, __m256i *lo,
+                                                             __m256i *hi) {
+    if (bits == 2 || bits == 4) {
+        __m256i v;
+        if (bits == 2) {
+            int64_t w;
+            memcpy(&w, p, sizeof w);
+            v = _mm256_srlv_epi64(_mm256_set1_epi64x(w), _mm256_setr_epi64x(0, 2, 4, 6));
+        } else {
+            const __m128i b = _mm_loadu_si128((const __m128i *)p);
+            v = _mm256_inserti128_si256(_mm256_castsi128_si256(b), _mm_srli_epi16(b, 4), 1);
+        }
+        const __m256i mask = _mm256_set1_epi16((int16_t)((1 << bits) - 1));
+        *lo = _mm256_and_si256(v, mask);
+        *hi = _mm256_and_si256(_mm256_srli_epi16(v, 8), mask);
+        return;
+    }
+    unpack32_words(p, bits, u, lo, hi);
+}
+
+static inline __attribute__((always_inline)) __m256i q16_lanes_avx2(const uint8_t *p, int bits,
+                                                                    const int16_t *x,
+                                                                    const q8_unpacker *u) {
+    __m256i lo, hi;
+    q16_unpack(p, bits, u, &lo, &hi);
     return _mm256_add_epi32(_mm256_madd_epi16(lo, _mm256_loadu_si256((const __m256i *)x)),
                             _mm256_madd_epi16(hi, _mm256_loadu_si256((const __m256i *)(x + 16))));
 }
@@ -656,25 +719,35 @@ typedef struct {
     int32_t *dots; /* dq_q16_group_dots: the per-group integer sums instead of y (one token) */
 } q16_job;
 
-/* A block's 8 integer lanes: AVX2 or portable (the same integers). */
-static inline void q16_block(const q16_job *j, const uint8_t *bytes, const int16_t *x,
-                             int32_t *lanes, const void *u) {
+/* A group's 8 integer lanes summed over its blocks: AVX2 or portable (the same integers). */
+static inline void q16_group_lanes(const q16_job *j, const uint8_t *bytes, const int16_t *x,
+                                   int32_t *lanes, const void *u) {
+    const int64_t blocks = j->gs / Q8_BLOCK, block_bytes = Q8_BLOCK * j->bits / 8;
 #ifdef Q8_AVX2
     if (!j->portable) {
-        _mm256_storeu_si256((__m256i *)lanes, q16_lanes_avx2(bytes, x, (const q8_unpacker *)u));
+        __m256i total = _mm256_setzero_si256();
+        for (int64_t b = 0; b < blocks; b++)
+            total = _mm256_add_epi32(total, q16_lanes_avx2(bytes + b * block_bytes,
+                                                           j->bits, x + b * Q8_BLOCK,
+                                                           (const q8_unpacker *)u));
+        _mm256_storeu_si256((__m256i *)lanes, total);
         return;
     }
 #endif
     (void)u;
-    q16_lanes_portable(bytes, j->bits, x, lanes);
+    memset(lanes, 0, 8 * sizeof *lanes);
+    for (int64_t b = 0; b < blocks; b++) {
+        int32_t one[8];
+        q16_lanes_portable(bytes + b * block_bytes, j->bits, x + b * Q8_BLOCK, one);
+        for (int l = 0; l < 8; l++) lanes[l] += one[l];
+    }
 }
 
 /* Rows [lo, hi) of one token, as the int8 product's rows (one at a time; the float parts in the
  * same order in every build: C arrays of 8 lanes). */
 static void q16_rows_token(const q16_job *j, const int16_t *xq, const float *d,
                            const float *xsum, float *y, int32_t *dots, int64_t lo, int64_t hi) {
-    const int64_t groups = j->padded_n / j->gs, blocks = j->gs / Q8_BLOCK;
-    const int64_t block_bytes = Q8_BLOCK * j->bits / 8, group_nbytes = j->gs * j->bits / 8;
+    const int64_t groups = j->padded_n / j->gs, group_nbytes = j->gs * j->bits / 8;
     uint8_t spare[MAX_GROUP + 32];
 #ifdef Q8_AVX2
     const q8_unpacker unpacker = make_q8_unpacker(j->bits);
@@ -692,23 +765,16 @@ static void q16_rows_token(const q16_job *j, const int16_t *xq, const float *d,
                 bytes = spare;
             }
             prefetch_codes(bytes);
-            float gacc[8] = {0};
-            int32_t total = 0;
-            for (int64_t b = 0; b < blocks; b++) {
-                const int64_t k = g * blocks + b;
-                int32_t lanes[8];
-                q16_block(j, bytes + b * block_bytes, xq + k * Q8_BLOCK, lanes, u);
-                for (int l = 0; l < 8; l++) {
-                    gacc[l] += d[k] * (float)lanes[l];
-                    total += lanes[l];
-                }
-            }
+            int32_t lanes[8];
+            q16_group_lanes(j, bytes, xq + g * j->gs, lanes, u);
             if (dots) {
+                int32_t total = 0;
+                for (int l = 0; l < 8; l++) total += lanes[l];
                 dots[r * groups + g] = total;
                 continue;
             }
-            const float s = bf16_value(j->scales[r * groups + g]);
-            for (int l = 0; l < 8; l++) acc[l] += s * gacc[l];
+            const float t = d[g] * bf16_value(j->scales[r * groups + g]);
+            for (int l = 0; l < 8; l++) acc[l] += t * (float)lanes[l];
             o_sum += bf16_value(j->offsets[r * groups + g]) * xsum[g];
         }
         if (!dots) y[r] = lane_sum8_portable(acc) + o_sum;
@@ -717,7 +783,7 @@ static void q16_rows_token(const q16_job *j, const int16_t *xq, const float *d,
 
 #ifdef Q8_AVX2
 /* q16_rows_token's rows in registers (the same operations in the same order), `bits` a
- * constant after inlining. */
+ * constant after inlining; two rows at a time, as the int8 rows. */
 static inline __attribute__((always_inline)) void q16_rows_avx2_bits(
     const q16_job *j, const int16_t *xq, const float *d, const float *xsum, float *y,
     int64_t lo, int64_t hi, int bits) {
@@ -725,7 +791,7 @@ static inline __attribute__((always_inline)) void q16_rows_avx2_bits(
     const int64_t block_bytes = Q8_BLOCK * bits / 8, group_nbytes = j->gs * bits / 8;
     const q8_unpacker u = make_q8_unpacker(bits);
     uint8_t spare[MAX_GROUP + 32];
-    for (int64_t r = lo; r < hi; r += 2) { /* two rows at a time, as the int8 rows */
+    for (int64_t r = lo; r < hi; r += 2) {
         const int two = r + 1 < hi;
         __m256 acc0 = _mm256_setzero_ps(), acc1 = _mm256_setzero_ps();
         float o0 = 0.0f, o1 = 0.0f;
@@ -739,18 +805,19 @@ static inline __attribute__((always_inline)) void q16_rows_avx2_bits(
             }
             prefetch_codes(b0);
             if (two) prefetch_codes(b1);
-            __m256 g0 = _mm256_setzero_ps(), g1 = _mm256_setzero_ps();
+            const int16_t *xg = xq + g * j->gs;
+            __m256i l0 = _mm256_setzero_si256(), l1 = _mm256_setzero_si256();
             for (int64_t b = 0; b < blocks; b++) {
-                const int64_t k = g * blocks + b;
-                const __m256 dk = _mm256_set1_ps(d[k]);
-                g0 = add_block(g0, q16_lanes_avx2(b0 + b * block_bytes, xq + k * Q8_BLOCK, &u), dk);
+                l0 = _mm256_add_epi32(l0, q16_lanes_avx2(b0 + b * block_bytes, bits, xg + b * Q8_BLOCK, &u));
                 if (two)
-                    g1 = add_block(g1, q16_lanes_avx2(b1 + b * block_bytes, xq + k * Q8_BLOCK, &u), dk);
+                    l1 = _mm256_add_epi32(l1, q16_lanes_avx2(b1 + b * block_bytes, bits, xg + b * Q8_BLOCK, &u));
             }
-            add_group(&acc0, g0, j->scales[r * groups + g]);
+            const float t0 = d[g] * bf16_value(j->scales[r * groups + g]);
+            acc0 = _mm256_add_ps(acc0, _mm256_mul_ps(_mm256_set1_ps(t0), _mm256_cvtepi32_ps(l0)));
             o0 += bf16_value(j->offsets[r * groups + g]) * xsum[g];
             if (two) {
-                add_group(&acc1, g1, j->scales[(r + 1) * groups + g]);
+                const float t1 = d[g] * bf16_value(j->scales[(r + 1) * groups + g]);
+                acc1 = _mm256_add_ps(acc1, _mm256_mul_ps(_mm256_set1_ps(t1), _mm256_cvtepi32_ps(l1)));
                 o1 += bf16_value(j->offsets[(r + 1) * groups + g]) * xsum[g];
             }
         }
@@ -773,10 +840,10 @@ static void q16_rows_avx2(const q16_job *j, const int16_t *xq, const float *d,
 
 static int q16_rows(const void *ctx, int64_t lo, int64_t hi) {
     const q16_job *j = ctx;
-    const int64_t blocks = j->padded_n / Q8_BLOCK, groups = j->padded_n / j->gs;
+    const int64_t groups = j->padded_n / j->gs;
     for (int64_t t = 0; t < j->m; t++) {
         const int16_t *xq = j->x.xq + t * j->padded_n;
-        const float *d = j->x.d + t * blocks, *xsum = j->x.xsum + t * groups;
+        const float *d = j->x.d + t * groups, *xsum = j->x.xsum + t * groups;
         float *y = j->y ? j->y + t * j->y_stride : NULL;
 #ifdef Q8_AVX2
         if (!j->portable && !j->dots) {
@@ -798,15 +865,14 @@ static int q16_supported(int64_t gs, int bits) {
 int dq_q16_group_dots(const uint32_t *qweight, int64_t rows, int64_t padded_n, int64_t gs,
                       int bits, const int16_t *xq, int32_t *dots, int portable) {
     if (!q16_supported(gs, bits)) return -1;
-    float *d = calloc((size_t)(padded_n / Q8_BLOCK + padded_n / gs), sizeof(float));
+    float *d = calloc((size_t)(2 * (padded_n / gs)), sizeof(float));
     int16_t *ordered = malloc((size_t)padded_n * sizeof(int16_t));
     int rc = -1;
     if (d && ordered) {
-        for (int64_t b = 0; b < padded_n; b += Q8_BLOCK)
-            for (int p = 0; p < Q8_BLOCK; p++) ordered[b + p] = xq[b + q16_order(p)];
+        q16_permute(xq, padded_n, bits, ordered);
         const q16_job j = {.qweight = qweight, .padded_n = padded_n, .gs = gs, .bits = bits,
                            .portable = portable,
-                           .x = {.xq = ordered, .d = d, .xsum = d + padded_n / Q8_BLOCK}, .m = 1,
+                           .x = {.xq = ordered, .d = d, .xsum = d + padded_n / gs}, .m = 1,
                            .dots = dots};
         rc = q16_rows(&j, 0, rows);
     }
@@ -820,7 +886,7 @@ int dq_matvec_q16_mt(const uint32_t *qweight, const uint16_t *scales, const uint
                      int64_t rows, int64_t padded_n, int64_t gs, int bits, const float *x,
                      int64_t m, float *y, int64_t y_stride, int portable, int threads) {
     q16_tokens tokens;
-    if (!q16_supported(gs, bits) || !(tokens = q16_quantize_tokens(x, m, padded_n, gs)).d)
+    if (!q16_supported(gs, bits) || !(tokens = q16_quantize_tokens(x, m, padded_n, gs, bits)).d)
         return -1;
     const q16_job j = {.qweight = qweight, .scales = scales, .offsets = offsets,
                        .padded_n = padded_n, .gs = gs, .bits = bits, .portable = portable,
