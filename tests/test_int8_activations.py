@@ -142,25 +142,28 @@ def test_modules_multiply_with_int8_activations_when_asked():
         assert torch.equal(lin(one), expect)
 
 
-def test_an_expert_banks_pairs_use_int8_activations_when_asked():
+@pytest.mark.parametrize("kind", ["int8", "int16"])
+def test_an_expert_banks_pairs_use_integer_activations_when_asked(kind):
+    bits = 4 if kind == "int8" else 3  # auto's choice for each
     w = torch.randn(5, 64, 200, generator=torch.Generator().manual_seed(4))
-    qt = quantize_tensor(w, 4)
-    bank = QuantExpertBank(LayerLayout.create((5, 64, 200), 4, 128), torch.float32)
+    qt = quantize_tensor(w, bits)
+    bank = QuantExpertBank(LayerLayout.create((5, 64, 200), bits, 128), torch.float32)
     bank.qweight, bank.scales, bank.offsets = qt.qweight, qt.scales, qt.offsets
-    bank.int8_activations = True
+    bank.int8_activations, bank.int16_activations = kind == "int8", kind == "int16"
+    product = packed_matvec_q8 if kind == "int8" else packed_matvec_q16
     ids = torch.tensor([4, 0, 4, 2])
     x = torch.randn(4, 200, generator=torch.Generator().manual_seed(5))
     got = bank.pairs_linear(x, ids)
     per = qt.qweight.shape[0] // 5
     for p, e in enumerate(ids.tolist()):
         rows = slice(e * per, (e + 1) * per)
-        want = packed_matvec_q8(x[p:p + 1], qt.qweight[rows], qt.scales[rows], qt.offsets[rows],
-                                bank.layout)
+        want = product(x[p:p + 1], qt.qweight[rows], qt.scales[rows], qt.offsets[rows],
+                       bank.layout)
         assert torch.equal(got[p], want[0])
-    assert "pairs-True-int8" in bank._kept_calls
+    assert f"pairs-True-{kind}" in bank._kept_calls
     out = torch.randn(4, 64)  # x @ W[e] contracts over rows: float32 products stay
     bank_float = bank.pairs_matmul(out, ids)
-    bank.int8_activations = False
+    bank.int8_activations = bank.int16_activations = False
     assert torch.equal(bank.pairs_matmul(out, ids), bank_float)
 
 

@@ -484,10 +484,12 @@ class ExpertPairs:
     in one argument block (``dq_experts_one``, which checks the expert indices itself and pads
     a copy of x where the layout pads the inputs). A decode step calls it once per bank. Same
     kernels, same bits; ``int8`` (``along_groups`` only): the int8-activation products, each pair
-    equal to :func:`packed_matvec_q8` of its expert."""
+    equal to :func:`packed_matvec_q8` of its expert; ``int16`` the same with int16 activations
+    (:func:`packed_matvec_q16`, widths 2-6)."""
 
     def __init__(self, qweight: torch.Tensor, scales: torch.Tensor, offsets: torch.Tensor,
-                 layout: LayerLayout, along_groups: bool, int8: bool = False) -> None:
+                 layout: LayerLayout, along_groups: bool, int8: bool = False,
+                 int16: bool = False) -> None:
         per = _expert_rows(layout)
         native.check_packed_block(qweight[:per], scales[:per], offsets[:per], layout.bits,
                                   layout.group_size, layout.in_features)
@@ -501,7 +503,8 @@ class ExpertPairs:
         self.args = (ctypes.c_int64 * 12)(qweight.data_ptr(), scales.data_ptr(),
                                           offsets.data_ptr(), per, n, layout.group_size,
                                           layout.bits, layout.logical_shape[0],
-                                          (2 if int8 else 0) if along_groups else 1, least,
+                                          (2 if int8 else 3 if int16 else 0)
+                                          if along_groups else 1, least,
                                           native.kernel_threads(), layout.in_features)
         self.address = ctypes.addressof(self.args)
 

@@ -374,8 +374,10 @@ class QuantExpertBank(PackedWeight):
         if lib is None:
             return None
         int8 = along_groups and self.int8_activations
-        fast = self._kept(f"pairs-{along_groups}" + ("-int8" if int8 else ""),
-                          lambda q, s, o: ExpertPairs(q, s, o, self.layout, along_groups, int8))
+        int16 = along_groups and self._int16()
+        fast = self._kept(f"pairs-{along_groups}" + ("-int8" if int8 else "-int16" if int16 else ""),
+                          lambda q, s, o: ExpertPairs(q, s, o, self.layout, along_groups, int8,
+                                                      int16))
         return None if fast is None else (fast, lib)
 
     def pairs_linear(self, x: torch.Tensor, experts: torch.Tensor) -> torch.Tensor | None:

@@ -896,6 +896,52 @@ int dq_matvec_q16_mt(const uint32_t *qweight, const uint16_t *scales, const uint
     return rc;
 }
 
+/* dq_matvec_q8_experts_mt with int16 activations (widths 2-6): each pair's row equals
+ * dq_matvec_q16_mt of that expert alone. */
+typedef struct {
+    q16_job job;
+    const int64_t *experts;
+    int64_t rows_per_expert;
+} q16_pairs_job;
+
+static int q16_pairs_rows(const void *ctx, int64_t lo, int64_t hi) {
+    const q16_pairs_job *pj = ctx;
+    const q16_job *j = &pj->job;
+    const int64_t groups = j->padded_n / j->gs, words = j->bits * j->gs / 32;
+    for (int64_t p = 0; p < j->m; p++) {
+        const int64_t first = pj->experts[p] * pj->rows_per_expert;
+        q16_job one = *j;
+        one.qweight = j->qweight + first * groups * words;
+        one.scales = j->scales + first * groups;
+        one.offsets = j->offsets + first * groups;
+        one.x.xq = j->x.xq + p * j->padded_n;
+        one.x.d = j->x.d + p * groups;
+        one.x.xsum = j->x.xsum + p * groups;
+        one.m = 1;
+        one.y = j->y + p * j->y_stride;
+        q16_rows(&one, lo, hi);
+    }
+    return 0;
+}
+
+int dq_matvec_q16_experts_mt(const uint32_t *qweight, const uint16_t *scales,
+                             const uint16_t *offsets, int64_t rows_per_expert, int64_t padded_n,
+                             int64_t gs, int bits, const int64_t *experts, int64_t pairs,
+                             const float *x, float *y, int threads) {
+    q16_tokens tokens;
+    if (!q16_supported(gs, bits) ||
+        !(tokens = q16_quantize_tokens(x, pairs, padded_n, gs, bits)).d)
+        return -1;
+    const q16_pairs_job pj = {
+        .job = {.qweight = qweight, .scales = scales, .offsets = offsets, .padded_n = padded_n,
+                .gs = gs, .bits = bits, .x = tokens, .m = pairs, .y = y,
+                .y_stride = rows_per_expert},
+        .experts = experts, .rows_per_expert = rows_per_expert};
+    const int rc = dq_parallel(q16_pairs_rows, &pj, rows_per_expert, threads);
+    free((void *)tokens.d);
+    return rc;
+}
+
 /* dq_matvec_q8_one with int16 activations. */
 int dq_matvec_q16_one(const int64_t *a, const float *x, float *y) {
     return dq_one_token(dq_matvec_q16_mt, a, x, y);
