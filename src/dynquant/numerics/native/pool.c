@@ -2,12 +2,16 @@
  * Python thread pool costs ~50 us (submit, wake, result), as much as the part itself; here a
  * worker that is waiting takes a new job within a microsecond.
  *
- * Waiting is bounded: a worker (and the caller, for the workers' results) spins for at most
- * SPIN_NS, then sleeps on a condition variable, so an idle pool or a machine shared with other
- * processes costs no CPU beyond that (never an unbounded spin). SPIN_NS = 20 us: as fast as longer spins on
- * the seed architecture's decode, and less in the way of torch's own threads and of other
- * processes (`benchmarks/demo_under_load.py`). Jobs are run one at a time (callers are serialised by a mutex); the caller takes part 0 itself. A forked child starts with
- * no workers (pthread_atfork) and makes its own on first use.
+ * A job's range is cut into a few chunks per thread that the threads take in turn (an atomic
+ * claim), so a thread that starts late or is descheduled (a VM's vCPU, another process) leaves
+ * its chunks to the others instead of holding up the caller; the kernels' results do not depend
+ * on how their range is cut. Waiting is bounded: a worker (and the caller, for the last chunks)
+ * spins for at most SPIN_NS, then sleeps on a condition variable, so an idle pool or a machine
+ * shared with other processes costs no CPU beyond that (never an unbounded spin). SPIN_NS =
+ * 20 us: as fast as longer spins on the seed architecture's decode, and less in the way of
+ * torch's own threads and of other processes (`benchmarks/demo_under_load.py`). Jobs are run one
+ * at a time (callers are serialised by a mutex); the caller takes chunks too. A forked child
+ * starts with no workers (pthread_atfork) and makes its own on first use.
  */
 #define _GNU_SOURCE
 #include <pthread.h>
@@ -25,16 +29,27 @@
 
 #define MAX_WORKERS 63
 #define SPIN_NS 20000
+/* Chunks per thread of a job (at most one a unit of its range). */
+#define CHUNKS_PER_THREAD 4
+
+/* The claim word: generation (32 bits) | threads (8) | chunks (12) | next chunk (12), so that a
+ * claim is for one job's chunks and no thread can take a chunk of a job it did not see. */
+#define CLAIM(gen, threads, chunks, next) \
+    (((uint64_t)(gen) << 32) | ((uint64_t)(threads) << 24) | ((uint64_t)(chunks) << 12) | (next))
+#define CLAIM_GEN(v) ((unsigned)((v) >> 32))
+#define CLAIM_THREADS(v) ((int)(((v) >> 24) & 0xFF))
+#define CLAIM_CHUNKS(v) ((int64_t)(((v) >> 12) & 0xFFF))
+#define CLAIM_NEXT(v) ((int64_t)((v) & 0xFFF))
 
 static struct {
     pthread_mutex_t run_lock;  /* one job at a time */
     pthread_mutex_t mu;
     pthread_cond_t job_cv, done_cv;
     atomic_uint generation;    /* bumped for every job */
-    atomic_int pending;        /* parts not yet finished */
+    _Atomic uint64_t claim;    /* CLAIM(...) of the current job */
+    atomic_int done;           /* its chunks finished */
     atomic_int rc;
     int workers;               /* started */
-    int parts;                 /* of the current job */
     dq_range_fn fn;
     const void *ctx;
     int64_t n;
@@ -47,10 +62,27 @@ static int64_t now_ns(void) {
     return (int64_t)ts.tv_sec * 1000000000 + ts.tv_nsec;
 }
 
-static void run_part(int part) {
-    const int64_t lo = P.n * part / P.parts, hi = P.n * (part + 1) / P.parts;
-    const int r = lo < hi ? P.fn(P.ctx, lo, hi) : 0;
-    if (r) atomic_store(&P.rc, r);
+/* Take and run chunks of job `gen` until none is left (thread `part`: 0 is the caller). A chunk
+ * once claimed keeps its job's fn, ctx and n in place: the caller waits for every chunk. */
+static void run_chunks(unsigned gen, int part) {
+    uint64_t v = atomic_load_explicit(&P.claim, memory_order_acquire);
+    for (;;) {
+        if (CLAIM_GEN(v) != gen || part >= CLAIM_THREADS(v) || CLAIM_NEXT(v) >= CLAIM_CHUNKS(v))
+            return;
+        if (!atomic_compare_exchange_weak_explicit(&P.claim, &v, v + 1, memory_order_acq_rel,
+                                                   memory_order_acquire))
+            continue;
+        const int64_t chunks = CLAIM_CHUNKS(v), c = CLAIM_NEXT(v);
+        const int64_t lo = P.n * c / chunks, hi = P.n * (c + 1) / chunks;
+        const int r = lo < hi ? P.fn(P.ctx, lo, hi) : 0;
+        if (r) atomic_store(&P.rc, r);
+        if (atomic_fetch_add_explicit(&P.done, 1, memory_order_acq_rel) + 1 == chunks) {
+            pthread_mutex_lock(&P.mu);
+            pthread_cond_signal(&P.done_cv);
+            pthread_mutex_unlock(&P.mu);
+        }
+        v = atomic_load_explicit(&P.claim, memory_order_acquire);
+    }
 }
 
 /* The generation each worker was started at: it may first run after the job it was started for
@@ -74,14 +106,7 @@ static void *worker(void *arg) {
             }
         }
         seen = g;
-        if (part < P.parts) {
-            run_part(part);
-            if (atomic_fetch_sub_explicit(&P.pending, 1, memory_order_acq_rel) == 1) {
-                pthread_mutex_lock(&P.mu);
-                pthread_cond_signal(&P.done_cv);
-                pthread_mutex_unlock(&P.mu);
-            }
-        }
+        run_chunks(g, part);
     }
     return NULL;
 }
@@ -115,33 +140,36 @@ static void start_workers(int count) {
     }
 }
 
-/* fn(ctx, lo, hi) over [0, n) cut into `threads` parts (at most n); returns the first non-zero
- * status of a part, else 0. */
+/* fn(ctx, lo, hi) over [0, n) on `threads` threads (at most n), in chunks; returns the first
+ * non-zero status of a chunk, else 0. */
 int dq_parallel(dq_range_fn fn, const void *ctx, int64_t n, int threads) {
     if (threads > n) threads = (int)n;
     if (threads > MAX_WORKERS + 1) threads = MAX_WORKERS + 1;
     if (threads <= 1) return n > 0 ? fn(ctx, 0, n) : 0;
     pthread_mutex_lock(&P.run_lock);
     start_workers(threads - 1);
-    const int parts = P.workers + 1 < threads ? P.workers + 1 : threads;
+    if (P.workers + 1 < threads) threads = P.workers + 1;
+    const int64_t chunks = n < (int64_t)threads * CHUNKS_PER_THREAD ? n
+                                                                     : threads * CHUNKS_PER_THREAD;
     P.fn = fn;
     P.ctx = ctx;
     P.n = n;
-    P.parts = parts;
     atomic_store(&P.rc, 0);
-    atomic_store(&P.pending, parts - 1);
+    atomic_store(&P.done, 0);
+    const unsigned gen = atomic_load(&P.generation) + 1;
+    atomic_store_explicit(&P.claim, CLAIM(gen, threads, chunks, 0), memory_order_release);
     pthread_mutex_lock(&P.mu);
-    atomic_fetch_add_explicit(&P.generation, 1, memory_order_release);
+    atomic_store_explicit(&P.generation, gen, memory_order_release);
     pthread_cond_broadcast(&P.job_cv);
     pthread_mutex_unlock(&P.mu);
-    run_part(0);
+    run_chunks(gen, 0);
     const int64_t start = now_ns();
     int spins = 0;
-    while (atomic_load_explicit(&P.pending, memory_order_acquire) > 0) {
+    while (atomic_load_explicit(&P.done, memory_order_acquire) < chunks) {
         CPU_RELAX();
         if (++spins % 64 == 0 && now_ns() - start > SPIN_NS) {
             pthread_mutex_lock(&P.mu);
-            while (atomic_load(&P.pending) > 0) pthread_cond_wait(&P.done_cv, &P.mu);
+            while (atomic_load(&P.done) < chunks) pthread_cond_wait(&P.done_cv, &P.mu);
             pthread_mutex_unlock(&P.mu);
         }
     }
