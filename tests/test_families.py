@@ -167,10 +167,10 @@ def _greedy(model, ids, steps: int = 6):
 
 @pytest.mark.parametrize("family", FAMILIES)
 def test_native_decode_steps_give_the_eager_tokens(quantized, family, monkeypatch):
-    """Llama, Qwen3 and the MoE Qwen3-MoE, Mixtral and OLMoE decode natively (one C call a
-    step), the others (LFM2, LFM2-MoE, the reference architecture) fall back to transformers'
-    forward; greedy tokens equal the eager path's either way (float32), and so do the logits up
-    to float32 summation order."""
+    """Llama, Qwen3, LFM2 (attention and short-convolution layers) and the MoE Qwen3-MoE,
+    Mixtral and OLMoE decode natively (one C call a step), the others (LFM2-MoE, the reference
+    architecture) fall back to transformers' forward; greedy tokens equal the eager path's either
+    way (float32), and so do the logits up to float32 summation order."""
     from dynquant.runtime.native_decode import FAMILIES as NATIVE
     from dynquant.runtime.native_decode import has_native_decode
 
@@ -207,12 +207,14 @@ def test_int8_activations_stay_close_to_float_ones(quantized, family):
         assert torch.equal(int8_logits[0], float_logits[0])
 
 
-def test_native_steps_hand_their_cache_back_to_transformers(quantized, monkeypatch):
+@pytest.mark.parametrize("family", ["llama", "lfm2"])
+def test_native_steps_hand_their_cache_back_to_transformers(quantized, family, monkeypatch):
     """A cache continued by native steps and then by a prefill-sized forward (which transformers
-    runs) gives that forward the same logits as an all-eager run."""
+    runs) gives that forward the same logits as an all-eager run: keys and values, and LFM2's
+    convolution states, written back."""
     from transformers.cache_utils import DynamicCache
 
-    _, ck_dir, _, _ = quantized["llama"]
+    _, ck_dir, _, _ = quantized[family]
     model = load(ck_dir, dtype=torch.float32)
     ids = torch.randint(0, 384, (1, 12), generator=torch.Generator().manual_seed(4))
 

@@ -1,21 +1,22 @@
-"""Decode steps of Llama-style models (Llama, Qwen3, and the MoE Qwen3-MoE, Mixtral, OLMoE) in
-one native call a token.
+"""Decode steps of Llama-style models (Llama, Qwen3, the MoE Qwen3-MoE, Mixtral, OLMoE, and LFM2
+with its gated short convolutions) in one native call a token.
 
 Through transformers' modules a decode step pays a Python dispatch for every norm, rotary,
 cat, attention and module call: on small models more than the products themselves. Here the
 model's ``forward`` is wrapped: a one-token forward that continues a ``DynamicCache`` (what
 ``generate`` does at every step) runs ``dq_llama_step`` (``numerics/native/decode_step.c``): all
-layers, the final norm and the head in C, the products by dynquant's one-token kernels (int8 or
-float32 activations, as the model's packed modules are set) with keys and values kept in a
-float32 cache of its own. Everything else (prefill, batches, gradients, other caches, attention
-or hidden-state outputs) runs transformers' forward, as does any model this module does not
-recognise. So ``generate`` keeps all of its features (sampling, streamers, stopping criteria):
+layers, the final norm and the head in C, the products by dynquant's one-token kernels (int8,
+int16 or float32 activations, as the model's packed modules are set) with keys and values (and
+LFM2's convolution states) kept in a float32 cache of its own. Everything else (prefill, batches,
+gradients, other caches, attention or hidden-state outputs) runs transformers' forward, as does
+any model this module does not recognise. So ``generate`` keeps all of its features (sampling, streamers, stopping criteria):
 only its model calls change.
 
 The cache: at the first native step of a ``DynamicCache`` its keys and values (the prompt's,
-from the eager prefill) are copied in; later steps append to the native copy alone. A forward
-that is not a native step and meets such a cache first writes the native keys and values back
-into it, so a cache stays correct for anything that continues it through ``forward``.
+from the eager prefill) and convolution states are copied in; later steps advance the native
+copy alone. A forward that is not a native step and meets such a cache first writes the native
+keys, values and states back into it, so a cache stays correct for anything that continues it
+through ``forward``.
 
 ``DYNQUANT_NATIVE_DECODE=0`` switches the native steps off.
 """
@@ -37,7 +38,9 @@ from dynquant.numerics import native
 from dynquant.runtime.packed_modules import PackedWeight, QuantExpertBank, TiedQuantHead
 from dynquant.runtime.stored_linear import StoredLinear
 
-FAMILIES = ("llama", "qwen3", "qwen3_moe", "mixtral", "olmoe")
+FAMILIES = ("llama", "qwen3", "qwen3_moe", "mixtral", "olmoe", "lfm2")
+# the layer types a family's native step runs (LFM2: attention and short convolutions)
+LAYER_TYPES = {"lfm2": ("full_attention", "conv")}
 LAYER_SLOTS = 22  # decode_step.c's layer descriptor
 # transformers' gated activation of fused experts, act(gate) * up on [gate; up] (what the native
 # step computes); an experts class with its own is not run natively
@@ -59,19 +62,55 @@ def supports(config: Any) -> bool:
     if getattr(config, "hidden_act", "silu") != "silu":
         return False
     types = getattr(config, "layer_types", None) or []
-    if any(t != "full_attention" for t in types):
+    allowed = LAYER_TYPES.get(config.model_type, ("full_attention",))
+    if any(t not in allowed for t in types):
         return False
     rope = (getattr(config, "rope_parameters", None) or {}).get("rope_type", "default")
     return rope in STATIC_ROPE
+
+
+def _indices(flags: list[bool]) -> list[int | None]:
+    """Each flagged position's index among the flagged ones (None where not flagged)."""
+    count, out = 0, []
+    for flag in flags:
+        out.append(count if flag else None)
+        count += flag
+    return out
 
 
 def _int64s(values: list[int]) -> ctypes.Array:
     return (ctypes.c_int64 * len(values))(*values)
 
 
+class _Layer:
+    """A decoder layer's parts under one set of names: Llama-style (``input_layernorm``,
+    ``self_attn`` with ``o_proj`` and ``q_norm``/``k_norm``, ``post_attention_layernorm``, ``mlp``
+    with ``gate_proj``/``up_proj``/``down_proj`` or routed experts) or LFM2's
+    (``operator_norm``, ``self_attn`` with ``out_proj`` and ``q_layernorm``/``k_layernorm``, or
+    ``conv``; ``ffn_norm``; ``feed_forward`` with ``w1``/``w3``/``w2``)."""
+
+    def __init__(self, layer: nn.Module) -> None:
+        lfm2 = hasattr(layer, "operator_norm")
+        self.norm = layer.operator_norm if lfm2 else layer.input_layernorm
+        self.mlp_norm = layer.ffn_norm if lfm2 else layer.post_attention_layernorm
+        self.attn = getattr(layer, "self_attn", None)
+        self.conv = getattr(layer, "conv", None) if lfm2 else None
+        if self.attn is not None:
+            self.out_proj = self.attn.out_proj if lfm2 else self.attn.o_proj
+            self.q_norm = getattr(self.attn, "q_layernorm" if lfm2 else "q_norm", None)
+            self.k_norm = getattr(self.attn, "k_layernorm" if lfm2 else "k_norm", None)
+        self.mlp = layer.feed_forward if lfm2 else layer.mlp
+        self.dense_mlp = ((self.mlp.w1, self.mlp.w3, self.mlp.w2) if lfm2 else
+                          None if hasattr(self.mlp, "experts") else
+                          (self.mlp.gate_proj, self.mlp.up_proj, self.mlp.down_proj))
+
+
 class _Program:
     """The descriptors ``dq_llama_step`` reads, for one model and cache capacity, with every
-    tensor they point into kept alive (``keep``)."""
+    tensor they point into kept alive (``keep``): keys and values for the attention layers
+    (``k``, ``v``: [attention layers, capacity, kv_heads, head_dim], ``attention[i]`` the index of
+    layer i or None) and the states of the convolution layers (``conv``: [convolution layers,
+    hidden, K], ``convolution[i]``)."""
 
     def __init__(self, model: nn.Module, capacity: int) -> None:
         cfg, core = model.config, model.model
@@ -81,39 +120,67 @@ class _Program:
         self.head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // self.heads
         self.hidden = cfg.hidden_size
         self.capacity = capacity
-        nl = cfg.num_hidden_layers
-        self.k = torch.zeros(nl, capacity, self.kv_heads, self.head_dim)
+        parts = [_Layer(layer) for layer in core.layers]
+        self.attention = _indices([p.attn is not None for p in parts])
+        self.convolution = _indices([p.conv is not None for p in parts])
+        if any(a is None and c is None for a, c in zip(self.attention, self.convolution,
+                                                    strict=True)):
+            raise _Unsupported("a layer that is neither attention nor a short convolution")
+        kernel = max((p.conv.conv.kernel_size[0] for p in parts if p.conv is not None), default=1)
+        self.k = torch.zeros(sum(a is not None for a in self.attention), capacity,
+                             self.kv_heads, self.head_dim)
         self.v = torch.zeros_like(self.k)
+        self.conv = torch.zeros(sum(c is not None for c in self.convolution), self.hidden, kernel)
         layers: list[int] = []
-        for i, layer in enumerate(core.layers):
-            att = layer.self_attn
-            q_norm = getattr(att, "q_norm", None)
-            full_qk_norm = q_norm is not None and q_norm.weight.numel() != self.head_dim
-            layers += [self._norm(layer.input_layernorm), *map(self._product, (
-                att.q_proj, att.k_proj, att.v_proj, att.o_proj)),
-                self._norm(q_norm), self._norm(getattr(att, "k_norm", None)),
-                self._norm(layer.post_attention_layernorm), *self._mlp(layer.mlp),
-                int(full_qk_norm), 0]
-            layers[-LAYER_SLOTS + 11:-LAYER_SLOTS + 13] = [self.k[i].data_ptr(),
-                                                           self.v[i].data_ptr()]
+        for i, part in enumerate(parts):
+            slots, full_qk_norm, kind, state = (
+                self._attention(part, self.attention[i]) if part.attn is not None
+                else self._convolution(part, self.convolution[i]))
+            layers += [self._norm(part.norm), *slots, self._norm(part.mlp_norm),
+                       *self._mlp(part), full_qk_norm, kind]
+            layers[-LAYER_SLOTS + 11:-LAYER_SLOTS + 13] = state
         rotary = core.rotary_emb
         inv_freq = rotary.inv_freq.detach().float().contiguous()
         self.keep.append(inv_freq)
         self.layers = _int64s(layers)
-        self.model = _int64s([nl, self.hidden, self.heads, self.kv_heads, self.head_dim,
-                              cfg.intermediate_size, self._norm(core.norm),
-                              self._product(model.lm_head), inv_freq.data_ptr(), capacity])
+        final_norm = core.embedding_norm if hasattr(core, "embedding_norm") else core.norm
+        inter = max((p.dense_mlp[0].out_features for p in parts if p.dense_mlp is not None),
+                    default=getattr(cfg, "intermediate_size", 0))
+        self.model = _int64s([len(parts), self.hidden, self.heads, self.kv_heads, self.head_dim,
+                              inter, self._norm(final_norm), self._product(model.lm_head),
+                              inv_freq.data_ptr(), capacity])
         self.vocab = self._rows(model.lm_head)
-        self.scalars = (ctypes.c_float * 3)(cfg.rms_norm_eps, float(rotary.attention_scaling),
+        eps = getattr(cfg, "rms_norm_eps", None) or cfg.norm_eps
+        self.scalars = (ctypes.c_float * 3)(eps, float(rotary.attention_scaling),
                                             self.head_dim ** -0.5)
 
-    def _mlp(self, mlp: nn.Module) -> list[int]:
+    def _attention(self, part: _Layer, index: int) -> tuple[list[int], int, int, list[int]]:
+        """An attention layer's slots 1-6, 20 (q/k norms over all heads), 21 (kind 0) and 11-12
+        (its keys and values)."""
+        att = part.attn
+        full_qk_norm = part.q_norm is not None and part.q_norm.weight.numel() != self.head_dim
+        return ([*map(self._product, (att.q_proj, att.k_proj, att.v_proj, part.out_proj)),
+                 self._norm(part.q_norm), self._norm(part.k_norm)], int(full_qk_norm), 0,
+                [self.k[index].data_ptr(), self.v[index].data_ptr()])
+
+    def _convolution(self, part: _Layer, index: int) -> tuple[list[int], int, int, list[int]]:
+        """A short-convolution layer's slots (decode_step.c): 1-6, 20, 21 (kind 1), 11-12."""
+        conv, k = part.conv, self.conv.shape[-1]
+        if conv.conv.kernel_size[0] != k:
+            raise _Unsupported("convolutions of different kernel sizes")
+        weight = conv.conv.weight.detach().float().reshape(self.hidden, k).contiguous()
+        bias = None if conv.conv.bias is None else conv.conv.bias.detach().float().contiguous()
+        self.keep += [weight, bias]
+        return ([self._product(conv.in_proj), weight.data_ptr(),
+                 0 if bias is None else bias.data_ptr(), self._product(conv.out_proj), k, 0],
+                0, 1, [self.conv[index].data_ptr(), 0])
+
+    def _mlp(self, part: _Layer) -> list[int]:
         """Slots 8-19 of a layer: a dense MLP's products (and room for the caches at 11, 12),
         or routed experts' router, banks, top k, renormalisation and intermediate size."""
-        if not hasattr(mlp, "experts"):
-            return [*map(self._product, (mlp.gate_proj, mlp.up_proj, mlp.down_proj)), 0, 0,
-                    0, 0, 0, 0, 0, 0, 0]
-        experts, router = mlp.experts, mlp.gate
+        if part.dense_mlp is not None:
+            return [*map(self._product, part.dense_mlp), 0, 0, 0, 0, 0, 0, 0, 0, 0]
+        experts, router = part.mlp.experts, part.mlp.gate
         banks = (getattr(experts, "gate_up_proj", None), experts.down_proj)
         if not (all(isinstance(b, QuantExpertBank) for b in banks) and experts.has_gate
                 and experts.is_concatenated and not experts.is_transposed
@@ -237,10 +304,14 @@ class NativeDecode:
     def _start(self, cache: DynamicCache, pos: int) -> None:
         """A native copy of ``cache`` (its first ``pos`` positions) in a fresh program."""
         capacity = max(FIRST_CAPACITY, 2 * (pos + 1))
-        self.program = _Program(self.model, capacity)
+        prog = self.program = _Program(self.model, capacity)
         for i, layer in enumerate(cache.layers):
-            self.program.k[i, :pos] = layer.keys[0, :, :pos].transpose(0, 1).float()
-            self.program.v[i, :pos] = layer.values[0, :, :pos].transpose(0, 1).float()
+            if (a := prog.attention[i]) is not None:
+                prog.k[a, :pos] = layer.keys[0, :, :pos].transpose(0, 1).float()
+                prog.v[a, :pos] = layer.values[0, :, :pos].transpose(0, 1).float()
+            if (c := prog.convolution[i]) is not None and (state := cache.get_conv_state(i)) \
+                    is not None:
+                prog.conv[c] = state[0, :, -prog.conv.shape[-1]:].float()
         self.cache, self.length = weakref.ref(cache), pos
 
     def _grow(self) -> None:
@@ -248,6 +319,7 @@ class NativeDecode:
         self.program = _Program(self.model, 2 * old.capacity)
         self.program.k[:, :old.capacity] = old.k
         self.program.v[:, :old.capacity] = old.v
+        self.program.conv.copy_(old.conv)
 
     def _step(self, ids: torch.Tensor, cache: DynamicCache, cache_position: Any
               ) -> CausalLMOutputWithPast:
@@ -271,12 +343,17 @@ class NativeDecode:
         return CausalLMOutputWithPast(logits=logits.view(1, 1, -1), cache=cache)
 
     def _write_back(self, cache: DynamicCache) -> None:
-        """The native keys and values into ``cache``, which then stands on its own again."""
+        """The native keys, values and convolution states into ``cache``, which then stands on
+        its own again."""
         n, prog = self.length, self.program
         for i, layer in enumerate(cache.layers):
-            dtype = layer.keys.dtype
-            layer.keys = prog.k[i, :n].transpose(0, 1).unsqueeze(0).to(dtype).contiguous()
-            layer.values = prog.v[i, :n].transpose(0, 1).unsqueeze(0).to(dtype).contiguous()
+            if (a := prog.attention[i]) is not None:
+                dtype = layer.keys.dtype
+                layer.keys = prog.k[a, :n].transpose(0, 1).unsqueeze(0).to(dtype).contiguous()
+                layer.values = prog.v[a, :n].transpose(0, 1).unsqueeze(0).to(dtype).contiguous()
+            if (c := prog.convolution[i]) is not None and (state := cache.get_conv_state(i)) \
+                    is not None:
+                state[0, :, -prog.conv.shape[-1]:].copy_(prog.conv[c])
         self.cache, self.program, self.length = None, None, 0
 
 

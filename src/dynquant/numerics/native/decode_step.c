@@ -1,5 +1,6 @@
-/* One decode step of a Llama-style decoder (Llama, Qwen3; Qwen3-MoE, Mixtral, OLMoE) in one
- * call: every layer's norms, products, rotary embedding, attention over the cache and MLP (dense,
+/* One decode step of a Llama-style decoder (Llama, Qwen3; Qwen3-MoE, Mixtral, OLMoE; LFM2, whose
+ * layers are attention or gated short convolutions) in one call: every layer's norms, products,
+ * rotary embedding, attention over the cache (or the convolution over its state) and MLP (dense,
  * or routed experts of packed banks), then the final norm and the head.
  * A decode step through transformers' modules pays a Python dispatch per norm, rotary, cat and
  * module call (hundreds per token); here Python makes one call a token.
@@ -11,7 +12,9 @@
  * softmax attention over the cached positions 0..pos with grouped key/value heads; SiLU-gated MLP;
  * MoE: softmax of the router's logits, the top k (ties: the lower expert), their weights
  * renormalised where asked, each routed expert's SiLU-gated MLP by packed_experts.c's pair
- * kernels (dq_experts_one) and the weighted sum in slot order.
+ * kernels (dq_experts_one) and the weighted sum in slot order. LFM2's short convolution: B, C, x =
+ * the in projection's three thirds; the state takes B * x as its newest of K values (the oldest
+ * drops); y = C * (bias + sum_j w[j] * state[j]); the out projection.
  *
  * Descriptors (int64 arrays built by runtime/native_decode.py, pointers as integers):
  *   product [6]: kind (0 packed, float32 activations: dq_matvec_one's argument block at a;
@@ -25,7 +28,11 @@
  *                head_dim]); [13] MLP kind (0 dense, 1 routed experts), [14] router product,
  *                [15] the gate_up bank's and [16] the down bank's ExpertPairs argument blocks
  *                (F.linear kinds), [17] top k, [18] renormalise the top k's weights, [19] an
- *                expert's intermediate size, [20] q/k norms over all heads, [21] unused
+ *                expert's intermediate size, [20] q/k norms over all heads, [21] the layer's
+ *                kind: 0 attention, 1 short convolution, whose slots are: [0] norm weight, [1]
+ *                in projection (3 * hidden rows), [2] convolution weight (float32 [hidden, K]),
+ *                [3] its bias (float32 [hidden] or 0), [4] out projection, [5] K, [7]-[10] and
+ *                [13]-[19] as above, [11] its state (float32 [hidden, K], oldest first)
  *   model [10]:  layers, hidden, heads, kv_heads, head_dim, intermediate, final norm weight,
  *                head product, inv_freq (float32 [head_dim / 2]), capacity
  *   scalars [3]: rms eps, rotary attention_scaling, attention scale
@@ -178,6 +185,26 @@ static int routed_experts(const int64_t *L, const float *x, int64_t hidden, floa
     return rc;
 }
 
+/* A short-convolution layer's mixer for x [hidden] into out [hidden]; bcx: 3 * hidden floats. */
+static int short_conv(const int64_t *L, const float *x, int64_t hidden, float *bcx, float *out) {
+    int rc = product(PTR(const int64_t *, L[1]), x, bcx);
+    const float *b = bcx, *c = bcx + hidden, *xx = bcx + 2 * hidden;
+    const float *w = PTR(const float *, L[2]), *bias = PTR(const float *, L[3]);
+    const int64_t k = L[5];
+    float *state = PTR(float *, L[11]), *y = bcx; /* B's third is read before it is written */
+    for (int64_t i = 0; i < hidden; i++) {
+        float *si = state + i * k;
+        memmove(si, si + 1, (size_t)(k - 1) * sizeof(float));
+        si[k - 1] = b[i] * xx[i];
+        float acc = 0.0f;
+        for (int64_t j = 0; j < k; j++) acc += w[i * k + j] * si[j];
+        if (bias) acc += bias[i];
+        y[i] = c[i] * acc;
+    }
+    rc |= product(PTR(const int64_t *, L[4]), y, out);
+    return rc;
+}
+
 /* h [hidden]: the token's embedding in, the final hidden state's logits out in logits [rows of
  * the head]. pos: the token's position (the cache holds 0..pos-1; its keys and values go to pos).
  * 0, -1 if out of memory or a product failed, -2 if pos is past the cache's capacity. */
@@ -197,12 +224,13 @@ int dq_llama_step(const int64_t *model, const int64_t *layers, const float *scal
         }
     }
     const int64_t gu = inter > hidden ? inter : hidden; /* g: also the experts' sum */
-    const size_t floats = (size_t)(hidden + qn + 2 * kvn + qn + 2 * gu + hd + pos + 1 + moe);
+    const size_t floats = (size_t)(hidden + qn + 2 * kvn + qn + 2 * gu + hd + pos + 1 + moe +
+                                   3 * hidden);
     float *buf = malloc(floats * sizeof(float));
     if (!buf) return -1;
     float *x = buf, *q = x + hidden, *k = q + qn, *v = k + kvn, *att = v + kvn;
     float *g = att + qn, *u = g + gu, *cs = u + gu, *sn = cs + hd / 2;
-    float *scores = cs + hd, *experts = scores + pos + 1;
+    float *scores = cs + hd, *experts = scores + pos + 1, *bcx = experts + moe;
     const float *inv_freq = PTR(const float *, model[8]);
     for (int64_t i = 0; i < hd / 2; i++) {
         const float f = (float)pos * inv_freq[i];
@@ -213,26 +241,31 @@ int dq_llama_step(const int64_t *model, const int64_t *layers, const float *scal
     for (int64_t l = 0; l < nl && !rc; l++) {
         const int64_t *L = layers + LAYER_SLOTS * l;
         rms_norm(h, PTR(const float *, L[0]), hidden, eps, x);
-        rc |= product(PTR(const int64_t *, L[1]), x, q);
-        rc |= product(PTR(const int64_t *, L[2]), x, k);
-        rc |= product(PTR(const int64_t *, L[3]), x, v);
-        if (L[5] && L[20]) { /* over all heads at once (OLMoE) */
-            rms_norm(q, PTR(const float *, L[5]), qn, eps, q);
-            rms_norm(k, PTR(const float *, L[6]), kvn, eps, k);
-        } else if (L[5]) {
-            for (int64_t i = 0; i < heads; i++)
-                rms_norm(q + i * hd, PTR(const float *, L[5]), hd, eps, q + i * hd);
-            for (int64_t i = 0; i < kvh; i++)
-                rms_norm(k + i * hd, PTR(const float *, L[6]), hd, eps, k + i * hd);
+        if (L[21] == 1) { /* a short convolution */
+            rc |= short_conv(L, x, hidden, bcx, x);
+            for (int64_t i = 0; i < hidden; i++) h[i] += x[i];
+        } else {
+            rc |= product(PTR(const int64_t *, L[1]), x, q);
+            rc |= product(PTR(const int64_t *, L[2]), x, k);
+            rc |= product(PTR(const int64_t *, L[3]), x, v);
+            if (L[5] && L[20]) { /* over all heads at once (OLMoE) */
+                rms_norm(q, PTR(const float *, L[5]), qn, eps, q);
+                rms_norm(k, PTR(const float *, L[6]), kvn, eps, k);
+            } else if (L[5]) {
+                for (int64_t i = 0; i < heads; i++)
+                    rms_norm(q + i * hd, PTR(const float *, L[5]), hd, eps, q + i * hd);
+                for (int64_t i = 0; i < kvh; i++)
+                    rms_norm(k + i * hd, PTR(const float *, L[6]), hd, eps, k + i * hd);
+            }
+            rotary(q, heads, hd, cs, sn);
+            rotary(k, kvh, hd, cs, sn);
+            float *kc = PTR(float *, L[11]), *vc = PTR(float *, L[12]);
+            memcpy(kc + pos * kvn, k, (size_t)kvn * sizeof(float));
+            memcpy(vc + pos * kvn, v, (size_t)kvn * sizeof(float));
+            attend(q, kc, vc, pos + 1, heads, kvh, hd, attn_scale, scores, att);
+            rc |= product(PTR(const int64_t *, L[4]), att, x);
+            for (int64_t i = 0; i < hidden; i++) h[i] += x[i];
         }
-        rotary(q, heads, hd, cs, sn);
-        rotary(k, kvh, hd, cs, sn);
-        float *kc = PTR(float *, L[11]), *vc = PTR(float *, L[12]);
-        memcpy(kc + pos * kvn, k, (size_t)kvn * sizeof(float));
-        memcpy(vc + pos * kvn, v, (size_t)kvn * sizeof(float));
-        attend(q, kc, vc, pos + 1, heads, kvh, hd, attn_scale, scores, att);
-        rc |= product(PTR(const int64_t *, L[4]), att, x);
-        for (int64_t i = 0; i < hidden; i++) h[i] += x[i];
         rms_norm(h, PTR(const float *, L[7]), hidden, eps, x);
         if (L[13]) {
             rc |= routed_experts(L, x, hidden, g, experts);
