@@ -9,8 +9,8 @@ layers, the final norm and the head in C, the products by dynquant's one-token k
 int16 or float32 activations, as the model's packed modules are set) with keys and values (and
 LFM2's convolution states) kept in a float32 cache of its own. Everything else (prefill, batches,
 gradients, other caches, attention or hidden-state outputs) runs transformers' forward, as does
-any model this module does not recognise. So ``generate`` keeps all of its features (sampling, streamers, stopping criteria):
-only its model calls change.
+any model this module does not recognise. So ``generate`` keeps all of its features (sampling,
+streamers, stopping criteria): only its model calls change.
 
 The cache: at the first native step of a ``DynamicCache`` its keys and values (the prompt's,
 from the eager prefill) and convolution states are copied in; later steps advance the native

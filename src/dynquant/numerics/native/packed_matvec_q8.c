@@ -67,13 +67,23 @@ int dq_q8_simd(void) {
 #endif
 }
 
+/* The largest |x| of n values (NaN ignored, as fmaxf would: which without -ffinite-math-only is
+ * a library call per value, in a loop that every decode product runs). */
+static inline float abs_max(const float *x, int64_t n) {
+    float amax = 0.0f;
+    for (int64_t j = 0; j < n; j++) {
+        const float a = fabsf(x[j]);
+        amax = a > amax ? a : amax;
+    }
+    return amax;
+}
+
 /* x [padded_n] -> xq [padded_n] int8 and d [padded_n / 32]: per block of 32, d = amax / 127,
  * xq = nearest (ties to even) of x * (127 / amax). */
 void dq_q8_quantize(const float *x, int64_t padded_n, int8_t *xq, float *d) {
     for (int64_t b = 0; b < padded_n / Q8_BLOCK; b++) {
         const float *xb = x + b * Q8_BLOCK;
-        float amax = 0.0f;
-        for (int j = 0; j < Q8_BLOCK; j++) amax = fmaxf(amax, fabsf(xb[j]));
+        const float amax = abs_max(xb, Q8_BLOCK);
         const int live = amax >= Q8_TINY;
         const float inv = live ? 127.0f / amax : 0.0f;
         d[b] = live ? amax / 127.0f : 0.0f;
@@ -610,8 +620,7 @@ static inline int q16_code(int bits, int p) {
 void dq_q16_quantize(const float *x, int64_t n, int64_t gs, int16_t *xq, float *d) {
     for (int64_t g = 0; g < n / gs; g++) {
         const float *xg = x + g * gs;
-        float amax = 0.0f;
-        for (int64_t j = 0; j < gs; j++) amax = fmaxf(amax, fabsf(xg[j]));
+        const float amax = abs_max(xg, gs);
         const int live = amax >= Q8_TINY;
         const float inv = live ? Q16_LEVELS / amax : 0.0f;
         d[g] = live ? amax / Q16_LEVELS : 0.0f;
