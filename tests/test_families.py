@@ -168,9 +168,9 @@ def _greedy(model, ids, steps: int = 6):
 @pytest.mark.parametrize("family", FAMILIES)
 def test_native_decode_steps_give_the_eager_tokens(quantized, family, monkeypatch):
     """Llama, Qwen3, LFM2 (attention and short-convolution layers) and the MoE Qwen3-MoE,
-    Mixtral and OLMoE decode natively (one C call a step), the others (LFM2-MoE, the reference
-    architecture) fall back to transformers' forward; greedy tokens equal the eager path's either
-    way (float32), and so do the logits up to float32 summation order."""
+    Mixtral, OLMoE and LFM2-MoE decode natively (one C call a step), the reference architecture
+    falls back to transformers' forward; greedy tokens equal the eager path's either way
+    (float32), and so do the logits up to float32 summation order."""
     from dynquant.runtime.native_decode import FAMILIES as NATIVE
     from dynquant.runtime.native_decode import has_native_decode
 
@@ -178,6 +178,25 @@ def test_native_decode_steps_give_the_eager_tokens(quantized, family, monkeypatc
     model = load(ck_dir, dtype=torch.float32)
     assert has_native_decode(model) == (family in NATIVE)
     assert set(NATIVE) < set(FAMILIES)
+    ids = torch.randint(0, 384, (1, 7), generator=torch.Generator().manual_seed(2))
+    native_tokens, native_scores = _greedy(model, ids)
+    monkeypatch.setenv("DYNQUANT_NATIVE_DECODE", "0")
+    eager_tokens, eager_scores = _greedy(model, ids)
+    assert torch.equal(native_tokens, eager_tokens)
+    torch.testing.assert_close(native_scores, eager_scores, rtol=1e-4, atol=1e-4)
+
+
+def test_lfm2_moe_routers_expert_bias_and_scaling_in_native_steps(quantized, monkeypatch):
+    """LFM2-MoE's router (sigmoids, top k by sigmoid + expert bias, routed scaling) in the native
+    step gives the eager tokens and logits with a bias that changes the choice and a scale."""
+    _, ck_dir, _, _ = quantized["lfm2_moe"]
+    model = load(ck_dir, dtype=torch.float32)
+    g = torch.Generator().manual_seed(6)
+    blocks = [m for m in model.modules() if hasattr(m, "expert_bias")]
+    assert blocks and all(b.use_expert_bias for b in blocks)
+    for block in blocks:
+        block.expert_bias.copy_(torch.randn(block.expert_bias.shape, generator=g) * 0.3)
+        block.gate.routed_scaling_factor = 1.7
     ids = torch.randint(0, 384, (1, 7), generator=torch.Generator().manual_seed(2))
     native_tokens, native_scores = _greedy(model, ids)
     monkeypatch.setenv("DYNQUANT_NATIVE_DECODE", "0")

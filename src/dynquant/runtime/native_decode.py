@@ -1,5 +1,5 @@
 """Decode steps of Llama-style models (Llama, Qwen3, the MoE Qwen3-MoE, Mixtral, OLMoE, and LFM2
-with its gated short convolutions) in one native call a token.
+and LFM2-MoE with their gated short convolutions) in one native call a token.
 
 Through transformers' modules a decode step pays a Python dispatch for every norm, rotary,
 cat, attention and module call: on small models more than the products themselves. Here the
@@ -38,10 +38,10 @@ from dynquant.numerics import native
 from dynquant.runtime.packed_modules import PackedWeight, QuantExpertBank, TiedQuantHead
 from dynquant.runtime.stored_linear import StoredLinear
 
-FAMILIES = ("llama", "qwen3", "qwen3_moe", "mixtral", "olmoe", "lfm2")
+FAMILIES = ("llama", "qwen3", "qwen3_moe", "mixtral", "olmoe", "lfm2", "lfm2_moe")
 # the layer types a family's native step runs (LFM2: attention and short convolutions)
-LAYER_TYPES = {"lfm2": ("full_attention", "conv")}
-LAYER_SLOTS = 22  # decode_step.c's layer descriptor
+LAYER_TYPES = {"lfm2": ("full_attention", "conv"), "lfm2_moe": ("full_attention", "conv")}
+LAYER_SLOTS = 25  # decode_step.c's layer descriptor
 # transformers' gated activation of fused experts, act(gate) * up on [gate; up] (what the native
 # step computes); an experts class with its own is not run natively
 DEFAULT_APPLY_GATE = getattr(transformers_moe, "_default_apply_gate", None)
@@ -87,10 +87,11 @@ class _Layer:
     ``self_attn`` with ``o_proj`` and ``q_norm``/``k_norm``, ``post_attention_layernorm``, ``mlp``
     with ``gate_proj``/``up_proj``/``down_proj`` or routed experts) or LFM2's
     (``operator_norm``, ``self_attn`` with ``out_proj`` and ``q_layernorm``/``k_layernorm``, or
-    ``conv``; ``ffn_norm``; ``feed_forward`` with ``w1``/``w3``/``w2``)."""
+    ``conv``; ``ffn_norm``; ``feed_forward`` with ``w1``/``w3``/``w2`` or LFM2-MoE's routed
+    experts, whose router takes sigmoids)."""
 
     def __init__(self, layer: nn.Module) -> None:
-        lfm2 = hasattr(layer, "operator_norm")
+        self.lfm2 = lfm2 = hasattr(layer, "operator_norm")
         self.norm = layer.operator_norm if lfm2 else layer.input_layernorm
         self.mlp_norm = layer.ffn_norm if lfm2 else layer.post_attention_layernorm
         self.attn = getattr(layer, "self_attn", None)
@@ -100,8 +101,8 @@ class _Layer:
             self.q_norm = getattr(self.attn, "q_layernorm" if lfm2 else "q_norm", None)
             self.k_norm = getattr(self.attn, "k_layernorm" if lfm2 else "k_norm", None)
         self.mlp = layer.feed_forward if lfm2 else layer.mlp
-        self.dense_mlp = ((self.mlp.w1, self.mlp.w3, self.mlp.w2) if lfm2 else
-                          None if hasattr(self.mlp, "experts") else
+        self.dense_mlp = (None if hasattr(self.mlp, "experts") else
+                          (self.mlp.w1, self.mlp.w3, self.mlp.w2) if lfm2 else
                           (self.mlp.gate_proj, self.mlp.up_proj, self.mlp.down_proj))
 
 
@@ -136,10 +137,11 @@ class _Program:
             slots, full_qk_norm, kind, state = (
                 self._attention(part, self.attention[i]) if part.attn is not None
                 else self._convolution(part, self.convolution[i]))
-            layers += [self._norm(part.norm), *slots, self._norm(part.mlp_norm),
-                       *self._mlp(part), full_qk_norm, kind]
+            mlp, router = self._mlp(part)
+            layers += [self._norm(part.norm), *slots, self._norm(part.mlp_norm), *mlp,
+                       full_qk_norm, kind, *router]
             layers[-LAYER_SLOTS + 11:-LAYER_SLOTS + 13] = state
-        rotary = core.rotary_emb
+        rotary = core.rotary_emb if hasattr(core, "rotary_emb") else core.pos_emb  # LFM2-MoE
         inv_freq = rotary.inv_freq.detach().float().contiguous()
         self.keep.append(inv_freq)
         self.layers = _int64s(layers)
@@ -175,11 +177,12 @@ class _Program:
                  0 if bias is None else bias.data_ptr(), self._product(conv.out_proj), k, 0],
                 0, 1, [self.conv[index].data_ptr(), 0])
 
-    def _mlp(self, part: _Layer) -> list[int]:
+    def _mlp(self, part: _Layer) -> tuple[list[int], list[int]]:
         """Slots 8-19 of a layer: a dense MLP's products (and room for the caches at 11, 12),
-        or routed experts' router, banks, top k, renormalisation and intermediate size."""
+        or routed experts' router, banks, top k, renormalisation and intermediate size; and
+        slots 22-24: the router's kind, expert bias and routed scaling factor."""
         if part.dense_mlp is not None:
-            return [*map(self._product, part.dense_mlp), 0, 0, 0, 0, 0, 0, 0, 0, 0]
+            return [*map(self._product, part.dense_mlp), 0, 0, 0, 0, 0, 0, 0, 0, 0], [0, 0, 0]
         experts, router = part.mlp.experts, part.mlp.gate
         banks = (getattr(experts, "gate_up_proj", None), experts.down_proj)
         if not (all(isinstance(b, QuantExpertBank) for b in banks) and experts.has_gate
@@ -199,13 +202,23 @@ class _Program:
             self.keep += [prepared[0], args]
             pairs.append(ctypes.addressof(args))
         inter = banks[0].layout.logical_shape[1] // 2
-        return [0, 0, 0, 0, 0, 1, self._dense(router.weight), *pairs, router.top_k,
-                int(getattr(router, "norm_topk_prob", True)), inter]
+        slots = [0, 0, 0, 0, 0, 1, self._dense(router.weight), *pairs, router.top_k,
+                 int(getattr(router, "norm_topk_prob", True)), inter]
+        if not part.lfm2:
+            return slots, [0, 0, 0]
+        bias = part.mlp.expert_bias if part.mlp.use_expert_bias else None
+        scale = torch.tensor([float(router.routed_scaling_factor)])
+        self.keep.append(scale)
+        return slots, [1, self._norm_weight(bias), scale.data_ptr()]
 
     def _norm(self, module: nn.Module | None) -> int:
-        if module is None:
+        return 0 if module is None else self._norm_weight(module.weight)
+
+    def _norm_weight(self, weight: torch.Tensor | None) -> int:
+        """The address of a float32 copy of a vector (0 for None), kept alive."""
+        if weight is None:
             return 0
-        w = module.weight.detach().float().contiguous()
+        w = weight.detach().float().contiguous()
         self.keep.append(w)
         return w.data_ptr()
 

@@ -12,7 +12,10 @@
  * softmax attention over the cached positions 0..pos with grouped key/value heads; SiLU-gated MLP;
  * MoE: softmax of the router's logits, the top k (ties: the lower expert), their weights
  * renormalised where asked, each routed expert's SiLU-gated MLP by packed_experts.c's pair
- * kernels (dq_experts_one) and the weighted sum in slot order. LFM2's short convolution: B, C, x =
+ * kernels (dq_experts_one) and the weighted sum in slot order; LFM2-MoE's router instead: the
+ * sigmoid of the logits, the top k of sigmoid + expert bias, their sigmoids as weights
+ * (renormalised with 1e-6 beside the sum where asked), times the routed scaling factor. LFM2's
+ * short convolution: B, C, x =
  * the in projection's three thirds; the state takes B * x as its newest of K values (the oldest
  * drops); y = C * (bias + sum_j w[j] * state[j]); the out projection.
  *
@@ -28,7 +31,9 @@
  *                head_dim]); [13] MLP kind (0 dense, 1 routed experts), [14] router product,
  *                [15] the gate_up bank's and [16] the down bank's ExpertPairs argument blocks
  *                (F.linear kinds), [17] top k, [18] renormalise the top k's weights, [19] an
- *                expert's intermediate size, [20] q/k norms over all heads, [21] the layer's
+ *                expert's intermediate size, [20] q/k norms over all heads, [22] the router's
+ *                kind (0 softmax, 1 sigmoid), [23] its expert bias (float32 [experts] or 0),
+ *                [24] its routed scaling factor (float32 [1]; kind 1), [21] the layer's
  *                kind: 0 attention, 1 short convolution, whose slots are: [0] norm weight, [1]
  *                in projection (3 * hidden rows), [2] convolution weight (float32 [hidden, K]),
  *                [3] its bias (float32 [hidden] or 0), [4] out projection, [5] K, [7]-[10] and
@@ -138,39 +143,50 @@ static void attend(const float *q, const float *kc, const float *vc, int64_t len
 }
 
 #define PTR(T, v) ((T)(intptr_t)(v))
-#define LAYER_SLOTS 22
+#define LAYER_SLOTS 25
 #define MAX_TOP_K 64
 
 static inline float silu(float v) { return v / (1.0f + expf(-v)); }
 
 /* The routed experts' weighted sum for x [hidden] into out [hidden]; scratch holds at least
- * experts + top_k * (hidden + 3 * inter + hidden) floats. */
+ * 2 * experts + top_k * (hidden + 3 * inter + hidden) floats. */
 static int routed_experts(const int64_t *L, const float *x, int64_t hidden, float *out,
                           float *scratch) {
     const int64_t *router = PTR(const int64_t *, L[14]);
     const int64_t n = router[2], k = L[17], inter = L[19];
     if (k < 1 || k > MAX_TOP_K || k > n) return -1;
-    float *probs = scratch, *xs = probs + n, *up = xs + k * hidden, *h = up + k * 2 * inter;
-    float *down = h + k * inter;
+    float *probs = scratch, *scores = probs + n, *xs = scores + n, *up = xs + k * hidden;
+    float *h = up + k * 2 * inter, *down = h + k * inter;
     int rc = product(router, x, probs);
-    float mx = -INFINITY, sum = 0.0f;
-    for (int64_t e = 0; e < n; e++) mx = probs[e] > mx ? probs[e] : mx;
-    for (int64_t e = 0; e < n; e++) sum += (probs[e] = expf(probs[e] - mx));
-    for (int64_t e = 0; e < n; e++) probs[e] /= sum;
+    const int sigmoid = L[22] == 1;
+    const float *bias = PTR(const float *, L[23]);
+    if (sigmoid) {
+        for (int64_t e = 0; e < n; e++) {
+            probs[e] = 1.0f / (1.0f + expf(-probs[e]));
+            scores[e] = bias ? probs[e] + bias[e] : probs[e];
+        }
+    } else {
+        float mx = -INFINITY, sum = 0.0f;
+        for (int64_t e = 0; e < n; e++) mx = probs[e] > mx ? probs[e] : mx;
+        for (int64_t e = 0; e < n; e++) sum += (probs[e] = expf(probs[e] - mx));
+        for (int64_t e = 0; e < n; e++) scores[e] = probs[e] /= sum;
+    }
     int64_t ids[MAX_TOP_K];
     float w[MAX_TOP_K], wsum = 0.0f;
-    for (int64_t s = 0; s < k; s++) { /* the s-th largest; ties to the lower expert */
+    for (int64_t s = 0; s < k; s++) { /* the s-th largest score; ties to the lower expert */
         int64_t best = -1;
         for (int64_t e = 0; e < n; e++) {
             int taken = 0;
             for (int64_t t = 0; t < s; t++) taken |= ids[t] == e;
-            if (!taken && (best < 0 || probs[e] > probs[best])) best = e;
+            if (!taken && (best < 0 || scores[e] > scores[best])) best = e;
         }
         ids[s] = best;
         wsum += (w[s] = probs[best]);
     }
     if (L[18])
-        for (int64_t s = 0; s < k; s++) w[s] /= wsum;
+        for (int64_t s = 0; s < k; s++) w[s] /= sigmoid ? wsum + 1e-6f : wsum;
+    if (sigmoid)
+        for (int64_t s = 0; s < k; s++) w[s] *= *PTR(const float *, L[24]);
     for (int64_t s = 0; s < k; s++) memcpy(xs + s * hidden, x, (size_t)hidden * sizeof(float));
     rc |= dq_experts_one(PTR(const int64_t *, L[15]), ids, k, xs, up);
     for (int64_t s = 0; s < k; s++)
@@ -219,7 +235,8 @@ int dq_llama_step(const int64_t *model, const int64_t *layers, const float *scal
     for (int64_t l = 0; l < nl; l++) {
         const int64_t *L = layers + LAYER_SLOTS * l;
         if (L[13]) {
-            const int64_t need = PTR(const int64_t *, L[14])[2] + L[17] * (2 * hidden + 3 * L[19]);
+            const int64_t need = 2 * PTR(const int64_t *, L[14])[2] +
+                                 L[17] * (2 * hidden + 3 * L[19]);
             moe = need > moe ? need : moe;
         }
     }
