@@ -167,10 +167,11 @@ def _greedy(model, ids, steps: int = 6):
 
 @pytest.mark.parametrize("family", FAMILIES)
 def test_native_decode_steps_give_the_eager_tokens(quantized, family, monkeypatch):
-    """Llama, Qwen3, LFM2 (attention and short-convolution layers) and the MoE Qwen3-MoE,
-    Mixtral, OLMoE and LFM2-MoE decode natively (one C call a step), the reference architecture
-    falls back to transformers' forward; greedy tokens equal the eager path's either way
-    (float32), and so do the logits up to float32 summation order."""
+    """Every family of the suite decodes natively (one C call a step): Llama, Qwen3, LFM2
+    (attention and short-convolution layers), the MoE Qwen3-MoE, Mixtral, OLMoE, LFM2-MoE and the
+    reference hybrid (x @ W[e] banks and a shared expert), Gemma-3 where it is native; greedy
+    tokens equal the eager path's (float32), and so do the logits up to float32 summation
+    order."""
     from dynquant.runtime.native_decode import FAMILIES as NATIVE
     from dynquant.runtime.native_decode import has_native_decode
 
@@ -226,7 +227,7 @@ def test_int8_activations_stay_close_to_float_ones(quantized, family):
         assert torch.equal(int8_logits[0], float_logits[0])
 
 
-@pytest.mark.parametrize("family", ["llama", "lfm2"])
+@pytest.mark.parametrize("family", ["llama", "lfm2", "dynquant_hybrid"])
 def test_native_steps_hand_their_cache_back_to_transformers(quantized, family, monkeypatch):
     """A cache continued by native steps and then by a prefill-sized forward (which transformers
     runs) gives that forward the same logits as an all-eager run: keys and values, and LFM2's

@@ -1,5 +1,6 @@
-"""Decode steps of Llama-style models (Llama, Qwen3, the MoE Qwen3-MoE, Mixtral, OLMoE, and LFM2
-and LFM2-MoE with their gated short convolutions) in one native call a token.
+"""Decode steps of Llama-style models (Llama, Qwen3, the MoE Qwen3-MoE, Mixtral, OLMoE; LFM2,
+LFM2-MoE and the reference hybrid with their gated short convolutions) in one native call a
+token.
 
 Through transformers' modules a decode step pays a Python dispatch for every norm, rotary,
 cat, attention and module call: on small models more than the products themselves. Here the
@@ -38,10 +39,12 @@ from dynquant.numerics import native
 from dynquant.runtime.packed_modules import PackedWeight, QuantExpertBank, TiedQuantHead
 from dynquant.runtime.stored_linear import StoredLinear
 
-FAMILIES = ("llama", "qwen3", "qwen3_moe", "mixtral", "olmoe", "lfm2", "lfm2_moe")
+FAMILIES = ("llama", "qwen3", "qwen3_moe", "mixtral", "olmoe", "lfm2", "lfm2_moe",
+            "dynquant_hybrid")
 # the layer types a family's native step runs (LFM2: attention and short convolutions)
-LAYER_TYPES = {"lfm2": ("full_attention", "conv"), "lfm2_moe": ("full_attention", "conv")}
-LAYER_SLOTS = 25  # decode_step.c's layer descriptor
+LAYER_TYPES = {family: ("full_attention", "conv")
+               for family in ("lfm2", "lfm2_moe", "dynquant_hybrid")}
+LAYER_SLOTS = 26  # decode_step.c's layer descriptor
 # transformers' gated activation of fused experts, act(gate) * up on [gate; up] (what the native
 # step computes); an experts class with its own is not run natively
 DEFAULT_APPLY_GATE = getattr(transformers_moe, "_default_apply_gate", None)
@@ -88,20 +91,25 @@ class _Layer:
     with ``gate_proj``/``up_proj``/``down_proj`` or routed experts) or LFM2's
     (``operator_norm``, ``self_attn`` with ``out_proj`` and ``q_layernorm``/``k_layernorm``, or
     ``conv``; ``ffn_norm``; ``feed_forward`` with ``w1``/``w3``/``w2`` or LFM2-MoE's routed
-    experts, whose router takes sigmoids)."""
+    experts, whose router takes sigmoids) or the reference hybrid's (LFM2's, but ``o_proj``,
+    ``q_norm``/``k_norm`` and ``moe``: banks ``w1``/``w3``/``w2`` multiplied as x @ W[e] and a
+    shared expert ``sw1``/``sw3``/``sw2``)."""
 
     def __init__(self, layer: nn.Module) -> None:
-        self.lfm2 = lfm2 = hasattr(layer, "operator_norm")
+        self.lfm2 = lfm2 = hasattr(layer, "operator_norm")  # LFM2, LFM2-MoE, the hybrid
         self.norm = layer.operator_norm if lfm2 else layer.input_layernorm
         self.mlp_norm = layer.ffn_norm if lfm2 else layer.post_attention_layernorm
         self.attn = getattr(layer, "self_attn", None)
         self.conv = getattr(layer, "conv", None) if lfm2 else None
         if self.attn is not None:
-            self.out_proj = self.attn.out_proj if lfm2 else self.attn.o_proj
-            self.q_norm = getattr(self.attn, "q_layernorm" if lfm2 else "q_norm", None)
-            self.k_norm = getattr(self.attn, "k_layernorm" if lfm2 else "k_norm", None)
-        self.mlp = layer.feed_forward if lfm2 else layer.mlp
-        self.dense_mlp = (None if hasattr(self.mlp, "experts") else
+            self.out_proj = getattr(self.attn, "out_proj", None) or self.attn.o_proj
+            self.q_norm = getattr(self.attn, "q_layernorm", None) or getattr(self.attn, "q_norm",
+                                                                             None)
+            self.k_norm = getattr(self.attn, "k_layernorm", None) or getattr(self.attn, "k_norm",
+                                                                             None)
+        self.hybrid_moe = getattr(layer, "moe", None)
+        self.mlp = self.hybrid_moe or (layer.feed_forward if lfm2 else layer.mlp)
+        self.dense_mlp = (None if hasattr(self.mlp, "experts") or self.hybrid_moe else
                           (self.mlp.w1, self.mlp.w3, self.mlp.w2) if lfm2 else
                           (self.mlp.gate_proj, self.mlp.up_proj, self.mlp.down_proj))
 
@@ -141,7 +149,8 @@ class _Program:
             layers += [self._norm(part.norm), *slots, self._norm(part.mlp_norm), *mlp,
                        full_qk_norm, kind, *router]
             layers[-LAYER_SLOTS + 11:-LAYER_SLOTS + 13] = state
-        rotary = core.rotary_emb if hasattr(core, "rotary_emb") else core.pos_emb  # LFM2-MoE
+        rotary = next(getattr(core, n) for n in ("rotary_emb", "pos_emb", "rotary")
+                      if hasattr(core, n))  # Llama-style, LFM2-MoE, the hybrid
         inv_freq = rotary.inv_freq.detach().float().contiguous()
         self.keep.append(inv_freq)
         self.layers = _int64s(layers)
@@ -153,7 +162,7 @@ class _Program:
                               inv_freq.data_ptr(), capacity])
         self.vocab = self._rows(model.lm_head)
         eps = getattr(cfg, "rms_norm_eps", None) or cfg.norm_eps
-        self.scalars = (ctypes.c_float * 3)(eps, float(rotary.attention_scaling),
+        self.scalars = (ctypes.c_float * 3)(eps, float(getattr(rotary, "attention_scaling", 1.0)),
                                             self.head_dim ** -0.5)
 
     def _attention(self, part: _Layer, index: int) -> tuple[list[int], int, int, list[int]]:
@@ -182,7 +191,9 @@ class _Program:
         or routed experts' router, banks, top k, renormalisation and intermediate size; and
         slots 22-24: the router's kind, expert bias and routed scaling factor."""
         if part.dense_mlp is not None:
-            return [*map(self._product, part.dense_mlp), 0, 0, 0, 0, 0, 0, 0, 0, 0], [0, 0, 0]
+            return [*map(self._product, part.dense_mlp), 0, 0, 0, 0, 0, 0, 0, 0, 0], [0, 0, 0, 0]
+        if part.hybrid_moe is not None:
+            return self._hybrid_moe(part.hybrid_moe)
         experts, router = part.mlp.experts, part.mlp.gate
         banks = (getattr(experts, "gate_up_proj", None), experts.down_proj)
         if not (all(isinstance(b, QuantExpertBank) for b in banks) and experts.has_gate
@@ -192,24 +203,39 @@ class _Program:
                 and type(experts)._apply_gate is DEFAULT_APPLY_GATE
                 and getattr(experts.config, "hidden_act", "silu") == "silu"):
             raise _Unsupported("experts the native step does not run")
-        pairs = []
-        for bank in banks:
-            prepared = bank._prepared(along_groups=True)
-            if prepared is None:
-                raise _Unsupported("an expert bank without its pair kernels")
-            args = (ctypes.c_int64 * len(prepared[0].args))(*prepared[0].args)
-            args[9], args[10] = STEP_PARALLEL_MIN_ELEMENTS, native.kernel_threads()
-            self.keep += [prepared[0], args]
-            pairs.append(ctypes.addressof(args))
+        pairs = [self._pairs(bank, along_groups=True) for bank in banks]
         inter = banks[0].layout.logical_shape[1] // 2
         slots = [0, 0, 0, 0, 0, 1, self._dense(router.weight), *pairs, router.top_k,
                  int(getattr(router, "norm_topk_prob", True)), inter]
         if not part.lfm2:
-            return slots, [0, 0, 0]
+            return slots, [0, 0, 0, 0]
         bias = part.mlp.expert_bias if part.mlp.use_expert_bias else None
         scale = torch.tensor([float(router.routed_scaling_factor)])
         self.keep.append(scale)
-        return slots, [1, self._norm_weight(bias), scale.data_ptr()]
+        return slots, [1, self._norm_weight(bias), scale.data_ptr(), 0]
+
+    def _hybrid_moe(self, moe: nn.Module) -> tuple[list[int], list[int]]:
+        """The reference hybrid's MoE (MLP kind 2): the shared expert in slots 8-10, the x @ W[e]
+        banks' pair blocks in 15, 16 and 25, a softmax router whose top k is renormalised."""
+        banks = (moe.w1, moe.w3, moe.w2)
+        if not all(isinstance(b, QuantExpertBank) for b in banks):
+            raise _Unsupported("experts the native step does not run")
+        pairs = [self._pairs(bank, along_groups=False) for bank in banks]
+        shared = [self._product(m) for m in (moe.sw1, moe.sw3, moe.sw2)]
+        inter = banks[0].layout.logical_shape[2]
+        return ([*shared, 0, 0, 2, self._dense(moe.gate.weight), pairs[0], pairs[1], moe.top_k,
+                 1, inter], [0, 0, 0, pairs[2]])
+
+    def _pairs(self, bank: QuantExpertBank, along_groups: bool) -> int:
+        """The address of a bank's pair kernels' argument block (ExpertPairs), split over the
+        kernel pool as the step's products are."""
+        prepared = bank._prepared(along_groups=along_groups)
+        if prepared is None:
+            raise _Unsupported("an expert bank without its pair kernels")
+        args = (ctypes.c_int64 * len(prepared[0].args))(*prepared[0].args)
+        args[9], args[10] = STEP_PARALLEL_MIN_ELEMENTS, native.kernel_threads()
+        self.keep += [prepared[0], args]
+        return ctypes.addressof(args)
 
     def _norm(self, module: nn.Module | None) -> int:
         return 0 if module is None else self._norm_weight(module.weight)

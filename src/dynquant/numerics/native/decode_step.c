@@ -14,10 +14,11 @@
  * renormalised where asked, each routed expert's SiLU-gated MLP by packed_experts.c's pair
  * kernels (dq_experts_one) and the weighted sum in slot order; LFM2-MoE's router instead: the
  * sigmoid of the logits, the top k of sigmoid + expert bias, their sigmoids as weights
- * (renormalised with 1e-6 beside the sum where asked), times the routed scaling factor. LFM2's
- * short convolution: B, C, x =
- * the in projection's three thirds; the state takes B * x as its newest of K values (the oldest
- * drops); y = C * (bias + sum_j w[j] * state[j]); the out projection.
+ * (renormalised with 1e-6 beside the sum where asked), times the routed scaling factor; the
+ * reference hybrid's experts multiply x @ W[e] (separate gate and up banks) beside a shared
+ * expert. LFM2's (and the hybrid's) short convolution: B, C, x = the in projection's three
+ * thirds; the state takes B * x as its newest of K values (the oldest drops); y = C * (bias +
+ * sum_j w[j] * state[j]); the out projection.
  *
  * Descriptors (int64 arrays built by runtime/native_decode.py, pointers as integers):
  *   product [6]: kind (0 packed, float32 activations: dq_matvec_one's argument block at a;
@@ -25,19 +26,21 @@
  *                weight [rows, cols] at a; 3 dense bf16 weight at a, dense_matvec.c; 4 packed,
  *                int16 activations: dq_matvec_q16_one), a, rows, cols, bias (float32 [rows] or
  *                0), threads (kind 3)
- *   layer [22]:  attention norm weight, q, k, v, o products, q_norm and k_norm weights (Qwen3:
- *                per head; OLMoE: over all heads, see [20]; 0: none), MLP norm weight, gate, up,
- *                down products (dense MLP), key cache, value cache (float32 [capacity, kv_heads,
- *                head_dim]); [13] MLP kind (0 dense, 1 routed experts), [14] router product,
- *                [15] the gate_up bank's and [16] the down bank's ExpertPairs argument blocks
- *                (F.linear kinds), [17] top k, [18] renormalise the top k's weights, [19] an
- *                expert's intermediate size, [20] q/k norms over all heads, [22] the router's
- *                kind (0 softmax, 1 sigmoid), [23] its expert bias (float32 [experts] or 0),
- *                [24] its routed scaling factor (float32 [1]; kind 1), [21] the layer's
- *                kind: 0 attention, 1 short convolution, whose slots are: [0] norm weight, [1]
- *                in projection (3 * hidden rows), [2] convolution weight (float32 [hidden, K]),
- *                [3] its bias (float32 [hidden] or 0), [4] out projection, [5] K, [7]-[10] and
- *                [13]-[19] as above, [11] its state (float32 [hidden, K], oldest first)
+ *   layer [26]:  [0] attention norm weight, [1]-[4] q, k, v, o products, [5], [6] q_norm and
+ *                k_norm weights (Qwen3: per head; OLMoE: over all heads, see [20]; 0: none), [7]
+ *                MLP norm weight, [8]-[10] gate, up, down products (a dense MLP, or the shared
+ *                expert of MLP kind 2), [11], [12] key cache, value cache (float32 [capacity,
+ *                kv_heads, head_dim]); [13] MLP kind (0 dense, 1 routed experts of F.linear
+ *                banks, 2 routed experts of x @ W[e] banks and a shared expert), [14] router
+ *                product, [15], [16] the banks' ExpertPairs argument blocks (kind 1: gate_up and
+ *                down; kind 2: w1 and w3, [25] w2), [17] top k, [18] renormalise the top k's
+ *                weights, [19] an expert's intermediate size, [20] q/k norms over all heads,
+ *                [21] the layer's kind (0 attention, 1 short convolution), [22] the router's
+ *                kind (0 softmax, 1 sigmoid), [23] its expert bias (float32 [experts] or 0), [24]
+ *                its routed scaling factor (float32 [1]; router kind 1). A short convolution's
+ *                [1] is its in projection (3 * hidden rows), [2] its weight (float32 [hidden,
+ *                K]), [3] its bias (float32 [hidden] or 0), [4] its out projection, [5] K, [11]
+ *                its state (float32 [hidden, K], oldest first)
  *   model [10]:  layers, hidden, heads, kv_heads, head_dim, intermediate, final norm weight,
  *                head product, inv_freq (float32 [head_dim / 2]), capacity
  *   scalars [3]: rms eps, rotary attention_scaling, attention scale
@@ -143,21 +146,18 @@ static void attend(const float *q, const float *kc, const float *vc, int64_t len
 }
 
 #define PTR(T, v) ((T)(intptr_t)(v))
-#define LAYER_SLOTS 25
+#define LAYER_SLOTS 26
 #define MAX_TOP_K 64
 
 static inline float silu(float v) { return v / (1.0f + expf(-v)); }
 
-/* The routed experts' weighted sum for x [hidden] into out [hidden]; scratch holds at least
- * 2 * experts + top_k * (hidden + 3 * inter + hidden) floats. */
-static int routed_experts(const int64_t *L, const float *x, int64_t hidden, float *out,
-                          float *scratch) {
+/* The router's choice for x: the top k experts (ids, in order of score; ties to the lower expert)
+ * and their weights w; probs and scores: scratch of `experts` floats each. */
+static int route(const int64_t *L, const float *x, float *probs, float *scores, int64_t *ids,
+                 float *w) {
     const int64_t *router = PTR(const int64_t *, L[14]);
-    const int64_t n = router[2], k = L[17], inter = L[19];
-    if (k < 1 || k > MAX_TOP_K || k > n) return -1;
-    float *probs = scratch, *scores = probs + n, *xs = scores + n, *up = xs + k * hidden;
-    float *h = up + k * 2 * inter, *down = h + k * inter;
-    int rc = product(router, x, probs);
+    const int64_t n = router[2], k = L[17];
+    const int rc = product(router, x, probs);
     const int sigmoid = L[22] == 1;
     const float *bias = PTR(const float *, L[23]);
     if (sigmoid) {
@@ -171,9 +171,8 @@ static int routed_experts(const int64_t *L, const float *x, int64_t hidden, floa
         for (int64_t e = 0; e < n; e++) sum += (probs[e] = expf(probs[e] - mx));
         for (int64_t e = 0; e < n; e++) scores[e] = probs[e] /= sum;
     }
-    int64_t ids[MAX_TOP_K];
-    float w[MAX_TOP_K], wsum = 0.0f;
-    for (int64_t s = 0; s < k; s++) { /* the s-th largest score; ties to the lower expert */
+    float wsum = 0.0f;
+    for (int64_t s = 0; s < k; s++) {
         int64_t best = -1;
         for (int64_t e = 0; e < n; e++) {
             int taken = 0;
@@ -187,16 +186,65 @@ static int routed_experts(const int64_t *L, const float *x, int64_t hidden, floa
         for (int64_t s = 0; s < k; s++) w[s] /= sigmoid ? wsum + 1e-6f : wsum;
     if (sigmoid)
         for (int64_t s = 0; s < k; s++) w[s] *= *PTR(const float *, L[24]);
+    return rc;
+}
+
+/* Floats of scratch routed_experts needs for layer L. */
+static int64_t routed_scratch(const int64_t *L, int64_t hidden) {
+    const int64_t n = PTR(const int64_t *, L[14])[2], k = L[17], inter = L[19];
+    if (L[13] == 1) return 2 * n + k * (2 * hidden + 3 * inter);
+    const int64_t p1 = PTR(const int64_t *, L[15])[4], p3 = PTR(const int64_t *, L[25])[4];
+    const int64_t shared = PTR(const int64_t *, L[8])[2];
+    return 2 * n + k * (hidden + 2 * p1 + inter + p3) + 2 * shared + hidden;
+}
+
+/* The MLP of a routed-experts layer for x [hidden] into out [hidden] (scratch: routed_scratch).
+ * Kind 1: F.linear banks, gate and up concatenated ([15], [16]: gate_up and down), the weighted
+ * sum of the routed experts. Kind 2 (the reference hybrid): x @ W[e] banks ([15] w1, [16] w3,
+ * [25] w2; outputs padded to their banks' padded widths), plus a shared SiLU-gated expert ([8],
+ * [9], [10]): out = shared + the routed experts' weighted sum. */
+static int routed_experts(const int64_t *L, const float *x, int64_t hidden, float *out,
+                          float *scratch) {
+    const int64_t n = PTR(const int64_t *, L[14])[2], k = L[17], inter = L[19];
+    if (k < 1 || k > MAX_TOP_K || k > n) return -1;
+    float *probs = scratch, *scores = probs + n, *xs = scores + n;
+    int64_t ids[MAX_TOP_K];
+    float w[MAX_TOP_K];
+    int rc = route(L, x, probs, scores, ids, w);
     for (int64_t s = 0; s < k; s++) memcpy(xs + s * hidden, x, (size_t)hidden * sizeof(float));
-    rc |= dq_experts_one(PTR(const int64_t *, L[15]), ids, k, xs, up);
-    for (int64_t s = 0; s < k; s++)
-        for (int64_t i = 0; i < inter; i++)
-            h[s * inter + i] = silu(up[s * 2 * inter + i]) * up[s * 2 * inter + inter + i];
-    rc |= dq_experts_one(PTR(const int64_t *, L[16]), ids, k, h, down);
+    float *down, *shared = NULL;
+    int64_t stride = hidden;
+    if (L[13] == 1) {
+        float *up = xs + k * hidden, *h = up + k * 2 * inter;
+        down = h + k * inter;
+        rc |= dq_experts_one(PTR(const int64_t *, L[15]), ids, k, xs, up);
+        for (int64_t s = 0; s < k; s++)
+            for (int64_t i = 0; i < inter; i++)
+                h[s * inter + i] = silu(up[s * 2 * inter + i]) * up[s * 2 * inter + inter + i];
+        rc |= dq_experts_one(PTR(const int64_t *, L[16]), ids, k, h, down);
+    } else {
+        const int64_t p1 = PTR(const int64_t *, L[15])[4];
+        const int64_t sn = PTR(const int64_t *, L[8])[2];
+        float *g = xs + k * hidden, *u = g + k * p1, *h = u + k * p1;
+        down = h + k * inter;
+        stride = PTR(const int64_t *, L[25])[4];
+        float *sg = down + k * stride, *su = sg + sn;
+        shared = su + sn;
+        rc |= dq_experts_one(PTR(const int64_t *, L[15]), ids, k, xs, g);
+        rc |= dq_experts_one(PTR(const int64_t *, L[16]), ids, k, xs, u);
+        for (int64_t s = 0; s < k; s++)
+            for (int64_t i = 0; i < inter; i++)
+                h[s * inter + i] = silu(g[s * p1 + i]) * u[s * p1 + i];
+        rc |= dq_experts_one(PTR(const int64_t *, L[25]), ids, k, h, down);
+        rc |= product(PTR(const int64_t *, L[8]), x, sg);
+        rc |= product(PTR(const int64_t *, L[9]), x, su);
+        for (int64_t i = 0; i < sn; i++) sg[i] = silu(sg[i]) * su[i];
+        rc |= product(PTR(const int64_t *, L[10]), sg, shared);
+    }
     for (int64_t i = 0; i < hidden; i++) {
         float acc = 0.0f;
-        for (int64_t s = 0; s < k; s++) acc += down[s * hidden + i] * w[s];
-        out[i] = acc;
+        for (int64_t s = 0; s < k; s++) acc += down[s * stride + i] * w[s];
+        out[i] = shared ? shared[i] + acc : acc;
     }
     return rc;
 }
@@ -235,8 +283,7 @@ int dq_llama_step(const int64_t *model, const int64_t *layers, const float *scal
     for (int64_t l = 0; l < nl; l++) {
         const int64_t *L = layers + LAYER_SLOTS * l;
         if (L[13]) {
-            const int64_t need = 2 * PTR(const int64_t *, L[14])[2] +
-                                 L[17] * (2 * hidden + 3 * L[19]);
+            const int64_t need = routed_scratch(L, hidden);
             moe = need > moe ? need : moe;
         }
     }
