@@ -165,6 +165,17 @@ def _greedy(model, ids, steps: int = 6):
     return out.sequences, torch.stack(out.logits).float()
 
 
+def _assert_native_steps_match_eager(model, monkeypatch) -> None:
+    """Greedy tokens of the native steps equal the eager path's, and so do the logits up to
+    float32 summation order."""
+    ids = torch.randint(0, 384, (1, 7), generator=torch.Generator().manual_seed(2))
+    native_tokens, native_scores = _greedy(model, ids)
+    monkeypatch.setenv("DYNQUANT_NATIVE_DECODE", "0")
+    eager_tokens, eager_scores = _greedy(model, ids)
+    assert torch.equal(native_tokens, eager_tokens)
+    torch.testing.assert_close(native_scores, eager_scores, rtol=1e-4, atol=1e-4)
+
+
 @pytest.mark.parametrize("family", FAMILIES)
 def test_native_decode_steps_give_the_eager_tokens(quantized, family, monkeypatch):
     """Every family of the suite decodes natively (one C call a step): Llama, Qwen3, LFM2
@@ -179,17 +190,12 @@ def test_native_decode_steps_give_the_eager_tokens(quantized, family, monkeypatc
     model = load(ck_dir, dtype=torch.float32)
     assert has_native_decode(model) == (family in NATIVE)
     assert set(NATIVE) < set(FAMILIES)
-    ids = torch.randint(0, 384, (1, 7), generator=torch.Generator().manual_seed(2))
-    native_tokens, native_scores = _greedy(model, ids)
-    monkeypatch.setenv("DYNQUANT_NATIVE_DECODE", "0")
-    eager_tokens, eager_scores = _greedy(model, ids)
-    assert torch.equal(native_tokens, eager_tokens)
-    torch.testing.assert_close(native_scores, eager_scores, rtol=1e-4, atol=1e-4)
+    _assert_native_steps_match_eager(model, monkeypatch)
 
 
 def test_lfm2_moe_routers_expert_bias_and_scaling_in_native_steps(quantized, monkeypatch):
     """LFM2-MoE's router (sigmoids, top k by sigmoid + expert bias, routed scaling) in the native
-    step gives the eager tokens and logits with a bias that changes the choice and a scale."""
+    step gives the eager tokens and logits with a non-zero expert bias and a scale."""
     _, ck_dir, _, _ = quantized["lfm2_moe"]
     model = load(ck_dir, dtype=torch.float32)
     g = torch.Generator().manual_seed(6)
@@ -198,12 +204,7 @@ def test_lfm2_moe_routers_expert_bias_and_scaling_in_native_steps(quantized, mon
     for block in blocks:
         block.expert_bias.copy_(torch.randn(block.expert_bias.shape, generator=g) * 0.3)
         block.gate.routed_scaling_factor = 1.7
-    ids = torch.randint(0, 384, (1, 7), generator=torch.Generator().manual_seed(2))
-    native_tokens, native_scores = _greedy(model, ids)
-    monkeypatch.setenv("DYNQUANT_NATIVE_DECODE", "0")
-    eager_tokens, eager_scores = _greedy(model, ids)
-    assert torch.equal(native_tokens, eager_tokens)
-    torch.testing.assert_close(native_scores, eager_scores, rtol=1e-4, atol=1e-4)
+    _assert_native_steps_match_eager(model, monkeypatch)
 
 
 @pytest.mark.parametrize("family", ["llama", "qwen3", "olmoe", "lfm2"])

@@ -11,14 +11,10 @@
 int dq_matvec(const uint32_t *qweight, const uint16_t *scales, const uint16_t *offsets,
               int64_t rows, int64_t padded_n, int64_t gs, int bits, const float *x, int64_t m,
               float *y, int64_t y_stride, int portable);
-int dq_matvec_q8_experts_mt(const uint32_t *qweight, const uint16_t *scales,
-                            const uint16_t *offsets, int64_t rows_per_expert, int64_t padded_n,
-                            int64_t gs, int bits, const int64_t *experts, int64_t pairs,
-                            const float *x, float *y, int threads);
-int dq_matvec_q16_experts_mt(const uint32_t *qweight, const uint16_t *scales,
-                             const uint16_t *offsets, int64_t rows_per_expert, int64_t padded_n,
-                             int64_t gs, int bits, const int64_t *experts, int64_t pairs,
-                             const float *x, float *y, int threads);
+int dq_matvec_integer_experts_mt(int wide, const uint32_t *qweight, const uint16_t *scales,
+                                 const uint16_t *offsets, int64_t rows_per_expert,
+                                 int64_t padded_n, int64_t gs, int bits, const int64_t *experts,
+                                 int64_t pairs, const float *x, float *y, int threads);
 int dq_vecmat(const uint32_t *qweight, const uint16_t *scales, const uint16_t *offsets,
               int64_t rows, int64_t padded_n, int64_t gs, int bits, const float *x, int64_t m,
               int64_t g0, int64_t g1, float *y, int portable);
@@ -107,7 +103,7 @@ int dq_vecmat_experts_mt(const uint32_t *qweight, const uint16_t *scales, const 
  * once per bank per step). a: qweight, scales, offsets (addresses), rows_per_expert, padded_n,
  * gs, bits, experts in the bank, kind (0: F.linear(x, W[e]), dq_matvec_experts; 1: x @ W[e],
  * dq_vecmat_experts, y [pairs, padded_n]; 2: F.linear(x, W[e]) with int8 activations,
- * dq_matvec_q8_experts_mt; 3: with int16 activations, dq_matvec_q16_experts_mt), work from which
+ * dq_matvec_integer_experts_mt; 3: with int16 activations, the same), work from which
  * to split, threads then, in_features. For kinds 0, 2 and 3, x holds in_features values a pair, copied beside zeros here where the layout pads
  * them. An expert index outside the bank: -2, nothing computed. Same products as the *_mt
  * calls. */
@@ -126,10 +122,9 @@ int dq_experts_one(const int64_t *a, const int64_t *experts, int64_t pairs, cons
         if (!(padded = padded_rows(x, pairs, a[11], a[4]))) return -1;
         x = padded;
     }
-    const int rc = a[8] == 2 ? dq_matvec_q8_experts_mt(q, s, o, a[3], a[4], a[5], (int)a[6],
-                                                       experts, pairs, x, y, threads)
-                   : a[8] == 3 ? dq_matvec_q16_experts_mt(q, s, o, a[3], a[4], a[5], (int)a[6],
-                                                          experts, pairs, x, y, threads)
+    const int rc = a[8] >= 2 ? dq_matvec_integer_experts_mt(a[8] == 3, q, s, o, a[3], a[4], a[5],
+                                                            (int)a[6], experts, pairs, x, y,
+                                                            threads)
                              : dq_matvec_experts_mt(q, s, o, a[3], a[4], a[5], (int)a[6], experts,
                                                     pairs, x, y, 0, threads);
     free(padded);
