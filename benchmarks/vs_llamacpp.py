@@ -7,9 +7,11 @@ llama.cpp's own quantize API. dynquant runs its default calibrated checkpoints (
 --budget 4.25`` and ``3.25``: GPTQ codes on the shipped calibration text) with float32 and int8
 activations everywhere and with the default (``auto``: int8 for modules of 4+ bits where the
 CPU has SIMD integer dot products), through ``generate`` (the native decode step) as a user
-would. ``--as-avx2``: dynquant as on an AVX2-only CPU (``benchmarks/common.py``), and llama.cpp
-from the library that ``$LLAMA_CPP_LIB_PATH`` names (a llama-cpp-python build with
-``CMAKE_ARGS="-DGGML_NATIVE=OFF -DGGML_AVX512=OFF"``: its system line says which).
+would; and the dense model under transformers in the CPU's compute dtype (what dynquant's
+packed decode is held against). ``--as-avx2``: dynquant as on an AVX2-only CPU
+(``benchmarks/common.py``), and llama.cpp from the library that ``$LLAMA_CPP_LIB_PATH`` names
+(a llama-cpp-python build with ``CMAKE_ARGS="-DGGML_NATIVE=OFF -DGGML_AVX512=OFF"``: its system
+line says which).
 
 Decode: 64 greedy tokens after a 16-token prompt (tokens/s of the steps alone: the 64-token run
 minus a 1-token run); prefill: 128 and 512 tokens in one forward. Both runtimes on the same
@@ -29,8 +31,11 @@ from pathlib import Path
 
 import numpy as np
 import torch
+from transformers import AutoModelForCausalLM
 
+import dynquant
 from benchmarks.common import machine, rerun_as_avx2
+from dynquant.numerics.compute_dtype import resolve_dtype
 from scripts.prepare_real_model import real_model
 
 ROOT = Path(__file__).parents[1]
@@ -108,11 +113,11 @@ class LlamaCpp:
         return time.perf_counter() - start
 
 
-class Dynquant:
-    def __init__(self, path: Path, activations: str) -> None:
-        import dynquant
+class Generate:
+    """A transformers-style model's ``generate`` (dynquant's packed model, or the dense one)."""
 
-        self.model = dynquant.load(path, activations=activations)
+    def __init__(self, model: torch.nn.Module) -> None:
+        self.model = model
         # no end-of-text token: every run makes its tokens, with no per-step check for it (the
         # llama.cpp loop has none either; min_new_tokens would add a vocabulary-wide one)
         self.config = copy.deepcopy(self.model.generation_config)
@@ -166,7 +171,9 @@ def main() -> None:
         runs[name] = (path, LlamaCpp(path, args.threads))
     for name, path in checkpoints(real).items():
         for act in ("float", "auto", "int8"):  # auto: the default (int8 from 4 bits here)
-            runs[f"{name}, {act}"] = (path, Dynquant(path, act))
+            runs[f"{name}, {act}"] = (path, Generate(dynquant.load(path, activations=act)))
+    dense = AutoModelForCausalLM.from_pretrained(real, dtype=resolve_dtype(None)).eval()
+    runs[f"transformers, dense {str(dense.dtype).removeprefix('torch.')}"] = (real, Generate(dense))
     ids = prompt_ids(real, max(PREFILLS))
     prompt = ids[:PROMPT_TOKENS]
     best: dict[str, list[float]] = {name: [float("inf")] * 4 for name in runs}
