@@ -212,7 +212,7 @@ class _Program:
         bias = part.mlp.expert_bias if part.mlp.use_expert_bias else None
         scale = torch.tensor([float(router.routed_scaling_factor)])
         self.keep.append(scale)
-        return slots, [1, self._norm_weight(bias), scale.data_ptr(), 0]
+        return slots, [1, self._vector(bias), scale.data_ptr(), 0]
 
     def _hybrid_moe(self, moe: nn.Module) -> tuple[list[int], list[int]]:
         """The reference hybrid's MoE (MLP kind 2): the shared expert in slots 8-10, the x @ W[e]
@@ -238,9 +238,9 @@ class _Program:
         return ctypes.addressof(args)
 
     def _norm(self, module: nn.Module | None) -> int:
-        return 0 if module is None else self._norm_weight(module.weight)
+        return 0 if module is None else self._vector(module.weight)
 
-    def _norm_weight(self, weight: torch.Tensor | None) -> int:
+    def _vector(self, weight: torch.Tensor | None) -> int:
         """The address of a float32 copy of a vector (0 for None), kept alive."""
         if weight is None:
             return 0

@@ -307,7 +307,6 @@ int dq_llama_step(const int64_t *model, const int64_t *layers, const float *scal
         rms_norm(h, PTR(const float *, L[0]), hidden, eps, x);
         if (L[21] == 1) { /* a short convolution */
             rc |= short_conv(L, x, hidden, bcx, x);
-            for (int64_t i = 0; i < hidden; i++) h[i] += x[i];
         } else {
             rc |= product(PTR(const int64_t *, L[1]), x, q);
             rc |= product(PTR(const int64_t *, L[2]), x, k);
@@ -328,8 +327,8 @@ int dq_llama_step(const int64_t *model, const int64_t *layers, const float *scal
             memcpy(vc + pos * kvn, v, (size_t)kvn * sizeof(float));
             attend(q, kc, vc, pos + 1, heads, kvh, hd, attn_scale, scores, att);
             rc |= product(PTR(const int64_t *, L[4]), att, x);
-            for (int64_t i = 0; i < hidden; i++) h[i] += x[i];
         }
+        for (int64_t i = 0; i < hidden; i++) h[i] += x[i]; /* the mixer's residual */
         rms_norm(h, PTR(const float *, L[7]), hidden, eps, x);
         if (L[13]) {
             rc |= routed_experts(L, x, hidden, g, experts);

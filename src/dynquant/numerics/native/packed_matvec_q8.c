@@ -67,15 +67,19 @@ int dq_q8_simd(void) {
 #endif
 }
 
-/* The largest |x| of n values (NaN ignored, as fmaxf would: which without -ffinite-math-only is
- * a library call per value, in a loop that every decode product runs). */
-static inline float abs_max(const float *x, int64_t n) {
+/* A block's step d = amax / levels and *inv = levels / amax, which quantizes it (both 0 for a
+ * block whose largest |x| is below Q8_TINY: it quantizes to zeros). The largest |x| ignores NaN
+ * as fmaxf would, which without -ffinite-math-only is a library call per value, in a loop that
+ * every decode product runs. */
+static inline float block_step(const float *x, int64_t n, float levels, float *inv) {
     float amax = 0.0f;
     for (int64_t j = 0; j < n; j++) {
         const float a = fabsf(x[j]);
         amax = a > amax ? a : amax;
     }
-    return amax;
+    const int live = amax >= Q8_TINY;
+    *inv = live ? levels / amax : 0.0f;
+    return live ? amax / levels : 0.0f;
 }
 
 /* x [padded_n] -> xq [padded_n] int8 and d [padded_n / 32]: per block of 32, d = amax / 127,
@@ -83,10 +87,8 @@ static inline float abs_max(const float *x, int64_t n) {
 void dq_q8_quantize(const float *x, int64_t padded_n, int8_t *xq, float *d) {
     for (int64_t b = 0; b < padded_n / Q8_BLOCK; b++) {
         const float *xb = x + b * Q8_BLOCK;
-        const float amax = abs_max(xb, Q8_BLOCK);
-        const int live = amax >= Q8_TINY;
-        const float inv = live ? 127.0f / amax : 0.0f;
-        d[b] = live ? amax / 127.0f : 0.0f;
+        float inv;
+        d[b] = block_step(xb, Q8_BLOCK, 127.0f, &inv);
         for (int j = 0; j < Q8_BLOCK; j++) xq[b * Q8_BLOCK + j] = (int8_t)nearbyintf(xb[j] * inv);
     }
 }
@@ -571,10 +573,8 @@ static inline int q16_code(int bits, int p) {
 void dq_q16_quantize(const float *x, int64_t n, int64_t gs, int16_t *xq, float *d) {
     for (int64_t g = 0; g < n / gs; g++) {
         const float *xg = x + g * gs;
-        const float amax = abs_max(xg, gs);
-        const int live = amax >= Q8_TINY;
-        const float inv = live ? Q16_LEVELS / amax : 0.0f;
-        d[g] = live ? amax / Q16_LEVELS : 0.0f;
+        float inv;
+        d[g] = block_step(xg, gs, Q16_LEVELS, &inv);
         for (int64_t j = 0; j < gs; j++) xq[g * gs + j] = (int16_t)nearbyintf(xg[j] * inv);
     }
 }
@@ -605,14 +605,18 @@ static q16_tokens q16_quantize_tokens(const float *x, int64_t m, int64_t padded_
     const int64_t groups = padded_n / gs;
     q16_tokens t = {0};
     float *d = malloc((size_t)(2 * m * groups) * sizeof(float) +
-                      (size_t)(2 * padded_n) * sizeof(int16_t) * (size_t)m);
+                      (size_t)(m * padded_n) * sizeof(int16_t));
     if (!d) return t;
-    int16_t *xq = (int16_t *)(d + 2 * m * groups), *natural = xq + m * padded_n;
+    int16_t *xq = (int16_t *)(d + 2 * m * groups), block[Q8_BLOCK];
     float *xsum = d + m * groups;
     for (int64_t i = 0; i < m; i++) {
-        dq_q16_quantize(x + i * padded_n, padded_n, gs, natural, d + i * groups);
-        q16_group_sums(natural, d + i * groups, padded_n, gs, xsum + i * groups);
-        q16_permute(natural, padded_n, bits, xq + i * padded_n);
+        int16_t *q = xq + i * padded_n;
+        dq_q16_quantize(x + i * padded_n, padded_n, gs, q, d + i * groups);
+        q16_group_sums(q, d + i * groups, padded_n, gs, xsum + i * groups);
+        for (int64_t b = 0; b < padded_n; b += Q8_BLOCK) { /* into the order, block by block */
+            memcpy(block, q + b, sizeof block);
+            q16_permute(block, Q8_BLOCK, bits, q + b);
+        }
     }
     t.xq = xq;
     t.d = d;
