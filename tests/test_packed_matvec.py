@@ -14,8 +14,8 @@ import torch
 
 from dynquant import quantize_tensor
 from dynquant.format.layout import LayerLayout
+from dynquant.numerics import native, row_kernels
 from dynquant.numerics import packed_matvec as packed_matvec_module
-from dynquant.numerics import row_kernels
 from dynquant.numerics.packed_matvec import (
     MAX_TOKENS,
     packed_gemm,
@@ -332,3 +332,14 @@ def test_the_native_pool_splits_any_count_of_parts_and_keeps_the_bits(monkeypatc
             assert torch.equal(packed_matvec(x, qt.qweight, qt.scales, qt.offsets, qt.layout), one)
             if i % 5 == 0:
                 time.sleep(0.001)  # past the workers' spin: they sleep and are woken
+    lib = native.library()
+    lib.dq_pool_hold(1)  # a native step's hold: waits spin up to a millisecond
+    try:
+        for i in range(10):
+            assert torch.equal(packed_matvec(x, qt.qweight, qt.scales, qt.offsets, qt.layout), one)
+            if i % 5 == 0:
+                time.sleep(0.003)  # past even a held wait: the workers sleep and are woken
+    finally:
+        lib.dq_pool_hold(0)
+    time.sleep(0.001)
+    assert torch.equal(packed_matvec(x, qt.qweight, qt.scales, qt.offsets, qt.layout), one)

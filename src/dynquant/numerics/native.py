@@ -197,7 +197,8 @@ def _load() -> ctypes.CDLL | None:
     lib.dq_dense_matvec_bf16_mt.argtypes = [ptr, i64, i64, ptr, i64, ptr, i64, c_int]
     lib.dq_q8_quantize.argtypes = [ptr, i64, ptr, ptr]
     lib.dq_q16_quantize.argtypes = [ptr, i64, i64, ptr, ptr]
-    lib.dq_q8_quantize.restype = lib.dq_q16_quantize.restype = None
+    lib.dq_pool_hold.argtypes = [c_int]
+    lib.dq_q8_quantize.restype = lib.dq_q16_quantize.restype = lib.dq_pool_hold.restype = None
     lib.dq_q16_group_dots.argtypes = [ptr, i64, i64, i64, c_int, ptr, ptr, c_int]
     lib.dq_matvec_q16_one.argtypes = [ptr, ptr, ptr]
     lib.dq_q8_group_dots.argtypes = [ptr, i64, i64, i64, c_int, ptr, ptr, c_int]

@@ -51,6 +51,8 @@
 #include <stdlib.h>
 #include <string.h>
 
+#include "pool.h"
+
 int dq_matvec_one(const int64_t *a, const float *x, float *y);
 int dq_matvec_q8_one(const int64_t *a, const float *x, float *y);
 int dq_matvec_q16_one(const int64_t *a, const float *x, float *y);
@@ -302,6 +304,7 @@ int dq_llama_step(const int64_t *model, const int64_t *layers, const float *scal
         sn[i] = sinf(f) * rope_scale;
     }
     int rc = 0;
+    dq_pool_hold(1); /* the products follow each other closely */
     for (int64_t l = 0; l < nl && !rc; l++) {
         const int64_t *L = layers + LAYER_SLOTS * l;
         rms_norm(h, PTR(const float *, L[0]), hidden, eps, x);
@@ -345,6 +348,7 @@ int dq_llama_step(const int64_t *model, const int64_t *layers, const float *scal
         rms_norm(h, PTR(const float *, model[6]), hidden, eps, x);
         rc = product(PTR(const int64_t *, model[7]), x, logits);
     }
+    dq_pool_hold(0);
     free(buf);
     return rc ? -1 : 0;
 }

@@ -9,7 +9,11 @@
  * spins for at most SPIN_NS, then sleeps on a condition variable, so an idle pool or a machine
  * shared with other processes costs no CPU beyond that (never an unbounded spin). SPIN_NS =
  * 20 us: as fast as longer spins on the seed architecture's decode, and less in the way of
- * torch's own threads and of other processes (`benchmarks/demo_under_load.py`). Jobs are run one
+ * torch's own threads and of other processes (`benchmarks/demo_under_load.py`). A caller that
+ * runs many jobs back to back with short serial work between them (a native decode step: norms,
+ * attention and activation quantization between its products) holds the pool (dq_pool_hold):
+ * until it lets go, waits spin for up to HOLD_NS, so no job of the step pays a wake-up (on a VM
+ * a futex wake takes tens of microseconds, and a step has ~200 jobs). Jobs are run one
  * at a time (callers are serialised by a mutex); the caller takes chunks too. A forked child
  * starts with no workers (pthread_atfork) and makes its own on first use.
  */
@@ -29,6 +33,9 @@
 
 #define MAX_WORKERS 63
 #define SPIN_NS 20000
+/* The bound on a wait while the pool is held: longer than any gap between a step's jobs, short
+ * enough that a holder that never lets go costs no more than a millisecond a wait. */
+#define HOLD_NS 1000000
 /* Chunks per thread of a job (at most one a unit of its range). */
 #define CHUNKS_PER_THREAD 4
 
@@ -49,12 +56,21 @@ static struct {
     _Atomic uint64_t claim;    /* CLAIM(...) of the current job */
     atomic_int done;           /* its chunks finished */
     atomic_int rc;
+    atomic_int hold;           /* dq_pool_hold's count */
     int workers;               /* started */
     dq_range_fn fn;
     const void *ctx;
     int64_t n;
 } P = {.run_lock = PTHREAD_MUTEX_INITIALIZER, .mu = PTHREAD_MUTEX_INITIALIZER,
        .job_cv = PTHREAD_COND_INITIALIZER, .done_cv = PTHREAD_COND_INITIALIZER};
+
+/* How long a wait spins before it sleeps. */
+static inline int64_t spin_ns(void) {
+    return atomic_load_explicit(&P.hold, memory_order_relaxed) > 0 ? HOLD_NS : SPIN_NS;
+}
+
+/* Held (on) or let go (0): the waits of jobs spin longer while held (the header). */
+void dq_pool_hold(int on) { atomic_fetch_add(&P.hold, on ? 1 : -1); }
 
 static int64_t now_ns(void) {
     struct timespec ts;
@@ -98,7 +114,7 @@ static void *worker(void *arg) {
         int spins = 0;
         while ((g = atomic_load_explicit(&P.generation, memory_order_acquire)) == seen) {
             CPU_RELAX();
-            if (++spins % 64 == 0 && now_ns() - start > SPIN_NS) {
+            if (++spins % 64 == 0 && now_ns() - start > spin_ns()) {
                 pthread_mutex_lock(&P.mu);
                 while ((g = atomic_load(&P.generation)) == seen) pthread_cond_wait(&P.job_cv, &P.mu);
                 pthread_mutex_unlock(&P.mu);
@@ -112,7 +128,8 @@ static void *worker(void *arg) {
 }
 
 static void after_fork_in_child(void) {
-    P.workers = 0; /* the parent's workers do not exist here */
+    P.workers = 0; /* the parent's workers do not exist here, nor its holds */
+    atomic_store(&P.hold, 0);
     pthread_mutex_init(&P.run_lock, NULL);
     pthread_mutex_init(&P.mu, NULL);
     pthread_cond_init(&P.job_cv, NULL);
@@ -167,7 +184,7 @@ int dq_parallel(dq_range_fn fn, const void *ctx, int64_t n, int threads) {
     int spins = 0;
     while (atomic_load_explicit(&P.done, memory_order_acquire) < chunks) {
         CPU_RELAX();
-        if (++spins % 64 == 0 && now_ns() - start > SPIN_NS) {
+        if (++spins % 64 == 0 && now_ns() - start > spin_ns()) {
             pthread_mutex_lock(&P.mu);
             while (atomic_load(&P.done) < chunks) pthread_cond_wait(&P.done_cv, &P.mu);
             pthread_mutex_unlock(&P.mu);

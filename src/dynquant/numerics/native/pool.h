@@ -4,6 +4,8 @@
 #include <stdint.h>
 typedef int (*dq_range_fn)(const void *ctx, int64_t lo, int64_t hi);
 int dq_parallel(dq_range_fn fn, const void *ctx, int64_t n, int threads);
+/* 1: jobs follow each other closely until dq_pool_hold(0) (the workers' waits spin longer). */
+void dq_pool_hold(int on);
 
 /* The arguments of a product kernel, handed to the functions that run one part of it. */
 typedef struct {
