@@ -11,6 +11,7 @@ from transformers import AutoModelForCausalLM
 
 from dynquant import validate_checkpoint
 from dynquant.models.sources import resolve_model
+from dynquant.numerics import native
 from dynquant.pipeline.codes.write import quantize_model
 from dynquant.runtime.loader import load, load_dequantized
 from dynquant.runtime.packed_modules import QuantEmbedding, QuantExpertBank, QuantLinear
@@ -191,6 +192,23 @@ def test_native_decode_steps_give_the_eager_tokens(quantized, family, monkeypatc
     assert has_native_decode(model) == (family in NATIVE)
     assert set(NATIVE) < set(FAMILIES)
     _assert_native_steps_match_eager(model, monkeypatch)
+
+
+@pytest.mark.parametrize("family", ["llama", "dynquant_hybrid"])
+def test_attention_heads_split_over_threads_keep_the_bits(quantized, family, monkeypatch):
+    """A native step's attention with its heads split over the kernel pool (every step, two
+    threads) gives the logits of one thread bit for bit, and the eager tokens."""
+    from dynquant.runtime import native_decode
+
+    _, ck_dir, _, _ = quantized[family]
+    ids = torch.randint(0, 384, (1, 7), generator=torch.Generator().manual_seed(2))
+    monkeypatch.setattr(native_decode, "ATTENTION_PARALLEL_MIN_MACS", 0)
+    runs = {}
+    for threads in (1, 2):
+        monkeypatch.setattr(native, "pool_threads", threads)
+        runs[threads] = _greedy(load(ck_dir, dtype=torch.float32), ids)
+    assert torch.equal(runs[1][0], runs[2][0]) and torch.equal(runs[1][1], runs[2][1])
+    _assert_native_steps_match_eager(load(ck_dir, dtype=torch.float32), monkeypatch)
 
 
 def test_lfm2_moe_routers_expert_bias_and_scaling_in_native_steps(quantized, monkeypatch):

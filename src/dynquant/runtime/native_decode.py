@@ -56,6 +56,10 @@ FIRST_CAPACITY = 256
 # hand-off of ~1 us, not the ~25 us wake-up between transformers' modules that keeps
 # PARALLEL_MIN_ELEMENTS high): benchmarks/packed_products.py, "hand-off".
 STEP_PARALLEL_MIN_ELEMENTS = 1 << 16
+# A step's attention (its heads, each on one thread) split over the pool from this many
+# multiply-adds: SmolLM2's 9 heads of 64 from ~14 cached positions (its time grows with the
+# context, the products' does not).
+ATTENTION_PARALLEL_MIN_MACS = 1 << 14
 
 
 def supports(config: Any) -> bool:
@@ -159,7 +163,8 @@ class _Program:
                     default=getattr(cfg, "intermediate_size", 0))
         self.model = _int64s([len(parts), self.hidden, self.heads, self.kv_heads, self.head_dim,
                               inter, self._norm(final_norm), self._product(model.lm_head),
-                              inv_freq.data_ptr(), capacity])
+                              inv_freq.data_ptr(), capacity, native.kernel_threads(),
+                              ATTENTION_PARALLEL_MIN_MACS])
         self.vocab = self._rows(model.lm_head)
         eps = getattr(cfg, "rms_norm_eps", None) or cfg.norm_eps
         self.scalars = (ctypes.c_float * 3)(eps, float(getattr(rotary, "attention_scaling", 1.0)),

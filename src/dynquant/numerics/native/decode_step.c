@@ -9,7 +9,8 @@
  * packed_matvec_q8.c) or, for a matrix kept dense, a float32 / bf16 matvec below. The rest
  * follows transformers' definitions: RMSNorm x * rsqrt(mean(x^2) + eps) * w; rotary with
  * cos/sin(pos * inv_freq) * attention_scaling on the two halves of each head (rotate_half);
- * softmax attention over the cached positions 0..pos with grouped key/value heads; SiLU-gated MLP;
+ * softmax attention over the cached positions 0..pos with grouped key/value heads (each head on
+ * one thread); SiLU-gated MLP;
  * MoE: softmax of the router's logits, the top k (ties: the lower expert), their weights
  * renormalised where asked, each routed expert's SiLU-gated MLP by packed_experts.c's pair
  * kernels (dq_experts_one) and the weighted sum in slot order; LFM2-MoE's router instead: the
@@ -41,8 +42,9 @@
  *                [1] is its in projection (3 * hidden rows), [2] its weight (float32 [hidden,
  *                K]), [3] its bias (float32 [hidden] or 0), [4] its out projection, [5] K, [11]
  *                its state (float32 [hidden, K], oldest first)
- *   model [10]:  layers, hidden, heads, kv_heads, head_dim, intermediate, final norm weight,
- *                head product, inv_freq (float32 [head_dim / 2]), capacity
+ *   model [12]:  layers, hidden, heads, kv_heads, head_dim, intermediate, final norm weight,
+ *                head product, inv_freq (float32 [head_dim / 2]), capacity, the attention's
+ *                threads and the multiply-adds from which its heads are split over them
  *   scalars [3]: rms eps, rotary attention_scaling, attention scale
  * Norm weights are float32.
  */
@@ -120,31 +122,45 @@ static void rotary(float *v, int64_t count, int64_t hd, const float *cs, const f
     }
 }
 
-/* out [heads, hd]: softmax(q . k_t * scale) . v_t over t = 0..len-1 for each head. */
-static void attend(const float *q, const float *kc, const float *vc, int64_t len, int64_t heads,
-                   int64_t kv_heads, int64_t hd, float scale, float *scores, float *out) {
-    const int64_t group = heads / kv_heads;
-    for (int64_t h = 0; h < heads; h++) {
-        const int64_t kvh = h / group;
-        const float *qh = q + h * hd;
-        float mx = -INFINITY;
-        for (int64_t t = 0; t < len; t++) {
-            scores[t] = dense_dot_f32(kc + (t * kv_heads + kvh) * hd, qh, hd) * scale;
-            if (scores[t] > mx) mx = scores[t];
-        }
-        float sum = 0.0f;
-        for (int64_t t = 0; t < len; t++) {
-            scores[t] = expf(scores[t] - mx);
-            sum += scores[t];
-        }
-        float *o = out + h * hd;
-        for (int64_t i = 0; i < hd; i++) o[i] = 0.0f;
-        for (int64_t t = 0; t < len; t++) {
-            const float p = scores[t] / sum;
-            const float *vt = vc + (t * kv_heads + kvh) * hd;
-            for (int64_t i = 0; i < hd; i++) o[i] += p * vt[i];
-        }
+/* One head's attention: out [hd] = softmax(q . k_t * scale) . v_t over t = 0..len-1, the keys and
+ * values of key/value head kvh (scores: len floats of scratch). */
+static void attend_head(const float *qh, const float *kc, const float *vc, int64_t len,
+                        int64_t kv_heads, int64_t kvh, int64_t hd, float scale, float *scores,
+                        float *o) {
+    float mx = -INFINITY;
+    for (int64_t t = 0; t < len; t++) {
+        scores[t] = dense_dot_f32(kc + (t * kv_heads + kvh) * hd, qh, hd) * scale;
+        if (scores[t] > mx) mx = scores[t];
     }
+    float sum = 0.0f;
+    for (int64_t t = 0; t < len; t++) {
+        scores[t] = expf(scores[t] - mx);
+        sum += scores[t];
+    }
+    for (int64_t i = 0; i < hd; i++) o[i] = 0.0f;
+    for (int64_t t = 0; t < len; t++) {
+        const float p = scores[t] / sum;
+        const float *vt = vc + (t * kv_heads + kvh) * hd;
+        for (int64_t i = 0; i < hd; i++) o[i] += p * vt[i];
+    }
+}
+
+/* The heads of one token's attention, each on its own (so any split of them over threads gives
+ * the same bits): out [heads, hd]; scores: len floats a head. */
+typedef struct {
+    const float *q, *kc, *vc;
+    int64_t len, heads, kv_heads, hd;
+    float scale;
+    float *scores, *out;
+} attention_job;
+
+static int attend_heads(const void *ctx, int64_t lo, int64_t hi) {
+    const attention_job *a = ctx;
+    const int64_t group = a->heads / a->kv_heads;
+    for (int64_t h = lo; h < hi; h++)
+        attend_head(a->q + h * a->hd, a->kc, a->vc, a->len, a->kv_heads, h / group, a->hd,
+                    a->scale, a->scores + h * a->len, a->out + h * a->hd);
+    return 0;
 }
 
 #define PTR(T, v) ((T)(intptr_t)(v))
@@ -278,6 +294,8 @@ int dq_llama_step(const int64_t *model, const int64_t *layers, const float *scal
                   int64_t pos, float *logits) {
     const int64_t nl = model[0], hidden = model[1], heads = model[2], kvh = model[3];
     const int64_t hd = model[4], inter = model[5], capacity = model[9];
+    const int threads = (int)model[10]; /* the attention's, from model[11] multiply-adds */
+    const int64_t attention_min_macs = model[11];
     if (pos < 0 || pos >= capacity) return -2;
     const float eps = scalars[0], rope_scale = scalars[1], attn_scale = scalars[2];
     const int64_t qn = heads * hd, kvn = kvh * hd;
@@ -290,13 +308,13 @@ int dq_llama_step(const int64_t *model, const int64_t *layers, const float *scal
         }
     }
     const int64_t gu = inter > hidden ? inter : hidden; /* g: also the experts' sum */
-    const size_t floats = (size_t)(hidden + qn + 2 * kvn + qn + 2 * gu + hd + pos + 1 + moe +
-                                   3 * hidden);
+    const size_t floats = (size_t)(hidden + qn + 2 * kvn + qn + 2 * gu + hd + heads * (pos + 1) +
+                                   moe + 3 * hidden);
     float *buf = malloc(floats * sizeof(float));
     if (!buf) return -1;
     float *x = buf, *q = x + hidden, *k = q + qn, *v = k + kvn, *att = v + kvn;
     float *g = att + qn, *u = g + gu, *cs = u + gu, *sn = cs + hd / 2;
-    float *scores = cs + hd, *experts = scores + pos + 1, *bcx = experts + moe;
+    float *scores = cs + hd, *experts = scores + heads * (pos + 1), *bcx = experts + moe;
     const float *inv_freq = PTR(const float *, model[8]);
     for (int64_t i = 0; i < hd / 2; i++) {
         const float f = (float)pos * inv_freq[i];
@@ -328,7 +346,10 @@ int dq_llama_step(const int64_t *model, const int64_t *layers, const float *scal
             float *kc = PTR(float *, L[11]), *vc = PTR(float *, L[12]);
             memcpy(kc + pos * kvn, k, (size_t)kvn * sizeof(float));
             memcpy(vc + pos * kvn, v, (size_t)kvn * sizeof(float));
-            attend(q, kc, vc, pos + 1, heads, kvh, hd, attn_scale, scores, att);
+            const attention_job aj = {q, kc, vc, pos + 1, heads, kvh, hd, attn_scale, scores,
+                                      att};
+            const int64_t macs = 2 * heads * (pos + 1) * hd;
+            dq_parallel(attend_heads, &aj, heads, macs >= attention_min_macs ? threads : 1);
             rc |= product(PTR(const int64_t *, L[4]), att, x);
         }
         for (int64_t i = 0; i < hidden; i++) h[i] += x[i]; /* the mixer's residual */
