@@ -70,16 +70,62 @@ int dq_q8_simd(void) {
 /* A block's step d = amax / levels and *inv = levels / amax, which quantizes it (both 0 for a
  * block whose largest |x| is below Q8_TINY: it quantizes to zeros). The largest |x| ignores NaN
  * as fmaxf would, which without -ffinite-math-only is a library call per value, in a loop that
- * every decode product runs. */
+ * every decode product runs (AVX2: vmaxps, which keeps its second operand beside a NaN). */
 static inline float block_step(const float *x, int64_t n, float levels, float *inv) {
     float amax = 0.0f;
-    for (int64_t j = 0; j < n; j++) {
+    int64_t j = 0;
+#ifdef Q8_AVX2
+    __m256 m = _mm256_setzero_ps();
+    for (; j + 8 <= n; j += 8)
+        m = _mm256_max_ps(_mm256_andnot_ps(_mm256_set1_ps(-0.0f), _mm256_loadu_ps(x + j)), m);
+    float lanes[8];
+    _mm256_storeu_ps(lanes, m);
+    for (int l = 0; l < 8; l++) amax = lanes[l] > amax ? lanes[l] : amax;
+#endif
+    for (; j < n; j++) {
         const float a = fabsf(x[j]);
         amax = a > amax ? a : amax;
     }
     const int live = amax >= Q8_TINY;
     *inv = live ? levels / amax : 0.0f;
     return live ? amax / levels : 0.0f;
+}
+
+#ifdef Q8_AVX2
+/* 8 values of x times inv, each to the nearest integer (ties to even: the rounding mode's, as
+ * nearbyintf), NaN to 0 (as the scalar conversion leaves it). */
+static inline __m256i round_scaled8(const float *x, __m256 inv) {
+    const __m256 v = _mm256_mul_ps(_mm256_loadu_ps(x), inv);
+    const __m256 r = _mm256_round_ps(v, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+    return _mm256_cvtps_epi32(_mm256_and_ps(r, _mm256_cmp_ps(v, v, _CMP_ORD_Q)));
+}
+#endif
+
+/* xq[j] = nearest of x[j] * inv for j < n (|x * inv| <= 32767 by the step): int16, or int8
+ * where xq8 is given. */
+static inline void round_scaled(const float *x, int64_t n, float inv, int16_t *xq16,
+                                int8_t *xq8) {
+    int64_t j = 0;
+#ifdef Q8_AVX2
+    const __m256 iv = _mm256_set1_ps(inv);
+    for (; j + 32 <= n; j += 32) {
+        const __m256i a = _mm256_packs_epi32(round_scaled8(x + j, iv), round_scaled8(x + j + 8, iv));
+        const __m256i b = _mm256_packs_epi32(round_scaled8(x + j + 16, iv),
+                                             round_scaled8(x + j + 24, iv));
+        if (xq8) { /* packs work in 128-bit halves: the dwords back in order */
+            const __m256i c = _mm256_packs_epi16(a, b);
+            _mm256_storeu_si256((__m256i *)(xq8 + j),
+                                _mm256_permutevar8x32_epi32(c, _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7)));
+        } else {
+            _mm256_storeu_si256((__m256i *)(xq16 + j), _mm256_permute4x64_epi64(a, 0xD8));
+            _mm256_storeu_si256((__m256i *)(xq16 + j + 16), _mm256_permute4x64_epi64(b, 0xD8));
+        }
+    }
+#endif
+    for (; j < n; j++) {
+        const float v = nearbyintf(x[j] * inv);
+        if (xq8) xq8[j] = (int8_t)v; else xq16[j] = (int16_t)v;
+    }
 }
 
 /* x [padded_n] -> xq [padded_n] int8 and d [padded_n / 32]: per block of 32, d = amax / 127,
@@ -89,7 +135,7 @@ void dq_q8_quantize(const float *x, int64_t padded_n, int8_t *xq, float *d) {
         const float *xb = x + b * Q8_BLOCK;
         float inv;
         d[b] = block_step(xb, Q8_BLOCK, 127.0f, &inv);
-        for (int j = 0; j < Q8_BLOCK; j++) xq[b * Q8_BLOCK + j] = (int8_t)nearbyintf(xb[j] * inv);
+        round_scaled(xb, Q8_BLOCK, inv, NULL, xq + b * Q8_BLOCK);
     }
 }
 
@@ -102,10 +148,15 @@ static inline int q8_order(int bits, int p) {
     return 16 * (p / 16) + 4 * ((p % 16) / 8) + l / 2 + 8 * (l % 2);
 }
 
-/* xq [n] in natural order -> out [n] in the width's order, block by block. */
+/* xq [n] in natural order -> out [n] in the width's order, block by block (out may be xq). */
 static void q8_permute(const int8_t *xq, int64_t n, int bits, int8_t *out) {
-    for (int64_t b = 0; b < n; b += Q8_BLOCK)
-        for (int p = 0; p < Q8_BLOCK; p++) out[b + p] = xq[b + q8_order(bits, p)];
+    int order[Q8_BLOCK];
+    int8_t block[Q8_BLOCK];
+    for (int p = 0; p < Q8_BLOCK; p++) order[p] = q8_order(bits, p);
+    for (int64_t b = 0; b < n; b += Q8_BLOCK) {
+        memcpy(block, xq + b, sizeof block);
+        for (int p = 0; p < Q8_BLOCK; p++) out[b + p] = block[order[p]];
+    }
 }
 
 static inline int q8_permutes(int bits) { return bits != 8; }
@@ -469,12 +520,7 @@ static void q8_quantize_ordered(const float *x, int64_t n, int64_t gs, int bits,
                                 float *d, float *xsum) {
     dq_q8_quantize(x, n, xq, d);
     quantized_group_sums(xq, d, n, gs, xsum);
-    if (!q8_permutes(bits)) return;
-    int8_t block[Q8_BLOCK];
-    for (int64_t b = 0; b < n; b += Q8_BLOCK) {
-        memcpy(block, xq + b, Q8_BLOCK);
-        q8_permute(block, Q8_BLOCK, bits, xq + b);
-    }
+    if (q8_permutes(bits)) q8_permute(xq, n, bits, xq);
 }
 
 /* m tokens x [m, padded_n] quantized (q8_quantize_ordered) into one allocation, owned by the
@@ -575,7 +621,7 @@ void dq_q16_quantize(const float *x, int64_t n, int64_t gs, int16_t *xq, float *
         const float *xg = x + g * gs;
         float inv;
         d[g] = block_step(xg, gs, Q16_LEVELS, &inv);
-        for (int64_t j = 0; j < gs; j++) xq[g * gs + j] = (int16_t)nearbyintf(xg[j] * inv);
+        round_scaled(xg, gs, inv, xq + g * gs, NULL);
     }
 }
 
@@ -594,10 +640,15 @@ static void q16_group_sums(const int16_t *xq, const float *d, int64_t n, int64_t
     }
 }
 
-/* Each block of 32 of q [n] (natural order) into q16_code's order for `bits`. */
+/* Each block of 32 of q [n] (natural order) into q16_code's order for `bits` (out may be q). */
 static void q16_permute(const int16_t *q, int64_t n, int bits, int16_t *out) {
-    for (int64_t b = 0; b < n; b += Q8_BLOCK)
-        for (int p = 0; p < Q8_BLOCK; p++) out[b + p] = q[b + q16_code(bits, p)];
+    int order[Q8_BLOCK];
+    int16_t block[Q8_BLOCK];
+    for (int p = 0; p < Q8_BLOCK; p++) order[p] = q16_code(bits, p);
+    for (int64_t b = 0; b < n; b += Q8_BLOCK) {
+        memcpy(block, q + b, sizeof block);
+        for (int p = 0; p < Q8_BLOCK; p++) out[b + p] = block[order[p]];
+    }
 }
 
 static q16_tokens q16_quantize_tokens(const float *x, int64_t m, int64_t padded_n, int64_t gs,
@@ -607,16 +658,13 @@ static q16_tokens q16_quantize_tokens(const float *x, int64_t m, int64_t padded_
     float *d = malloc((size_t)(2 * m * groups) * sizeof(float) +
                       (size_t)(m * padded_n) * sizeof(int16_t));
     if (!d) return t;
-    int16_t *xq = (int16_t *)(d + 2 * m * groups), block[Q8_BLOCK];
+    int16_t *xq = (int16_t *)(d + 2 * m * groups);
     float *xsum = d + m * groups;
     for (int64_t i = 0; i < m; i++) {
         int16_t *q = xq + i * padded_n;
         dq_q16_quantize(x + i * padded_n, padded_n, gs, q, d + i * groups);
         q16_group_sums(q, d + i * groups, padded_n, gs, xsum + i * groups);
-        for (int64_t b = 0; b < padded_n; b += Q8_BLOCK) { /* into the order, block by block */
-            memcpy(block, q + b, sizeof block);
-            q16_permute(block, Q8_BLOCK, bits, q + b);
-        }
+        q16_permute(q, padded_n, bits, q);
     }
     t.xq = xq;
     t.d = d;
