@@ -148,15 +148,23 @@ static inline int q8_order(int bits, int p) {
     return 16 * (p / 16) + 4 * ((p % 16) / 8) + l / 2 + 8 * (l % 2);
 }
 
+/* A token's values in blocks of Q8_BLOCK, each block's bytes put in `order` (unit: `size` bytes,
+ * value p of a block from value order[p]); out may be x. One loop for int8 and int16 tokens. */
+static void permute_blocks(const void *x, int64_t n, const int *order, int size, void *out) {
+    uint8_t block[Q8_BLOCK * sizeof(int16_t)];
+    const int block_bytes = Q8_BLOCK * size;
+    for (int64_t b = 0; b < n * size; b += block_bytes) {
+        memcpy(block, (const uint8_t *)x + b, (size_t)block_bytes);
+        for (int p = 0; p < Q8_BLOCK; p++)
+            memcpy((uint8_t *)out + b + p * size, block + order[p] * size, (size_t)size);
+    }
+}
+
 /* xq [n] in natural order -> out [n] in the width's order, block by block (out may be xq). */
 static void q8_permute(const int8_t *xq, int64_t n, int bits, int8_t *out) {
     int order[Q8_BLOCK];
-    int8_t block[Q8_BLOCK];
     for (int p = 0; p < Q8_BLOCK; p++) order[p] = q8_order(bits, p);
-    for (int64_t b = 0; b < n; b += Q8_BLOCK) {
-        memcpy(block, xq + b, sizeof block);
-        for (int p = 0; p < Q8_BLOCK; p++) out[b + p] = block[order[p]];
-    }
+    permute_blocks(xq, n, order, 1, out);
 }
 
 static inline int q8_permutes(int bits) { return bits != 8; }
@@ -643,12 +651,8 @@ static void q16_group_sums(const int16_t *xq, const float *d, int64_t n, int64_t
 /* Each block of 32 of q [n] (natural order) into q16_code's order for `bits` (out may be q). */
 static void q16_permute(const int16_t *q, int64_t n, int bits, int16_t *out) {
     int order[Q8_BLOCK];
-    int16_t block[Q8_BLOCK];
     for (int p = 0; p < Q8_BLOCK; p++) order[p] = q16_code(bits, p);
-    for (int64_t b = 0; b < n; b += Q8_BLOCK) {
-        memcpy(block, q + b, sizeof block);
-        for (int p = 0; p < Q8_BLOCK; p++) out[b + p] = block[order[p]];
-    }
+    permute_blocks(q, n, order, (int)sizeof *q, out);
 }
 
 static q16_tokens q16_quantize_tokens(const float *x, int64_t m, int64_t padded_n, int64_t gs,
