@@ -5,9 +5,11 @@
 
 from __future__ import annotations
 
+import ctypes
 import os
 import subprocess
 import sys
+import warnings
 
 import pytest
 import torch
@@ -126,6 +128,23 @@ def test_fresh_cache_builds_and_no_compiler_falls_back_with_the_same_result(tmp_
     ok2, digest2, warned2 = _result(without)
     assert ok2 == "False" and "native kernels unavailable" in warned2
     assert digest2 == digest
+
+
+def test_a_build_that_needs_a_later_flag_set_says_why(tmp_path, monkeypatch):
+    """A source the first flag set cannot compile (an unknown flag, or code the compiler rejects
+    there) is built with the next one, and a warning names what failed: a slow portable library
+    must never be the silent result of a compile error in the SIMD code."""
+    source = tmp_path / "tiny.c"
+    source.write_text("int dq_tiny(void) { return 7; }\n")
+    monkeypatch.setattr(native, "SOURCES", (source,))
+    monkeypatch.setattr(native, "_arch_flags", lambda: (("-mno-such-flag",), ()))
+    with pytest.warns(RuntimeWarning, match="no -march flags.*-mno-such-flag"):
+        path, why = native._build(os.environ.get("CC", "cc"), tmp_path / "lib")
+    assert why == "" and ctypes.CDLL(str(path)).dq_tiny() == 7
+    monkeypatch.setattr(native, "_arch_flags", lambda: ((),))
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # the first set builds: nothing to say
+        assert native._build(os.environ.get("CC", "cc"), tmp_path / "lib2")[1] == ""
 
 
 _FORK = """

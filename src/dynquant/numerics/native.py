@@ -116,7 +116,7 @@ def _build(cc: str, directory: Path) -> tuple[Path | None, str]:
     (library, "") or (None, why)."""
     directory.mkdir(parents=True, exist_ok=True)
     target = directory / LIBRARY_NAME
-    why = ""
+    why, failed = "", []
     for arch in _arch_flags():
         with tempfile.TemporaryDirectory(dir=directory) as work:
             flags = [f for f in (*BASE_FLAGS, *arch) if f != "-shared"]
@@ -136,7 +136,14 @@ def _build(cc: str, directory: Path) -> tuple[Path | None, str]:
                 return None, f"{cc}: {exc}"
             if not why:
                 os.replace(tmp, target)
+                if failed:  # a compiler without those flags, or code it cannot build: say which
+                    built = " ".join(arch) or "no -march flags"
+                    first, first_why = " ".join(failed[0][0]), failed[0][1]
+                    warnings.warn(f"dynquant: native kernels built with {built} ({first}: "
+                                  f"{first_why}); without them the SIMD paths may be missing",
+                                  RuntimeWarning, stacklevel=2)
                 return target, ""
+            failed.append((arch, why))
     return None, why
 
 
