@@ -116,7 +116,7 @@ def _build(cc: str, directory: Path) -> tuple[Path | None, str]:
     (library, "") or (None, why)."""
     directory.mkdir(parents=True, exist_ok=True)
     target = directory / LIBRARY_NAME
-    why, failed = "", []
+    why, first_failure = "", None  # (flags, the compiler's line) of the first set that failed
     for arch in _arch_flags():
         with tempfile.TemporaryDirectory(dir=directory) as work:
             flags = [f for f in (*BASE_FLAGS, *arch) if f != "-shared"]
@@ -136,14 +136,14 @@ def _build(cc: str, directory: Path) -> tuple[Path | None, str]:
                 return None, f"{cc}: {exc}"
             if not why:
                 os.replace(tmp, target)
-                if failed:  # a compiler without those flags, or code it cannot build: say which
+                if first_failure:  # a compiler without those flags, or code it cannot build
                     built = " ".join(arch) or "no -march flags"
-                    first, first_why = " ".join(failed[0][0]), failed[0][1]
-                    warnings.warn(f"dynquant: native kernels built with {built} ({first}: "
-                                  f"{first_why}); without them the SIMD paths may be missing",
+                    flags, line = " ".join(first_failure[0]), first_failure[1]
+                    warnings.warn(f"dynquant: native kernels built with {built} ({flags}: "
+                                  f"{line}); without them the SIMD paths may be missing",
                                   RuntimeWarning, stacklevel=2)
                 return target, ""
-            failed.append((arch, why))
+            first_failure = first_failure or (arch, why)
     return None, why
 
 
