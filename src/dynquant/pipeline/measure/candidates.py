@@ -91,16 +91,30 @@ def candidates_job(job: ModuleJob, work: CandidatesWork) -> ModuleMeasure:
     return ModuleMeasure(cands, ratio)
 
 
+RATIO_ROWS = 256  # rows a Linear's gptq ratio is measured on
+
+
+def ratio_rows(rows: int) -> torch.Tensor:
+    """The rows a ratio is measured on: evenly spaced, at most ``RATIO_ROWS``. GPTQ compensates
+    each row on its own (the second moments are the inputs'), and the output error is a sum
+    over rows, so a sample of rows estimates the ratio at a fraction of the cost."""
+    return torch.linspace(0, rows - 1, min(rows, RATIO_ROWS)).round().long().unique()
+
+
 def gptq_ratio(spec: TensorSpec, weight: torch.Tensor, hessian: torch.Tensor,
                chooser: CodeChooser, bits: int, group_size: int) -> float:
     """Output error over the calibration inputs (H = X^T X / n) of the compensated codes over
-    that of the codes ``chooser`` rounds to nearest: the factor that turns a forecast for
-    round-to-nearest codes into one for the gptq codes ``quantize`` writes."""
-    rtn = chooser.quantize(spec, weight, bits, group_size)
+    that of the codes ``chooser`` rounds to nearest, on :func:`ratio_rows`: the factor that
+    turns a forecast for round-to-nearest codes into one for the gptq codes ``quantize``
+    writes. One width's ratio serves every width: measured per width (SmolLM2), the
+    allocations came out worse at two of three budgets (docs/pipeline.md)."""
+    sample = weight[ratio_rows(weight.shape[0])].float()
+    spec = replace(spec, shape=tuple(sample.shape))
+    rtn = chooser.quantize(spec, sample, bits, group_size)
     gptq = replace(chooser, quantizer="gptq", moments=GivenMoments(spec.module, hessian),
-                   _cached=None).quantize(spec, weight, bits, group_size)
-    base = output_error(weight, rtn, hessian)
-    return output_error(weight, gptq, hessian) / base if base > 0 else 1.0
+                   _cached=None).quantize(spec, sample, bits, group_size)
+    base = output_error(sample, rtn, hessian)
+    return output_error(sample, gptq, hessian) / base if base > 0 else 1.0
 
 
 def measure_modules(quantizable: list[TensorSpec], weights: WeightsAt, opts: MeasureOptions,
