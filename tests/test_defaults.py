@@ -145,6 +145,29 @@ def test_warning_above_the_threshold_and_not_below():
     assert high.to_json()["large_loss"] is False and low.to_json()["advice"]["budget"] == 3.25
 
 
+def test_the_forecast_is_scaled_by_the_measures_check():
+    """A check that measured 2x the modules' sum at 0.1 nats: the forecast is 2x the sum from
+    0.1 up, r ** (sum / 0.1) below it, for the checked codes only; the advice reads the scaled
+    forecasts; a ratio beyond e is held at e."""
+    import math
+
+    from dynquant.pipeline.allocate.forecast import calibrated_kl
+
+    maps, modules = _toy_maps("fisher", 1.0)
+    maps["quantizer"] = "rtn"  # calibrated maps: gptq codes by default
+    maps["forecast_check"] = {"codes": "gptq", "predicted_kl": 0.1, "measured_kl": 0.2}
+    assert calibrated_kl(maps, 0.3) == pytest.approx(0.6)
+    assert calibrated_kl(maps, 0.05) == pytest.approx(0.05 * 2 ** 0.5)
+    assert calibrated_kl(maps, 0.05, "rtn") == 0.05
+    assert calibrated_kl({"method": "fisher"}, 0.05) == 0.05
+    low = forecast(maps, modules, 2.25)  # sum 0.2 -> 0.4; 3.25 bits: sum 0.06 -> 0.06 * 2**0.6
+    assert low.predicted_kl == pytest.approx(0.4)
+    assert low.advice == (3.25, pytest.approx(0.06 * 2 ** 0.6))
+    assert forecast(maps, modules, 2.25, codes="rtn").predicted_kl == pytest.approx(0.2)
+    maps["forecast_check"]["measured_kl"] = 100.0
+    assert calibrated_kl(maps, 0.3) == pytest.approx(0.3 * math.e)
+
+
 def test_data_free_maps_never_warn():
     maps, modules = _toy_maps("weight", 1e6)
     f = forecast(maps, modules, 2.25)

@@ -7,6 +7,7 @@ import math
 from pathlib import Path
 
 import pytest
+import torch
 from killed_run import killed_quantize, quantize_argv
 
 from dynquant import validate_checkpoint
@@ -221,9 +222,9 @@ def test_calibrated_maps_price_the_codes_quantize_writes(tmp_path):
 
 def test_forecasts_for_the_written_codes_hold_on_the_reference_model(tmp_path):
     """llama-ref, the calibrated quantize (gptq codes; 16 windows for the second moments and
-    the sequential pass instead of 48): the forecast printed for the written codes against the
-    KL measured on 4,096 held-out tokens. The band: within 30% from 4.25 bits up, within 2x at
-    3.25 (the sequential pass gains more than each module's own output-error ratio says)."""
+    the sequential pass instead of 48): the forecast printed for the written codes, scaled by
+    the measure's check, against the KL measured on 4,096 held-out tokens. The band: within
+    30% from 4.25 bits up, within 1.5x at 3.25 (measured 1.31x; the sum alone: 1.53x)."""
     from dynquant.pipeline.allocate.forecast import forecast
     from dynquant.pipeline.report.frontier import evaluate_checkpoints
 
@@ -232,7 +233,8 @@ def test_forecasts_for_the_written_codes_hold_on_the_reference_model(tmp_path):
     maps = tmp_path / "maps.json"
     assert main(["measure", str(model), "-o", str(maps), "--quiet", "--moment-seqs", "16"]) == 0
     doc = json.loads(maps.read_text())
-    bands = {3.25: (0.5, 2.0), 4.25: (0.7, 1.3), 5.5: (0.7, 1.3)}
+    assert doc["forecast_check"]["measured_kl"] > 0
+    bands = {3.25: (0.67, 1.5), 4.25: (0.7, 1.3), 5.5: (0.7, 1.3)}
     for budget in bands:
         assert main(["quantize", str(model), "--widths", f"{maps}:{budget}", "-o",
                      str(tmp_path / f"b{budget}"), "--quiet", "--gptq-seqs", "16"]) == 0
@@ -242,3 +244,22 @@ def test_forecasts_for_the_written_codes_hold_on_the_reference_model(tmp_path):
         predicted = forecast(doc, maps_modules(doc), budget).predicted_kl
         ratio = predicted / measured[f"b{budget}"].kl_mean
         assert low <= ratio <= high, (budget, predicted, measured[f"b{budget}"].kl_mean)
+
+
+def test_the_forecast_check_measures_on_windows_its_codes_never_saw():
+    """The check's gptq codes are fitted to windows of the first three quarters of the text and
+    measured on non-overlapping windows of the last quarter; too short a text gives no check."""
+    from dynquant.models.tokenizer import load_tokenizer
+    from dynquant.pipeline.calibrate.text import default_calibration
+    from dynquant.pipeline.measure.forecast_check import HELD_SHARE, split_windows
+
+    tok = load_tokenizer(Path(__file__).parents[1] / "models" / "llama-ref")
+    text = str(default_calibration())
+    ids = torch.tensor(tok(Path(text).read_text())["input_ids"])
+    fit, held = split_windows(tok, [text], 128, seqs=16)
+    cut = int(len(ids) * (1 - HELD_SHARE))
+    assert fit.shape == (16, 128) and torch.equal(fit[0], ids[:128])
+    assert torch.equal(fit[-1], ids[cut - 128 : cut])  # the last fitted token is before the cut
+    assert held.shape == ((len(ids) - cut) // 128, 128)
+    assert torch.equal(held.flatten(), ids[cut : cut + held.numel()])
+    assert split_windows(tok, [text], (len(ids) - cut) // 2 + 1) is None

@@ -140,7 +140,8 @@ def _cmd_measure(args: argparse.Namespace) -> int:
                           calib_seqs=args.calib_seqs, calib_len=args.calib_len,
                           dtype=args.dtype, second_moments=args.second_moments,
                           moment_seqs=args.moment_seqs, quantizer=args.quantizer,
-                          fisher_draws=args.fisher_draws)
+                          fisher_draws=args.fisher_draws,
+                          forecast_check=not args.no_forecast_check)
     with executor_scope(*_executor(args)) as executor:
         doc = measure(resolve_model(args.model), opts, args.output,
                       progress=not (args.json or args.quiet), random_init=args.random_init,
@@ -353,6 +354,10 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--moment-seqs", type=int, default=48,
                    help="calibration sequences for the second moments (default 48: X^T X needs "
                    "many more tokens than the sensitivities; a forward-only pass of its own)")
+    p.add_argument("--no-forecast-check", action="store_true",
+                   help="skip the check of the forecast (for gptq codes: one checkpoint "
+                   "quantized at the probe width and measured on held-out windows of the text, "
+                   "about one quantize's time); forecasts are then sums over modules")
     _work_options(p)
     p.set_defaults(func=_cmd_measure)
 

@@ -147,7 +147,7 @@ def _allocate(req: QuantizeRequest, maps: dict, maps_path: Path, budget: float |
         raise DynquantError("maps.json needs a budget (PATH:BUDGET or --budget)",
                             file=str(maps_path), field="budget")
     alloc = allocate_widths(modules, budget, cons)
-    _report(req, forecast(maps, modules, budget, cons, alloc))
+    _report(req, forecast(maps, modules, budget, cons, alloc, codes))
     return dict(alloc.widths), "sensitivity", f"{budget}"
 
 

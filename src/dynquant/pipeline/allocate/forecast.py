@@ -21,7 +21,7 @@ from dynquant.pipeline.allocate.allocation import (
     allocate_widths,
     reachable_range,
 )
-from dynquant.pipeline.allocate.maps import maps_modules
+from dynquant.pipeline.allocate.maps import maps_codes, maps_modules
 
 LARGE_LOSS = 0.1  # nats per token: beyond it a model visibly degrades (PPL up by ~10 %)
 STEP = 0.25  # bits between the budgets compared
@@ -73,25 +73,44 @@ def predicts_kl(maps: dict) -> bool:
     return maps.get("method") in ("fisher", "kl-exact")
 
 
+def calibrated_kl(maps: dict, predicted: float, codes: str | None = None) -> float:
+    """The allocator's predicted KL (a sum over modules) scaled by the measure's check
+    (``forecast_check``: one checkpoint of those codes quantized and measured on held-out
+    windows, ``pipeline/measure/forecast_check.py``) when it was made for ``codes`` (default:
+    the maps' own). The check's ratio r = measured / predicted holds at its predicted KL and
+    beyond; below it the factor goes to 1 as r ** (predicted / its predicted): the modules'
+    errors interact less the smaller they are. r is kept within [1/e, e], where the forecast
+    still grows with the sum (the advice's bisection needs that)."""
+    check = maps.get("forecast_check")
+    if (not check or (codes or maps_codes(maps)) != check["codes"] or predicted <= 0
+            or check["predicted_kl"] <= 0 or check["measured_kl"] <= 0):
+        return predicted
+    ratio = min(math.e, max(1 / math.e, check["measured_kl"] / check["predicted_kl"]))
+    return predicted * ratio ** min(1.0, predicted / check["predicted_kl"])
+
+
 def forecast(maps: dict, modules: Sequence[ModuleChoices], budget: float,
-             constraints: Constraints | None = None, alloc: Allocation | None = None
-             ) -> Forecast:
-    """The forecast at ``budget`` (an allocation that cannot be made raises AllocationError);
-    ``alloc``: the allocation at ``budget`` when the caller has made it already."""
+             constraints: Constraints | None = None, alloc: Allocation | None = None,
+             codes: str | None = None) -> Forecast:
+    """The forecast at ``budget`` (an allocation that cannot be made raises AllocationError)
+    for the ``codes`` ``modules`` were priced for (default: the maps' own); ``alloc``: the
+    allocation at ``budget`` when the caller has made it already."""
     alloc = alloc or allocate_widths(modules, budget, constraints)
     if not predicts_kl(maps):
         return Forecast(budget, alloc.average_bits, None)
     lo, hi = reachable_range(modules, constraints)
 
     def kl_at(b: float) -> float | None:
-        return _kl_or_none(modules, b, constraints)
+        kl = _kl_or_none(modules, b, constraints)
+        return None if kl is None else calibrated_kl(maps, kl, codes)
 
     neighbours = {}
     for b in (budget - STEP, budget + STEP):
         kl = kl_at(round(b, 4)) if lo <= b <= hi else None
         if kl is not None:
             neighbours[str(round(b, 4))] = kl
-    result = Forecast(budget, alloc.average_bits, alloc.predicted_error, neighbours)
+    result = Forecast(budget, alloc.average_bits,
+                      calibrated_kl(maps, alloc.predicted_error, codes), neighbours)
     if result.large:
         result.advice = _advice(budget, hi, kl_at)
     return result
@@ -123,14 +142,20 @@ def measure_summary(maps: dict) -> dict:
         if "error" in a:
             budgets[budget] = {"error": a["error"]}
             continue
+        predicted = calibrated_kl(maps, a["predicted_error"]) if kl else a["predicted_error"]
         budgets[budget] = {"average_bits": a["average_bits"], "packed_nbytes": a["packed_nbytes"],
-                           "predicted_kl" if kl else "predicted_error": a["predicted_error"],
-                           "large_loss": kl and a["predicted_error"] > LARGE_LOSS}
+                           "predicted_kl" if kl else "predicted_error": predicted,
+                           "large_loss": kl and predicted > LARGE_LOSS}
     large = [float(b) for b, v in budgets.items() if v.get("large_loss")]
     advice = None
     if large:
         modules = maps_modules(maps)
-        found = _advice(max(large), reachable_range(modules)[1], lambda b: _kl_or_none(modules, b))
+
+        def kl_at(b: float) -> float | None:
+            kl = _kl_or_none(modules, b)
+            return None if kl is None else calibrated_kl(maps, kl)
+
+        found = _advice(max(large), reachable_range(modules)[1], kl_at)
         advice = None if found is None else {"budget": found[0], "predicted_kl": found[1]}
     return {"method": maps["method"], "calibration": maps.get("calibration"),
             "budgets": budgets, "advice": advice}

@@ -18,11 +18,13 @@ that module's relative error: KL ~ s * ||dW||^2 / ||W||^2 holds for small pertur
 import json
 import os
 import sys
+import time
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import asdict, replace
 from pathlib import Path
 
 import torch
+from safetensors.torch import load_file
 
 from dynquant.checkpoint.resume import PartialDir
 from dynquant.errors import DynquantError
@@ -49,6 +51,7 @@ from dynquant.pipeline.calibrate.statistics import save_stats
 from dynquant.pipeline.calibrate.text import (
     calibration_ids,
     calibration_record,
+    default_calibration,
     read_calibration,
     synthetic_ids,
     synthetic_record,
@@ -61,6 +64,7 @@ from dynquant.pipeline.codes.code_chooser import (
 from dynquant.pipeline.execute.executor import Executor, LocalExecutor
 from dynquant.pipeline.execute.heap import return_freed_memory
 from dynquant.pipeline.measure.candidates import measure_modules
+from dynquant.pipeline.measure.forecast_check import forecast_check
 from dynquant.pipeline.measure.options import (
     MeasureOptions,
     calibration_plan,
@@ -141,6 +145,9 @@ def measure(source: ModelSource, opts: MeasureOptions, out: str | Path | None = 
            "widths": list(opts.widths), "group_sizes": list(opts.group_sizes),
            "modules_to_not_convert": sorted(dense_out), "modules": modules}
     group_size = max(opts.group_sizes)
+    if gptq_ratios(opts) and out is not None and opts.forecast_check:
+        doc["forecast_check"] = _forecast_check(source, doc, stats_name, opts, out, executor,
+                                                progress)
     doc["allocations"] = allocations(maps_modules(doc), opts.budgets, group_size)
     if out is not None:
         tmp = Path(out).with_name(f".{Path(out).name}.tmp")
@@ -148,6 +155,27 @@ def measure(source: ModelSource, opts: MeasureOptions, out: str | Path | None = 
         os.replace(tmp, out)
         partial.discard()
     return doc
+
+
+def _forecast_check(source: ModelSource, doc: dict, stats_name: str | None,
+                    opts: MeasureOptions, out: str | Path, executor: Executor | None,
+                    progress: bool) -> dict | None:
+    """The measure's check of its own forecast (``measure/forecast_check.py``), said in a line."""
+    stats = {} if stats_name is None else load_file(Path(out).with_name(stats_name))
+    calib = list(opts.calib) or [str(default_calibration())]
+    bits, gs = probe_bits(opts)
+    start = time.perf_counter()
+    check = forecast_check(source, doc, stats, calib, opts.calib_len, bits, gs,
+                           Path(out).parent, executor, progress)
+    if progress:
+        said = ("the text is too short for held-out windows: forecasts are sums over modules"
+                if check is None else
+                f"gptq codes at {bits} bits measure {check['measured_kl']:.3g} nats/token on "
+                f"{check['held_tokens']} held-out tokens, the modules' sum predicts "
+                f"{check['predicted_kl']:.3g}")
+        print(f"dynquant: forecast check ({time.perf_counter() - start:.0f} s): {said}",
+              file=sys.stderr)
+    return check
 
 
 def _record(opts: MeasureOptions) -> dict | None:

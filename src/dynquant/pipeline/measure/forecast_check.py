@@ -1,0 +1,96 @@
+"""The forecast's check: one gptq checkpoint quantized and measured during the measure.
+
+The forecast adds up each module's predicted KL; the modules' errors do not add up that way in
+the written model (SmolLM2's gptq codes: the sum predicts 0.63x the measured KL at uniform 3 bits,
+0.40x at 2; Gemma-3's tied embedding priced by a second-order estimate: 1.4x at 3.25 bits). So
+the measure quantizes the model once as ``quantize`` would, every module at the probe width with
+gptq codes (sequential, ``GPTQ_SEQS`` windows), on the first ``1 - HELD_SHARE`` of the calibration
+text, and measures its KL against the float model on windows of the rest, which the codes never
+saw. ``forecast_check`` in maps.json keeps both numbers; the forecast scales its sums by their
+ratio (``pipeline/allocate/forecast.py``, ``calibrated_kl``).
+"""
+
+from __future__ import annotations
+
+import tempfile
+from pathlib import Path
+
+import torch
+from torch import nn
+
+from dynquant.models.sources import ModelSource
+from dynquant.models.tokenizer import load_tokenizer
+from dynquant.pipeline.allocate.allocation import AllocationError, uniform_widths
+from dynquant.pipeline.allocate.maps import compensates_head, maps_modules
+from dynquant.pipeline.calibrate.text import read_calibration
+from dynquant.pipeline.codes.code_chooser import CodeChooser
+from dynquant.pipeline.codes.sequential_gptq import SequentialCalibration
+from dynquant.pipeline.codes.write import quantize_model
+from dynquant.pipeline.execute.executor import Executor
+from dynquant.runtime.any_model import load_any
+from dynquant.runtime.loader import load_dequantized
+
+HELD_SHARE = 0.25  # of the calibration text's tokens: the check's held-out windows
+GPTQ_SEQS = 48  # the sequential pass's windows (quantize --gptq-seqs's default)
+MIN_HELD_WINDOWS = 2
+
+
+def split_windows(tokenizer, files: list[str], length: int, seqs: int = GPTQ_SEQS
+                  ) -> tuple[torch.Tensor, torch.Tensor] | None:
+    """(``seqs`` windows evenly spread over the first ``1 - HELD_SHARE`` of the text's tokens,
+    the non-overlapping windows of the rest); None when the rest holds fewer than
+    ``MIN_HELD_WINDOWS``."""
+    ids = torch.tensor(tokenizer("\n\n".join(read_calibration(files)))["input_ids"],
+                       dtype=torch.long)
+    cut = int(len(ids) * (1 - HELD_SHARE))
+    held = (len(ids) - cut) // length
+    if held < MIN_HELD_WINDOWS or cut < length:
+        return None
+    starts = torch.linspace(0, cut - length, seqs).long().unique()
+    fit = torch.stack([ids[s : s + length] for s in starts.tolist()])
+    return fit, ids[cut : cut + held * length].reshape(held, length)
+
+
+def mean_kl(base: nn.Module, model: nn.Module, windows: torch.Tensor) -> float:
+    """Mean KL(base || model) of the next-token distributions, nats per token."""
+    total, count = 0.0, 0
+    with torch.no_grad():
+        for row in windows:
+            p = torch.log_softmax(base(row[None]).logits[0].float(), -1)
+            q = torch.log_softmax(model(row[None]).logits[0].float(), -1)
+            total += float((p.exp() * (p - q)).sum(-1).double().sum())
+            count += row.numel()
+    return total / count
+
+
+def forecast_check(source: ModelSource, doc: dict, importance: dict[str, torch.Tensor],
+                   calib: list[str], length: int, bits: int, group_size: int,
+                   work: Path, executor: Executor | None = None, progress: bool = False
+                   ) -> dict | None:
+    """Quantize ``source`` with gptq codes at ``bits`` for every module ``doc`` measured and
+    measure its KL on held-out windows of the calibration text: ``{"codes", "widths",
+    "predicted_kl", "measured_kl", "held_tokens"}``, or None when the text is too short or no
+    module has that width."""
+    windows = split_windows(load_tokenizer(source.directory), calib, length)
+    modules = maps_modules(doc, "gptq")
+    try:
+        alloc = uniform_widths(modules, bits, group_size)
+    except AllocationError:
+        return None
+    if windows is None or alloc.predicted_error <= 0:
+        return None
+    fit, held = windows
+    widths = dict(alloc.widths)
+    quantizable = {s.module for s in source.tensor_specs() if s.quantizable}
+    chooser = CodeChooser("gptq", importance, sequential=SequentialCalibration(
+        fit, compensates_head(doc, widths)))
+    with tempfile.TemporaryDirectory(prefix=".forecast-check-", dir=work) as tmp:
+        quantize_model(source, widths, Path(tmp) / "check", group_size=group_size,
+                       lm_head_quantized=any(m not in quantizable for m in widths),
+                       modules_to_not_convert=tuple(doc.get("modules_to_not_convert", ())),
+                       chooser=chooser, progress=progress, executor=executor)
+        model = load_dequantized(Path(tmp) / "check", torch.float32)
+        measured = mean_kl(load_any(source.directory, dtype="float32"), model, held)
+    return {"codes": "gptq", "widths": f"uniform {bits}:{group_size}",
+            "predicted_kl": alloc.predicted_error, "measured_kl": measured,
+            "held_tokens": held.numel()}
