@@ -1,13 +1,15 @@
 """The forecast's check: one gptq checkpoint quantized and measured during the measure.
 
-The forecast adds up each module's predicted KL; the modules' errors do not add up that way in
-the written model (SmolLM2's gptq codes: the sum predicts 0.63x the measured KL at uniform 3 bits,
-0.40x at 2; Gemma-3's tied embedding priced by a second-order estimate: 1.4x at 3.25 bits). So
-the measure quantizes the model once as ``quantize`` would, every module at the probe width with
-gptq codes (sequential, ``GPTQ_SEQS`` windows), on the first ``1 - HELD_SHARE`` of the calibration
-text, and measures its KL against the float model on windows of the rest, which the codes never
-saw. ``forecast_check`` in maps.json keeps both numbers; the forecast scales its sums by their
-ratio (``pipeline/allocate/forecast.py``, ``calibrated_kl``).
+The forecast adds up each module's predicted KL, and the modules' errors do not add up that way
+in the written model: compounding through the blocks makes the sum low (SmolLM2's gptq codes),
+a second-order estimate of a large perturbation makes it high (Gemma-3's tied embedding); the
+figures are in BENCHMARKS.md "Large vocabularies". So the measure quantizes the model once as
+``quantize`` would, every module at the probe width with gptq codes (sequential, ``GPTQ_SEQS``
+windows) fitted to the first ``1 - HELD_SHARE`` of the calibration text, and measures its KL
+against the float model on windows of the rest, which the codes never saw. ``forecast_check``
+in maps.json keeps both numbers; forecasts scale their sums by their ratio
+(``pipeline/allocate/forecast.py``, ``calibrated_kl``). Two float copies of the model are in
+memory while the KL is measured.
 """
 
 from __future__ import annotations
