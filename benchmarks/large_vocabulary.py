@@ -9,8 +9,9 @@ model is the dequantized Q4_K_M file its package ships), and SmolLM2-135M-Instru
 - dynquant: ``quantize --budget B`` (the calibrated default: Fisher sensitivities on the text
   dynquant ships, gptq codes) and ``quantize --budget B --no-calib`` (data-free, round to
   nearest), each measured once (``measure``, then ``quantize --widths maps.json:B``, which is
-  what ``--budget`` runs); the forecast is what ``quantize`` prints for those codes, and the
-  measure's wall time is printed per model.
+  what ``--budget`` runs); the forecast is what ``quantize`` prints for those codes (the
+  modules' sum scaled by the measure's check, ``measure/forecast_check.py``; the sum alone
+  beside it), and the measure's wall time is printed per model.
 - llama.cpp: its quantize API (``llama-cpp-python``) from the shipped GGUF file to other types,
   read back by transformers' GGUF reader into a folder of the model, so that ``dynquant eval``
   scores every row against the same float model. Bytes: the GGUF file.
@@ -55,8 +56,10 @@ def measured(real: Path, work: Path, extra: list[str]) -> tuple[Path, float | No
     return maps, time.perf_counter() - start
 
 
-def dynquant_rows(name: str, real: Path) -> dict[str, tuple[Path, float | None]]:
-    """Checkpoints by row label, with their forecast KL (None: data-free)."""
+def dynquant_rows(name: str, real: Path
+                  ) -> dict[str, tuple[Path, float | None, float | None]]:
+    """Checkpoints by row label, with their forecast KL and the modules' sum it scales (None:
+    data-free)."""
     from dynquant.pipeline.allocate.forecast import forecast
     from dynquant.pipeline.allocate.maps import load_maps, maps_modules
 
@@ -71,8 +74,15 @@ def dynquant_rows(name: str, real: Path) -> dict[str, tuple[Path, float | None]]
             if not (ck / "dynquant.json").is_file():
                 dynquant("quantize", str(real), "--widths", f"{maps}:{budget}", "-o", str(ck),
                          "--quiet", "--overwrite")
+            unchecked = {k: v for k, v in doc.items() if k != "forecast_check"}
             rows[f"dynquant {budget}, {kind}"] = (
-                ck, forecast(doc, maps_modules(doc), budget).predicted_kl)
+                ck, forecast(doc, maps_modules(doc), budget).predicted_kl,
+                forecast(unchecked, maps_modules(doc), budget).predicted_kl)
+        if doc.get("forecast_check"):
+            c = doc["forecast_check"]
+            print(f"# {name}: forecast check ({c['widths']}, {c['held_tokens']} held-out "
+                  f"tokens): measured {c['measured_kl']:.3f}, modules' sum "
+                  f"{c['predicted_kl']:.3f}", flush=True)
     return rows
 
 
@@ -106,24 +116,26 @@ def score(model: Path, real: Path) -> dict:
 def table(name: str) -> None:
     real = prepare.prepare(name)
     (WORK / name).mkdir(parents=True, exist_ok=True)
-    rows: dict[str, tuple[Path, int, float | None]] = {}
-    for label, (ck, predicted) in dynquant_rows(name, real).items():
+    rows: dict[str, tuple[Path, int, float | None, float | None]] = {}
+    for label, (ck, predicted, summed) in dynquant_rows(name, real).items():
         doc = json.loads((ck / "dynquant.json").read_text())
         bits = doc["layers"]["model.embed_tokens"]["bits"]
         rows[f"{label} (embedding {bits}-bit)"] = (ck, doc["accounting"]["total_nbytes"],
-                                                   predicted)
+                                                   predicted, summed)
     for label, (folder, nbytes) in llama_rows(name, real, prepare.gguf_path(name)).items():
-        rows[label] = (folder, nbytes, None)
+        rows[label] = (folder, nbytes, None, None)
     print(f"\n## {name}\n")
-    print("| run | MB | PPL | mean KL | forecast KL | same top-1 % |")
-    print("|---|---|---|---|---|---|")
+    print("| run | MB | PPL | mean KL | forecast KL (/ measured) | modules' sum (/ measured) "
+          "| same top-1 % |")
+    print("|---|---|---|---|---|---|---|")
     base = None
-    for label, (folder, nbytes, predicted) in rows.items():
+    for label, (folder, nbytes, predicted, summed) in rows.items():
         r = score(folder, real)
         base = r["ppl_base"]
-        shown = "-" if predicted is None else f"{predicted:.3f}"
+        shown = ["-" if v is None else f"{v:.3f} ({v / r['kl_mean']:.2f}x)"
+                 for v in (predicted, summed)]
         print(f"| {label} | {nbytes / 1e6:.1f} | {r['ppl_model']:.2f} | {r['kl_mean']:.3f} | "
-              f"{shown} | {100 * r['top1_agreement']:.1f} |", flush=True)
+              f"{shown[0]} | {shown[1]} | {100 * r['top1_agreement']:.1f} |", flush=True)
     print(f"\nfloat model (the dequantized GGUF): PPL {base:.2f}")
 
 
