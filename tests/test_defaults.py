@@ -136,12 +136,16 @@ def test_warning_above_the_threshold_and_not_below():
     # 2.75 bits is one module at 3: 0.13, still large; 3.25 is both at 3: 0.06
     assert low.advice == (3.25, pytest.approx(0.06))
     assert low.lines() == [
-        "predicted KL 0.2 nats/token at 2.25 bits (neighbours 2.5: 0.2)",
+        "predicted KL 0.2 nats/token at 2.25 bits (neighbours 2.5: 0.2); a sum over modules, "
+        "unchecked (dynquant measure checks it)",
         "warning: expect a large loss (0.2 nats/token > 0.1); 3.25 bits predicts 0.06"]
     high = forecast(maps, modules, 4.25)
     assert high.predicted_kl == pytest.approx(0.016) and not high.large
     assert high.lines() == ["predicted KL 0.016 nats/token at 4.25 bits "
-                            "(neighbours 4.0: 0.038, 4.5: 0.016)"]
+                            "(neighbours 4.0: 0.038, 4.5: 0.016); a sum over modules, "
+                            "unchecked (dynquant measure checks it)"]
+    assert forecast(maps, modules, 4.25, codes="rtn").lines() == [
+        "predicted KL 0.016 nats/token at 4.25 bits (neighbours 4.0: 0.038, 4.5: 0.016)"]
     assert high.to_json()["large_loss"] is False and low.to_json()["advice"]["budget"] == 3.25
 
 
@@ -161,7 +165,8 @@ def test_the_forecast_is_scaled_by_the_measures_check():
     assert calibrated_kl(maps, 0.05, "rtn") == 0.05
     assert calibrated_kl({"method": "fisher"}, 0.05) == 0.05
     low = forecast(maps, modules, 2.25)  # sum 0.2 -> 0.4; 3.25 bits: sum 0.06 -> 0.06 * 2**0.6
-    assert low.predicted_kl == pytest.approx(0.4)
+    assert low.predicted_kl == pytest.approx(0.4) and not low.unchecked
+    assert "unchecked" not in low.lines()[0]
     assert low.advice == (3.25, pytest.approx(0.06 * 2 ** 0.6))
     assert forecast(maps, modules, 2.25, codes="rtn").predicted_kl == pytest.approx(0.2)
     maps["forecast_check"]["measured_kl"] = 100.0

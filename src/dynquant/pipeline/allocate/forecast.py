@@ -34,6 +34,7 @@ class Forecast:
     predicted_kl: float | None  # nats per token; None for data-free maps
     neighbours: dict[str, float] = field(default_factory=dict)  # budget -> predicted KL
     advice: tuple[float, float] | None = None  # (budget, its predicted KL) under LARGE_LOSS
+    unchecked: bool = False  # gptq codes forecast by the modules' sum alone (no measure check)
 
     @property
     def large(self) -> bool:
@@ -53,7 +54,9 @@ class Forecast:
                     "(calibrate for a prediction)"]
         near = ", ".join(f"{b}: {kl:.3g}" for b, kl in self.neighbours.items())
         out = [f"predicted KL {self.predicted_kl:.3g} nats/token at {self.budget} bits"
-               + (f" (neighbours {near})" if near else "")]
+               + (f" (neighbours {near})" if near else "")
+               + ("; a sum over modules, unchecked (dynquant measure checks it)"
+                  if self.unchecked else "")]
         if self.large:
             out.append(warning_line(f"({self.predicted_kl:.3g} nats/token > {LARGE_LOSS})",
                                     self.advice))
@@ -109,8 +112,11 @@ def forecast(maps: dict, modules: Sequence[ModuleChoices], budget: float,
         kl = kl_at(round(b, 4)) if lo <= b <= hi else None
         if kl is not None:
             neighbours[str(round(b, 4))] = kl
+    check = maps.get("forecast_check")
+    gptq = (codes or maps_codes(maps)) == "gptq"
     result = Forecast(budget, alloc.average_bits,
-                      calibrated_kl(maps, alloc.predicted_error, codes), neighbours)
+                      calibrated_kl(maps, alloc.predicted_error, codes), neighbours,
+                      unchecked=gptq and not (check and check["codes"] == "gptq"))
     if result.large:
         result.advice = _advice(budget, hi, kl_at)
     return result
