@@ -84,12 +84,18 @@ def calibrated_kl(maps: dict, predicted: float, codes: str | None = None) -> flo
     beyond; below it the factor goes to 1 as r ** (predicted / its predicted): the modules'
     errors interact less the smaller they are. r is kept within [1/e, e], where the forecast
     still grows with the sum (the advice's bisection needs that)."""
-    check = maps.get("forecast_check")
-    if (not check or (codes or maps_codes(maps)) != check["codes"] or predicted <= 0
-            or check["predicted_kl"] <= 0 or check["measured_kl"] <= 0):
+    check = _check_for(maps, codes)
+    if (check is None or predicted <= 0 or check["predicted_kl"] <= 0
+            or check["measured_kl"] <= 0):
         return predicted
     ratio = min(math.e, max(1 / math.e, check["measured_kl"] / check["predicted_kl"]))
     return predicted * ratio ** min(1.0, predicted / check["predicted_kl"])
+
+
+def _check_for(maps: dict, codes: str | None) -> dict | None:
+    """The maps' forecast check when it was made for ``codes`` (default: the maps' own)."""
+    check = maps.get("forecast_check")
+    return check if check and check["codes"] == (codes or maps_codes(maps)) else None
 
 
 def forecast(maps: dict, modules: Sequence[ModuleChoices], budget: float,
@@ -112,11 +118,10 @@ def forecast(maps: dict, modules: Sequence[ModuleChoices], budget: float,
         kl = kl_at(round(b, 4)) if lo <= b <= hi else None
         if kl is not None:
             neighbours[str(round(b, 4))] = kl
-    check = maps.get("forecast_check")
-    gptq = (codes or maps_codes(maps)) == "gptq"
     result = Forecast(budget, alloc.average_bits,
                       calibrated_kl(maps, alloc.predicted_error, codes), neighbours,
-                      unchecked=gptq and not (check and check["codes"] == "gptq"))
+                      unchecked=(codes or maps_codes(maps)) == "gptq"
+                      and _check_for(maps, codes) is None)
     if result.large:
         result.advice = _advice(budget, hi, kl_at)
     return result

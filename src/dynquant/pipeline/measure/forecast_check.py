@@ -29,7 +29,7 @@ from dynquant.pipeline.codes.code_chooser import CodeChooser
 from dynquant.pipeline.codes.sequential_gptq import SequentialCalibration
 from dynquant.pipeline.codes.write import quantize_model
 from dynquant.pipeline.execute.executor import Executor
-from dynquant.runtime.any_model import load_any
+from dynquant.pipeline.measure.probe import dense_model
 from dynquant.runtime.loader import load_dequantized
 
 HELD_SHARE = 0.25  # of the calibration text's tokens: the check's held-out windows
@@ -83,16 +83,14 @@ def forecast_check(source: ModelSource, doc: dict, importance: dict[str, torch.T
         return None
     fit, held = windows
     widths = dict(alloc.widths)
-    quantizable = {s.module for s in source.tensor_specs() if s.quantizable}
     chooser = CodeChooser("gptq", importance, sequential=SequentialCalibration(
         fit, compensates_head(doc, widths)))
     with tempfile.TemporaryDirectory(prefix=".forecast-check-", dir=work) as tmp:
         quantize_model(source, widths, Path(tmp) / "check", group_size=group_size,
-                       lm_head_quantized=any(m not in quantizable for m in widths),
-                       modules_to_not_convert=tuple(doc.get("modules_to_not_convert", ())),
+                       modules_to_not_convert=tuple(doc["modules_to_not_convert"]),
                        chooser=chooser, progress=progress, executor=executor)
         model = load_dequantized(Path(tmp) / "check", torch.float32)
-        measured = mean_kl(load_any(source.directory, dtype="float32"), model, held)
+        measured = mean_kl(dense_model(source, "float32"), model, held)
     return {"codes": "gptq", "widths": f"uniform {bits}:{group_size}",
             "predicted_kl": alloc.predicted_error, "measured_kl": measured,
             "held_tokens": held.numel()}

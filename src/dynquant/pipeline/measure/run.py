@@ -24,7 +24,6 @@ from dataclasses import asdict, replace
 from pathlib import Path
 
 import torch
-from safetensors.torch import load_file
 
 from dynquant.checkpoint.resume import PartialDir
 from dynquant.errors import DynquantError
@@ -51,7 +50,6 @@ from dynquant.pipeline.calibrate.statistics import save_stats
 from dynquant.pipeline.calibrate.text import (
     calibration_ids,
     calibration_record,
-    default_calibration,
     read_calibration,
     synthetic_ids,
     synthetic_record,
@@ -146,7 +144,7 @@ def measure(source: ModelSource, opts: MeasureOptions, out: str | Path | None = 
            "modules_to_not_convert": sorted(dense_out), "modules": modules}
     group_size = max(opts.group_sizes)
     if gptq_ratios(opts) and out is not None and opts.forecast_check:
-        doc["forecast_check"] = _forecast_check(source, doc, stats_name, opts, out, executor,
+        doc["forecast_check"] = _forecast_check(source, doc, stats, opts, out, executor,
                                                 progress)
     doc["allocations"] = allocations(maps_modules(doc), opts.budgets, group_size)
     if out is not None:
@@ -157,19 +155,18 @@ def measure(source: ModelSource, opts: MeasureOptions, out: str | Path | None = 
     return doc
 
 
-def _forecast_check(source: ModelSource, doc: dict, stats_name: str | None,
+def _forecast_check(source: ModelSource, doc: dict, stats: dict[str, torch.Tensor],
                     opts: MeasureOptions, out: str | Path, executor: Executor | None,
                     progress: bool) -> dict | None:
-    """The measure's check of its own forecast (``measure/forecast_check.py``), said in a line."""
-    stats = {} if stats_name is None else load_file(Path(out).with_name(stats_name))
-    calib = list(opts.calib) or [str(default_calibration())]
+    """The measure's check of its own forecast (``measure/forecast_check.py``) on the text it
+    calibrated on (``gptq_ratios`` implies one), said in a line."""
     bits, gs = probe_bits(opts)
     start = time.perf_counter()
-    check = forecast_check(source, doc, stats, calib, opts.calib_len, bits, gs,
+    check = forecast_check(source, doc, stats, list(opts.calib), opts.calib_len, bits, gs,
                            Path(out).parent, executor, progress)
     if progress:
-        said = ("the text is too short for held-out windows: forecasts are sums over modules"
-                if check is None else
+        said = ("none made (too short a text for held-out windows, or no module at the probe "
+                "width): forecasts are sums over modules" if check is None else
                 f"gptq codes at {bits} bits measure {check['measured_kl']:.3g} nats/token on "
                 f"{check['held_tokens']} held-out tokens, the modules' sum predicts "
                 f"{check['predicted_kl']:.3g}")
