@@ -15,7 +15,7 @@ from dynquant.errors import ModelError
 from dynquant.models.sources import resolve_model
 from dynquant.models.tokenizer import load_tokenizer
 from dynquant.pipeline.codes.write import quantize_model
-from dynquant.pipeline.report.evaluate import evaluate_models, tokenize_text
+from dynquant.pipeline.report.evaluate import evaluate_models, text_windows
 from dynquant.runtime.any_model import load_any
 from model_zoo import save_tiny_model, save_tiny_tokenizer
 
@@ -26,7 +26,7 @@ HELDOUT = ROOT / "data" / "heldout.txt"
 
 def test_model_against_itself_is_kl_zero(capsys):
     assert main(["eval", str(HYBRID), "--base", str(HYBRID), "--text", str(HELDOUT),
-                 "--ctx", "128", "--max-tokens", "512", "--json"]) == 0
+                 "--ctx", "128", "--max-tokens", "512", "--spread", "--json"]) == 0
     r = json.loads(capsys.readouterr().out)
     assert r["tokens"] == 512 and r["ctx"] == 128
     assert r["kl_mean"] == 0.0 and r["kl_p99"] == 0.0 and r["top1_agreement"] == 1.0
@@ -36,8 +36,9 @@ def test_model_against_itself_is_kl_zero(capsys):
 def test_perplexity_agrees_with_direct_cross_entropy():
     tok = load_tokenizer(HYBRID)
     model = load_any(HYBRID)
-    ids = tokenize_text(tok, HELDOUT.read_text()[:4000], ctx=64, max_tokens=256)
-    result = evaluate_models(model, model, ids, ctx=64, progress=False)
+    ids = torch.tensor(tok(HELDOUT.read_text()[:4000])["input_ids"])
+    windows = text_windows(tok, HELDOUT.read_text()[:4000], ctx=64, max_tokens=256)
+    result = evaluate_models(model, model, windows, progress=False)
     nll = 0.0
     with torch.no_grad():
         for w in range(4):
@@ -46,6 +47,20 @@ def test_perplexity_agrees_with_direct_cross_entropy():
             nll += torch.nn.functional.cross_entropy(logits, x[1:], reduction="sum").item()
     assert result.tokens == 256
     assert result.ppl_model == pytest.approx(math.exp(nll / 256), rel=1e-6)
+
+
+def test_spread_windows_sample_the_whole_text():
+    tok = load_tokenizer(HYBRID)
+    text = HELDOUT.read_text()[:20000]
+    ids = torch.tensor(tok(text)["input_ids"])
+    every = text_windows(tok, text, ctx=128)
+    assert len(every) == (len(ids) - 1) // 128
+    assert torch.equal(every[3], ids[3 * 128 : 4 * 128 + 1])
+    assert torch.equal(text_windows(tok, text, ctx=128, max_tokens=500), every[:3])
+    spread = text_windows(tok, text, ctx=128, max_tokens=500, spread=True)
+    n = len(every) - 1
+    assert torch.equal(spread, every[[0, round(n / 2), n]])
+    assert torch.equal(text_windows(tok, text, ctx=128, spread=True), every)
 
 
 def test_quantized_reference_kl_is_small_and_ordered(tmp_path):

@@ -230,7 +230,8 @@ def _cmd_eval(args: argparse.Namespace) -> int:
     dtype = resolve_dtype(args.dtype)
     print(f"[{describe(dtype)}]", file=sys.stderr)
     result = evaluate(args.model, args.base, args.text, args.ctx, args.max_tokens,
-                      progress=not args.json, dtype=dtype, activations=args.activations)
+                      progress=not args.json, dtype=dtype, activations=args.activations,
+                      spread=args.spread)
     if args.json:
         print(result.to_json())
     else:
@@ -431,6 +432,9 @@ def build_parser() -> argparse.ArgumentParser:
                    help="tokens per evaluation window (default 512)")
     p.add_argument("--max-tokens", type=int, default=None,
                    help="evaluate at most this many tokens of --text (default: all)")
+    p.add_argument("--spread", action="store_true",
+                   help="--max-tokens' windows evenly spaced over the whole text instead of "
+                   "from its start (a sample of every part of a text that joins sources)")
     p.add_argument("--json", action="store_true", help="print the result as JSON")
     _dtype_option(p, "auto", "both models")
     _activations_option(p, "MODEL's products (int8: every token as decode computes it; BASE "

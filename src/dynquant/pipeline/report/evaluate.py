@@ -38,15 +38,21 @@ class EvalResult:
         return json.dumps(asdict(self), indent=2)
 
 
-def tokenize_text(tokenizer, text: str, ctx: int, max_tokens: int | None) -> torch.Tensor:
+def text_windows(tokenizer, text: str, ctx: int, max_tokens: int | None = None,
+                 spread: bool = False) -> torch.Tensor:
+    """The text's evaluation windows, ``(windows, ctx + 1)`` token ids (each window's last id is
+    the next one's first: ``ctx`` predictions a window). ``max_tokens`` keeps the first windows,
+    or with ``spread`` windows evenly spaced over the whole text (first and last included), a
+    sample of every part of a text that joins several sources."""
     ids = torch.tensor(tokenizer(text)["input_ids"], dtype=torch.long)
     if len(ids) < ctx + 1:
         raise ModelError(f"the text has {len(ids)} tokens, fewer than one context of {ctx} + 1",
                          field="text")
-    usable = (len(ids) - 1) // ctx * ctx
-    if max_tokens is not None:
-        usable = min(usable, max(ctx, max_tokens // ctx * ctx))
-    return ids[: usable + 1]
+    windows = ids.unfold(0, ctx + 1, ctx)
+    keep = len(windows) if max_tokens is None else min(len(windows), max(1, max_tokens // ctx))
+    if spread:
+        return windows[torch.linspace(0, len(windows) - 1, keep).round().long()]
+    return windows[:keep]
 
 
 def _window_figures(logits_m: torch.Tensor, logits_b: torch.Tensor, target: torch.Tensor
@@ -85,27 +91,26 @@ class _Tally:
             kl_p99=float(torch.quantile(kl.double(), 0.99)), top1_agreement=self.agree / n)
 
 
-def evaluate_many(models: dict[str, nn.Module], base: nn.Module, ids: torch.Tensor, ctx: int,
+def evaluate_many(models: dict[str, nn.Module], base: nn.Module, windows: torch.Tensor,
                   progress: bool = True) -> dict[str, EvalResult]:
-    """Compare several models against one base; the base runs once per window."""
+    """Compare several models against one base on ``text_windows``; the base runs once per
+    window."""
     tallies = {name: _Tally() for name in models}
-    windows = (len(ids) - 1) // ctx
     with torch.no_grad(), StageProgress(enabled=progress) as bar:
-        task = bar.add_task("evaluating", total=windows)
-        for w in range(windows):
-            x = ids[w * ctx : (w + 1) * ctx + 1]
+        task = bar.add_task("evaluating", total=len(windows))
+        for x in windows:
             inp, target = x[None, :-1], x[1:]
             logits_b = base(inp).logits[0]
             for name, model in models.items():
                 tallies[name].add(model(inp).logits[0], logits_b, target)
             bar.advance(task)
-    return {name: t.result(ctx) for name, t in tallies.items()}
+    return {name: t.result(windows.shape[1] - 1) for name, t in tallies.items()}
 
 
-def evaluate_models(model: nn.Module, base: nn.Module, ids: torch.Tensor, ctx: int,
+def evaluate_models(model: nn.Module, base: nn.Module, windows: torch.Tensor,
                     progress: bool = True) -> EvalResult:
-    """Compare ``model`` against ``base`` on token ids (windows of ``ctx`` predictions)."""
-    return evaluate_many({"model": model}, base, ids, ctx, progress)["model"]
+    """Compare ``model`` against ``base`` on ``text_windows``."""
+    return evaluate_many({"model": model}, base, windows, progress)["model"]
 
 
 def _same_tokenizer(a, b) -> bool:
@@ -114,8 +119,8 @@ def _same_tokenizer(a, b) -> bool:
 
 def evaluate(model: str | Path, base: str | Path, text: str | Path, ctx: int = 512,
              max_tokens: int | None = None, progress: bool = True,
-             dtype: str | torch.dtype | None = None, activations: str | None = None
-             ) -> EvalResult:
+             dtype: str | torch.dtype | None = None, activations: str | None = None,
+             spread: bool = False) -> EvalResult:
     """``dynquant eval``: MODEL and BASE may each be a dynquant checkpoint or a model folder; both
     run in the compute dtype ``dtype`` (None/"auto": the CPU's); MODEL's products with
     ``activations`` (int8: every token as decode computes it; BASE, the reference, always
@@ -128,6 +133,6 @@ def evaluate(model: str | Path, base: str | Path, text: str | Path, ctx: int = 5
     if not _same_tokenizer(tok_m, tok_b):
         raise ModelError(f"MODEL and BASE use different tokenizers ({model} vs {base})",
                          field="tokenizer")
-    ids = tokenize_text(tok_m, text_path.read_text(encoding="utf-8"), ctx, max_tokens)
+    windows = text_windows(tok_m, text_path.read_text(encoding="utf-8"), ctx, max_tokens, spread)
     return evaluate_models(load_any(model, dtype, activations), load_any(base, dtype, "float"),
-                           ids, ctx, progress)
+                           windows, progress)

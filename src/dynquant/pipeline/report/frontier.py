@@ -22,7 +22,7 @@ from dynquant.pipeline.allocate.maps import load_maps, maps_modules
 from dynquant.pipeline.codes.write import quantize_model
 from dynquant.pipeline.measure.options import MeasureOptions
 from dynquant.pipeline.measure.run import measure
-from dynquant.pipeline.report.evaluate import EvalResult, evaluate_many, tokenize_text
+from dynquant.pipeline.report.evaluate import EvalResult, evaluate_many, text_windows
 from dynquant.runtime.any_model import load_any
 from dynquant.runtime.loader import load
 
@@ -121,10 +121,10 @@ def evaluate_checkpoints(base_dir: Path, out: Path, names: list[str], heldout: s
                          ctx: int, max_tokens: int | None, dtype: str | None
                          ) -> dict[str, EvalResult]:
     """Each checkpoint ``out / NAME`` against the base model on the held-out text."""
-    ids = tokenize_text(load_tokenizer(base_dir), Path(heldout).read_text(encoding="utf-8"),
-                        ctx, max_tokens)
+    windows = text_windows(load_tokenizer(base_dir), Path(heldout).read_text(encoding="utf-8"),
+                           ctx, max_tokens)
     models = {name: load(out / name, dtype=dtype) for name in names}
-    return evaluate_many(models, load_any(base_dir, dtype), ids, ctx, progress=False)
+    return evaluate_many(models, load_any(base_dir, dtype), windows, progress=False)
 
 
 def plot_frontier(points: list[FrontierPoint], path: str | Path, title: str) -> None:
