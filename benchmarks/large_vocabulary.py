@@ -16,8 +16,9 @@ model is the dequantized Q4_K_M file its package ships), and SmolLM2-135M-Instru
   read back by transformers' GGUF reader into a folder of the model, so that ``dynquant eval``
   scores every row against the same float model. Bytes: the GGUF file.
 Scores: KL(float || row) nats per token, perplexity and top-1 agreement on ``data/heldout.txt``,
-8 windows of 512 tokens, float32. Files are kept under ``out/bench/large_vocabulary`` and
-reused.
+8 windows of 512 tokens spread over all of it (``--spread``: its stories and its Wikipedia
+part; its first 4,096 tokens are stories only), float32. Files are kept under
+``out/bench/large_vocabulary`` and reused.
 """
 
 from __future__ import annotations
@@ -37,8 +38,8 @@ WORK = ROOT / "out" / "bench" / "large_vocabulary"
 MODELS = ("gemma3-270m", "smollm2")
 BUDGETS = (3.25, 4.25, 5.5)
 LLAMA_TYPES = ("Q2_K", "Q3_K_M", "Q4_0", "IQ4_XS")
-EVAL = ["--text", str(ROOT / "data" / "heldout.txt"), "--max-tokens", "4096", "--ctx", "512",
-        "--dtype", "float32"]
+EVAL = ["--text", str(ROOT / "data" / "heldout.txt"), "--max-tokens", "4096", "--spread", "--ctx",
+        "512", "--dtype", "float32"]
 
 
 def dynquant(*args: str) -> str:
