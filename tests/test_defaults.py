@@ -173,6 +173,22 @@ def test_the_forecast_is_scaled_by_the_measures_check():
     assert calibrated_kl(maps, 0.3) == pytest.approx(0.3 * math.e)
 
 
+def test_a_measure_summary_without_a_check_says_so():
+    from dynquant.pipeline.allocate.forecast import measure_summary, summary_lines
+
+    maps, _ = _toy_maps("fisher", 1.0)
+    maps["quantizer"] = "rtn"
+    maps["allocations"] = {"3.25": {"average_bits": 3.25, "packed_nbytes": 100,
+                                    "predicted_error": 0.05}}
+    unchecked = summary_lines(measure_summary(maps))
+    assert "unchecked" in unchecked[-1] and "0.05 nats" in unchecked[0]
+    maps["forecast_check"] = {"codes": "gptq", "predicted_kl": 0.1, "measured_kl": 0.2}
+    checked = measure_summary(maps)
+    assert not checked["unchecked"]
+    assert checked["budgets"]["3.25"]["predicted_kl"] == pytest.approx(0.05 * 2 ** 0.5)
+    assert not any("unchecked" in line for line in summary_lines(checked))
+
+
 def test_data_free_maps_never_warn():
     maps, modules = _toy_maps("weight", 1e6)
     f = forecast(maps, modules, 2.25)

@@ -169,7 +169,8 @@ def measure_summary(maps: dict) -> dict:
         found = _advice(max(large), reachable_range(modules)[1], kl_at)
         advice = None if found is None else {"budget": found[0], "predicted_kl": found[1]}
     return {"method": maps["method"], "calibration": maps.get("calibration"),
-            "budgets": budgets, "advice": advice}
+            "budgets": budgets, "advice": advice,
+            "unchecked": kl and maps_codes(maps) == "gptq" and _check_for(maps, None) is None}
 
 
 def _kl_or_none(modules: Sequence[ModuleChoices], budget: float,
@@ -191,6 +192,9 @@ def summary_lines(summary: dict) -> list[str]:
         else:
             out.append(f"budget {budget}: {v['average_bits']} bits, {v['packed_nbytes']:,} packed "
                        f"bytes, predicted error {v['predicted_error']:.4g} (data-free, relative)")
+    if summary.get("unchecked"):
+        out.append("predicted KL: a sum over modules for gptq codes, unchecked (measure without "
+                   "--no-forecast-check checks it)")
     large = [b for b, v in summary["budgets"].items() if v.get("large_loss")]
     if large:
         advice = summary["advice"]
