@@ -22,6 +22,7 @@ from torch import nn
 
 from dynquant.models.sources import ModelSource
 from dynquant.models.tokenizer import load_tokenizer
+from dynquant.numerics.divergence import log_probs, token_kl
 from dynquant.pipeline.allocate.allocation import AllocationError, uniform_widths
 from dynquant.pipeline.allocate.maps import compensates_head, maps_modules
 from dynquant.pipeline.calibrate.text import read_calibration
@@ -58,9 +59,9 @@ def mean_kl(base: nn.Module, model: nn.Module, windows: torch.Tensor) -> float:
     total, count = 0.0, 0
     with torch.no_grad():
         for row in windows:
-            p = torch.log_softmax(base(row[None]).logits[0].float(), -1)
-            q = torch.log_softmax(model(row[None]).logits[0].float(), -1)
-            total += float((p.exp() * (p - q)).sum(-1).double().sum())
+            kl = token_kl(log_probs(base(row[None]).logits[0]),
+                          log_probs(model(row[None]).logits[0]))
+            total += float(kl.double().sum())
             count += row.numel()
     return total / count
 

@@ -8,6 +8,7 @@ from torch import nn
 
 from dynquant.errors import DynquantError
 from dynquant.models.sources import ModelSource
+from dynquant.numerics.divergence import log_probs, token_kl
 from dynquant.runtime.any_model import load_any
 
 
@@ -17,8 +18,7 @@ class KLProbe:
     def __init__(self, model: nn.Module, ids: torch.Tensor) -> None:
         self.model, self.ids = model, ids
         with torch.no_grad():
-            self.base = [torch.log_softmax(model(row[None]).logits[0].float(), -1)
-                         for row in ids]
+            self.base = [log_probs(model(row[None]).logits[0]) for row in ids]
 
     def kl_with(self, name: str, weight: torch.Tensor) -> float:
         param = _parameter(self.model, name)
@@ -26,8 +26,7 @@ class KLProbe:
         param.data = weight.to(saved.dtype).reshape(saved.shape)
         try:
             with torch.no_grad():
-                kls = [(b.exp() * (b - torch.log_softmax(self.model(row[None]).logits[0]
-                                                         .float(), -1))).sum(-1).mean()
+                kls = [token_kl(b, log_probs(self.model(row[None]).logits[0])).mean()
                        for row, b in zip(self.ids, self.base, strict=True)]
         finally:
             param.data = saved

@@ -16,6 +16,7 @@ from torch import nn
 from dynquant.errors import ModelError
 from dynquant.models.sources import model_folder
 from dynquant.models.tokenizer import load_tokenizer
+from dynquant.numerics.divergence import log_probs, token_kl
 from dynquant.pipeline.execute.progress import StageProgress
 from dynquant.runtime.any_model import load_any
 
@@ -57,9 +58,8 @@ def text_windows(tokenizer, text: str, ctx: int, max_tokens: int | None = None,
 
 def _window_figures(logits_m: torch.Tensor, logits_b: torch.Tensor, target: torch.Tensor
                     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
-    lm = torch.log_softmax(logits_m.float(), -1)
-    lb = torch.log_softmax(logits_b.float(), -1)
-    kl = (lb.exp() * (lb - lm)).sum(-1).clamp_min(0.0)
+    lm, lb = log_probs(logits_m), log_probs(logits_b)
+    kl = token_kl(lb, lm).clamp_min(0.0)
     nll_m = -lm.gather(-1, target[:, None])[:, 0]
     nll_b = -lb.gather(-1, target[:, None])[:, 0]
     agree = (lm.argmax(-1) == lb.argmax(-1)).float()
