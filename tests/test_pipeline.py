@@ -263,3 +263,15 @@ def test_the_forecast_check_measures_on_windows_its_codes_never_saw():
     assert held.shape == ((len(ids) - cut) // 128, 128)
     assert torch.equal(held.flatten(), ids[cut : cut + held.numel()])
     assert split_windows(tok, [text], (len(ids) - cut) // 2 + 1) is None
+
+
+def test_the_forecast_checks_kl_stage_says_its_progress(capsys):
+    """The check's KL on held-out windows is a stage of its own in a log (no silent minute
+    after the check's quantize on a large-vocabulary model)."""
+    from dynquant.pipeline.measure.forecast_check import mean_kl
+    from dynquant.runtime.any_model import load_any
+
+    model = load_any(Path(__file__).parents[1] / "models" / "llama-ref", "float32")
+    windows = torch.arange(64).reshape(2, 32) % 200
+    assert mean_kl(model, model, windows, progress=True) == 0.0
+    assert "forecast check: KL on held-out windows: done, 2/2" in capsys.readouterr().err

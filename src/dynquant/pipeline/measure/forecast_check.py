@@ -30,6 +30,7 @@ from dynquant.pipeline.codes.code_chooser import CodeChooser
 from dynquant.pipeline.codes.sequential_gptq import SequentialCalibration
 from dynquant.pipeline.codes.write import quantize_model
 from dynquant.pipeline.execute.executor import Executor
+from dynquant.pipeline.execute.progress import StageProgress
 from dynquant.pipeline.measure.probe import dense_model
 from dynquant.runtime.loader import load_dequantized
 
@@ -54,15 +55,18 @@ def split_windows(tokenizer, files: list[str], length: int, seqs: int = GPTQ_SEQ
     return fit, ids[cut : cut + held * length].reshape(held, length)
 
 
-def mean_kl(base: nn.Module, model: nn.Module, windows: torch.Tensor) -> float:
+def mean_kl(base: nn.Module, model: nn.Module, windows: torch.Tensor,
+            progress: bool = False) -> float:
     """Mean KL(base || model) of the next-token distributions, nats per token."""
     total, count = 0.0, 0
-    with torch.no_grad():
+    with torch.no_grad(), StageProgress(enabled=progress) as bar:
+        task = bar.add_task("forecast check: KL on held-out windows", total=len(windows))
         for row in windows:
             kl = token_kl(log_probs(base(row[None]).logits[0]),
                           log_probs(model(row[None]).logits[0]))
             total += float(kl.double().sum())
             count += row.numel()
+            bar.advance(task)
     return total / count
 
 
@@ -91,7 +95,7 @@ def forecast_check(source: ModelSource, doc: dict, importance: dict[str, torch.T
                        modules_to_not_convert=tuple(doc["modules_to_not_convert"]),
                        chooser=chooser, progress=progress, executor=executor)
         model = load_dequantized(Path(tmp) / "check", torch.float32)
-        measured = mean_kl(dense_model(source, "float32"), model, held)
+        measured = mean_kl(dense_model(source, "float32"), model, held, progress)
     return {"codes": "gptq", "widths": f"uniform {bits}:{group_size}",
             "predicted_kl": alloc.predicted_error, "measured_kl": measured,
             "held_tokens": held.numel()}
