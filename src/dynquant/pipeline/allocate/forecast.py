@@ -92,6 +92,11 @@ def calibrated_kl(maps: dict, predicted: float, codes: str | None = None) -> flo
     return predicted * ratio ** min(1.0, predicted / check["predicted_kl"])
 
 
+def _unchecked(maps: dict, codes: str | None) -> bool:
+    """Whether a forecast of gptq codes is the modules' sum alone (no check for them)."""
+    return (codes or maps_codes(maps)) == "gptq" and _check_for(maps, codes) is None
+
+
 def _check_for(maps: dict, codes: str | None) -> dict | None:
     """The maps' forecast check when it was made for ``codes`` (default: the maps' own)."""
     check = maps.get("forecast_check")
@@ -110,8 +115,7 @@ def forecast(maps: dict, modules: Sequence[ModuleChoices], budget: float,
     lo, hi = reachable_range(modules, constraints)
 
     def kl_at(b: float) -> float | None:
-        kl = _kl_or_none(modules, b, constraints)
-        return None if kl is None else calibrated_kl(maps, kl, codes)
+        return _forecast_kl(maps, modules, b, constraints, codes)
 
     neighbours = {}
     for b in (budget - STEP, budget + STEP):
@@ -120,8 +124,7 @@ def forecast(maps: dict, modules: Sequence[ModuleChoices], budget: float,
             neighbours[str(round(b, 4))] = kl
     result = Forecast(budget, alloc.average_bits,
                       calibrated_kl(maps, alloc.predicted_error, codes), neighbours,
-                      unchecked=(codes or maps_codes(maps)) == "gptq"
-                      and _check_for(maps, codes) is None)
+                      unchecked=_unchecked(maps, codes))
     if result.large:
         result.advice = _advice(budget, hi, kl_at)
     return result
@@ -161,24 +164,22 @@ def measure_summary(maps: dict) -> dict:
     advice = None
     if large:
         modules = maps_modules(maps)
-
-        def kl_at(b: float) -> float | None:
-            kl = _kl_or_none(modules, b)
-            return None if kl is None else calibrated_kl(maps, kl)
-
-        found = _advice(max(large), reachable_range(modules)[1], kl_at)
+        found = _advice(max(large), reachable_range(modules)[1],
+                        lambda b: _forecast_kl(maps, modules, b))
         advice = None if found is None else {"budget": found[0], "predicted_kl": found[1]}
     return {"method": maps["method"], "calibration": maps.get("calibration"),
-            "budgets": budgets, "advice": advice,
-            "unchecked": kl and maps_codes(maps) == "gptq" and _check_for(maps, None) is None}
+            "budgets": budgets, "advice": advice, "unchecked": kl and _unchecked(maps, None)}
 
 
-def _kl_or_none(modules: Sequence[ModuleChoices], budget: float,
-                constraints: Constraints | None = None) -> float | None:
+def _forecast_kl(maps: dict, modules: Sequence[ModuleChoices], budget: float,
+                 constraints: Constraints | None = None, codes: str | None = None
+                 ) -> float | None:
+    """The forecast KL of the allocation at ``budget`` (None: it cannot be made)."""
     try:
-        return allocate_widths(modules, budget, constraints).predicted_error
+        predicted = allocate_widths(modules, budget, constraints).predicted_error
     except AllocationError:
         return None
+    return calibrated_kl(maps, predicted, codes)
 
 
 def summary_lines(summary: dict) -> list[str]:

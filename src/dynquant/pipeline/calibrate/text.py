@@ -64,15 +64,26 @@ def synthetic_record(seqs: int, length: int) -> dict:
             "tokens_per_sequence": length}
 
 
+def calibration_tokens(tokenizer, files: list[str | Path]) -> torch.Tensor:
+    """The token ids of the calibration texts joined by blank lines."""
+    return torch.tensor(tokenizer("\n\n".join(read_calibration(files)))["input_ids"],
+                        dtype=torch.long)
+
+
+def spread_windows(ids: torch.Tensor, seqs: int, length: int) -> torch.Tensor:
+    """Up to ``seqs`` windows of ``length`` tokens evenly spread over ``ids`` (at least
+    ``length`` of them): [windows, length]."""
+    starts = torch.linspace(0, len(ids) - length, seqs).long().unique()
+    return torch.stack([ids[s : s + length] for s in starts.tolist()])
+
+
 def calibration_ids(tokenizer, files: list[str | Path], seqs: int, length: int) -> torch.Tensor:
     """``seqs`` windows of ``length`` tokens, evenly spread over the text: [seqs, length]."""
-    texts = read_calibration(files)
-    ids = torch.tensor(tokenizer("\n\n".join(texts))["input_ids"], dtype=torch.long)
+    ids = calibration_tokens(tokenizer, files)
     if len(ids) < length:
         raise ModelError(f"calibration text has {len(ids)} tokens, fewer than one sequence of "
                          f"{length}", file=str(files[0]))
-    starts = torch.linspace(0, len(ids) - length, seqs).long().unique()
-    return torch.stack([ids[s : s + length] for s in starts.tolist()])
+    return spread_windows(ids, seqs, length)
 
 
 def calibration_blocker(source: ModelSource, random_init: bool) -> str | None:

@@ -25,7 +25,7 @@ from dynquant.models.tokenizer import load_tokenizer
 from dynquant.numerics.divergence import log_probs, token_kl
 from dynquant.pipeline.allocate.allocation import AllocationError, uniform_widths
 from dynquant.pipeline.allocate.maps import compensates_head, maps_modules
-from dynquant.pipeline.calibrate.text import read_calibration
+from dynquant.pipeline.calibrate.text import calibration_tokens, spread_windows
 from dynquant.pipeline.codes.code_chooser import CodeChooser
 from dynquant.pipeline.codes.sequential_gptq import SequentialCalibration
 from dynquant.pipeline.codes.write import quantize_model
@@ -44,15 +44,13 @@ def split_windows(tokenizer, files: list[str], length: int, seqs: int = GPTQ_SEQ
     """(``seqs`` windows evenly spread over the first ``1 - HELD_SHARE`` of the text's tokens,
     the non-overlapping windows of the rest); None when the rest holds fewer than
     ``MIN_HELD_WINDOWS``."""
-    ids = torch.tensor(tokenizer("\n\n".join(read_calibration(files)))["input_ids"],
-                       dtype=torch.long)
+    ids = calibration_tokens(tokenizer, files)
     cut = int(len(ids) * (1 - HELD_SHARE))
     held = (len(ids) - cut) // length
     if held < MIN_HELD_WINDOWS or cut < length:
         return None
-    starts = torch.linspace(0, cut - length, seqs).long().unique()
-    fit = torch.stack([ids[s : s + length] for s in starts.tolist()])
-    return fit, ids[cut : cut + held * length].reshape(held, length)
+    return (spread_windows(ids[:cut], seqs, length),
+            ids[cut : cut + held * length].reshape(held, length))
 
 
 def mean_kl(base: nn.Module, model: nn.Module, windows: torch.Tensor,
