@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import math
+import statistics
 from pathlib import Path
 
 import pytest
@@ -14,7 +15,7 @@ from dynquant import validate_checkpoint
 from dynquant.cli import main
 from dynquant.models.sources import resolve_model
 from dynquant.pipeline.allocate.allocation import allocate_widths
-from dynquant.pipeline.allocate.maps import compensates_head, maps_modules
+from dynquant.pipeline.allocate.maps import compensates_head, linear_ratio, maps_modules
 from dynquant.pipeline.measure.options import MeasureOptions
 from dynquant.pipeline.measure.run import measure
 from model_zoo import TOKENIZER_TEXT, save_tiny_model, save_tiny_tokenizer
@@ -195,9 +196,9 @@ def test_hub_names_resolve_from_the_local_cache(tmp_path, monkeypatch, capsys):
 def test_calibrated_maps_price_the_codes_quantize_writes(tmp_path):
     """A calibrated measure of a tied model (llama-ref) prices round-to-nearest candidates and
     records, for the gptq codes quantize writes by default, each Linear's ratio of the two
-    codes' output errors (gptq's smaller); the tied embedding is priced at every width by the
-    Fisher KL of its own codes, rounded and compensated (both uses), and quantize compensates
-    it only where that measured better."""
+    codes' output errors (gptq's smaller; pooled with their median to price it); the tied
+    embedding is priced at every width by the Fisher KL of its own codes, rounded and
+    compensated (both uses), and quantize compensates it only where that measured better."""
     model = Path(__file__).parents[1] / "models" / "llama-ref"
     opts = MeasureOptions(calib_seqs=4, calib_len=128, budgets=[3.25])
     doc = measure(resolve_model(str(model)), opts, tmp_path / "maps.json", progress=False)
@@ -205,11 +206,15 @@ def test_calibrated_maps_price_the_codes_quantize_writes(tmp_path):
     assert linears and all(0 < m["gptq_ratio"] < 1 for m in linears.values())
     embed = doc["modules"]["model.embed_tokens"]
     assert {c["bits"] for c in embed["candidates"] if "gptq_ratio" in c} == {2, 3, 4}
+    # a Linear is priced by its own ratio pooled with the Linears' median
+    median = statistics.median(m["gptq_ratio"] for m in linears.values())
+    assert linear_ratio(doc) == median
     for codes in ("gptq", "rtn"):
         for choices in maps_modules(doc, codes):
             entry = doc["modules"][choices.name]
+            linear = math.sqrt(entry["gptq_ratio"] * median) if "gptq_ratio" in entry else 1.0
             factors = [1.0 if codes == "rtn" else min(1.0, c["gptq_ratio"]) if "gptq_ratio" in c
-                       else entry.get("gptq_ratio", 1.0) for c in entry["candidates"]]
+                       else linear for c in entry["candidates"]]
             assert [c.error for c in choices.candidates] == [
                 c["error"] * f for c, f in zip(entry["candidates"], factors, strict=True)]
     # the embedding's measured KL grows as its width shrinks

@@ -128,7 +128,7 @@ def resolve_widths(source: ModelSource, req: QuantizeRequest, workdir: Path,
 
 def _for_codes(maps: dict, codes: str) -> bool:
     """Whether the maps' errors are those of ``codes``: priced with them, or rtn-priced with
-    each Linear's measured gptq ratio."""
+    the Linears' measured gptq ratios."""
     return maps.get("quantizer", "rtn") == codes or codes == "rtn" or any(
         "gptq_ratio" in m for m in maps["modules"].values())
 

@@ -4,6 +4,8 @@ candidate widths with their exact bytes and errors (docs/pipeline.md)."""
 
 from __future__ import annotations
 
+import math
+import statistics
 from pathlib import Path
 
 from dynquant.errors import DynquantError
@@ -22,21 +24,38 @@ def maps_codes(maps: dict) -> str:
 
 def maps_modules(maps: dict, codes: str | None = None) -> list[ModuleChoices]:
     """The allocator's view of a maps document, for the codes that will be written (``codes``,
-    default :func:`maps_codes`): errors of rtn-priced candidates times the module's measured
-    ``gptq_ratio`` when they will be gptq codes."""
+    default :func:`maps_codes`): errors of rtn-priced candidates, times a Linear's pooled ratio
+    (:func:`pooled_ratio`) when they will be gptq codes, a head's at each width its own."""
     codes = codes or maps_codes(maps)
+    median = linear_ratio(maps)
 
     def factor(m: dict, c: dict) -> float:
         if codes != "gptq":
             return 1.0
         if "gptq_ratio" in c:  # a head: compensated only where that measured better
             return min(1.0, c["gptq_ratio"])
-        return m.get("gptq_ratio", 1.0)
+        return pooled_ratio(m, median)
 
     return [ModuleChoices(name, m["elements"], m["sensitivity"],
                           [Candidate(c["bits"], c["group_size"], c["nbytes"],
                                      c["error"] * factor(m, c)) for c in m["candidates"]])
             for name, m in sorted(maps["modules"].items())]
+
+
+def pooled_ratio(module: dict, median: float) -> float:
+    """The factor on a Linear's rtn-priced errors for gptq codes: the geometric mean of its own
+    measured ``gptq_ratio`` and the Linears' median (:func:`linear_ratio`); 1 for a module
+    without a ratio (an expert bank, an untied input embedding). A Linear's own ratio, taken on
+    its own output error at the probe width, ranks the modules only in part: priced by it alone,
+    SmolLM2's GPTQ checkpoints measured ~8% worse at 4.25 bits, priced by the median alone ~8%
+    worse at 3.25 (BENCHMARKS.md "Error-compensating codes")."""
+    return math.sqrt(module["gptq_ratio"] * median) if "gptq_ratio" in module else 1.0
+
+
+def linear_ratio(maps: dict) -> float:
+    """The median of the Linears' measured ``gptq_ratio`` (1 when none was measured)."""
+    ratios = [m["gptq_ratio"] for m in maps["modules"].values() if "gptq_ratio" in m]
+    return statistics.median(ratios) if ratios else 1.0
 
 
 def compensates_head(maps: dict, widths: dict) -> bool:
