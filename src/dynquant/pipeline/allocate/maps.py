@@ -46,9 +46,9 @@ def pooled_ratio(module: dict, median: float) -> float:
     """The factor on a Linear's rtn-priced errors for gptq codes: the geometric mean of its own
     measured ``gptq_ratio`` and the Linears' median (:func:`linear_ratio`); 1 for a module
     without a ratio (an expert bank, an untied input embedding). A Linear's own ratio, taken on
-    its own output error at the probe width, ranks the modules only in part: priced by it alone,
-    SmolLM2's GPTQ checkpoints measured ~8% worse at 4.25 bits, priced by the median alone ~8%
-    worse at 3.25 (BENCHMARKS.md "Error-compensating codes")."""
+    its own output error at the probe width, ranks the modules only in part: on SmolLM2, widths
+    priced by it alone measured worse at 4.25 bits, priced by the median alone worse at 3.25,
+    pooled as well as the better of the two at each (BENCHMARKS.md "Error-compensating codes")."""
     return math.sqrt(module["gptq_ratio"] * median) if "gptq_ratio" in module else 1.0
 
 
