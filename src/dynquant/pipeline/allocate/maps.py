@@ -48,7 +48,7 @@ def pooled_ratio(module: dict, median: float) -> float:
     without a ratio (an expert bank, an untied input embedding). A Linear's own ratio, taken on
     its own output error at the probe width, ranks the modules only in part: on SmolLM2, widths
     priced by it alone measured worse at 4.25 bits, priced by the median alone worse at 3.25,
-    pooled as well as the better of the two at each (BENCHMARKS.md "Error-compensating codes")."""
+    pooled close to the better of the two at each (BENCHMARKS.md "Error-compensating codes")."""
     return math.sqrt(module["gptq_ratio"] * median) if "gptq_ratio" in module else 1.0
 
 
