@@ -192,17 +192,33 @@ def test_row_variant_stays_with_its_reference(rows, cols, bits, gs):
 def test_row_variant_takes_rows_by_decreasing_input_energy():
     """Act-order for banks: the rows are taken by decreasing diagonal of H, so the codes do not
     depend on the order the input features are stored in (shuffle them: same codes, shuffled)."""
-    from dynquant.numerics.gptq import gptq_quantize_rows, row_order
+    from dynquant.numerics.gptq import act_order, gptq_quantize_rows
 
     w, h = _problem(64, 96, seed=5)
     w = w.T.contiguous()  # [96 (in), 64 (out)]
-    order = row_order(h)
+    order = act_order(h)
     assert bool((torch.diagonal(h)[order].diff() <= 0).all())
     shuffle = torch.randperm(96, generator=torch.Generator().manual_seed(1))
     a = gptq_quantize_rows(w, h, 3, 32)
     b = gptq_quantize_rows(w[shuffle].contiguous(), h[shuffle][:, shuffle].contiguous(), 3, 32)
     assert torch.equal(a.qweight[shuffle], b.qweight)
     assert torch.equal(a.scales[shuffle], b.scales) and torch.equal(a.offsets[shuffle], b.offsets)
+
+
+def test_columns_are_taken_by_decreasing_input_energy():
+    """Act-order for Linears: the columns are rounded by decreasing diagonal of H, and a group
+    gets its scale/offset when the first of its columns is reached, so storing the groups of
+    input features in another order gives the same codes, scales and offsets, in that order."""
+    w, h = _problem(48, 128, seed=9)  # w [48, 128], h [128, 128]
+    gs = 32
+    groups = torch.tensor([2, 0, 3, 1])
+    shuffle = (groups[:, None] * gs + torch.arange(gs)).reshape(-1)
+    a = gptq_quantize(w, h, 3, gs)
+    b = gptq_quantize(w[:, shuffle].contiguous(), h[shuffle][:, shuffle].contiguous(), 3, gs)
+    codes_a, codes_b = unpack_codes(a.qweight, 3), unpack_codes(b.qweight, 3)
+    assert torch.equal(codes_a[:, shuffle], codes_b)
+    assert torch.equal(a.scales[:, groups], b.scales)
+    assert torch.equal(a.offsets[:, groups], b.offsets)
 
 
 

@@ -1,18 +1,22 @@
 """Error-compensating quantization (GPTQ / OBQ) into exactly the seed's group-wise format.
 
-Columns (input features) are quantized in order. When column ``j`` is rounded, its error is
-pushed onto the columns not yet quantized through the inverse of the input second-moment matrix
-H = X^T X / n, so that the layer's output ``W x`` (not the weight) is what stays close:
+Columns (input features) are quantized one at a time, the inputs of the largest mean square
+first (GPTQ's act-order, :func:`act_order`). When a column is rounded, its error is pushed onto
+the columns not yet quantized through the inverse of the input second-moment matrix
+H = X^T X / n taken in that order, so that the layer's output ``W x`` (not the weight) is what
+stays close:
 
-    Hinv = inverse(H + DAMP * mean(diag H) * I);  U = upper Cholesky factor of Hinv
-    for each column j:  e = (w_j - w_hat_j) / U[j, j];  w_k -= e * U[j, k]  for k > j
+    P = act_order(H);  Hinv = inverse(H[P, P] + DAMP * mean(diag H) * I);  U = upper Cholesky
+    factor of Hinv;  for each position k, column j = P[k]:  e = (w_j - w_hat_j) / U[k, k];
+    w_P[m] -= e * U[k, m]  for m > k
 
-Each group of ``group_size`` consecutive columns gets its bf16 scale and offset when its first
-column is reached, from the usual clip search (``quantize_tensor``) on the error-updated
-weights, weighted by diag(H) (the column mean squares the RTN path uses as importance): the
-codes are ordinary asymmetric codes, the clip statistics keep their meaning. The fast path
-(``gptq_quantize``) applies the updates of a block of columns lazily with one matrix product;
-``gptq_quantize_ref`` is the plain statement, column by column in float64 (numpy).
+Each group of ``group_size`` consecutive columns gets its bf16 scale and offset when the first
+of its columns is reached in that order, from the usual clip search (``quantize_tensor``) on the
+group's error-updated weights, weighted by diag(H) (the column mean squares the RTN path uses as
+importance): the codes are ordinary asymmetric codes in the format's own groups (no column
+index), and the clip statistics keep their meaning. The fast path (``gptq_quantize``) applies
+the updates of a block of columns lazily with one matrix product; ``gptq_quantize_ref`` is the
+plain statement, column by column in float64 (numpy).
 """
 
 from __future__ import annotations
@@ -73,10 +77,10 @@ def gptq_quantize(weight: torch.Tensor, hessian: torch.Tensor, bits: int, group_
                   factor: torch.Tensor | None = None) -> QuantizedTensor:
     """``weight`` [out, in] quantized with error feedback through ``hessian`` [in, in].
 
-    Works on the transpose (a column of W is a contiguous row) with numpy inside a block, where
-    every step touches one column and torch's per-call and threading overheads would dominate;
-    the block's updates to later columns are one matrix product. ``factor``: the
-    ``inverse_factor(hessian, damp)`` when the caller has it already (several widths)."""
+    Works on the transpose in act order (a column of W is a contiguous row) with numpy inside a
+    block, where every step touches one column and torch's per-call and threading overheads
+    would dominate; the block's updates to later columns are one matrix product. ``factor``:
+    the ``ordered_factor(hessian, damp)`` when the caller has it already (several widths)."""
     if weight.ndim != 2 or tuple(hessian.shape) != (weight.shape[1],) * 2:
         raise QuantizationError(f"gptq needs a 2-D weight and an [in, in] second-moment matrix, "
                                 f"got {list(weight.shape)} and {list(hessian.shape)}",
@@ -85,38 +89,41 @@ def gptq_quantize(weight: torch.Tensor, hessian: torch.Tensor, bits: int, group_
         raise QuantizationError("weight or second moments hold NaN or Inf", field="weight")
     layout = LayerLayout.create(tuple(weight.shape), bits, group_size)
     rows, cols = weight.shape
-    # whole groups per block: a group's scale/offset must see every earlier column's update,
-    # and updates to columns past the block arrive only at its end
-    block = group_size * max(1, block // group_size)
-    u = (inverse_factor(hessian, damp, dtype) if factor is None else factor).to(dtype)
-    un = u.numpy()
     importance = torch.diagonal(hessian).to(torch.float32).clamp(min=0)
-    wt = weight.detach().to(dtype).T.contiguous()  # [in, out]
+    order = act_order(hessian)
+    u = (ordered_factor(hessian, damp, dtype) if factor is None else factor).to(dtype)
+    un = u.numpy()
+    wt = weight.detach().to(dtype).T[order].contiguous()  # [in, out], in act order
     w = wt.numpy()
+    column = order.numpy()
+    position = np.empty(cols, dtype=np.int64)
+    position[column] = np.arange(cols)  # a column's place in act order
     codes = np.zeros((layout.padded_in_features, rows), dtype=np.uint8)
     scales = np.zeros((layout.num_groups, rows), dtype=np.float32)
     offsets = np.zeros((layout.num_groups, rows), dtype=np.float32)
+    fixed = np.zeros(layout.num_groups, dtype=bool)
     max_code = (1 << bits) - 1
     clipped, improvements = 0, []  # clip_improvement: the mean over the column groups
     for start in range(0, cols, block):
         end = min(start + block, cols)
         errors = np.zeros((end - start, rows), dtype=w.dtype)
-        for j in range(start, end):
-            g = j // group_size
-            if j % group_size == 0:
-                g_end = min(j + group_size, cols)
-                sc, of, c, improvement = _group_params(wt[j:g_end].T, bits, group_size,
-                                                       importance[j:g_end])
-                scales[g], offsets[g] = sc.numpy(), of.numpy()
+        for k in range(start, end):
+            g = column[k] // group_size
+            if not fixed[g]:  # the group's first column reached: its weights as they are now
+                span = slice(g * group_size, min((g + 1) * group_size, cols))
+                now = _current(w, un, errors, position[span], start, k, end)
+                sc, of, c, improvement = _group_params(torch.from_numpy(now.T), bits,
+                                                       group_size, importance[span])
+                scales[g], offsets[g], fixed[g] = sc.numpy(), of.numpy(), True
                 clipped += c
                 improvements.append(improvement)
             s, o = scales[g], offsets[g]
-            x = (w[j].astype(np.float32) - o) / np.where(s == 0, np.inf, s)
+            x = (w[k].astype(np.float32) - o) / np.where(s == 0, np.inf, s)
             q = np.clip(np.rint(x), 0, max_code)
-            codes[j] = q
-            err = (w[j] - (q * s + o)) / un[j, j]
-            w[j + 1:end] -= un[j, j + 1:end, None] * err[None, :]
-            errors[j - start] = err
+            codes[column[k]] = q
+            err = (w[k] - (q * s + o)) / un[k, k]
+            w[k + 1:end] -= un[k, k + 1:end, None] * err[None, :]
+            errors[k - start] = err
         if end < cols:  # the block's errors reach every later column in one product
             wt[end:] -= u[start:end, end:].T @ torch.from_numpy(errors)
     return QuantizedTensor(
@@ -126,6 +133,17 @@ def gptq_quantize(weight: torch.Tensor, hessian: torch.Tensor, bits: int, group_
         logical_shape=layout.logical_shape, bits=bits, group_size=group_size,
         clipped_fraction=clipped / (rows * layout.num_groups),
         clip_improvement=sum(improvements) / len(improvements))
+
+
+def _current(w: np.ndarray, un: np.ndarray, errors: np.ndarray, at: np.ndarray, start: int,
+             k: int, end: int) -> np.ndarray:
+    """Rows ``at`` of the act-ordered transpose as the reference has them at step ``k``: rows
+    past the block still lack the updates of its columns before ``k`` (applied at its end)."""
+    now = w[at].copy()
+    later = at >= end
+    if later.any() and k > start:
+        now[later] -= un[start:k, at[later]].T @ errors[: k - start]
+    return now
 
 
 def output_error(weight: torch.Tensor, qt: QuantizedTensor, hessian: torch.Tensor) -> float:
@@ -151,47 +169,55 @@ def _inverse_factor_ref(hessian: np.ndarray, damp: float) -> np.ndarray:
 def gptq_quantize_ref(weight: np.ndarray, hessian: np.ndarray, bits: int, group_size: int = 128,
                       damp: float = DAMP) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
     """Plain reference: codes [out, in], scales and offsets [out, groups] (float32 values of the
-    stored bf16), column by column in float64, every update applied at once."""
+    stored bf16); columns by decreasing diagonal of ``hessian`` (ties in their order) in
+    float64, every update applied at once, a group's scale/offset from its columns' weights as
+    they are when its first column is reached."""
     from dynquant.numerics.reference import quantize_group_ref
 
-    w = np.asarray(weight, dtype=np.float64).copy()
+    h = np.asarray(hessian, dtype=np.float64)
+    order = np.argsort(-np.diag(h), kind="stable")
+    position = np.argsort(order)
+    w = np.asarray(weight, dtype=np.float64)[:, order].copy()
     rows, cols = w.shape
-    u = _inverse_factor_ref(hessian, damp)
-    importance = np.clip(np.diag(np.asarray(hessian, dtype=np.float64)), 0, None)
+    u = _inverse_factor_ref(h[np.ix_(order, order)], damp)
+    importance = np.clip(np.diag(h), 0, None).astype(np.float32)
     groups = -(-cols // group_size)
     codes = np.zeros((rows, cols), dtype=np.int64)
     scales = np.zeros((rows, groups), dtype=np.float32)
     offsets = np.zeros((rows, groups), dtype=np.float32)
+    fixed = np.zeros(groups, dtype=bool)
     max_code = (1 << bits) - 1
-    for j in range(cols):
-        g = j // group_size
-        if j % group_size == 0:
-            span = slice(j, min(j + group_size, cols))
+    for k in range(cols):
+        g = order[k] // group_size
+        if not fixed[g]:
+            span = slice(g * group_size, min((g + 1) * group_size, cols))
             for r in range(rows):
                 _, scales[r, g], offsets[r, g] = quantize_group_ref(
-                    w[r, span].astype(np.float32), bits, importance[span].astype(np.float32))
-        s, o = scales[:, g].astype(np.float32), offsets[:, g].astype(np.float32)
-        x = (w[:, j].astype(np.float32) - o) / np.where(s == 0, np.inf, s)
+                    w[r, position[span]].astype(np.float32), bits, importance[span])
+            fixed[g] = True
+        s, o = scales[:, g], offsets[:, g]
+        x = (w[:, k].astype(np.float32) - o) / np.where(s == 0, np.inf, s)
         q = np.clip(np.round(x), 0, max_code)
-        codes[:, j] = q
+        codes[:, order[k]] = q
         w_hat = (q.astype(np.float32) * s + o).astype(np.float64)
-        err = (w[:, j] - w_hat) / u[j, j]
-        w[:, j + 1:] -= np.outer(err, u[j, j + 1:])
+        err = (w[:, k] - w_hat) / u[k, k]
+        w[:, k + 1:] -= np.outer(err, u[k, k + 1:])
     return codes, scales, offsets
 
 
-def row_order(hessian: torch.Tensor) -> torch.Tensor:
-    """The order ``gptq_quantize_rows`` takes a weight's rows in: the inputs of the largest mean
-    square first (GPTQ's act-order; free here, since a row's groups run along it and get their
-    scale/offset whenever it is reached). On the hybrid reference model at 2.5 bits the
-    compensated KL fell from 0.577x to 0.543x round-to-nearest's (natural order)."""
+def act_order(hessian: torch.Tensor) -> torch.Tensor:
+    """The order GPTQ takes a weight's inputs in: the largest mean square first (ties in their
+    order), so that the inputs that matter most are rounded while the most inputs are left to
+    take their error. Both forms use it: a Linear's columns (``gptq_quantize``) and a bank's
+    rows (``gptq_quantize_rows``)."""
     return torch.argsort(torch.diagonal(hessian), descending=True, stable=True)
 
 
-def rows_factor(hessian: torch.Tensor, damp: float = DAMP) -> torch.Tensor:
-    """The inverse factor ``gptq_quantize_rows`` uses: of ``hessian`` in ``row_order``."""
-    order = row_order(hessian)
-    return inverse_factor(hessian[order][:, order], damp, torch.float32)
+def ordered_factor(hessian: torch.Tensor, damp: float = DAMP,
+                   dtype: torch.dtype = torch.float32) -> torch.Tensor:
+    """The inverse factor both GPTQ forms use: of ``hessian`` in :func:`act_order`."""
+    order = act_order(hessian)
+    return inverse_factor(hessian[order][:, order], damp, dtype)
 
 
 def gptq_quantize_rows(weight: torch.Tensor, hessian: torch.Tensor, bits: int,
@@ -200,17 +226,18 @@ def gptq_quantize_rows(weight: torch.Tensor, hessian: torch.Tensor, bits: int,
     """``weight`` [in, out], used as ``x @ weight`` (an expert of a bank stored ``[E, in, out]``),
     quantized with error feedback along its *rows*: the format's groups run along the last
     axis, so each row (one input feature) is quantized whole, its groups getting their
-    scale/offset from the clip search when the row is reached, and its error goes to the rows
-    not yet quantized through the factor of ``hessian`` [in, in] (same update as
-    ``gptq_quantize`` on the transpose). Rows are taken in ``row_order``; ``factor``: the
-    ``rows_factor(hessian, damp)`` when the caller has it already."""
+    scale/offset from the clip search when the row is reached (free here: a row's groups run
+    along it), and its error goes to the rows not yet quantized through the factor of
+    ``hessian`` [in, in] (same update as ``gptq_quantize`` on the transpose). Rows are taken in
+    ``act_order``; ``factor``: the ``ordered_factor(hessian, damp)`` when the caller has it
+    already."""
     rows, cols = weight.shape
     if tuple(hessian.shape) != (rows, rows):
         raise QuantizationError(f"gptq needs an [in, in] second-moment matrix for a weight "
                                 f"used as x @ W, got {list(hessian.shape)} for "
                                 f"{list(weight.shape)}", field="hessian")
-    order = row_order(hessian)
-    u = rows_factor(hessian, damp) if factor is None else factor.float()
+    order = act_order(hessian)
+    u = ordered_factor(hessian, damp) if factor is None else factor.float()
     w = weight.detach().to(torch.float32)[order].clone()
     parts: list[QuantizedTensor | None] = [None] * rows
     for j in range(rows):

@@ -27,7 +27,7 @@ from safetensors import safe_open
 
 from dynquant.errors import DynquantError
 from dynquant.format.planner import TensorSpec
-from dynquant.numerics.gptq import gptq_quantize, inverse_factor, output_error
+from dynquant.numerics.gptq import gptq_quantize, ordered_factor, output_error
 from dynquant.numerics.quantizer import QuantizedTensor, quantize_tensor, relative_error
 from dynquant.pipeline.calibrate.priors import block_index
 from dynquant.pipeline.calibrate.statistics import importance_of
@@ -119,7 +119,7 @@ class CodeChooser:
         """The inverse factor of the last module asked for: a measure quantizes each module at
         every candidate width in a row, with the same second moments."""
         if self._cached is None or self._cached[0] != module:
-            self._cached = (module, inverse_factor(hessian, dtype=torch.float32))
+            self._cached = (module, ordered_factor(hessian))
         return self._cached[1]
 
     def digest(self) -> str:

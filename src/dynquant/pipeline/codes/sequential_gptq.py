@@ -40,8 +40,7 @@ from dynquant.numerics.gptq import (
     concat_rows,
     gptq_quantize,
     gptq_quantize_rows,
-    inverse_factor,
-    rows_factor,
+    ordered_factor,
 )
 from dynquant.numerics.quantizer import QuantizedTensor
 from dynquant.pipeline.calibrate.bank_products import BankProducts
@@ -220,21 +219,18 @@ def _quantize_group(stream: BlockStream, b: int, hidden: list[torch.Tensor], gro
 
 
 class _Factors:
-    """Inverse factors of a group's second moments, each computed once (q/k/v share one);
-    ``rows``: the factor ``gptq_quantize_rows`` takes (of the moments in its row order)."""
+    """Inverse factors of a group's second moments, each computed once (q/k/v share one; both
+    GPTQ forms take the same one, ``ordered_factor``)."""
 
     def __init__(self) -> None:
         # by the moments' identity (the group's modules hold the same tensor); each kept
         # beside its factor so that no id is reused by a later tensor
-        self.known: dict[tuple[int, bool], tuple[torch.Tensor, torch.Tensor]] = {}
+        self.known: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
 
-    def of(self, hessian: torch.Tensor, rows: bool = False) -> torch.Tensor:
-        key = (id(hessian), rows)
-        if key not in self.known:
-            factor = rows_factor(hessian) if rows else inverse_factor(hessian,
-                                                                      dtype=torch.float32)
-            self.known[key] = (hessian, factor)
-        return self.known[key][1]
+    def of(self, hessian: torch.Tensor) -> torch.Tensor:
+        if id(hessian) not in self.known:
+            self.known[id(hessian)] = (hessian, ordered_factor(hessian))
+        return self.known[id(hessian)][1]
 
 
 def _jobs(t: _Target, moments, bits: int, group_size: int, factors: _Factors
@@ -248,7 +244,7 @@ def _jobs(t: _Target, moments, bits: int, group_size: int, factors: _Factors
     for e, h in enumerate(moments):
         if h is None:
             h = torch.eye(w.shape[1] if t.rows else w.shape[2])
-        jobs.append(CompensateJob(w[e].contiguous(), h, factors.of(h, t.rows), bits,
+        jobs.append(CompensateJob(w[e].contiguous(), h, factors.of(h), bits,
                                   group_size, t.rows))
     return jobs
 

@@ -32,7 +32,7 @@ from dynquant.format.planner import TensorSpec, excluded_modules
 from dynquant.models.sources import ModelSource
 from dynquant.models.tokenizer import load_tokenizer
 from dynquant.numerics.compute_dtype import resolve_dtype
-from dynquant.numerics.gptq import concat_rows, gptq_quantize, inverse_factor
+from dynquant.numerics.gptq import concat_rows, gptq_quantize, ordered_factor
 from dynquant.numerics.quantizer import QuantizedTensor
 from dynquant.pipeline.allocate.allocation import (
     AllocationError,
@@ -293,7 +293,7 @@ def _width_variants(chooser: CodeChooser, opts: MeasureOptions):
             for bits in opts.widths:
                 yield f"rtn:{bits}:{gs}", chooser.quantize(spec, weight, bits, gs)
                 if hessian is not None and gptq_ratios(opts) and bits < 8:
-                    factor = inverse_factor(hessian) if factor is None else factor
+                    factor = ordered_factor(hessian, dtype=torch.float64) if factor is None else factor
                     # a vocabulary-sized matrix a block of rows at a time (the rows are
                     # compensated independently), with a heartbeat for the progress line
                     parts = []
