@@ -206,15 +206,22 @@ def test_calibrated_maps_price_the_codes_quantize_writes(tmp_path):
     assert linears and all(0 < m["gptq_ratio"] < 1 for m in linears.values())
     embed = doc["modules"]["model.embed_tokens"]
     assert {c["bits"] for c in embed["candidates"] if "gptq_ratio" in c} == {2, 3, 4}
-    # a Linear is priced by its own ratio pooled with the Linears' median
+    # a Linear is priced by its own ratio pooled with the Linears' median, times the median
+    # over the Linears of the ratio at the candidate's width over the ratio at the probe's
     median = statistics.median(m["gptq_ratio"] for m in linears.values())
     assert linear_ratio(doc) == median
+    assert all(m["gptq_width_ratios"]["3"] == m["gptq_ratio"] and
+               set(m["gptq_width_ratios"]) == {"2", "3", "4", "8"} for m in linears.values())
+    trend = {b: statistics.median(m["gptq_width_ratios"][b] / m["gptq_ratio"]
+                                  for m in linears.values()) for b in ("2", "3", "4", "8")}
+    assert trend["3"] == 1.0 and trend["2"] < 1.0 < trend["4"]
     for codes in ("gptq", "rtn"):
         for choices in maps_modules(doc, codes):
             entry = doc["modules"][choices.name]
             linear = math.sqrt(entry["gptq_ratio"] * median) if "gptq_ratio" in entry else 1.0
             factors = [1.0 if codes == "rtn" else min(1.0, c["gptq_ratio"]) if "gptq_ratio" in c
-                       else linear for c in entry["candidates"]]
+                       else linear * trend[str(c["bits"])] if "gptq_ratio" in entry else 1.0
+                       for c in entry["candidates"]]
             assert [c.error for c in choices.candidates] == [
                 c["error"] * f for c, f in zip(entry["candidates"], factors, strict=True)]
     # the embedding's measured KL grows as its width shrinks

@@ -28,13 +28,15 @@ def maps_modules(maps: dict, codes: str | None = None) -> list[ModuleChoices]:
     (:func:`pooled_ratio`) when they will be gptq codes, a head's at each width its own."""
     codes = codes or maps_codes(maps)
     median = linear_ratio(maps)
+    trend = width_trend(maps)
 
     def factor(m: dict, c: dict) -> float:
         if codes != "gptq":
             return 1.0
         if "gptq_ratio" in c:  # a head: compensated only where that measured better
             return min(1.0, c["gptq_ratio"])
-        return pooled_ratio(m, median)
+        return pooled_ratio(m, median) * (trend.get(c["bits"], 1.0) if "gptq_ratio" in m
+                                          else 1.0)
 
     return [ModuleChoices(name, m["elements"], m["sensitivity"],
                           [Candidate(c["bits"], c["group_size"], c["nbytes"],
@@ -56,6 +58,19 @@ def linear_ratio(maps: dict) -> float:
     """The median of the Linears' measured ``gptq_ratio`` (1 when none was measured)."""
     ratios = [m["gptq_ratio"] for m in maps["modules"].values() if "gptq_ratio" in m]
     return statistics.median(ratios) if ratios else 1.0
+
+
+def width_trend(maps: dict) -> dict[int, float]:
+    """Per candidate width, the median over the Linears of their ``gptq_width_ratios`` at that
+    width over their ``gptq_ratio`` (at the probe width): how much of compensation's gain holds
+    at each width (on SmolLM2 its 4-bit ratios are ~1.25x its 3-bit ones, its 2-bit ones
+    ~0.8x). A trend, not each Linear's own ratio at each width: those priced the allocation
+    no better than one width's (docs/pipeline.md). Empty when no Linear has them."""
+    rows = [m for m in maps["modules"].values()
+            if m.get("gptq_width_ratios") and m.get("gptq_ratio", 0) > 0]
+    widths = {int(b) for m in rows for b in m["gptq_width_ratios"]}
+    return {b: statistics.median(m["gptq_width_ratios"][str(b)] / m["gptq_ratio"] for m in rows
+                                 if str(b) in m["gptq_width_ratios"]) for b in sorted(widths)}
 
 
 def compensates_head(maps: dict, widths: dict) -> bool:

@@ -64,6 +64,7 @@ class ModuleMeasure:
 
     candidates: list[Candidate]
     gptq_ratio: float | None = None
+    width_ratios: dict[int, float] | None = None  # the gptq ratio at each candidate width
 
 
 @dataclass
@@ -84,11 +85,13 @@ def candidates_job(job: ModuleJob, work: CandidatesWork) -> ModuleMeasure:
     weight = work.weights.open().get(job.spec)
     cands = module_candidates(job.spec, weight, work.widths, work.group_sizes, chooser,
                               work.weighted)
-    ratio = None
-    if (job.hessian is not None and chooser.quantizer == "rtn" and work.probe is not None
-            and weight.ndim == 2):  # Linears (banks and embeddings: rounded to nearest)
-        ratio = gptq_ratio(job.spec, weight, job.hessian, chooser, *work.probe)
-    return ModuleMeasure(cands, ratio)
+    if (job.hessian is None or chooser.quantizer != "rtn" or work.probe is None
+            or weight.ndim != 2):  # Linears only (banks and embeddings: rounded to nearest)
+        return ModuleMeasure(cands)
+    bits, group_size = work.probe
+    ratios = {b: gptq_ratio(job.spec, weight, job.hessian, chooser, b, group_size)
+              for b in sorted({*work.widths, bits})}
+    return ModuleMeasure(cands, ratios[bits], ratios)
 
 
 RATIO_ROWS = 256  # rows a Linear's gptq ratio is measured on
@@ -106,8 +109,7 @@ def gptq_ratio(spec: TensorSpec, weight: torch.Tensor, hessian: torch.Tensor,
     """Output error over the calibration inputs (H = X^T X / n) of the compensated codes over
     that of the codes ``chooser`` rounds to nearest, on :func:`ratio_rows`: the factor that
     turns a forecast for round-to-nearest codes into one for the gptq codes ``quantize``
-    writes. One width's ratio serves every width: measured per width (SmolLM2), the
-    allocations came out worse at two of three budgets (docs/pipeline.md)."""
+    writes (measured at each candidate width: maps.py's :func:`width_trend`)."""
     sample = weight[ratio_rows(weight.shape[0])].float()
     spec = replace(spec, shape=tuple(sample.shape))
     rtn = chooser.quantize(spec, sample, bits, group_size)
@@ -148,6 +150,8 @@ def measure_modules(quantizable: list[TensorSpec], weights: WeightsAt, opts: Mea
             entries[index] = module_entry(spec, result.candidates, opts, probe_kl, prior(spec))
             if result.gptq_ratio is not None:
                 entries[index]["gptq_ratio"] = result.gptq_ratio
+                entries[index]["gptq_width_ratios"] = {
+                    str(b): r for b, r in (result.width_ratios or {}).items()}
             if partial is not None:  # a killed run starts again from here
                 partial.write_json(f"m{index:06d}.json", entries[index])
             bar.advance(task)

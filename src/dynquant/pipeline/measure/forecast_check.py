@@ -4,8 +4,10 @@ The forecast adds up each module's predicted KL, and the modules' errors do not 
 in the written model: compounding through the blocks makes the sum low (SmolLM2's gptq codes),
 a second-order estimate of a large perturbation makes it high (Gemma-3's tied embedding); the
 figures are in BENCHMARKS.md "Large vocabularies". So the measure quantizes the model once as
-``quantize`` would, every module at the probe width with gptq codes (sequential, ``GPTQ_SEQS``
-windows) fitted to the first ``1 - HELD_SHARE`` of the calibration text, and measures its KL
+``quantize`` would, at the widths allocated for the bytes of every module at the probe width
+(3 bits: an allocation like the ones forecast, where a uniform model's KL is dominated by its
+most sensitive modules), with gptq codes (sequential, ``GPTQ_SEQS`` windows) fitted to the first
+``1 - HELD_SHARE`` of the calibration text, and measures its KL
 against the float model on windows of the rest, which the codes never saw. ``forecast_check``
 in maps.json keeps both numbers; forecasts scale their sums by their ratio
 (``pipeline/allocate/forecast.py``, ``calibrated_kl``). Two float copies of the model are in
@@ -23,7 +25,11 @@ from torch import nn
 from dynquant.models.sources import ModelSource
 from dynquant.models.tokenizer import load_tokenizer
 from dynquant.numerics.divergence import log_probs, token_kl
-from dynquant.pipeline.allocate.allocation import AllocationError, uniform_widths
+from dynquant.pipeline.allocate.allocation import (
+    AllocationError,
+    allocate_widths,
+    uniform_widths,
+)
 from dynquant.pipeline.allocate.maps import compensates_head, maps_modules
 from dynquant.pipeline.calibrate.text import calibration_tokens, spread_windows
 from dynquant.pipeline.codes.code_chooser import CodeChooser
@@ -72,14 +78,16 @@ def forecast_check(source: ModelSource, doc: dict, importance: dict[str, torch.T
                    calib: list[str], length: int, bits: int, group_size: int,
                    work: Path, executor: Executor | None = None, progress: bool = False
                    ) -> dict | None:
-    """Quantize ``source`` with gptq codes at ``bits`` for every module ``doc`` measured and
-    measure its KL on held-out windows of the calibration text: ``{"codes", "widths",
-    "predicted_kl", "measured_kl", "held_tokens"}``, or None when the text is too short or no
-    module has that width."""
+    """Quantize ``source`` with gptq codes at the widths allocated for the bytes of ``bits``
+    everywhere and measure its KL on held-out windows of the calibration text: ``{"codes",
+    "widths", "predicted_kl", "measured_kl", "held_tokens"}``, or None when the text is too
+    short or a module has no candidate at that width."""
     windows = split_windows(load_tokenizer(source.directory), calib, length)
     modules = maps_modules(doc, "gptq")
     try:
-        alloc = uniform_widths(modules, bits, group_size)
+        uniform = uniform_widths(modules, bits, group_size)
+        budget = uniform.packed_nbytes * 8 / uniform.elements
+        alloc = allocate_widths(modules, budget)
     except AllocationError:
         return None
     if windows is None or alloc.predicted_error <= 0:
@@ -94,6 +102,6 @@ def forecast_check(source: ModelSource, doc: dict, importance: dict[str, torch.T
                        chooser=chooser, progress=progress, executor=executor)
         model = load_dequantized(Path(tmp) / "check", torch.float32)
         measured = mean_kl(dense_model(source, "float32"), model, held, progress)
-    return {"codes": "gptq", "widths": f"uniform {bits}:{group_size}",
+    return {"codes": "gptq", "widths": f"allocated at uniform {bits}:{group_size}'s bytes",
             "predicted_kl": alloc.predicted_error, "measured_kl": measured,
             "held_tokens": held.numel()}
