@@ -168,8 +168,7 @@ def _forecast_check(source: ModelSource, doc: dict, stats: dict[str, torch.Tenso
         said = ("none made (too short a text for held-out windows, or no module at the probe "
                 "width): forecasts are sums over modules" if check is None else
                 f"gptq codes allocated at {bits} bits' bytes measure {check['measured_kl']:.3g} "
-                f"nats/token on "
-                f"{check['held_tokens']} held-out tokens, the modules' sum predicts "
+                f"nats/token on {check['held_tokens']} held-out tokens, the modules' sum predicts "
                 f"{check['predicted_kl']:.3g}")
         print(f"dynquant: forecast check ({time.perf_counter() - start:.0f} s): {said}",
               file=sys.stderr)
