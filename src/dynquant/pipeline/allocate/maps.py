@@ -63,8 +63,9 @@ def linear_ratio(maps: dict) -> float:
 def width_trend(maps: dict) -> dict[int, float]:
     """Per candidate width, the median over the Linears of their ``gptq_width_ratios`` at that
     width over their ``gptq_ratio`` (at the probe width): how much of compensation's gain holds
-    at each width (SmolLM2: 0.86x the 3-bit ratio at 2 bits, 1.14x at 4, 0.89x at 8). A trend, not each Linear's own ratio at each width: those priced the allocation
-    no better than one width's (docs/pipeline.md). Empty when no Linear has them."""
+    at each width (SmolLM2: 0.86x the 3-bit ratio at 2 bits, 1.14x at 4, 0.89x at 8). A
+    trend, not each Linear's own ratio at each width: those priced the allocation no better
+    than one width's (docs/pipeline.md). Empty when no Linear has them."""
     rows = [m for m in maps["modules"].values()
             if m.get("gptq_width_ratios") and m.get("gptq_ratio", 0) > 0]
     widths = {int(b) for m in rows for b in m["gptq_width_ratios"]}
