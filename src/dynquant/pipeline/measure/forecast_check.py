@@ -8,8 +8,8 @@ figures are in BENCHMARKS.md "Large vocabularies". So the measure quantizes the 
 (3 bits): an allocation like the ones forecast (uniform widths would leave the most sensitive
 modules at 3 bits, and their KL would set the check's), with gptq codes (sequential,
 ``GPTQ_SEQS`` windows) fitted to the first ``1 - HELD_SHARE`` of the calibration text, and
-measures its KL against the float model on windows of the rest, which the codes never saw. ``forecast_check``
-in maps.json keeps both numbers; forecasts scale their sums by their ratio
+measures its KL against the float model on windows of the rest, which the codes never saw.
+``forecast_check`` in maps.json keeps both numbers; forecasts scale their sums by their ratio
 (``pipeline/allocate/forecast.py``, ``calibrated_kl``). Two float copies of the model are in
 memory while the KL is measured.
 """
