@@ -357,8 +357,8 @@ def build_parser() -> argparse.ArgumentParser:
                    "many more tokens than the sensitivities; a forward-only pass of its own)")
     p.add_argument("--no-forecast-check", action="store_true",
                    help="skip the check of the forecast (for gptq codes: one checkpoint "
-                   "quantized at the probe width and measured on held-out windows of the text, "
-                   "about one quantize's time); forecasts are then sums over modules")
+                   "allocated at the probe width's bytes and measured on held-out windows of the "
+                   "text, about one quantize's time); forecasts are then sums over modules")
     _work_options(p)
     p.set_defaults(func=_cmd_measure)
 
