@@ -231,7 +231,7 @@ def test_gptq_ratio_from_a_sample_of_rows():
     from dynquant.format.planner import TensorSpec
     from dynquant.numerics.gptq import output_error
     from dynquant.pipeline.codes.code_chooser import CodeChooser, GivenMoments
-    from dynquant.pipeline.measure.candidates import RATIO_ROWS, gptq_ratio, ratio_rows
+    from dynquant.pipeline.measure.candidates import RATIO_ROWS, gptq_ratios, ratio_rows
 
     w, h = _problem(2048, 256, seed=3)
     spec = TensorSpec("blk.0.proj.weight", tuple(w.shape), quantizable=True)
@@ -246,7 +246,9 @@ def test_gptq_ratio_from_a_sample_of_rows():
     small = w[:RATIO_ROWS]
     assert torch.equal(ratio_rows(RATIO_ROWS), torch.arange(RATIO_ROWS))
     assert len(ratio_rows(2048)) == RATIO_ROWS
+    on_small = gptq_ratios(replace(spec, shape=tuple(small.shape)), small, h, rtn, (2, 3, 4),
+                           128)
+    sampled = gptq_ratios(spec, w, h, rtn, (2, 3, 4), 128)
     for bits in (2, 3, 4):
-        assert gptq_ratio(replace(spec, shape=tuple(small.shape)), small, h, rtn, bits,
-                          128) == full(small, bits)
-        assert gptq_ratio(spec, w, h, rtn, bits, 128) == pytest.approx(full(w, bits), rel=0.1)
+        assert on_small[bits] == full(small, bits)
+        assert sampled[bits] == pytest.approx(full(w, bits), rel=0.1)

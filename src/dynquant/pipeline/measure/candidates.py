@@ -89,8 +89,8 @@ def candidates_job(job: ModuleJob, work: CandidatesWork) -> ModuleMeasure:
             or weight.ndim != 2):  # Linears only (banks and embeddings: rounded to nearest)
         return ModuleMeasure(cands)
     bits, group_size = work.probe
-    ratios = {b: gptq_ratio(job.spec, weight, job.hessian, chooser, b, group_size)
-              for b in sorted({*work.widths, bits})}
+    ratios = gptq_ratios(job.spec, weight, job.hessian, chooser, sorted({*work.widths, bits}),
+                         group_size)
     return ModuleMeasure(cands, ratios[bits], ratios)
 
 
@@ -104,19 +104,24 @@ def ratio_rows(rows: int) -> torch.Tensor:
     return torch.linspace(0, rows - 1, min(rows, RATIO_ROWS)).round().long().unique()
 
 
-def gptq_ratio(spec: TensorSpec, weight: torch.Tensor, hessian: torch.Tensor,
-               chooser: CodeChooser, bits: int, group_size: int) -> float:
-    """Output error over the calibration inputs (H = X^T X / n) of the compensated codes over
-    that of the codes ``chooser`` rounds to nearest, on :func:`ratio_rows`: the factor that
-    turns a forecast for round-to-nearest codes into one for the gptq codes ``quantize``
-    writes (measured at each candidate width: maps.py's :func:`width_trend`)."""
+def gptq_ratios(spec: TensorSpec, weight: torch.Tensor, hessian: torch.Tensor,
+                chooser: CodeChooser, widths: Sequence[int], group_size: int
+                ) -> dict[int, float]:
+    """Per width, the output error over the calibration inputs (H = X^T X / n) of the
+    compensated codes over that of the codes ``chooser`` rounds to nearest, on
+    :func:`ratio_rows`: the factor that turns a forecast for round-to-nearest codes into one
+    for the gptq codes ``quantize`` writes (maps.py's :func:`width_trend` prices the widths by
+    it). One row sample and one inverse factor serve every width."""
     sample = weight[ratio_rows(weight.shape[0])].float()
     spec = replace(spec, shape=tuple(sample.shape))
-    rtn = chooser.quantize(spec, sample, bits, group_size)
     gptq = replace(chooser, quantizer="gptq", moments=GivenMoments(spec.module, hessian),
-                   _cached=None).quantize(spec, sample, bits, group_size)
-    base = output_error(sample, rtn, hessian)
-    return output_error(sample, gptq, hessian) / base if base > 0 else 1.0
+                   _cached=None)
+    ratios = {}
+    for bits in widths:
+        base = output_error(sample, chooser.quantize(spec, sample, bits, group_size), hessian)
+        compensated = output_error(sample, gptq.quantize(spec, sample, bits, group_size), hessian)
+        ratios[bits] = compensated / base if base > 0 else 1.0
+    return ratios
 
 
 def measure_modules(quantizable: list[TensorSpec], weights: WeightsAt, opts: MeasureOptions,
