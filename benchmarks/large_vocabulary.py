@@ -23,6 +23,7 @@ part; its first 4,096 tokens are stories only), float32. Files are kept under
 
 from __future__ import annotations
 
+import argparse
 import json
 import os
 import subprocess
@@ -81,9 +82,10 @@ def dynquant_rows(name: str, real: Path
                 forecast(unchecked, maps_modules(doc), budget).predicted_kl)
         if doc.get("forecast_check"):
             c = doc["forecast_check"]
-            print(f"# {name}: forecast check ({c['widths']}, {c['held_tokens']} held-out "
-                  f"tokens): measured {c['measured_kl']:.3f}, modules' sum "
-                  f"{c['predicted_kl']:.3f}", flush=True)
+            for p in c["points"]:
+                print(f"# {name}: forecast check ({p['widths']}, {c['held_tokens']} held-out "
+                      f"tokens): measured {p['measured_kl']:.3f}, modules' sum "
+                      f"{p['predicted_kl']:.3f}", flush=True)
     return rows
 
 
@@ -114,7 +116,7 @@ def score(model: Path, real: Path) -> dict:
     return json.loads(dynquant("eval", str(model), "--base", str(real), *EVAL, "--json"))
 
 
-def table(name: str) -> None:
+def table(name: str, llama_cpp: bool = True) -> None:
     real = prepare.prepare(name)
     (WORK / name).mkdir(parents=True, exist_ok=True)
     rows: dict[str, tuple[Path, int, float | None, float | None]] = {}
@@ -123,7 +125,8 @@ def table(name: str) -> None:
         bits = doc["layers"]["model.embed_tokens"]["bits"]
         rows[f"{label} (embedding {bits}-bit)"] = (ck, doc["accounting"]["total_nbytes"],
                                                    predicted, summed)
-    for label, (folder, nbytes) in llama_rows(name, real, prepare.gguf_path(name)).items():
+    llama = llama_rows(name, real, prepare.gguf_path(name)) if llama_cpp else {}
+    for label, (folder, nbytes) in llama.items():
         rows[label] = (folder, nbytes, None, None)
     print(f"\n## {name}\n")
     print("| run | MB | PPL | mean KL | forecast KL (/ measured) | modules' sum (/ measured) "
@@ -141,9 +144,14 @@ def table(name: str) -> None:
 
 
 def main() -> None:
+    parser = argparse.ArgumentParser(prog="python -m benchmarks large_vocabulary")
+    parser.add_argument("--no-llama-cpp", action="store_true",
+                        help="dynquant's rows only (llama.cpp's need llama-cpp-python: "
+                        "scripts/install_llama_cpp.py)")
+    args = parser.parse_args()
     print(f"# large vocabulary: {', '.join(MODELS)}; {machine()}")
     for name in MODELS:
-        table(name)
+        table(name, llama_cpp=not args.no_llama_cpp)
 
 
 if __name__ == "__main__":

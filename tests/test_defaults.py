@@ -150,16 +150,16 @@ def test_warning_above_the_threshold_and_not_below():
 
 
 def test_the_forecast_is_scaled_by_the_measures_check():
-    """A check that measured 2x the modules' sum at 0.1 nats: the forecast is 2x the sum from
-    0.1 up, r ** (sum / 0.1) below it, for the checked codes only; the advice reads the scaled
-    forecasts; a ratio beyond e is held at e."""
+    """A check of one point that measured 2x the modules' sum at 0.1 nats: the forecast is 2x
+    the sum from 0.1 up, r ** (sum / 0.1) below it, for the checked codes only; the advice
+    reads the scaled forecasts; a ratio beyond e is held at e."""
     import math
 
     from dynquant.pipeline.allocate.forecast import calibrated_kl
 
     maps, modules = _toy_maps("fisher", 1.0)
     maps["quantizer"] = "rtn"  # calibrated maps: gptq codes by default
-    maps["forecast_check"] = {"codes": "gptq", "predicted_kl": 0.1, "measured_kl": 0.2}
+    maps["forecast_check"] = _check((0.1, 0.2))
     assert calibrated_kl(maps, 0.3) == pytest.approx(0.6)
     assert calibrated_kl(maps, 0.05) == pytest.approx(0.05 * 2 ** 0.5)
     assert calibrated_kl(maps, 0.05, "rtn") == 0.05
@@ -169,8 +169,40 @@ def test_the_forecast_is_scaled_by_the_measures_check():
     assert "unchecked" not in low.lines()[0]
     assert low.advice == (3.25, pytest.approx(0.06 * 2 ** 0.6))
     assert forecast(maps, modules, 2.25, codes="rtn").predicted_kl == pytest.approx(0.2)
-    maps["forecast_check"]["measured_kl"] = 100.0
+    maps["forecast_check"]["points"][0]["measured_kl"] = 100.0
     assert calibrated_kl(maps, 0.3) == pytest.approx(0.3 * math.e)
+    # maps.json written before the check had points: the one point at the top level
+    maps["forecast_check"] = {"codes": "gptq", "predicted_kl": 0.1, "measured_kl": 0.2}
+    assert calibrated_kl(maps, 0.05) == pytest.approx(0.05 * 2 ** 0.5)
+
+
+def test_a_check_of_two_points_interpolates_between_them():
+    """Points measuring 0.5x the sum at 0.4 nats and 1.5x at 0.1: 0.5x from 0.4 up, 1.5x from
+    0.1 down, and between them log r linear in log sum (at 0.2, halfway in log, their
+    geometric mean); a point measuring more than a larger one is held to the larger's
+    forecast."""
+    import math
+
+    from dynquant.pipeline.allocate.forecast import calibrated_kl
+
+    maps, _ = _toy_maps("fisher", 1.0)
+    maps["quantizer"] = "rtn"
+    maps["forecast_check"] = _check((0.1, 0.15), (0.4, 0.2))
+    for summed, scaled in ((0.8, 0.4), (0.4, 0.2), (0.2, 0.2 * math.sqrt(0.75)), (0.1, 0.15),
+                           (0.05, 0.075)):
+        assert calibrated_kl(maps, summed) == pytest.approx(scaled)
+    between = [calibrated_kl(maps, s) for s in (0.11, 0.15, 0.3, 0.39)]
+    assert between == sorted(between)
+    maps["forecast_check"] = _check((0.1, 0.3), (0.4, 0.2))
+    assert calibrated_kl(maps, 0.1) == pytest.approx(0.2)
+    assert calibrated_kl(maps, 0.05) == pytest.approx(0.1)
+
+
+def _check(*points: tuple[float, float]) -> dict:
+    """A gptq forecast check of (predicted, measured) KL points."""
+    return {"codes": "gptq", "held_tokens": 1024,
+            "points": [{"widths": "test", "predicted_kl": p, "measured_kl": m}
+                       for p, m in points]}
 
 
 def test_a_measure_summary_without_a_check_says_so():
@@ -182,7 +214,7 @@ def test_a_measure_summary_without_a_check_says_so():
                                     "predicted_error": 0.05}}
     unchecked = summary_lines(measure_summary(maps))
     assert "unchecked" in unchecked[-1] and "0.05 nats" in unchecked[0]
-    maps["forecast_check"] = {"codes": "gptq", "predicted_kl": 0.1, "measured_kl": 0.2}
+    maps["forecast_check"] = _check((0.1, 0.2))
     checked = measure_summary(maps)
     assert not checked["unchecked"]
     assert checked["budgets"]["3.25"]["predicted_kl"] == pytest.approx(0.05 * 2 ** 0.5)

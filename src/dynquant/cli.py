@@ -356,9 +356,10 @@ def build_parser() -> argparse.ArgumentParser:
                    help="calibration sequences for the second moments (default 48: X^T X needs "
                    "many more tokens than the sensitivities; a forward-only pass of its own)")
     p.add_argument("--no-forecast-check", action="store_true",
-                   help="skip the check of the forecast (for gptq codes: one checkpoint "
-                   "allocated at the probe width's bytes and measured on held-out windows of the "
-                   "text, about one quantize's time); forecasts are then sums over modules")
+                   help="skip the check of the forecast (for gptq codes: two checkpoints "
+                   "allocated at the probe width's bytes and one bit per weight more, measured on "
+                   "held-out windows of the text, about two quantizes' time); forecasts are then "
+                   "sums over modules")
     _work_options(p)
     p.set_defaults(func=_cmd_measure)
 

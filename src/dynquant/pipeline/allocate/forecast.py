@@ -9,6 +9,7 @@ scale, so they get no warning, only the note that they cannot predict one.
 
 from __future__ import annotations
 
+import itertools
 import math
 from collections.abc import Sequence
 from dataclasses import asdict, dataclass, field
@@ -77,19 +78,45 @@ def predicts_kl(maps: dict) -> bool:
 
 
 def calibrated_kl(maps: dict, predicted: float, codes: str | None = None) -> float:
-    """The allocator's predicted KL (a sum over modules) scaled by the measure's check
-    (``forecast_check``: one checkpoint of those codes quantized and measured on held-out
-    windows, ``pipeline/measure/forecast_check.py``) when it was made for ``codes`` (default:
-    the maps' own). The check's ratio r = measured / predicted holds at its predicted KL and
-    beyond; below it the factor goes to 1 as r ** (predicted / its predicted): the modules'
-    errors interact less the smaller they are. r is kept within [1/e, e], where the forecast
-    still grows with the sum (the advice's bisection needs that)."""
-    check = _check_for(maps, codes)
-    if (check is None or predicted <= 0 or check["predicted_kl"] <= 0
-            or check["measured_kl"] <= 0):
+    """The allocator's predicted KL (a sum S over modules) scaled by the measure's check
+    (``forecast_check``: checkpoints of those codes quantized and measured on held-out windows,
+    ``pipeline/measure/forecast_check.py``) when it was made for ``codes`` (default: the maps'
+    own). Each point's ratio r = measured / predicted holds at its predicted KL P; between two
+    points log r is interpolated in log S, above the largest P its r holds, and below the
+    smallest the smallest's r holds too (Gemma-3's 4-bit embedding measures more over its
+    estimate than the 3-bit one, SmolLM2's gptq codes less); a check of one point, with no
+    trend measured, takes r ** (S / P) below it (the modules' errors interact less the smaller
+    they are). r is kept within [1/e, e], and a point's scaled forecast at most a larger
+    point's, so that the forecast still grows with the sum (the advice's bisection needs
+    that)."""
+    points = check_points(_check_for(maps, codes))
+    if not points or predicted <= 0:
         return predicted
-    ratio = min(math.e, max(1 / math.e, check["measured_kl"] / check["predicted_kl"]))
-    return predicted * ratio ** min(1.0, predicted / check["predicted_kl"])
+    ratios: list[tuple[float, float]] = []
+    for p, m in points:  # no point forecasts more than a larger one: the forecast grows with S
+        r = min(math.e, max(1 / math.e, m / p))
+        ratios.append((p, r if not ratios else min(r, ratios[-1][0] * ratios[-1][1] / p)))
+    top, r_top = ratios[0]
+    if predicted >= top:
+        return predicted * r_top
+    if len(ratios) == 1:
+        return predicted * r_top ** (predicted / top)
+    for (hi, r_hi), (lo, r_lo) in itertools.pairwise(ratios):
+        if predicted >= lo:
+            t = math.log(hi / predicted) / math.log(hi / lo)
+            return predicted * r_hi ** (1 - t) * r_lo ** t
+    return predicted * ratios[-1][1]
+
+
+def check_points(check: dict | None) -> list[tuple[float, float]]:
+    """A forecast check's (predicted, measured) KL per point, largest predicted first, points
+    with nothing to scale by left out (maps.json before the check had points: one, flat)."""
+    if check is None:
+        return []
+    points = check.get("points", [check])
+    pairs = {(p["predicted_kl"], p["measured_kl"]) for p in points
+             if p["predicted_kl"] > 0 and p["measured_kl"] > 0}
+    return sorted(pairs, reverse=True)
 
 
 def _unchecked(maps: dict, codes: str | None) -> bool:

@@ -1,17 +1,19 @@
-"""The forecast's check: one gptq checkpoint quantized and measured during the measure.
+"""The forecast's check: gptq checkpoints quantized and measured during the measure.
 
 The forecast adds up each module's predicted KL, and the modules' errors do not add up that way
 in the written model: compounding through the blocks makes the sum low (SmolLM2's gptq codes),
-a second-order estimate of a large perturbation makes it high (Gemma-3's tied embedding); the
-figures are in BENCHMARKS.md "Large vocabularies". So the measure quantizes the model once as
-``quantize`` would, at the widths allocated for the bytes of every module at the probe width
-(3 bits): an allocation like the ones forecast (uniform widths would leave the most sensitive
-modules at 3 bits, and their KL would set the check's), with gptq codes (sequential,
-``GPTQ_SEQS`` windows) fitted to the first ``1 - HELD_SHARE`` of the calibration text, and
-measures its KL against the float model on windows of the rest, which the codes never saw.
-``forecast_check`` in maps.json keeps both numbers; forecasts scale their sums by their ratio
-(``pipeline/allocate/forecast.py``, ``calibrated_kl``). Two float copies of the model are in
-memory while the KL is measured.
+a second-order estimate of a large perturbation makes it high (Gemma-3's tied embedding at 3
+bits), and a noisy estimate of the module that holds most of the loss can make it low at
+another size (the same embedding at 4 bits: half its exact KL); the figures are in
+BENCHMARKS.md "Large vocabularies". So the measure quantizes the model as ``quantize`` would at
+two sizes, the bytes of every module at the probe width (3 bits) and one bit per weight more
+(those of 4 bits): at each, the widths allocated for those bytes (an allocation like the ones
+forecast: uniform widths would leave the most sensitive modules at 3 bits, and their KL would
+set the check's), with gptq codes (sequential, ``GPTQ_SEQS`` windows) fitted to the first ``1 -
+HELD_SHARE`` of the calibration text, and measures its KL against the float model on windows of
+the rest, which the codes never saw. ``forecast_check`` in maps.json keeps each point's two
+numbers; forecasts scale their sums by the points' ratios (``pipeline/allocate/forecast.py``,
+``calibrated_kl``). Two float copies of the model are in memory while a KL is measured.
 """
 
 from __future__ import annotations
@@ -74,26 +76,51 @@ def mean_kl(base: nn.Module, model: nn.Module, windows: torch.Tensor,
     return total / count
 
 
+STEPS = (0, 1)  # bits per weight above the probe width's bytes: the check's points
+
+
 def forecast_check(source: ModelSource, doc: dict, importance: dict[str, torch.Tensor],
                    calib: list[str], length: int, bits: int, group_size: int,
                    work: Path, executor: Executor | None = None, progress: bool = False
                    ) -> dict | None:
     """Quantize ``source`` with gptq codes at the widths allocated for the bytes of ``bits``
-    everywhere and measure its KL on held-out windows of the calibration text: ``{"codes",
-    "widths", "predicted_kl", "measured_kl", "held_tokens"}``, or None when the text is too
-    short or a module has no candidate at that width."""
+    everywhere, and for those bytes plus each further step of ``STEPS``, and measure each on
+    held-out windows of the calibration text: ``{"codes", "held_tokens", "points": [{"widths",
+    "predicted_kl", "measured_kl"}, ...]}`` (a point the modules cannot be allocated at is left
+    out), or None when the text is too short or a module has no candidate at that width."""
     windows = split_windows(load_tokenizer(source.directory), calib, length)
     modules = maps_modules(doc, "gptq")
     try:
         uniform = uniform_widths(modules, bits, group_size)
-        budget = uniform.packed_nbytes * 8 / uniform.elements
-        alloc = allocate_widths(modules, budget)
     except AllocationError:
         return None
-    if windows is None or alloc.predicted_error <= 0:
+    if windows is None:
         return None
     fit, held = windows
-    widths = dict(alloc.widths)
+    probe_budget = uniform.packed_nbytes * 8 / uniform.elements
+    points = []
+    for step in STEPS:
+        try:
+            alloc = allocate_widths(modules, probe_budget + step)
+        except AllocationError:
+            continue
+        if alloc.predicted_error <= 0:
+            continue
+        measured = _measured_kl(source, doc, importance, dict(alloc.widths), fit, held,
+                                group_size, work, executor, progress)
+        points.append({"widths": f"allocated at uniform {bits}:{group_size}'s bytes"
+                       + (f" + {step} bit per weight" if step else ""),
+                       "predicted_kl": alloc.predicted_error, "measured_kl": measured})
+    if not points:
+        return None
+    return {"codes": "gptq", "held_tokens": held.numel(), "points": points}
+
+
+def _measured_kl(source: ModelSource, doc: dict, importance: dict[str, torch.Tensor],
+                 widths: dict, fit: torch.Tensor, held: torch.Tensor, group_size: int,
+                 work: Path, executor: Executor | None, progress: bool) -> float:
+    """The KL on ``held`` of ``source`` quantized at ``widths`` with gptq codes fitted to
+    ``fit``."""
     chooser = CodeChooser("gptq", importance, sequential=SequentialCalibration(
         fit, compensates_head(doc, widths)))
     with tempfile.TemporaryDirectory(prefix=".forecast-check-", dir=work) as tmp:
@@ -101,7 +128,4 @@ def forecast_check(source: ModelSource, doc: dict, importance: dict[str, torch.T
                        modules_to_not_convert=tuple(doc["modules_to_not_convert"]),
                        chooser=chooser, progress=progress, executor=executor)
         model = load_dequantized(Path(tmp) / "check", torch.float32)
-        measured = mean_kl(dense_model(source, "float32"), model, held, progress)
-    return {"codes": "gptq", "widths": f"allocated at uniform {bits}:{group_size}'s bytes",
-            "predicted_kl": alloc.predicted_error, "measured_kl": measured,
-            "held_tokens": held.numel()}
+        return mean_kl(dense_model(source, "float32"), model, held, progress)

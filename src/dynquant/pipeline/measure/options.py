@@ -53,10 +53,10 @@ class MeasureOptions:
     # data-free: the quantizer's column statistics from one streamed forward over uniform random
     # token ids (no text); set by calibration_plan when the model has weights to run
     synthetic: bool = False
-    # with gptq ratios: quantize one checkpoint allocated at the probe width's bytes and measure
-    # its KL on held-out windows of the text, which the forecast is scaled by
-    # (``measure/forecast_check.py``; about one quantize's time: the measure command does it
-    # unless told not to, quantize --budget's own measure does not)
+    # with gptq ratios: quantize checkpoints allocated at the probe width's bytes and one bit
+    # per weight more and measure their KL on held-out windows of the text, which the forecast
+    # is scaled by (``measure/forecast_check.py``; about two quantizes' time: the measure
+    # command does it unless told not to, quantize --budget's own measure does not)
     forecast_check: bool = False
 
 

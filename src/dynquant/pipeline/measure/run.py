@@ -167,9 +167,9 @@ def _forecast_check(source: ModelSource, doc: dict, stats: dict[str, torch.Tenso
     if progress:
         said = ("none made (too short a text for held-out windows, or no module at the probe "
                 "width): forecasts are sums over modules" if check is None else
-                f"gptq codes allocated at {bits} bits' bytes measure {check['measured_kl']:.3g} "
-                f"nats/token on {check['held_tokens']} held-out tokens, the modules' sum predicts "
-                f"{check['predicted_kl']:.3g}")
+                "; ".join(f"gptq codes {p['widths']} measure {p['measured_kl']:.3g} nats/token, "
+                          f"the modules' sum predicts {p['predicted_kl']:.3g}"
+                          for p in check["points"]) + f" ({check['held_tokens']} held-out tokens)")
         print(f"dynquant: forecast check ({time.perf_counter() - start:.0f} s): {said}",
               file=sys.stderr)
     return check
