@@ -45,6 +45,7 @@ from dynquant.runtime.loader import load_dequantized
 HELD_SHARE = 0.25  # of the calibration text's tokens: the check's held-out windows
 GPTQ_SEQS = 48  # the sequential pass's windows (quantize --gptq-seqs's default)
 MIN_HELD_WINDOWS = 2
+STEPS = (0, 1)  # bits per weight above the probe width's bytes: the check's points
 
 
 def split_windows(tokenizer, files: list[str], length: int, seqs: int = GPTQ_SEQS
@@ -74,9 +75,6 @@ def mean_kl(base: nn.Module, model: nn.Module, windows: torch.Tensor,
             count += row.numel()
             bar.advance(task)
     return total / count
-
-
-STEPS = (0, 1)  # bits per weight above the probe width's bytes: the check's points
 
 
 def forecast_check(source: ModelSource, doc: dict, importance: dict[str, torch.Tensor],
