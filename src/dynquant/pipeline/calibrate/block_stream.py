@@ -27,6 +27,7 @@ from torch import nn
 from dynquant.errors import ModelError
 from dynquant.format.planner import TensorSpec
 from dynquant.models.sources import ModelSource
+from dynquant.numerics.gram import GramAccumulator
 from dynquant.pipeline.calibrate.weights import WeightSource
 from dynquant.runtime.loader import empty_model
 
@@ -263,24 +264,13 @@ class InputSeen(Exception):
     needed (the caller suppresses it)."""
 
 
-class InputMoments:
+class InputMoments(GramAccumulator):
     """X^T X of a module's input, summed by a forward pre-hook that then stops the forward
     (nothing after the module is needed)."""
-
-    def __init__(self, width: int) -> None:
-        self.total, self.count = torch.zeros(width, width), 0
-
-    def add(self, x: torch.Tensor) -> None:
-        x = x.detach().float().reshape(-1, self.total.shape[0])
-        self.total.addmm_(x.T, x)
-        self.count += x.shape[0]
 
     def hook(self, _module: nn.Module, inputs: tuple) -> None:
         self.add(inputs[0])
         raise InputSeen
-
-    def mean(self) -> torch.Tensor:
-        return self.total / max(self.count, 1)
 
 
 def parameter_slots(module: nn.Module) -> list[tuple[str, nn.Module, str]]:

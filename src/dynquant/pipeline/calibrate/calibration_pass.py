@@ -127,8 +127,8 @@ def run_calibration_pass(stream: BlockStream, modules: set[str],
 
 def _save_moments(stats: InputStatistics, path: Path) -> None:
     """This block's X^T X, then dropped from memory (modules that read the same input, like
-    q/k/v, are stored once each: safetensors refuses shared storage)."""
-    moments = {k: v.clone() for k, v in stats.second_moments().items()}
+    q/k/v, get a tensor each: safetensors refuses shared storage)."""
+    moments = stats.second_moments()
     path.parent.mkdir(parents=True, exist_ok=True)
     save_file(moments, str(path), metadata={"format": "dynquant-second-moments"})
     stats.moments.clear()

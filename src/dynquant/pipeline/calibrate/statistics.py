@@ -13,6 +13,7 @@ import torch
 from safetensors.torch import save_file
 from torch import nn
 
+from dynquant.numerics.gram import GramAccumulator
 from dynquant.pipeline.calibrate.bank_products import BankProducts
 
 
@@ -30,10 +31,10 @@ class InputStatistics:
     def __init__(self, model: nn.Module, modules: set[str], second_moments: bool = False) -> None:
         self.sums: dict[str, torch.Tensor] = {}
         self.counts: dict[str, int] = {}
-        self.moments: dict[str, torch.Tensor] = {}
+        self.moments: dict[str, GramAccumulator | torch.Tensor] = {}  # Linear | bank
         self.routed: dict[str, torch.Tensor] = {}
         self.second = second_moments
-        self._last: tuple[torch.Tensor, torch.Tensor] | None = None
+        self._last: tuple[torch.Tensor, str] | None = None  # the last input, its reader
         self.hooks = []
         self._active: list[BankProducts] = []
         for name, module in model.named_modules():
@@ -50,17 +51,19 @@ class InputStatistics:
             self.sums[name] = self.sums.get(name, 0) + x.square().sum(0)
             self.counts[name] = self.counts.get(name, 0) + x.shape[0]
             if self.second:
-                self.moments[name] = self.moments.get(name, 0) + self._gram(inputs[0], x)
+                self._gram(name, inputs[0], x)
         return fn
 
-    def _gram(self, source: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
-        """x^T x, once for Linears that read the same input (q/k/v, gate/up): the last one
-        is kept with the tensor it came from."""
+    def _gram(self, name: str, source: torch.Tensor, x: torch.Tensor) -> None:
+        """Add x^T x to ``name``'s moments; Linears that read the same input (q/k/v, gate/up)
+        share one accumulator (summed once, by the first of them)."""
         if self._last is not None and self._last[0] is source:
-            return self._last[1]
-        gram = x.T @ x
-        self._last = (source, gram)
-        return gram
+            self.moments[name] = self.moments[self._last[1]]
+            return
+        self._last = (source, name)
+        if name not in self.moments:
+            self.moments[name] = GramAccumulator(x.shape[1])
+        self.moments[name].add(x)
 
     def _watch(self, module: nn.Module, name: str, banks: list[str]) -> None:
         """The banks' products seen for the duration of ``module``'s forward (the banks looked
@@ -104,10 +107,22 @@ class InputStatistics:
     def add(self, part: dict[str, dict]) -> None:
         """Fold a shard's raw sums into these. Shards folded in the same order give the same
         bits however they were computed (0 + x is x: one shard is exactly the hooks' sums)."""
-        for key in ("sums", "counts", "moments", "routed"):
+        for key in ("sums", "counts", "routed"):
             mine = getattr(self, key)
             for name, value in part[key].items():
                 mine[name] = mine.get(name, 0) + value
+        folded: dict[int, str] = {}  # a shared accumulator is folded once
+        for name, value in part["moments"].items():
+            if id(value) in folded:
+                self.moments[name] = self.moments[folded[id(value)]]
+                continue
+            folded[id(value)] = name
+            if name not in self.moments:
+                self.moments[name] = value
+            elif isinstance(value, GramAccumulator):
+                self.moments[name].add_sum(value)
+            else:
+                self.moments[name] = self.moments[name] + value
 
     def result(self) -> dict[str, torch.Tensor]:
         """module -> [in] mean squares; per expert bank ``BANK.routed_tokens`` -> [E] counts
@@ -129,10 +144,10 @@ class InputStatistics:
         routed tokens (empty unless asked for)."""
         out = {}
         for k, v in sorted(self.moments.items()):
-            if v.ndim == 3:
-                out[k] = v / self.routed[f"{k}.routed_tokens"].clamp(min=1)[:, None, None]
+            if isinstance(v, GramAccumulator):
+                out[k] = v.mean(self.counts[k])
             else:
-                out[k] = v / self.counts[k]
+                out[k] = v / self.routed[f"{k}.routed_tokens"].clamp(min=1)[:, None, None]
         return {k: v.contiguous() for k, v in out.items()}
 
 

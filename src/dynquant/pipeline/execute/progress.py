@@ -1,11 +1,16 @@
 """Progress that shows everywhere: rich bars on a terminal; in a log (CI, ``nohup``, ``> log``),
 where rich's bars print nothing, one stderr line when a stage starts, one every ``EVERY``
-seconds while it runs and one when it ends, with counts and elapsed time. ``enabled=False``
-(``--quiet``) silences both."""
+seconds while it runs and one when it ends, with counts, elapsed time and where inside its
+current unit it is (``note``). ``enabled=False`` (``--quiet``) silences both.
+
+In a log a heartbeat thread says a running stage's line every ``EVERY`` seconds even when no
+unit ends in that time: a 7B model's block takes minutes in one stage, and one product (a
+Cholesky factor, a compensated matrix) can take tens of seconds with no Python in between."""
 
 from __future__ import annotations
 
 import sys
+import threading
 import time
 from dataclasses import dataclass, field
 
@@ -23,6 +28,7 @@ class _Stage:
     start: float = field(default_factory=time.monotonic)
     said: float = field(default_factory=time.monotonic)
     ended: bool = False
+    note: str = ""  # where inside the current unit the stage is
 
 
 class StageProgress:
@@ -34,13 +40,32 @@ class StageProgress:
         self.log = enabled and not self.live
         self.bar = Progress(*columns, transient=True) if self.live else None
         self.stages: list[_Stage] = []
+        self.heartbeat = self.log
+        self._lock = threading.Lock()
+        self._quit = threading.Event()
+        self._beat: threading.Thread | None = None
 
     def __enter__(self) -> StageProgress:
         if self.bar is not None:
             self.bar.__enter__()
+        elif self.heartbeat:
+            self._beat = threading.Thread(target=self._beats, name="dynquant-progress",
+                                          daemon=True)
+            self._beat.start()
         return self
 
+    def _beats(self) -> None:
+        """A running stage's line when nothing was said of it for ``EVERY`` seconds."""
+        while not self._quit.wait(max(EVERY / 4, 0.05)):
+            with self._lock:
+                for i, stage in enumerate(self.stages):
+                    if not stage.ended and time.monotonic() - stage.said >= EVERY:
+                        self._say(i, "running")
+
     def __exit__(self, *exc) -> None:
+        if self._beat is not None:
+            self._quit.set()
+            self._beat.join()
         if self.bar is not None:
             self.bar.__exit__(*exc)
         elif exc[0] is None:
@@ -58,15 +83,24 @@ class StageProgress:
     def advance(self, task: int, advance: int = 1) -> None:
         self.update(task, completed=self.stages[task].completed + advance)
 
-    def update(self, task: int, completed: int) -> None:
+    def update(self, task: int, completed: int | None = None, note: str | None = None) -> None:
+        """The stage's count of finished units and/or where it is inside the next one."""
         stage = self.stages[task]
-        stage.completed = completed
-        if self.bar is not None:
-            self.bar.update(task, completed=completed)
-        elif stage.total is not None and completed >= stage.total:
-            self._end(task)
-        elif time.monotonic() - stage.said >= EVERY:
-            self._say(task, "running")
+        with self._lock:
+            stage.completed = stage.completed if completed is None else completed
+            stage.note = stage.note if note is None else note
+            if self.bar is not None:
+                described = f"{stage.description} ({stage.note})" if stage.note else None
+                self.bar.update(task, completed=stage.completed,
+                                description=described or stage.description)
+            elif stage.total is not None and stage.completed >= stage.total:
+                self._end(task)
+            elif time.monotonic() - stage.said >= EVERY:
+                self._say(task, "running")
+
+    def note(self, task: int, note: str) -> None:
+        """Where the stage is inside its current unit (said with its next line)."""
+        self.update(task, note=note)
 
     def finish(self, task: int) -> None:
         """End a stage whose total was not known when it started."""
@@ -79,6 +113,7 @@ class StageProgress:
 
     def _end(self, task: int) -> None:
         self.stages[task].ended = True
+        self.stages[task].note = ""
         self._say(task, "done")
 
     def _say(self, task: int, state: str) -> None:
@@ -87,5 +122,6 @@ class StageProgress:
         stage = self.stages[task]
         stage.said = time.monotonic()
         count = f"{stage.completed}/{stage.total}" if stage.total else f"{stage.completed}"
+        note = f" ({stage.note})" if stage.note else ""
         print(f"dynquant: {stage.description}: {state}, {count}, "
-              f"{stage.said - stage.start:.0f} s", file=sys.stderr, flush=True)
+              f"{stage.said - stage.start:.0f} s{note}", file=sys.stderr, flush=True)

@@ -1,0 +1,31 @@
+"""Second moments as symmetric rank-k updates, held to the plain X^T X."""
+
+from __future__ import annotations
+
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from dynquant.numerics import gram as gram_mod
+from dynquant.numerics.gram import GramAccumulator, gram_ref
+
+
+@settings(max_examples=25, deadline=None)
+@given(width=st.integers(1, 70), block=st.integers(1, 32), chunks=st.integers(1, 3),
+       seed=st.integers(0, 2**16))
+def test_the_block_triangle_sums_to_the_whole_gram(width, block, chunks, seed):
+    g = torch.Generator().manual_seed(seed)
+    xs = [torch.randn(5, width, generator=g) for _ in range(chunks)]
+    old, gram_mod.GRAM_BLOCK = gram_mod.GRAM_BLOCK, block
+    try:
+        acc = GramAccumulator(width)
+        for x in xs:
+            acc.add(x)
+        got = acc.mean()
+    finally:
+        gram_mod.GRAM_BLOCK = old
+    want = gram_ref(torch.cat(xs)) / (5 * chunks)
+    torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
+    assert torch.equal(got, got.T)  # the lower blocks are the upper ones, exactly
+    assert acc.rows == 5 * chunks
+
