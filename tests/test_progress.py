@@ -4,6 +4,8 @@ print nothing, and silence with --quiet."""
 from __future__ import annotations
 
 import re
+import time
+from pathlib import Path
 
 from dynquant.cli import main
 from dynquant.pipeline.execute import progress as progress_mod
@@ -41,5 +43,43 @@ def test_long_stages_say_where_they_are(monkeypatch, capsys):
         ["dynquant: work: running", " 2/3"], ["dynquant: work: done", " 3/3"]]
 
 
+_INIT = StageProgress.__init__
+
+
 def _log_only(self, *columns, enabled=True):  # as when stderr is not a terminal
-    self.live, self.log, self.bar, self.stages = False, enabled, None, []
+    _INIT(self, *columns, enabled=False)
+    self.log = enabled  # lines only where a unit ends: no heartbeat
+
+
+def test_a_block_that_takes_long_is_reported_inside(tmp_path, monkeypatch, capsys):
+    """A slow stand-in for a decoder block: the gptq stage's lines come while the block runs,
+    saying which group and window it is at."""
+    from dynquant.models.sources import resolve_model
+    from dynquant.models.tokenizer import load_tokenizer
+    from dynquant.pipeline.calibrate.block_stream import BlockStream
+    from dynquant.pipeline.calibrate.text import calibration_ids, default_calibration
+    from dynquant.pipeline.codes.code_chooser import CodeChooser
+    from dynquant.pipeline.codes.sequential_gptq import SequentialCalibration
+    from dynquant.pipeline.codes.write import quantize_model
+
+    model = Path(__file__).parents[1] / "models" / "llama-ref"
+    ids = calibration_ids(load_tokenizer(model), [str(default_calibration())], 2, 32)
+    run_block = BlockStream.run_block
+
+    def slow_block(self, *args, **kwargs):
+        time.sleep(0.4)
+        return run_block(self, *args, **kwargs)
+
+    monkeypatch.setattr(BlockStream, "run_block", slow_block)
+    monkeypatch.setattr(progress_mod, "EVERY", 0.1)
+    source = resolve_model(str(model))
+    widths = {s.module: 4 for s in source.tensor_specs() if s.quantizable}
+    capsys.readouterr()
+    quantize_model(source, widths, tmp_path / "q", progress=True,
+                   chooser=CodeChooser("gptq", sequential=SequentialCalibration(ids)))
+    err = capsys.readouterr().err
+    inside = re.findall(r"^dynquant: gptq, block by block: running, (\d)/4, [\d.]+ s "
+                        r"\(block (\d): its output\)$", err, re.M)
+    # every block is seen running while its (slow) output is computed, before it is counted
+    assert sorted({(int(done), int(block)) for done, block in inside}) == [
+        (0, 1), (1, 2), (2, 3), (3, 4)], err

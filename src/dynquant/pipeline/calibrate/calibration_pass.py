@@ -113,6 +113,8 @@ def run_calibration_pass(stream: BlockStream, modules: set[str],
                                               cpus=work.threads):
                     hidden.extend(out)
                     stats.add(part)
+                    bar.note(task, f"block {i + 1}: {len(hidden)}/{len(stream.args[i])} "
+                                   "chunks of windows")
                 if moments_dir is not None:
                     _save_moments(stats, moments_dir / f"block_{i:03d}.safetensors")
                 bar.advance(task)

@@ -109,9 +109,13 @@ def sequential_gptq(stream: BlockStream, specs: list[TensorSpec], quantized: set
                         qt = _finished(store, index[s.module]) or rounder(
                             s, param.data, *choice(s.module))
                         _keep(store, index[s.module], s, qt, param)
-                for group in groups:
+                for g, group in enumerate(groups):
+                    def say(what: str, g: int = g, group: list[str] = group) -> None:
+                        bar.note(task, f"block {b + 1}, group {g + 1}/{len(groups)} "
+                                       f"({group[0].removeprefix(prefix)}): {what}")
                     _quantize_group(stream, b, hidden, group, targets, specs, index, choice,
-                                    store, executor)
+                                    store, executor, say)
+                bar.note(task, f"block {b + 1}: its output")
                 hidden = stream.run_block(b, hidden)
             finally:
                 stream.release(block)
@@ -201,10 +205,12 @@ def compensate_job(job: CompensateJob, _shared: None = None) -> QuantizedTensor:
 
 def _quantize_group(stream: BlockStream, b: int, hidden: list[torch.Tensor], group: list[str],
                     targets: dict[str, _Target], specs: list[TensorSpec], index: dict,
-                    choice: Choice, store: ResumeStore, executor: Executor) -> None:
+                    choice: Choice, store: ResumeStore, executor: Executor,
+                    say: Callable[[str], None] = lambda _: None) -> None:
     done = {m: _finished(store, index[m]) for m in group}
     todo = [m for m in group if done[m] is None]
-    moments = _group_moments(stream, b, hidden, group, targets) if todo else None
+    moments = _group_moments(stream, b, hidden, group, targets, say) if todo else None
+    say(f"compensating {len(todo)} {'matrix' if len(todo) == 1 else 'matrices'}")
     # the group shares its input, so its moments and their factor (one per expert for banks);
     # its matrices are compensated independently
     factors = _Factors()
@@ -300,29 +306,30 @@ def _groups(stream: BlockStream, b: int, first: torch.Tensor, targets: dict[str,
             groups.setdefault(key, []).append(name)
     return list(groups.values())
 def _group_moments(stream: BlockStream, b: int, hidden: list[torch.Tensor], group: list[str],
-                   targets: dict[str, _Target]):
+                   targets: dict[str, _Target], say: Callable[[str], None] = lambda _: None):
     """The second moments X^T X / tokens of the input the modules of ``group`` share, over
     every calibration chunk: one matrix for Linears (the block run only as far as that input),
     per expert for banks (None where an expert saw too few tokens)."""
     lead = targets[group[0]]
     if lead.bank:
-        return _expert_moments(stream, b, hidden, group[0], lead)
+        return _expert_moments(stream, b, hidden, group[0], lead, say)
     moments = InputMoments(lead.param.shape[1])
     handle = lead.owner.register_forward_pre_hook(moments.hook)
     try:
-        _run(stream, b, hidden)
+        _run(stream, b, hidden, say)
     finally:
         handle.remove()
     return moments.mean()
 
 
 def _expert_moments(stream: BlockStream, b: int, hidden: list[torch.Tensor], name: str,
-                    bank: _Target) -> list[torch.Tensor | None]:
+                    bank: _Target, say: Callable[[str], None] = lambda _: None
+                    ) -> list[torch.Tensor | None]:
     """Each expert's X^T X / tokens over the tokens routed to it, as the calibration statistics
     gather it (``InputStatistics``); None where an expert saw too few."""
     stats = InputStatistics(stream.model, {name}, second_moments=True)
     try:
-        _run(stream, b, hidden)
+        _run(stream, b, hidden, say)
     finally:
         stats.remove()
     tokens = stats.routed.get(f"{name}.routed_tokens")
@@ -334,10 +341,12 @@ def _expert_moments(stream: BlockStream, b: int, hidden: list[torch.Tensor], nam
             for e, n in enumerate(tokens.tolist())]
 
 
-def _run(stream: BlockStream, b: int, hidden: list[torch.Tensor]) -> None:
+def _run(stream: BlockStream, b: int, hidden: list[torch.Tensor],
+         say: Callable[[str], None] = lambda _: None) -> None:
     """The block over every chunk, each stopped where a hook raises ``InputSeen``."""
     block = stream.blocks[b]
     with torch.no_grad():
-        for h, (args, kwargs) in zip(hidden, stream.args[b], strict=True):
+        for i, (h, (args, kwargs)) in enumerate(zip(hidden, stream.args[b], strict=True)):
+            say(f"inputs' moments, window {i + 1}/{len(hidden)}")
             with contextlib.suppress(InputSeen):
                 block(h.to(stream.dtype), *args, **kwargs)

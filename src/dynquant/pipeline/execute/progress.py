@@ -81,7 +81,8 @@ class StageProgress:
         return len(self.stages) - 1
 
     def advance(self, task: int, advance: int = 1) -> None:
-        self.update(task, completed=self.stages[task].completed + advance)
+        """``advance`` units finished (where the stage was inside them is said no more)."""
+        self.update(task, completed=self.stages[task].completed + advance, note="")
 
     def update(self, task: int, completed: int | None = None, note: str | None = None) -> None:
         """The stage's count of finished units and/or where it is inside the next one."""
