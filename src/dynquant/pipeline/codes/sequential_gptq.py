@@ -110,11 +110,10 @@ def sequential_gptq(stream: BlockStream, specs: list[TensorSpec], quantized: set
                             s, param.data, *choice(s.module))
                         _keep(store, index[s.module], s, qt, param)
                 for g, group in enumerate(groups):
-                    def say(what: str, g: int = g, group: list[str] = group) -> None:
-                        bar.note(task, f"block {b + 1}, group {g + 1}/{len(groups)} "
-                                       f"({group[0].removeprefix(prefix)}): {what}")
+                    where = (f"block {b + 1}, group {g + 1}/{len(groups)} "
+                             f"({group[0].removeprefix(prefix)})")
                     _quantize_group(stream, b, hidden, group, targets, specs, index, choice,
-                                    store, executor, say)
+                                    store, executor, _noter(bar, task, where))
                 bar.note(task, f"block {b + 1}: its output")
                 hidden = stream.run_block(b, hidden)
             finally:
@@ -122,6 +121,11 @@ def sequential_gptq(stream: BlockStream, specs: list[TensorSpec], quantized: set
             bar.advance(task)
         _head(stream, hidden, index, choice, store,
               None if compensate_head else (specs, rounder), bar)
+
+
+def _noter(bar: StageProgress, task: int, where: str) -> Callable[[str], None]:
+    """What a group's steps say on the stage's line: where they are, and what they do."""
+    return lambda what: bar.note(task, f"{where}: {what}")
 
 
 def _head(stream: BlockStream, final: list[torch.Tensor], index: dict, choice: Choice,
