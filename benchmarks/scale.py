@@ -18,7 +18,9 @@ import re
 import subprocess
 import sys
 import tempfile
+import threading
 import time
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch
@@ -26,7 +28,8 @@ import torch
 from benchmarks.common import figure, machine
 from benchmarks.scale_model import save_scale_model, seven_b_layer_config
 
-DONE = re.compile(r"^dynquant: (?P<stage>.+): done, .*?, (?P<s>\d+) s$")
+STARTED = re.compile(r"^dynquant: (?P<stage>.+): started, ")
+DONE = re.compile(r"^dynquant: (?P<stage>.+): done, [^,]*, (?P<s>\d+) s")
 
 
 def gemm_peak() -> float:
@@ -43,29 +46,78 @@ def gemm_peak() -> float:
 
 
 def layer_work(tokens: int) -> dict[str, float]:
-    """Multiply-adds of one decoder layer over ``tokens``: the forward's products, and the
-    second moments of its four distinct inputs (q/k/v share one, gate/up another)."""
+    """Multiply-adds of one decoder layer's necessary arithmetic over ``tokens``: ``forward``
+    its products; ``moments`` the second moments of its four distinct inputs (q/k/v share one,
+    gate/up another) as symmetric updates; ``gptq`` the sequential pass (the forwards of each
+    group's partial run and of the block's output, the moments, one inverse factor per
+    distinct input, Cholesky and triangular inverse n^3/6 each, and the compensation,
+    rows x inputs^2 / 2 per Linear); ``ratios`` the measure's gptq ratios (a factor per Linear,
+    four widths compensated on 256 rows each). Attention's score products are left out."""
     c = seven_b_layer_config()
     h, m, kv = c.hidden_size, c.intermediate_size, c.num_key_value_heads * c.head_dim
-    forward = tokens * (h * (h + 2 * kv) + h * h + 3 * h * m)
+    qkv, o, mlp = h * (h + 2 * kv), h * h, 3 * h * m
+    forward = tokens * (qkv + o + mlp)
     moments = tokens * (3 * h * h + m * m) / 2
-    return {"forward": forward, "moments": moments}
+    partial = tokens * (3 * qkv + 2 * o + 2 * h * m)
+    factors = (3 * h ** 3 + m ** 3) / 3
+    compensate = ((h + 2 * kv) * h * h + h * h * h + 2 * m * h * h + h * m * m) / 2
+    ratios = (6 * h ** 3 + m ** 3) / 3 + 4 * 256 * (6 * h * h + m * m) / 2
+    return {"forward": forward, "moments": moments,
+            "gptq": forward + partial + moments + factors + compensate, "ratios": ratios}
 
 
-def run(model: Path, out: Path, budget: float) -> tuple[float, int, list[tuple[str, int]]]:
-    """(wall seconds, peak RSS bytes, [(stage, seconds)]) of the calibrated quantize."""
-    cmd = ["/usr/bin/time", "-f", "maxrss_kb=%M", sys.executable, "-m", "dynquant", "quantize",
-           str(model), "--budget", str(budget), "-o", str(out)]
+@dataclass
+class Stage:
+    name: str
+    seconds: int = 0
+    peak_rss: int = 0  # bytes, the process's resident set while the stage ran
+
+
+def _rss(pid: int) -> int:
+    try:
+        status = Path(f"/proc/{pid}/status").read_text()
+    except OSError:
+        return 0
+    return int(next(ln for ln in status.splitlines() if ln.startswith("VmRSS:")).split()[1]) << 10
+
+
+def run(model: Path, out: Path, budget: float) -> tuple[float, int, list[Stage]]:
+    """(wall seconds, peak RSS bytes, stages with their seconds and peak RSS) of the calibrated
+    quantize, its resident set sampled every 0.2 s."""
+    cmd = [sys.executable, "-m", "dynquant", "quantize", str(model), "--budget", str(budget),
+           "-o", str(out)]
     start = time.perf_counter()
-    proc = subprocess.run(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
-    wall = time.perf_counter() - start
-    if proc.returncode != 0:
-        sys.exit(proc.stderr)
-    stages = [(m["stage"], int(m["s"])) for line in proc.stderr.splitlines()
-              if (m := DONE.match(line))]
-    rss = int(next(ln for ln in proc.stderr.splitlines()
-                   if ln.startswith("maxrss_kb=")).split("=")[1]) * 1024
-    return wall, rss, stages
+    proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+    stages: list[Stage] = []
+    current: list[Stage] = []  # the stages running now (a measure's stages nest in quantize's)
+    peak = [0]
+
+    def sample() -> None:
+        while proc.poll() is None:
+            rss = _rss(proc.pid)
+            peak[0] = max(peak[0], rss)
+            for stage in list(current):
+                stage.peak_rss = max(stage.peak_rss, rss)
+            time.sleep(0.2)
+
+    sampler = threading.Thread(target=sample, daemon=True)
+    sampler.start()
+    assert proc.stderr is not None
+    said = []
+    for line in proc.stderr:
+        said.append(line)
+        if (m := STARTED.match(line)) is not None:
+            current.append(Stage(m["stage"]))
+            stages.append(current[-1])
+        elif (m := DONE.match(line)) is not None:
+            done = next((st for st in current if st.name == m["stage"]), None)
+            if done is not None:
+                done.seconds = int(m["s"])
+                current.remove(done)
+    if proc.wait() != 0:
+        sys.exit("".join(said))
+    sampler.join()
+    return time.perf_counter() - start, peak[0], stages
 
 
 def main() -> None:
@@ -83,23 +135,27 @@ def main() -> None:
         dense = sum(p.stat().st_size for p in model.glob("*.safetensors"))
     # the passes whose arithmetic is counted: 48 windows of 256 for X^T X, 8 for the statistics
     moments, stats = layer_work(48 * 256), layer_work(8 * 256)
-    print("| stage | seconds | work (GMAC) | rate (GMAC/s) | of the GEMM peak |")
-    print("|---|---|---|---|---|")
+    print("| stage | seconds | work (GMAC) | rate (GMAC/s) | of the GEMM peak | peak RSS GiB |")
+    print("|---|---|---|---|---|---|")
     seen: dict[str, int] = {}
-    for stage, seconds in stages:
-        seen[stage] = seen.get(stage, 0) + 1
+    for stage in stages:
+        seen[stage.name] = seen.get(stage.name, 0) + 1
         mac = None
-        if stage == "calibration pass" and seen[stage] == 1:
-            mac = args.layers * (moments["forward"] + moments["moments"])
-        elif stage == "calibration pass" and seen[stage] == 2:
-            mac = args.layers * stats["forward"]
-        label = stage if seen[stage] == 1 else f"{stage} ({seen[stage]})"
+        if stage.name == "calibration pass":  # first X^T X's 48 windows, then the statistics' 8
+            mac = args.layers * (moments["forward"] + moments["moments"]
+                                 if seen[stage.name] == 1 else stats["forward"])
+        elif stage.name == "measuring":
+            mac = args.layers * moments["ratios"]
+        elif stage.name == "gptq, block by block":
+            mac = args.layers * moments["gptq"]
+        label = stage.name if seen[stage.name] == 1 else f"{stage.name} ({seen[stage.name]})"
+        rss = f"{stage.peak_rss / 2**30:.1f}"
         if mac is None:
-            print(f"| {label} | {seconds} | | | |")
+            print(f"| {label} | {stage.seconds} | | | | {rss} |")
         else:
-            rate = mac / max(seconds, 1)
-            print(f"| {label} | {seconds} | {mac / 1e9:,.0f} | {rate / 1e9:.0f} | "
-                  f"{rate / peak:.0%} |")
+            rate = mac / max(stage.seconds, 1)
+            print(f"| {label} | {stage.seconds} | {mac / 1e9:,.0f} | {rate / 1e9:.0f} | "
+                  f"{rate / peak:.0%} | {rss} |")
     figure("whole quantize", wall, "s")
     figure("peak RSS", rss / 2**30, "GiB")
     figure("model on disk (bf16)", dense / 2**30, "GiB")

@@ -161,10 +161,16 @@ def output_error(weight: torch.Tensor, qt: QuantizedTensor, hessian: torch.Tenso
     calibration inputs (what compensation minimises; with a diagonal H it is the
     importance-weighted relative error of round-to-nearest)."""
     w = weight.detach().to(torch.float32)
-    h = hessian.to(torch.float32)
-    d = qt.dequantize(torch.float32) - w
-    den = float(((w @ h) * w).sum(dtype=torch.float64))
-    return float(((d @ h) * d).sum(dtype=torch.float64)) / den if den > 0 else 0.0
+    den = float(((w @ hessian.to(torch.float32)) * w).sum(dtype=torch.float64))
+    return output_squared_error(weight, qt, hessian) / den if den > 0 else 0.0
+
+
+def output_squared_error(weight: torch.Tensor, qt: QuantizedTensor, hessian: torch.Tensor
+                         ) -> float:
+    """tr(dW H dW^T): ``output_error``'s numerator (a ratio of two codes' errors on the same
+    weight needs no more)."""
+    d = qt.dequantize(torch.float32) - weight.detach().to(torch.float32)
+    return float(((d @ hessian.to(torch.float32)) * d).sum(dtype=torch.float64))
 
 
 def _inverse_factor_ref(hessian: np.ndarray, damp: float) -> np.ndarray:

@@ -13,7 +13,7 @@ from dynquant.checkpoint.resume import PartialDir
 from dynquant.errors import DynquantError
 from dynquant.format.layout import LayerLayout
 from dynquant.format.planner import TensorSpec
-from dynquant.numerics.gptq import output_error
+from dynquant.numerics.gptq import output_squared_error
 from dynquant.pipeline.allocate.allocation import (
     Candidate,
 )
@@ -118,8 +118,10 @@ def gptq_ratios(spec: TensorSpec, weight: torch.Tensor, hessian: torch.Tensor,
                    _cached=None)
     ratios = {}
     for bits in widths:
-        base = output_error(sample, chooser.quantize(spec, sample, bits, group_size), hessian)
-        compensated = output_error(sample, gptq.quantize(spec, sample, bits, group_size), hessian)
+        base = output_squared_error(sample, chooser.quantize(spec, sample, bits, group_size),
+                                    hessian)
+        compensated = output_squared_error(sample, gptq.quantize(spec, sample, bits, group_size),
+                                           hessian)
         ratios[bits] = compensated / base if base > 0 else 1.0
     return ratios
 
