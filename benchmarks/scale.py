@@ -149,13 +149,13 @@ def main() -> None:
         elif stage.name == "gptq, block by block":
             mac = args.layers * moments["gptq"]
         label = stage.name if seen[stage.name] == 1 else f"{stage.name} ({seen[stage.name]})"
-        rss = f"{stage.peak_rss / 2**30:.1f}"
+        held = f"{stage.peak_rss / 2**30:.1f}"
         if mac is None:
-            print(f"| {label} | {stage.seconds} | | | | {rss} |")
+            print(f"| {label} | {stage.seconds} | | | | {held} |")
         else:
             rate = mac / max(stage.seconds, 1)
             print(f"| {label} | {stage.seconds} | {mac / 1e9:,.0f} | {rate / 1e9:.0f} | "
-                  f"{rate / peak:.0%} | {rss} |")
+                  f"{rate / peak:.0%} | {held} |")
     figure("whole quantize", wall, "s")
     figure("peak RSS", rss / 2**30, "GiB")
     figure("model on disk (bf16)", dense / 2**30, "GiB")

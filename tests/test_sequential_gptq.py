@@ -13,11 +13,13 @@ import torch
 
 from dynquant.models.sources import resolve_model
 from dynquant.models.tokenizer import load_tokenizer
+from dynquant.pipeline.calibrate import calibration_pass
 from dynquant.pipeline.calibrate.text import calibration_ids, default_calibration
 from dynquant.pipeline.codes import sequential_gptq as seq
 from dynquant.pipeline.codes.code_chooser import CodeChooser
 from dynquant.pipeline.codes.sequential_gptq import SequentialCalibration
 from dynquant.pipeline.codes.write import quantize_model
+from dynquant.pipeline.execute.executor import LocalExecutor
 
 ROOT = Path(__file__).parents[1]
 LLAMA_REF = ROOT / "models" / "llama-ref"
@@ -118,6 +120,34 @@ def test_reruns_and_resumes_are_byte_identical(tmp_path, monkeypatch):
                    chooser=CodeChooser("gptq", sequential=cal))
     assert len(computed) == 28 + 1 - 8  # the finished modules came from the store (+1: head)
     assert _checkpoint_bytes(tmp_path / "c") == _checkpoint_bytes(tmp_path / "a")
+
+
+class _AsAWorker(LocalExecutor):
+    """Runs each job as a worker process would: on a skeleton of its own, the block's weights
+    read from the files and the driver's codes put in their place (not the driver's block)."""
+
+    def map(self, fn, jobs, shared, nbytes=None, cpus=1):
+        for job in jobs:
+            kept = dict(calibration_pass._STREAMS)
+            calibration_pass._STREAMS.clear()
+            try:
+                yield fn(job, shared)
+            finally:
+                calibration_pass._STREAMS.clear()
+                calibration_pass._STREAMS.update(kept)
+
+
+def test_window_shards_run_by_a_worker_give_the_driver_s_bytes(tmp_path):
+    """12 windows: two shards (8 + 4) per group's moments and per block's outputs, each folded
+    in order; run as a worker runs them (weights from the files, earlier groups' codes sent
+    with the job), the checkpoint is the one-process checkpoint, byte for byte."""
+    source = resolve_model(str(LLAMA_REF))
+    widths = {**_uniform(source, 3), "model.layers.1.mlp.down_proj": 4}
+    chooser = CodeChooser("gptq", sequential=_calibration(LLAMA_REF, 12, 32))
+    for run, executor in (("here", LocalExecutor()), ("worker", _AsAWorker())):
+        quantize_model(source, widths, tmp_path / run, progress=False, chooser=chooser,
+                       executor=executor)
+    assert _checkpoint_bytes(tmp_path / "here") == _checkpoint_bytes(tmp_path / "worker")
 
 
 def test_gptq_needs_text_it_can_find(tmp_path, capsys):

@@ -12,12 +12,16 @@ product's rounding depends on it).
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from collections.abc import Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
 from safetensors.torch import save_file
+from torch import nn
 
+from dynquant.numerics.quantizer import QuantizedTensor
 from dynquant.pipeline.calibrate.block_stream import ActivationStore, BlockStream
 from dynquant.pipeline.calibrate.statistics import InputStatistics
 from dynquant.pipeline.calibrate.weights import WeightsAt
@@ -44,6 +48,9 @@ class BlockShard:
     block: int
     hidden: list[torch.Tensor]
     recorded: list[tuple]
+    # the block's tensors quantized so far (parameter path inside the block -> codes): a worker
+    # runs the block as the driver has it (the sequential gptq pass)
+    replaced: dict[str, QuantizedTensor] = field(default_factory=dict)
 
 
 @dataclass
@@ -60,7 +67,9 @@ class BlockWork:
 _STREAMS: dict[tuple, BlockStream] = {}  # this process's skeleton per model (a worker's cache)
 
 
-def _stream(work: BlockWork) -> BlockStream:
+def shard_stream(work: BlockWork) -> BlockStream:
+    """The skeleton a shard job runs on: the driver's own stream for jobs run by the driver
+    (``serving``), else this process's, built once per model."""
     key = (work.weights.key, work.dtype)
     if key not in _STREAMS:
         _STREAMS.clear()  # one model's skeleton at a time
@@ -69,21 +78,58 @@ def _stream(work: BlockWork) -> BlockStream:
     return _STREAMS[key]
 
 
-def block_shard_job(job: BlockShard, work: BlockWork
-                    ) -> tuple[list[torch.Tensor], dict[str, dict]]:
-    """The shard's outputs of the block and its raw input sums (the block's weights read for
-    the job, released after)."""
-    use_threads(work.threads)
-    stream = _stream(work)
+@contextmanager
+def serving(stream: BlockStream, work: BlockWork) -> Iterator[None]:
+    """Jobs run in this process use ``stream`` (its recorded arguments, its materialized
+    block) while the context lasts."""
+    _STREAMS.clear()
+    _STREAMS[(work.weights.key, work.dtype)] = stream
+    try:
+        yield
+    finally:
+        _STREAMS.clear()
+
+
+@contextmanager
+def block_as_driven(stream: BlockStream, job: BlockShard) -> Iterator[nn.Module]:
+    """The job's block with the driver's weights: as it stands when the driver holds it
+    already (a job run here), else read from the model's files with the job's quantized
+    tensors put in their place, and released after."""
     block = stream.blocks[job.block]
-    stats = InputStatistics(stream.model, set(work.modules), work.second_moments)
+    first = next(block.parameters(), None)
+    if first is None or first.device.type != "meta":
+        yield block
+        return
     stream.materialize(block, stream.block_prefix(job.block))
     try:
-        out = stream.run_block(job.block, job.hidden, job.recorded)
+        for name, qt in job.replaced.items():
+            param = block.get_parameter(name)
+            param.data = qt.dequantize(torch.float32).reshape(param.shape).to(param.dtype)
+        yield block
     finally:
         stream.release(block)
+
+
+def block_shard_job(job: BlockShard, work: BlockWork
+                    ) -> tuple[list[torch.Tensor], dict[str, dict]]:
+    """The shard's outputs of the block and its raw input sums."""
+    use_threads(work.threads)
+    stream = shard_stream(work)
+    stats = InputStatistics(stream.model, set(work.modules), work.second_moments)
+    try:
+        with block_as_driven(stream, job):
+            out = stream.run_block(job.block, job.hidden, job.recorded)
+    finally:
         stats.remove()
     return out, stats.partial()
+
+
+def shards_of(stream: BlockStream, index: int, hidden: list[torch.Tensor],
+              replaced: dict[str, QuantizedTensor] | None = None) -> list[BlockShard]:
+    """Block ``index``'s jobs: ``SHARD_SEQS`` sequences each, in order."""
+    per = max(1, SHARD_SEQS // stream.chunk)  # chunks per shard
+    return [BlockShard(index, hidden[k:k + per], stream.args[index][k:k + per],
+                       dict(replaced or {})) for k in range(0, len(hidden), per)]
 
 
 def run_calibration_pass(stream: BlockStream, modules: set[str],
@@ -96,18 +142,14 @@ def run_calibration_pass(stream: BlockStream, modules: set[str],
     work = BlockWork(WeightsAt.of(stream.source, False), stream.dtype, frozenset(modules),
                      moments_dir is not None, torch.get_num_threads())
     executor = executor or LocalExecutor()
-    per = max(1, SHARD_SEQS // stream.chunk)  # chunks per shard
     store = ActivationStore(activation_limit)
     hidden = stream.record()
-    _STREAMS.clear()
-    _STREAMS[(work.weights.key, work.dtype)] = stream  # jobs run here use this skeleton
     try:
-        with StageProgress(enabled=progress) as bar:
+        with StageProgress(enabled=progress) as bar, serving(stream, work):
             task = bar.add_task("calibration pass", total=len(stream.blocks))
             for i in range(len(stream.blocks)):
                 store.put(i, hidden)
-                shards = [BlockShard(i, hidden[k:k + per], stream.args[i][k:k + per])
-                          for k in range(0, len(hidden), per)]
+                shards = shards_of(stream, i, hidden)
                 hidden = []
                 for out, part in executor.map(block_shard_job, shards, work,
                                               cpus=work.threads):
@@ -122,8 +164,6 @@ def run_calibration_pass(stream: BlockStream, modules: set[str],
     except BaseException:
         store.close()
         raise
-    finally:
-        _STREAMS.clear()
     return CalibrationPass(stream, stats.result(), store)
 
 

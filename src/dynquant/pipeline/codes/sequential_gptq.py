@@ -28,8 +28,8 @@ from __future__ import annotations
 
 import contextlib
 import hashlib
-from collections.abc import Callable
-from dataclasses import dataclass
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass, field
 
 import torch
 from torch import nn
@@ -42,11 +42,22 @@ from dynquant.numerics.gptq import (
     gptq_quantize_rows,
     ordered_factor,
 )
+from dynquant.numerics.gram import GramAccumulator
 from dynquant.numerics.quantizer import QuantizedTensor
 from dynquant.pipeline.calibrate.bank_products import BankProducts
 from dynquant.pipeline.calibrate.block_stream import BlockStream, InputMoments, InputSeen
+from dynquant.pipeline.calibrate.calibration_pass import (
+    BlockShard,
+    BlockWork,
+    block_as_driven,
+    block_shard_job,
+    serving,
+    shard_stream,
+    shards_of,
+)
 from dynquant.pipeline.calibrate.statistics import InputStatistics
-from dynquant.pipeline.execute.executor import Executor, LocalExecutor
+from dynquant.pipeline.calibrate.weights import WeightsAt
+from dynquant.pipeline.execute.executor import Executor, LocalExecutor, use_threads
 from dynquant.pipeline.execute.progress import StageProgress
 
 Choice = Callable[[str], tuple[int, int]]  # module -> (bits, group size)
@@ -93,34 +104,74 @@ def sequential_gptq(stream: BlockStream, specs: list[TensorSpec], quantized: set
     executor = executor or LocalExecutor()
     index = {s.module: i for i, s in enumerate(specs) if s.module in quantized}
     hidden = stream.record()
-    with StageProgress(enabled=progress) as bar:
+    work = BlockWork(WeightsAt.of(stream.source, False), stream.dtype, frozenset(), False,
+                     torch.get_num_threads())
+    with StageProgress(enabled=progress) as bar, serving(stream, work):
         task = bar.add_task("gptq, block by block", total=len(stream.blocks))
         for b, block in enumerate(stream.blocks):
-            prefix = stream.block_prefix(b) + "."
-            mine = [s for s in specs if s.module in index and s.module.startswith(prefix)]
-            stream.materialize(block, prefix[:-1])
+            state = _Block(stream, b, hidden, work, executor)
+            mine = [s for s in specs if s.module in index and s.module.startswith(state.prefix)]
+            stream.materialize(block, state.prefix[:-1])
             try:
-                targets = _targets(block, prefix, mine)
+                targets = _targets(block, state.prefix, mine)
                 groups = _groups(stream, b, hidden[0], targets)
                 reached = {m for g in groups for m in g}
                 for s in mine:  # the rest first, to nearest: their errors feed the groups
                     if s.module not in reached:
-                        param = block.get_parameter(s.name[len(prefix):])
+                        param = block.get_parameter(state.relative(s))
                         qt = _finished(store, index[s.module]) or rounder(
                             s, param.data, *choice(s.module))
-                        _keep(store, index[s.module], s, qt, param)
+                        _keep(store, index[s.module], s, qt, param, state)
                 for g, group in enumerate(groups):
                     where = (f"block {b + 1}, group {g + 1}/{len(groups)} "
-                             f"({group[0].removeprefix(prefix)})")
-                    _quantize_group(stream, b, hidden, group, targets, specs, index, choice,
-                                    store, executor, _noter(bar, task, where))
-                bar.note(task, f"block {b + 1}: its output")
-                hidden = stream.run_block(b, hidden)
+                             f"({group[0].removeprefix(state.prefix)})")
+                    _quantize_group(state, group, targets, specs, index, choice, store,
+                                    _noter(bar, task, where))
+                hidden = _outputs(state, _noter(bar, task, f"block {b + 1}: its output"))
             finally:
                 stream.release(block)
             bar.advance(task)
         _head(stream, hidden, index, choice, store,
               None if compensate_head else (specs, rounder), bar)
+
+
+@dataclass
+class _Block:
+    """A block in the pass: its windows' inputs, where its jobs run, and its tensors quantized
+    so far (which every job's copy of the block holds too)."""
+
+    stream: BlockStream
+    index: int
+    hidden: list[torch.Tensor]
+    work: BlockWork
+    executor: Executor
+    replaced: dict[str, QuantizedTensor] = field(default_factory=dict)
+
+    @property
+    def prefix(self) -> str:
+        return self.stream.block_prefix(self.index) + "."
+
+    def relative(self, spec: TensorSpec) -> str:
+        return spec.name[len(self.prefix):]
+
+    def shards(self) -> list[BlockShard]:
+        """The block's windows in shards of ``SHARD_SEQS``, each a job (on any executor the
+        same shards, folded in the same order: the same bits)."""
+        return shards_of(self.stream, self.index, self.hidden, self.replaced)
+
+    def map(self, fn, jobs: list) -> Iterator:
+        return self.executor.map(fn, jobs, self.work, cpus=self.work.threads)
+
+
+def _outputs(state: _Block, say: Callable[[str], None]) -> list[torch.Tensor]:
+    """The block's outputs for every window (its quantized weights in place)."""
+    out: list[torch.Tensor] = []
+    shards = state.shards()
+    say(f"0/{len(shards)} shards of the windows")
+    for k, (part, _) in enumerate(state.map(block_shard_job, shards)):
+        out.extend(part)
+        say(f"{k + 1}/{len(shards)} shards of the windows")
+    return out
 
 
 def _noter(bar: StageProgress, task: int, where: str) -> Callable[[str], None]:
@@ -207,25 +258,24 @@ def compensate_job(job: CompensateJob, _shared: None = None) -> QuantizedTensor:
     return quantize(job.weight, job.hessian, job.bits, job.group_size, factor=job.factor)
 
 
-def _quantize_group(stream: BlockStream, b: int, hidden: list[torch.Tensor], group: list[str],
-                    targets: dict[str, _Target], specs: list[TensorSpec], index: dict,
-                    choice: Choice, store: ResumeStore, executor: Executor,
-                    say: Callable[[str], None] = lambda _: None) -> None:
+def _quantize_group(state: _Block, group: list[str], targets: dict[str, _Target],
+                    specs: list[TensorSpec], index: dict, choice: Choice, store: ResumeStore,
+                    say: Callable[[str], None]) -> None:
     done = {m: _finished(store, index[m]) for m in group}
     todo = [m for m in group if done[m] is None]
-    moments = _group_moments(stream, b, hidden, group, targets, say) if todo else None
+    moments = _group_moments(state, group, targets, say) if todo else None
     say(f"compensating {len(todo)} {'matrix' if len(todo) == 1 else 'matrices'}")
     # the group shares its input, so its moments and their factor (one per expert for banks);
     # its matrices are compensated independently
     factors = _Factors()
     jobs = {m: _jobs(targets[m], moments, *choice(m), factors) for m in todo}
-    results = executor.map(compensate_job, [j for m in todo for j in jobs[m]], None)
+    results = state.executor.map(compensate_job, [j for m in todo for j in jobs[m]], None)
     for m in group:  # each kept (in the store) as soon as its matrices are back
         t = targets[m]
         if done[m] is None:
             parts = [next(results) for _ in jobs[m]]
             done[m] = parts[0] if not t.bank else concat_rows(parts, tuple(t.param.shape))
-        _keep(store, index[m], specs[index[m]], done[m], t.param)
+        _keep(store, index[m], specs[index[m]], done[m], t.param, state)
 
 
 class _Factors:
@@ -260,11 +310,13 @@ def _jobs(t: _Target, moments, bits: int, group_size: int, factors: _Factors
 
 
 def _keep(store: ResumeStore, i: int, spec: TensorSpec, qt: QuantizedTensor,
-          param: nn.Parameter) -> None:
-    """Store the codes (unless they came from the store) and run the block with them."""
+          param: nn.Parameter, state: _Block) -> None:
+    """Store the codes (unless they came from the store) and run the block with them (here,
+    and in every later job's copy of the block)."""
     if store.load(i) is None:
         store.save_quantized(i, spec.module, qt)
     param.data = qt.dequantize(torch.float32).reshape(param.shape).to(param.dtype)
+    state.replaced[state.relative(spec)] = qt
 
 
 def _finished(store: ResumeStore, i: int) -> QuantizedTensor | None:
@@ -309,33 +361,70 @@ def _groups(stream: BlockStream, b: int, first: torch.Tensor, targets: dict[str,
         if all(name not in g for g in groups.values()):
             groups.setdefault(key, []).append(name)
     return list(groups.values())
-def _group_moments(stream: BlockStream, b: int, hidden: list[torch.Tensor], group: list[str],
-                   targets: dict[str, _Target], say: Callable[[str], None] = lambda _: None):
+@dataclass
+class GroupInput:
+    """One job: a shard of the windows run through the block as far as the input of a group
+    (``lead``, its first module; a bank's input is each expert's routed tokens)."""
+
+    shard: BlockShard
+    lead: str
+    bank: bool
+
+
+def group_input_job(job: GroupInput, work: BlockWork) -> InputMoments | dict[str, dict]:
+    """The shard's X^T X of the group's input (a bank's raw per-expert sums: ``InputStatistics
+    .partial``), with the block as the driver has it."""
+    use_threads(work.threads)
+    stream = shard_stream(work)
+    with block_as_driven(stream, job.shard):
+        if job.bank:
+            stats = InputStatistics(stream.model, {job.lead}, second_moments=True)
+            try:
+                _run(stream, job.shard)
+            finally:
+                stats.remove()
+            return stats.partial()
+        linear = stream.model.get_submodule(job.lead)
+        moments = InputMoments(linear.in_features)
+        handle = linear.register_forward_pre_hook(moments.hook)
+        try:
+            _run(stream, job.shard)
+        finally:
+            handle.remove()
+        return moments
+
+
+def _group_moments(state: _Block, group: list[str], targets: dict[str, _Target],
+                   say: Callable[[str], None]):
     """The second moments X^T X / tokens of the input the modules of ``group`` share, over
-    every calibration chunk: one matrix for Linears (the block run only as far as that input),
-    per expert for banks (None where an expert saw too few tokens)."""
+    every calibration window, a shard of windows a job, folded in shard order: one matrix for
+    Linears (the block run only as far as that input), per expert for banks (None where an
+    expert saw too few tokens)."""
     lead = targets[group[0]]
+    shards = state.shards()
+    say(f"inputs' moments, 0/{len(shards)} shards of the windows")
+    parts = state.map(group_input_job, [GroupInput(s, group[0], lead.bank) for s in shards])
     if lead.bank:
-        return _expert_moments(stream, b, hidden, group[0], lead, say)
-    moments = InputMoments(lead.param.shape[1])
-    handle = lead.owner.register_forward_pre_hook(moments.hook)
-    try:
-        _run(stream, b, hidden, say)
-    finally:
-        handle.remove()
-    return moments.mean()
+        return _expert_moments(state.stream, group[0], lead, parts)
+    total: GramAccumulator | None = None
+    for k, part in enumerate(parts):
+        if total is None:
+            total = part  # 0 + x is x: one shard's sum is the one-process sum, bit for bit
+        else:
+            total.add_sum(part)
+        say(f"inputs' moments, {k + 1}/{len(shards)} shards of the windows")
+    assert total is not None
+    return total.mean()
 
 
-def _expert_moments(stream: BlockStream, b: int, hidden: list[torch.Tensor], name: str,
-                    bank: _Target, say: Callable[[str], None] = lambda _: None
+def _expert_moments(stream: BlockStream, name: str, bank: _Target, parts: Iterator[dict]
                     ) -> list[torch.Tensor | None]:
     """Each expert's X^T X / tokens over the tokens routed to it, as the calibration statistics
-    gather it (``InputStatistics``); None where an expert saw too few."""
-    stats = InputStatistics(stream.model, {name}, second_moments=True)
-    try:
-        _run(stream, b, hidden, say)
-    finally:
-        stats.remove()
+    gather it (``InputStatistics``, the shards' sums folded in order); None where an expert saw
+    too few."""
+    stats = InputStatistics(stream.model, set(), second_moments=True)  # folds, watches nothing
+    for part in parts:
+        stats.add(part)
     tokens = stats.routed.get(f"{name}.routed_tokens")
     if tokens is None:  # no token reached the bank
         return [None] * bank.param.shape[0]
@@ -345,12 +434,10 @@ def _expert_moments(stream: BlockStream, b: int, hidden: list[torch.Tensor], nam
             for e, n in enumerate(tokens.tolist())]
 
 
-def _run(stream: BlockStream, b: int, hidden: list[torch.Tensor],
-         say: Callable[[str], None] = lambda _: None) -> None:
-    """The block over every chunk, each stopped where a hook raises ``InputSeen``."""
-    block = stream.blocks[b]
+def _run(stream: BlockStream, shard: BlockShard) -> None:
+    """The block over the shard's chunks, each stopped where a hook raises ``InputSeen``."""
+    block = stream.blocks[shard.block]
     with torch.no_grad():
-        for i, (h, (args, kwargs)) in enumerate(zip(hidden, stream.args[b], strict=True)):
-            say(f"inputs' moments, window {i + 1}/{len(hidden)}")
+        for h, (args, kwargs) in zip(shard.hidden, shard.recorded, strict=True):
             with contextlib.suppress(InputSeen):
                 block(h.to(stream.dtype), *args, **kwargs)
