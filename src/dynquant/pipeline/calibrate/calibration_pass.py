@@ -151,12 +151,13 @@ def run_calibration_pass(stream: BlockStream, modules: set[str],
                 store.put(i, hidden)
                 shards = shards_of(stream, i, hidden)
                 hidden = []
-                for out, part in executor.map(block_shard_job, shards, work,
-                                              cpus=work.threads):
-                    hidden.extend(out)
-                    stats.add(part)
-                    bar.note(task, f"block {i + 1}: {len(hidden)}/{len(stream.args[i])} "
-                                   "chunks of windows")
+                with _held(stream, i, executor.runs_here):
+                    for out, part in executor.map(block_shard_job, shards, work,
+                                                  cpus=work.threads):
+                        hidden.extend(out)
+                        stats.add(part)
+                        bar.note(task, f"block {i + 1}: {len(hidden)}/{len(stream.args[i])} "
+                                       "chunks of windows")
                 if moments_dir is not None:
                     _save_moments(stats, moments_dir / f"block_{i:03d}.safetensors")
                 bar.advance(task)
@@ -165,6 +166,21 @@ def run_calibration_pass(stream: BlockStream, modules: set[str],
         store.close()
         raise
     return CalibrationPass(stream, stats.result(), store)
+
+
+@contextmanager
+def _held(stream: BlockStream, index: int, here: bool) -> Iterator[None]:
+    """Block ``index``'s weights read once for all its shards when they run in this process
+    (each shard job would read them again), released after."""
+    if not here:
+        yield
+        return
+    block = stream.blocks[index]
+    stream.materialize(block, stream.block_prefix(index))
+    try:
+        yield
+    finally:
+        stream.release(block)
 
 
 def _save_moments(stats: InputStatistics, path: Path) -> None:

@@ -22,6 +22,9 @@ class Executor:
     """Maps a pure function over jobs; results come back in the jobs' order."""
 
     name = "local"
+    # jobs run in this process: a job's input that the driver can hold once for many jobs (a
+    # decoder block's weights) is worth holding here
+    runs_here = True
 
     def map(self, fn: Callable[[J, S], R], jobs: Iterable[J], shared: S,
             nbytes: Callable[[J], int] | None = None, cpus: int = 1) -> Iterator[R]:

@@ -43,6 +43,7 @@ class RayExecutor(Executor):
     ``max_in_flight_bytes`` their results' bytes."""
 
     name = "ray"
+    runs_here = False
 
     def __init__(self, address: str | None = None, workers: int | None = None,
                  max_in_flight: int | None = None,
