@@ -252,3 +252,13 @@ def test_gptq_ratio_from_a_sample_of_rows():
     for bits in (2, 3, 4):
         assert on_small[bits] == full(small, bits)
         assert sampled[bits] == pytest.approx(full(w, bits), rel=0.1)
+
+
+def test_a_factor_is_reversed_in_its_own_memory():
+    from dynquant.numerics.gptq import _reversed_in_place
+
+    for rows, cols, step in ((1, 1, 4), (3, 5, 2), (7, 7, 3), (4, 6, 1 << 20)):
+        a = np.arange(rows * cols, dtype=np.float32).reshape(rows, cols)
+        want = a[::-1, ::-1].copy()
+        got = _reversed_in_place(a, step)
+        assert got is a and np.array_equal(got, want)

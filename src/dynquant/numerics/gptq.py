@@ -65,10 +65,24 @@ def inverse_factor(hessian: torch.Tensor, damp: float = DAMP,
         # K^T is K's memory read in Fortran order: LAPACK inverts it in place, with no copy
         inv_t, info = trtri(lower.numpy().T, lower=0, overwrite_c=1)
         if info == 0 and np.isfinite(inv_t).all():
-            return torch.from_numpy(inv_t.T).flip(0, 1).contiguous()
+            return torch.from_numpy(_reversed_in_place(inv_t.T))
     if dtype != torch.float64:
         return inverse_factor(hessian, damp, torch.float64, order).to(dtype)
     raise QuantizationError("second moments are not positive definite", field="hessian")
+
+
+def _reversed_in_place(a: np.ndarray, step: int = 1 << 20) -> np.ndarray:
+    """``a[::-1, ::-1]`` of a C-contiguous matrix in its own memory (the flat array reversed,
+    a chunk from each end at a time): no second copy of a 1.4 GB factor."""
+    flat = a.reshape(-1)
+    i, j = 0, flat.size
+    while j - i > 1:
+        k = min(step, (j - i) // 2)
+        head = flat[i:i + k].copy()
+        flat[i:i + k] = flat[j - k:j][::-1]
+        flat[j - k:j] = head[::-1]
+        i, j = i + k, j - k
+    return a
 
 
 def _group_params(block: torch.Tensor, bits: int, group_size: int, importance: torch.Tensor

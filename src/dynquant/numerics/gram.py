@@ -44,10 +44,12 @@ class GramAccumulator:
         self.upper.add_(other.upper)
         self.rows += other.rows
 
-    def mean(self, rows: int | None = None) -> torch.Tensor:
-        """X^T X / ``rows`` (default: the rows added), a new tensor whole: the lower blocks
-        copied from the upper ones."""
-        full = self.upper / max(self.rows if rows is None else rows, 1)
+    def mean(self, rows: int | None = None, consume: bool = False) -> torch.Tensor:
+        """X^T X / ``rows`` (default: the rows added), whole: the lower blocks copied from the
+        upper ones. A new tensor, or with ``consume`` the accumulator's own memory (it is
+        done with: at an 18,944-wide input a copy is 1.4 GB more at the peak)."""
+        divisor = max(self.rows if rows is None else rows, 1)
+        full = self.upper.div_(divisor) if consume else self.upper / divisor
         n = full.shape[0]
         for start in range(GRAM_BLOCK, n, GRAM_BLOCK):
             end = min(start + GRAM_BLOCK, n)

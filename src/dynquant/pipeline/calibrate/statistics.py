@@ -141,11 +141,14 @@ class InputStatistics:
 
     def second_moments(self) -> dict[str, torch.Tensor]:
         """module -> X^T X / tokens [in, in]; bank -> [E, in, in], each expert's over its own
-        routed tokens (empty unless asked for)."""
+        routed tokens (empty unless asked for). Read once: the sums are consumed."""
         out = {}
+        readers: dict[int, int] = {}  # an accumulator's readers (q/k/v share one)
+        for v in self.moments.values():
+            readers[id(v)] = readers.get(id(v), 0) + 1
         for k, v in sorted(self.moments.items()):
-            if isinstance(v, GramAccumulator):
-                out[k] = v.mean(self.counts[k])
+            if isinstance(v, GramAccumulator):  # one reader's sum is consumed in place
+                out[k] = v.mean(self.counts[k], consume=readers[id(v)] == 1)
             else:
                 out[k] = v / self.routed[f"{k}.routed_tokens"].clamp(min=1)[:, None, None]
         return {k: v.contiguous() for k, v in out.items()}

@@ -414,7 +414,7 @@ def _group_moments(state: _Block, group: list[str], targets: dict[str, _Target],
             total.add_sum(part)
         say(f"inputs' moments, {k + 1}/{len(shards)} shards of the windows")
     assert total is not None
-    return total.mean()
+    return total.mean(consume=True)
 
 
 def _expert_moments(stream: BlockStream, name: str, bank: _Target, parts: Iterator[dict]
