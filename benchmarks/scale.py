@@ -28,6 +28,11 @@ import torch
 from benchmarks.common import figure, machine
 from benchmarks.scale_model import save_scale_model, seven_b_layer_config
 
+LABELS = {("calibration pass", 1): "calibration pass: X^T X, 48 windows",
+          ("calibration pass", 2): "calibration pass: statistics, 8 windows",
+          ("Fisher pass", 1): "Fisher pass: the blocks",
+          ("measuring", 1): "measuring (candidates, each Linear's gptq ratio)",
+          ("quantizing", 1): "quantizing (the rest, writing)"}
 STARTED = re.compile(r"^dynquant: (?P<stage>.+): started, ")
 DONE = re.compile(r"^dynquant: (?P<stage>.+): done, [^,]*, (?P<s>\d+) s")
 
@@ -148,7 +153,9 @@ def main() -> None:
             mac = args.layers * moments["ratios"]
         elif stage.name == "gptq, block by block":
             mac = args.layers * moments["gptq"]
-        label = stage.name if seen[stage.name] == 1 else f"{stage.name} ({seen[stage.name]})"
+        label = LABELS.get((stage.name, seen[stage.name]), stage.name)
+        if stage.seconds == 0:  # a stage with nothing to do (no head variants)
+            continue
         held = f"{stage.peak_rss / 2**30:.1f}"
         if mac is None:
             print(f"| {label} | {stage.seconds} | | | | {held} |")
