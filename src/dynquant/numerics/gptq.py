@@ -47,8 +47,9 @@ def inverse_factor(hessian: torch.Tensor, damp: float = DAMP,
     With J the reversal permutation and J H J = K K^T (lower Cholesky), H^-1 = (J K^-1 J)^T
     (J K^-1 J) and J K^-1 J is upper triangular: one Cholesky and one triangular inverse
     (LAPACK trtri), a third of the work of inverting H and factoring the inverse. The
-    reordered, reversed H is one gather in ``dtype``: at a 7B model's down projection
-    (18,944 inputs) every extra copy of H is 1.4 GB written."""
+    reordered, reversed H is one gather in ``dtype``, and the factor is computed in its memory:
+    at a 7B model's down projection (18,944 inputs) every copy of H is 1.4 GB more at the
+    peak."""
     from scipy.linalg import lapack
 
     n = hessian.shape[0]
@@ -58,13 +59,15 @@ def inverse_factor(hessian: torch.Tensor, damp: float = DAMP,
     diagonal = torch.diagonal(h)
     diagonal[diagonal <= 0] = 1.0
     diagonal.add_(damp * float(diagonal.mean(dtype=torch.float64)))
-    trtri = lapack.strtri if dtype == torch.float32 else lapack.dtrtri
-    lower, info = torch.linalg.cholesky_ex(h)
-    del h
-    if int(info) == 0:
-        # K^T is K's memory read in Fortran order: LAPACK inverts it in place, with no copy
-        inv_t, info = trtri(lower.numpy().T, lower=0, overwrite_c=1)
-        if info == 0 and np.isfinite(inv_t).all():
+    single = dtype == torch.float32
+    potrf, trtri = (lapack.spotrf, lapack.strtri) if single else (lapack.dpotrf, lapack.dtrtri)
+    # The symmetric H read in Fortran order is itself, and an upper factor U (U^T U = H) stored
+    # in Fortran order is K read in C order: LAPACK factors and inverts in the gather's own
+    # memory, which then holds K^-1 (read in C order), and U's reversal of it.
+    upper, info = potrf(h.numpy().T, lower=0, overwrite_a=1)
+    if info == 0:
+        inv_t, info = trtri(upper, lower=0, overwrite_c=1)
+        if info == 0 and np.isfinite(inv_t.sum(dtype=np.float64)):
             return torch.from_numpy(_reversed_in_place(inv_t.T))
     if dtype != torch.float64:
         return inverse_factor(hessian, damp, torch.float64, order).to(dtype)
