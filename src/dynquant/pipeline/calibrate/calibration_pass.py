@@ -12,6 +12,7 @@ product's rounding depends on it).
 
 from __future__ import annotations
 
+import contextlib
 from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass, field
@@ -90,21 +91,27 @@ def serving(stream: BlockStream, work: BlockWork) -> Iterator[None]:
         _STREAMS.clear()
 
 
+def put_codes(param: nn.Parameter, qt: QuantizedTensor) -> None:
+    """Run ``param`` with ``qt``'s dequantized weights: the one way the driver and a worker put
+    the codes in place (so their blocks compute the same bits)."""
+    param.data = qt.dequantize(torch.float32).reshape(param.shape).to(param.dtype)
+
+
 @contextmanager
-def block_as_driven(stream: BlockStream, job: BlockShard) -> Iterator[nn.Module]:
-    """The job's block with the driver's weights: as it stands when the driver holds it
-    already (a job run here), else read from the model's files with the job's quantized
-    tensors put in their place, and released after."""
-    block = stream.blocks[job.block]
+def block_as_driven(stream: BlockStream, index: int,
+                    replaced: dict[str, QuantizedTensor]) -> Iterator[nn.Module]:
+    """Block ``index`` with the driver's weights: as it stands when it is held already (by the
+    driver, for the jobs run here), else read from the model's files with the ``replaced``
+    tensors' codes put in their place, and released after."""
+    block = stream.blocks[index]
     first = next(block.parameters(), None)
     if first is None or first.device.type != "meta":
         yield block
         return
-    stream.materialize(block, stream.block_prefix(job.block))
+    stream.materialize(block, stream.block_prefix(index))
     try:
-        for name, qt in job.replaced.items():
-            param = block.get_parameter(name)
-            param.data = qt.dequantize(torch.float32).reshape(param.shape).to(param.dtype)
+        for name, qt in replaced.items():
+            put_codes(block.get_parameter(name), qt)
         yield block
     finally:
         stream.release(block)
@@ -117,7 +124,7 @@ def block_shard_job(job: BlockShard, work: BlockWork
     stream = shard_stream(work)
     stats = InputStatistics(stream.model, set(work.modules), work.second_moments)
     try:
-        with block_as_driven(stream, job):
+        with block_as_driven(stream, job.block, job.replaced):
             out = stream.run_block(job.block, job.hidden, job.recorded)
     finally:
         stats.remove()
@@ -151,7 +158,10 @@ def run_calibration_pass(stream: BlockStream, modules: set[str],
                 store.put(i, hidden)
                 shards = shards_of(stream, i, hidden)
                 hidden = []
-                with _held(stream, i, executor.runs_here):
+                # the block read once for all its shards when they run here (each job
+                # would read it again)
+                with (block_as_driven(stream, i, {}) if executor.runs_here
+                      else contextlib.nullcontext()):
                     for out, part in executor.map(block_shard_job, shards, work,
                                                   cpus=work.threads):
                         hidden.extend(out)
@@ -166,21 +176,6 @@ def run_calibration_pass(stream: BlockStream, modules: set[str],
         store.close()
         raise
     return CalibrationPass(stream, stats.result(), store)
-
-
-@contextmanager
-def _held(stream: BlockStream, index: int, here: bool) -> Iterator[None]:
-    """Block ``index``'s weights read once for all its shards when they run in this process
-    (each shard job would read them again), released after."""
-    if not here:
-        yield
-        return
-    block = stream.blocks[index]
-    stream.materialize(block, stream.block_prefix(index))
-    try:
-        yield
-    finally:
-        stream.release(block)
 
 
 def _save_moments(stats: InputStatistics, path: Path) -> None:

@@ -35,6 +35,7 @@ import contextlib
 import hashlib
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
+from functools import cached_property
 
 import torch
 from torch import nn
@@ -56,6 +57,7 @@ from dynquant.pipeline.calibrate.calibration_pass import (
     BlockWork,
     block_as_driven,
     block_shard_job,
+    put_codes,
     serving,
     shard_stream,
     shards_of,
@@ -152,8 +154,8 @@ class _Block:
     executor: Executor
     replaced: dict[str, QuantizedTensor] = field(default_factory=dict)
 
-    @property
-    def prefix(self) -> str:
+    @cached_property
+    def prefix(self) -> str:  # a search of the model's modules: once per block
         return self.stream.block_prefix(self.index) + "."
 
     def relative(self, spec: TensorSpec) -> str:
@@ -320,7 +322,7 @@ def _keep(store: ResumeStore, i: int, spec: TensorSpec, qt: QuantizedTensor,
     and in every later job's copy of the block)."""
     if store.load(i) is None:
         store.save_quantized(i, spec.module, qt)
-    param.data = qt.dequantize(torch.float32).reshape(param.shape).to(param.dtype)
+    put_codes(param, qt)
     state.replaced[state.relative(spec)] = qt
 
 
@@ -381,7 +383,7 @@ def group_input_job(job: GroupInput, work: BlockWork) -> InputMoments | dict[str
     .partial``), with the block as the driver has it."""
     use_threads(work.threads)
     stream = shard_stream(work)
-    with block_as_driven(stream, job.shard):
+    with block_as_driven(stream, job.shard.block, job.shard.replaced):
         if job.bank:
             stats = InputStatistics(stream.model, {job.lead}, second_moments=True)
             try:
