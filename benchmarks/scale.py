@@ -7,13 +7,17 @@ whole run's wall time and peak RSS.
 
 Stage seconds come from the progress lines (a stage's "done" line); the arithmetic per stage
 is counted from the model's shapes (multiply-adds; X^T X as symmetric updates counts half).
-llama.cpp's imatrix + quantize of the same model needs its tools and a GGUF conversion of the
-model, which this benchmark does not build: its row is measured by hand (BENCHMARKS.md).
+Beside it, llama.cpp on the same weights as its users run it: ``convert_hf_to_gguf.py`` to f16,
+``llama-imatrix`` on the same text (4 chunks of 512 tokens, its usual short run) and
+``llama-quantize Q4_K_M`` with that matrix, on the same threads (its programs built from source
+by ``scripts/install_llama_cpp.py --tools``; the GGUF takes the real model's tokenizer, whose
+vocabulary is the scale model's: ``make real-model``). ``--no-llama-cpp`` leaves it out.
 """
 
 from __future__ import annotations
 
 import argparse
+import os
 import re
 import subprocess
 import sys
@@ -25,16 +29,37 @@ from pathlib import Path
 
 import torch
 
+from benchmarks.calibrated_cost import SEVEN_B, block_work, head_work, print_cost_model
 from benchmarks.common import figure, machine
-from benchmarks.scale_model import save_scale_model, seven_b_layer_config
+from benchmarks.scale_model import save_scale_model
+from dynquant.numerics.gptq import ordered_factor
+from dynquant.pipeline.calibrate.text import default_calibration
+from scripts.install_llama_cpp import install_tools
+from scripts.prepare_real_model import real_model
+
+LLAMA_TOOLS = Path.home() / ".cache" / "dynquant" / "llama-cpp-tools"
 
 LABELS = {("calibration pass", 1): "calibration pass: X^T X, 48 windows",
           ("calibration pass", 2): "calibration pass: statistics, 8 windows",
           ("Fisher pass", 1): "Fisher pass: the blocks",
           ("measuring", 1): "measuring (candidates, each Linear's gptq ratio)",
           ("quantizing", 1): "quantizing (the rest, writing)"}
+# the rate each stage's seconds measure (calibrated_cost.project's keys)
+KEYS = {("calibration pass", 1): "pass", ("calibration pass", 2): "stats",
+        ("Fisher pass: head", 1): "fisher_head", ("Fisher pass", 1): "fisher",
+        ("measuring", 1): "ratios", ("gptq, block by block", 1): "gptq"}
 STARTED = re.compile(r"^dynquant: (?P<stage>.+): started, ")
 DONE = re.compile(r"^dynquant: (?P<stage>.+): done, [^,]*, (?P<s>\d+) s")
+
+
+def factor_rate(n: int = 6144) -> float:
+    """Multiply-adds per second of GPTQ's inverse factor (Cholesky + triangular inverse,
+    n^3/3) of an n-wide second-moment matrix, as the driver computes it."""
+    x = torch.randn(2 * n, n)
+    h = x.T @ x / (2 * n)
+    start = time.perf_counter()
+    ordered_factor(h)
+    return n ** 3 / 3 / (time.perf_counter() - start)
 
 
 def gemm_peak() -> float:
@@ -48,27 +73,6 @@ def gemm_peak() -> float:
         a @ b
         best = min(best, time.perf_counter() - start)
     return n ** 3 / best
-
-
-def layer_work(tokens: int) -> dict[str, float]:
-    """Multiply-adds of one decoder layer's necessary arithmetic over ``tokens``: ``forward``
-    its products; ``moments`` the second moments of its four distinct inputs (q/k/v share one,
-    gate/up another) as symmetric updates; ``gptq`` the sequential pass (the forwards of each
-    group's partial run and of the block's output, the moments, one inverse factor per
-    distinct input, Cholesky and triangular inverse n^3/6 each, and the compensation,
-    rows x inputs^2 / 2 per Linear); ``ratios`` the measure's gptq ratios (a factor per Linear,
-    four widths compensated on 256 rows each). Attention's score products are left out."""
-    c = seven_b_layer_config()
-    h, m, kv = c.hidden_size, c.intermediate_size, c.num_key_value_heads * c.head_dim
-    qkv, o, mlp = h * (h + 2 * kv), h * h, 3 * h * m
-    forward = tokens * (qkv + o + mlp)
-    moments = tokens * (3 * h * h + m * m) / 2
-    partial = tokens * (3 * qkv + 2 * o + 2 * h * m)
-    factors = (3 * h ** 3 + m ** 3) / 3
-    compensate = ((h + 2 * kv) * h * h + h * h * h + 2 * m * h * h + h * m * m) / 2
-    ratios = (6 * h ** 3 + m ** 3) / 3 + 4 * 256 * (6 * h * h + m * m) / 2
-    return {"forward": forward, "moments": moments,
-            "gptq": forward + partial + moments + factors + compensate, "ratios": ratios}
 
 
 @dataclass
@@ -86,27 +90,37 @@ def _rss(pid: int) -> int:
     return int(next(ln for ln in status.splitlines() if ln.startswith("VmRSS:")).split()[1]) << 10
 
 
+class PeakRss:
+    """A child process's peak resident set, sampled every 0.2 s (and each open stage's)."""
+
+    def __init__(self, proc: subprocess.Popen) -> None:
+        self.proc, self.peak, self.current = proc, 0, []
+        self.thread = threading.Thread(target=self._sample, daemon=True)
+        self.thread.start()
+
+    def _sample(self) -> None:
+        while self.proc.poll() is None:
+            rss = _rss(self.proc.pid)
+            self.peak = max(self.peak, rss)
+            for stage in list(self.current):
+                stage.peak_rss = max(stage.peak_rss, rss)
+            time.sleep(0.2)
+
+    def join(self) -> int:
+        self.thread.join()
+        return self.peak
+
+
 def run(model: Path, out: Path, budget: float) -> tuple[float, int, list[Stage]]:
     """(wall seconds, peak RSS bytes, stages with their seconds and peak RSS) of the calibrated
-    quantize, its resident set sampled every 0.2 s."""
+    quantize."""
     cmd = [sys.executable, "-m", "dynquant", "quantize", str(model), "--budget", str(budget),
            "-o", str(out)]
     start = time.perf_counter()
     proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
     stages: list[Stage] = []
-    current: list[Stage] = []  # the stages running now (a measure's stages nest in quantize's)
-    peak = [0]
-
-    def sample() -> None:
-        while proc.poll() is None:
-            rss = _rss(proc.pid)
-            peak[0] = max(peak[0], rss)
-            for stage in list(current):
-                stage.peak_rss = max(stage.peak_rss, rss)
-            time.sleep(0.2)
-
-    sampler = threading.Thread(target=sample, daemon=True)
-    sampler.start()
+    rss = PeakRss(proc)
+    current = rss.current  # the stages running now (a measure's stages nest in quantize's)
     assert proc.stderr is not None
     said = []
     for line in proc.stderr:
@@ -121,14 +135,55 @@ def run(model: Path, out: Path, budget: float) -> tuple[float, int, list[Stage]]
                 current.remove(done)
     if proc.wait() != 0:
         sys.exit("".join(said))
-    sampler.join()
-    return time.perf_counter() - start, peak[0], stages
+    return time.perf_counter() - start, rss.join(), stages
+
+
+def timed(cmd: list, env: dict | None = None) -> tuple[float, int]:
+    """(wall seconds, peak RSS bytes) of a command, which must succeed."""
+    start = time.perf_counter()
+    proc = subprocess.Popen([str(c) for c in cmd], stdout=subprocess.DEVNULL,
+                            stderr=subprocess.PIPE, text=True, env=env)
+    rss = PeakRss(proc)
+    _, err = proc.communicate()
+    if proc.returncode != 0:
+        sys.exit(f"{cmd[0]} failed:\n{err[-4000:]}")
+    return time.perf_counter() - start, rss.join()
+
+
+def llama_cpp(model: Path, work: Path, threads: int) -> list[tuple[str, float, int]]:
+    """llama.cpp's steps on the model: (step, seconds, peak RSS bytes) each."""
+    bin_dir = install_tools(LLAMA_TOOLS, avx2_only=False)
+    source = bin_dir.parents[1]
+    real = real_model()
+    if real is None:
+        sys.exit("the GGUF conversion takes the real model's tokenizer: run make real-model")
+    hf = work / "hf"  # the model's files with a tokenizer llama.cpp's converter knows
+    hf.mkdir()
+    for f in model.iterdir():
+        if not f.name.startswith("tokenizer"):
+            (hf / f.name).symlink_to(f)
+    for f in real.glob("tokenizer*.json"):
+        (hf / f.name).symlink_to(f)
+    f16, imatrix, q4 = work / "model-f16.gguf", work / "imatrix.gguf", work / "model-q4_k_m.gguf"
+    env = {**os.environ, "PYTHONPATH": str(source / "gguf-py")}
+    libs = {**os.environ, "LD_LIBRARY_PATH": str(bin_dir)}  # its shared libraries beside it
+    steps = [("convert_hf_to_gguf.py (f16)",
+              [sys.executable, source / "convert_hf_to_gguf.py", hf, "--outtype", "f16",
+               "--outfile", f16], env),
+             ("llama-imatrix, 4 x 512 tokens",
+              [bin_dir / "llama-imatrix", "-m", f16, "-f", default_calibration(), "-o", imatrix,
+               "-c", "512", "--chunks", "4", "-t", threads], libs),
+             ("llama-quantize Q4_K_M --imatrix",
+              [bin_dir / "llama-quantize", "--imatrix", imatrix, f16, q4, "Q4_K_M", threads],
+              libs)]
+    return [(name, *timed(cmd, env)) for name, cmd, env in steps]
 
 
 def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--layers", type=int, default=1)
     parser.add_argument("--budget", type=float, default=4.25)
+    parser.add_argument("--no-llama-cpp", action="store_true")
     args = parser.parse_args()
     print(f"# 7B-shaped Llama (hidden 3,584, MLP 18,944, 28/4 heads, vocabulary 49,152), "
           f"{args.layers} layer(s), random bf16 weights; {machine()}")
@@ -138,24 +193,28 @@ def main() -> None:
         model = save_scale_model(Path(tmp) / "model", args.layers)
         wall, rss, stages = run(model, Path(tmp) / "q", args.budget)
         dense = sum(p.stat().st_size for p in model.glob("*.safetensors"))
-    # the passes whose arithmetic is counted: 48 windows of 256 for X^T X, 8 for the statistics
-    moments, stats = layer_work(48 * 256), layer_work(8 * 256)
+        theirs = [] if args.no_llama_cpp else llama_cpp(model, Path(tmp),
+                                                        torch.get_num_threads())
+    big, small = block_work(SEVEN_B, 48 * 256), block_work(SEVEN_B, 8 * 256)
+    factor = factor_rate()
+    figure("inverse factor (n = 6,144)", factor / 1e9, "GMAC/s")
+    work = {"pass": big["forward"] + big["moments"], "stats": small["forward"],
+            "fisher": small["forward"], "ratios": big["ratios"],
+            "gptq": sum(big[k] for k in ("forward", "partial", "moments", "factors",
+                                         "compensate"))}
     print("| stage | seconds | work (GMAC) | rate (GMAC/s) | of the GEMM peak | peak RSS GiB |")
     print("|---|---|---|---|---|---|")
     seen: dict[str, int] = {}
+    took: dict[str, int] = {}
     for stage in stages:
         seen[stage.name] = seen.get(stage.name, 0) + 1
-        mac = None
-        if stage.name == "calibration pass":  # first X^T X's 48 windows, then the statistics' 8
-            mac = args.layers * (moments["forward"] + moments["moments"]
-                                 if seen[stage.name] == 1 else stats["forward"])
-        elif stage.name == "measuring":
-            mac = args.layers * moments["ratios"]
-        elif stage.name == "gptq, block by block":
-            mac = args.layers * moments["gptq"]
+        key = KEYS.get((stage.name, seen[stage.name]))
+        mac = None if key is None or key == "fisher_head" else args.layers * work[key]
         label = LABELS.get((stage.name, seen[stage.name]), stage.name)
         if stage.seconds == 0:  # a stage with nothing to do (no head variants)
             continue
+        if key is not None:
+            took[key] = took.get(key, 0) + stage.seconds
         held = f"{stage.peak_rss / 2**30:.1f}"
         if mac is None:
             print(f"| {label} | {stage.seconds} | | | | {held} |")
@@ -166,6 +225,24 @@ def main() -> None:
     figure("whole quantize", wall, "s")
     figure("peak RSS", rss / 2**30, "GiB")
     figure("model on disk (bf16)", dense / 2**30, "GiB")
+    if theirs:
+        print("\n| llama.cpp step | seconds | peak RSS GiB |\n|---|---|---|")
+        for name, seconds, peak_rss in theirs:
+            print(f"| {name} | {seconds:.0f} | {peak_rss / 2**30:.1f} |")
+        calibrated = sum(seconds for _, seconds, _ in theirs[1:])
+        figure("llama.cpp imatrix + Q4_K_M", calibrated, "s")
+        figure("dynquant / llama.cpp (imatrix + Q4_K_M)", wall / calibrated, "x")
+    # per-worker rates for the cost model: the gptq pass's own factors taken out at the
+    # factor's rate (the driver's), the rest at the pass's
+    factor_s = args.layers * big["factors"] / factor
+    rates = {k: args.layers * work[k] / max(took[k], 1) for k in work if k != "gptq"}
+    rates["gptq"] = (args.layers * (work["gptq"] - big["factors"])
+                     / max(took["gptq"] - factor_s, 1))
+    rates["fisher_head"] = head_work(SEVEN_B)["logits"] / max(took.get("fisher_head", 0), 1)
+    rates["factor"] = factor
+    print("\nper-worker rates (GMAC/s): " + ", ".join(f"{k} {v / 1e9:.1f}"
+                                                   for k, v in rates.items()))
+    print_cost_model(rates)
 
 
 if __name__ == "__main__":

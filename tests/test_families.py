@@ -105,19 +105,34 @@ def test_auto_model_from_pretrained_loads_the_checkpoint(quantized, family):
     torch.testing.assert_close(a, b, atol=2e-2, rtol=2e-2)
 
 
-def test_lm_head_when_asked_and_modules_kept_dense(tmp_path, capsys):
+def test_an_untied_head_is_quantized_unless_kept_dense(tmp_path, capsys):
     from dynquant.cli import main
 
     src = save_tiny_model("llama", tmp_path / "src")  # untied lm_head
     source = resolve_model(str(src))
-    plain = {s.module for s in source.tensor_specs() if s.quantizable}
-    assert "lm_head" not in plain
-    with_head = {s.module for s in source.tensor_specs(lm_head_quantized=True) if s.quantizable}
-    assert with_head == plain | {"lm_head"}
-    widths = {m: 4 for m in with_head}
+    quantizable = {s.module for s in source.tensor_specs() if s.quantizable}
+    assert "lm_head" in quantizable
+    without = {s.module for s in source.tensor_specs(lm_head_quantized=False) if s.quantizable}
+    assert quantizable == without | {"lm_head"}
+    # every path gives the head a width: uniform, data-free budget, calibrated with a pin
+    short = ["--calib-len", "32", "--calib-seqs", "2", "--gptq-seqs", "4", "--quiet"]
+    for name, extra in (("u", ["--uniform", "4"]), ("d", ["--budget", "5.0", "--no-calib"]),
+                        ("c", ["--budget", "7.0", "--pin", "lm_head=8", *short])):
+        assert main(["quantize", str(src), "-o", str(tmp_path / name), "--quiet", *extra]) == 0
+        doc = json.loads((tmp_path / name / "dynquant.json").read_text())
+        assert doc["quantization_config"]["lm_head_quantized"] is True, name
+        want = {"u": {4}, "d": {2, 3, 4, 8}, "c": {8}}[name]
+        assert doc["layers"]["lm_head"]["bits"] in want, name
+    assert main(["quantize", str(src), "-o", str(tmp_path / "k"), "--uniform", "4",
+                 "--not-convert", "lm_head", "--quiet"]) == 0
+    kept = json.loads((tmp_path / "k" / "dynquant.json").read_text())
+    assert "lm_head" not in kept["layers"]
+    assert kept["quantization_config"]["lm_head_quantized"] is False
+    assert kept["quantization_config"]["modules_to_not_convert"] == ["lm_head"]
+    widths = {m: 4 for m in quantizable}
     (tmp_path / "w.json").write_text(json.dumps(widths))
     assert main(["quantize", str(src), "--widths", str(tmp_path / "w.json"), "-o",
-                 str(tmp_path / "q"), "--lm-head", "--not-convert", "*.mlp.down_proj"]) == 0
+                 str(tmp_path / "q"), "--not-convert", "*.mlp.down_proj"]) == 0
     out = capsys.readouterr().out
     assert "elements by tensor type" in out and "mlp.down_proj" in out
     doc = json.loads((tmp_path / "q" / "dynquant.json").read_text())
@@ -307,7 +322,8 @@ def test_a_dense_bf16_head_stays_bf16_in_a_float32_model(tmp_path, monkeypatch):
     source = resolve_model(str(src))
     modules = sorted(s.module for s in source.tensor_specs()
                      if s.quantizable and s.module != "lm_head")
-    doc = quantize_model(source, {m: 4 for m in modules}, tmp_path / "q", progress=False)
+    doc = quantize_model(source, {m: 4 for m in modules}, tmp_path / "q", progress=False,
+                         modules_to_not_convert=("lm_head",))
     assert "lm_head" not in doc["layers"]
     model = load(tmp_path / "q", dtype=torch.float32)
     assert isinstance(model.lm_head, StoredLinear)

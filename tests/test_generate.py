@@ -78,3 +78,14 @@ def test_generate_without_tokenizer_is_a_clear_error(tmp_path, capsys):
     assert main(["generate", str(tmp_path / "q"), "--prompt", "hi"]) == 2
     err = capsys.readouterr().err
     assert err.startswith("dynquant: error:") and "tokenizer" in err and err.count("\n") == 1
+
+
+def test_generate_on_a_path_that_is_not_a_checkpoint_names_what_is_missing(tmp_path, capsys):
+    assert main(["generate", str(tmp_path / "no-such"), "--prompt", "hi"]) == 2
+    err = capsys.readouterr().err
+    assert "no such checkpoint folder" in err and "no-such" in err and err.count("\n") == 1
+    (tmp_path / "plain").mkdir()
+    (tmp_path / "plain" / "tokenizer.json").write_text("{}")  # a folder, but no checkpoint
+    assert main(["generate", str(tmp_path / "plain"), "--prompt", "hi"]) == 2
+    err = capsys.readouterr().err
+    assert "no dynquant.json" in err and "tokenizer" not in err and err.count("\n") == 1

@@ -29,3 +29,20 @@ def test_the_block_triangle_sums_to_the_whole_gram(width, block, chunks, seed):
     assert torch.equal(got, got.T)  # the lower blocks are the upper ones, exactly
     assert acc.rows == 5 * chunks
 
+
+
+def test_the_sum_is_held_as_strips_above_the_diagonal_and_consumed_by_its_read():
+    old, gram_mod.GRAM_BLOCK = gram_mod.GRAM_BLOCK, 4
+    try:
+        acc = GramAccumulator(10)
+        assert [tuple(s.shape) for s in acc.strips] == [(4, 4), (8, 4), (10, 2)]
+        x = torch.arange(30, dtype=torch.float32).reshape(3, 10)
+        acc.add(x)
+        part = GramAccumulator(10)
+        part.add(x)
+        acc.add_sum(part)
+        got = acc.mean(consume=True)
+    finally:
+        gram_mod.GRAM_BLOCK = old
+    assert torch.equal(got, gram_ref(x) * 2 / 6)
+    assert sum(s.numel() for s in acc.strips) == 0

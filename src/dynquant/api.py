@@ -65,7 +65,7 @@ def quantize(model: str | Path, output: str | Path, *, budget: float | None = No
              calib: Sequence[str | Path] = (), method: str | None = None,
              group_size: int = 128, group_sizes: Sequence[int] | None = None,
              pins: Sequence[str] = (), not_convert: Sequence[str] = (),
-             lm_head: bool = False, random_init: bool = False, overwrite: bool = False,
+             random_init: bool = False, overwrite: bool = False,
              progress: bool = True, quantizer: str = "auto",
              executor: str | Executor | None = None, address: str | None = None) -> dict:
     """``dynquant quantize``: (measure ->) allocate -> quantize -> write; returns the metadata.
@@ -73,11 +73,12 @@ def quantize(model: str | Path, output: str | Path, *, budget: float | None = No
     text), "rtn" (round-to-nearest with the clip search), "auto" (gptq when calibrating on
     text, rtn on the data-free path). ``executor``: where the per-module work runs ("local",
     "ray" on the cluster at ``address`` or a local Ray instance, or an ``Executor``): the
-    checkpoint is byte-identical either way."""
+    checkpoint is byte-identical either way. An untied output head is quantized like any
+    Linear; ``not_convert=["lm_head"]`` keeps it dense."""
     req = QuantizeRequest(output=str(output), widths=None if widths is None else str(widths),
                           budget=budget, uniform=uniform, calib=[str(c) for c in calib],
                           method=method, group_size=group_size, group_sizes=group_sizes,
-                          pins=pins, not_convert=not_convert, lm_head=lm_head,
+                          pins=pins, not_convert=not_convert,
                           random_init=random_init, overwrite=overwrite, progress=progress,
                           quantizer=quantizer, executor=executor, address=address)
     return run_quantize(resolve_model(str(model)), req)

@@ -107,7 +107,7 @@ def _cmd_quantize(args: argparse.Namespace) -> int:
         calib=args.calib, calib_seqs=args.calib_seqs, calib_len=args.calib_len,
         method=_method(args), group_size=args.group_size,
         group_sizes=_ints(args.group_sizes), pins=args.pin, min_bits=args.min_bits,
-        max_bits=args.max_bits, not_convert=args.not_convert, lm_head=args.lm_head,
+        max_bits=args.max_bits, not_convert=args.not_convert,
         random_init=args.random_init, seed=args.seed, overwrite=args.overwrite,
         progress=not (args.quiet or args.json), dtype=args.dtype, report=report,
         quantizer=args.quantizer, gptq_seqs=args.gptq_seqs,
@@ -119,7 +119,7 @@ def _cmd_quantize(args: argparse.Namespace) -> int:
                           "forecast": forecasts[0].to_json() if forecasts else None}, indent=1))
     elif not args.quiet:
         render_summary(doc, f"quantized {args.model} -> {args.output}")
-        render_element_counts(source.tensor_specs(args.lm_head), set(doc["layers"]))
+        render_element_counts(source.tensor_specs(), set(doc["layers"]))
     return 0
 
 
@@ -404,7 +404,8 @@ def build_parser() -> argparse.ArgumentParser:
                    help="i.i.d. Gaussian weights, generated module by module (presets)")
     p.add_argument("--seed", type=int, default=0, help="seed of --random-init's weights")
     p.add_argument("--lm-head", action="store_true",
-                   help="quantize an untied lm_head too (lm_head_quantized)")
+                   help="quantize an untied lm_head (the default: it is priced and given a width "
+                   "like any Linear; --not-convert lm_head keeps it dense)")
     p.add_argument("--not-convert", action="append", default=[], metavar="GLOB",
                    help="keep matching modules dense (modules_to_not_convert); repeatable")
     p.add_argument("--overwrite", action="store_true",

@@ -76,5 +76,16 @@ class Checkpoint:
         return self.quantized(module).dequantize(dtype)
 
 
+def require_checkpoint(path: str | Path) -> None:
+    """Raise, naming what is missing, unless ``path`` is a folder with a dynquant.json: what
+    a command that first reads something else there (the tokenizer) checks before it."""
+    folder = Path(path)
+    if not folder.is_dir():
+        raise CheckpointError("no such checkpoint folder", file=str(path))
+    if not (folder / md.METADATA_FILE).is_file():
+        raise CheckpointError(f"not a dynquant checkpoint: no {md.METADATA_FILE} in the folder",
+                              file=str(path))
+
+
 def open_checkpoint(path: str | Path, *, validate: bool = True) -> Checkpoint:
     return Checkpoint(path, validate=validate)

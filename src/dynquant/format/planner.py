@@ -90,12 +90,14 @@ def plan_layers(specs: Sequence[TensorSpec], widths: Mapping[str, WidthChoice],
 
 def plan_document(specs: Sequence[TensorSpec], widths: Mapping[str, WidthChoice], *,
                   model: str, group_size: int = 128, tied: Mapping[str, str] | None = None,
-                  modules_to_not_convert: Sequence[str] = (), lm_head_quantized: bool = False,
+                  modules_to_not_convert: Sequence[str] = (),
                   allocator: str = "manual", widths_from: str | None = None) -> dict:
-    """The dynquant.json document a quantization with these widths will write (no clip stats)."""
+    """The dynquant.json document a quantization with these widths will write (no clip stats).
+    ``lm_head_quantized`` says whether an untied ``lm_head`` is among the packed layers (a tied
+    one is the embedding's and is not stored)."""
     layers, dense = plan_layers(specs, widths, group_size, modules_to_not_convert)
     excluded = excluded_modules(specs, modules_to_not_convert)
-    options = md.QuantizationOptions(group_size, lm_head_quantized, excluded)
+    options = md.QuantizationOptions(group_size, "lm_head" in layers, excluded)
     doc = md.build_document(layers, dense_nbytes=dense, options=options, tied=tied,
                             provenance=md.Provenance(model=model, allocator=allocator,
                                                      widths_from=widths_from))

@@ -3,7 +3,8 @@
 Rules (what an HQQ / llama.cpp user expects): the input embedding, every ``nn.Linear`` weight and
 every 3-D fused expert tensor are quantizable; norms, routers (2-D parameters of non-Linear
 modules, or Linear layers named ``gate``/``router`` that score experts), biases, conv kernels and
-buffers stay dense. The lm_head is quantizable only when asked, and is not stored when tied.
+buffers stay dense. An untied lm_head is quantizable (``modules_to_not_convert`` keeps it dense, as
+it does any module); a tied one is not stored.
 """
 
 from __future__ import annotations
@@ -27,7 +28,7 @@ def _is_router(name: str, module: nn.Module, config: PretrainedConfig) -> bool:
             and experts is not None and module.out_features == experts)
 
 
-def classify(model: nn.Module, config: PretrainedConfig, lm_head_quantized: bool = False
+def classify(model: nn.Module, config: PretrainedConfig, lm_head_quantized: bool = True
              ) -> list[TensorSpec]:
     """Every parameter of ``model`` (tied duplicates once), quantizable ones marked."""
     embed = model.get_input_embeddings()
@@ -59,6 +60,6 @@ def meta_model(config: PretrainedConfig) -> nn.Module:
         return AutoModelForCausalLM.from_config(config)
 
 
-def transformers_specs(config: PretrainedConfig, lm_head_quantized: bool = False
+def transformers_specs(config: PretrainedConfig, lm_head_quantized: bool = True
                        ) -> list[TensorSpec]:
     return classify(meta_model(config), config, lm_head_quantized)

@@ -27,7 +27,7 @@ class ModelSource:
     config: PretrainedConfig
     directory: Path | None  # where weights and tokenizer files live, if anywhere
 
-    def tensor_specs(self, lm_head_quantized: bool = False) -> list[TensorSpec]:
+    def tensor_specs(self, lm_head_quantized: bool = True) -> list[TensorSpec]:
         if isinstance(self.config, DynquantHybridConfig):
             return hybrid_tensor_specs(self.config)
         return transformers_specs(self.config, lm_head_quantized)

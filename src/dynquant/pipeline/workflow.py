@@ -52,7 +52,6 @@ class QuantizeRequest:
     min_bits: int | None = None
     max_bits: int | None = None
     not_convert: Sequence[str] = ()
-    lm_head: bool = False
     random_init: bool = False
     seed: int = 0
     overwrite: bool = False
@@ -196,6 +195,6 @@ def _run(source: ModelSource, req: QuantizeRequest, workdir: Path, executor: Exe
         source, w.widths, req.output, group_size=req.group_size,
         random_init=req.random_init, seed=req.seed, overwrite=req.overwrite,
         allocator=w.allocator, widths_from=w.widths_from,
-        lm_head_quantized=req.lm_head, modules_to_not_convert=tuple(req.not_convert),
+        modules_to_not_convert=tuple(req.not_convert),
         chooser=chooser, stats=stats, calibration=w.calibration,
         extra_files=w.files, progress=req.progress, executor=executor)

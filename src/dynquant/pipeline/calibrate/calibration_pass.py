@@ -23,7 +23,7 @@ from safetensors.torch import save_file
 from torch import nn
 
 from dynquant.numerics.quantizer import QuantizedTensor
-from dynquant.pipeline.calibrate.block_stream import ActivationStore, BlockStream
+from dynquant.pipeline.calibrate.block_stream import ActivationStore, BlockStream, InputSeen
 from dynquant.pipeline.calibrate.statistics import InputStatistics
 from dynquant.pipeline.calibrate.weights import WeightsAt
 from dynquant.pipeline.execute.executor import Executor, LocalExecutor, use_threads
@@ -172,10 +172,41 @@ def run_calibration_pass(stream: BlockStream, modules: set[str],
                     _save_moments(stats, moments_dir / f"block_{i:03d}.safetensors")
                 bar.advance(task)
         store.put(len(stream.blocks), hidden)
+        _head_statistics(stream, modules, stats, hidden)
     except BaseException:
         store.close()
         raise
     return CalibrationPass(stream, stats.result(), store)
+
+
+def _head_statistics(stream: BlockStream, modules: set[str], stats: InputStatistics,
+                     final: list[torch.Tensor]) -> None:
+    """The mean squared inputs of the quantized Linears after the blocks (an untied lm_head),
+    from the last block's outputs: the final norm runs, the vocabulary-wide product does not."""
+    parts = stream.head_modules()
+    heads = [(n, m) for n, m in parts if n in modules and isinstance(m, nn.Linear)]
+    if not heads:
+        return
+
+    def seen(name: str):
+        def fn(module: nn.Module, inputs: tuple) -> None:
+            stats.observe(name, inputs[0])
+            raise InputSeen
+        return fn
+
+    for name, module in parts:
+        stream.materialize(module, name)
+    hooks = [m.register_forward_pre_hook(seen(n)) for n, m in heads]
+    try:
+        with torch.no_grad():
+            for chunk, ids in zip(final, stream.chunks(), strict=True):
+                with contextlib.suppress(InputSeen):
+                    stream.head_logits(chunk, ids)
+    finally:
+        for h in hooks:
+            h.remove()
+        for _, module in parts:
+            stream.release(module)
 
 
 def _save_moments(stats: InputStatistics, path: Path) -> None:

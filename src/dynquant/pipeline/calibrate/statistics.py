@@ -47,12 +47,16 @@ class InputStatistics:
 
     def _linear(self, name: str):
         def fn(_module, inputs, _output):
-            x = inputs[0].detach().float().reshape(-1, inputs[0].shape[-1])
-            self.sums[name] = self.sums.get(name, 0) + x.square().sum(0)
-            self.counts[name] = self.counts.get(name, 0) + x.shape[0]
-            if self.second:
-                self._gram(name, inputs[0], x)
+            self.observe(name, inputs[0])
         return fn
+
+    def observe(self, name: str, source: torch.Tensor) -> None:
+        """Linear ``name``'s input ``source`` [..., in]: its squares (and X^T X) summed."""
+        x = source.detach().float().reshape(-1, source.shape[-1])
+        self.sums[name] = self.sums.get(name, 0) + x.square().sum(0)
+        self.counts[name] = self.counts.get(name, 0) + x.shape[0]
+        if self.second:
+            self._gram(name, source, x)
 
     def _gram(self, name: str, source: torch.Tensor, x: torch.Tensor) -> None:
         """Add x^T x to ``name``'s moments; Linears that read the same input (q/k/v, gate/up)

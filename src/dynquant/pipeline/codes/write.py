@@ -72,7 +72,6 @@ def quantize_model(
     overwrite: bool = False,
     allocator: str = "manual",
     widths_from: str | None = None,
-    lm_head_quantized: bool = False,
     modules_to_not_convert: tuple[str, ...] = (),
     importance: Mapping[str, torch.Tensor] | None = None,
     chooser: CodeChooser | None = None,
@@ -88,16 +87,15 @@ def quantize_model(
     the sequential pass does not compute run on ``executor`` (default: this process).
     ``on_tensor`` is told the index of each tensor this run puts in the resume store (progress
     hooks, and the test that kills a run at a chosen tensor)."""
-    specs = source.tensor_specs(lm_head_quantized)
+    specs = source.tensor_specs()
     plan = plan_document(specs, widths, model=source.name, group_size=group_size,
-                         tied=source.tied, modules_to_not_convert=modules_to_not_convert,
-                         lm_head_quantized=lm_head_quantized)
+                         tied=source.tied, modules_to_not_convert=modules_to_not_convert)
+    qc = plan["quantization_config"]
     writer = CheckpointWriter(out, options=md.QuantizationOptions(
-        group_size, lm_head_quantized, plan["quantization_config"]["modules_to_not_convert"]),
-        overwrite=overwrite)
+        group_size, qc["lm_head_quantized"], qc["modules_to_not_convert"]), overwrite=overwrite)
     chooser = chooser or CodeChooser(importance=importance or {})
     store = ResumeStore(out, {"model": source.name, "widths": sorted(widths.items()),
-                              "group_size": group_size, "lm_head": lm_head_quantized,
+                              "group_size": group_size,
                               "not_convert": sorted(modules_to_not_convert),
                               "random_init": random_init, "seed": seed,
                               "codes": chooser.digest(), "version": md.core_version()})

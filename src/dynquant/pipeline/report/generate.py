@@ -9,6 +9,7 @@ from pathlib import Path
 
 import torch
 
+from dynquant.checkpoint.reader import require_checkpoint
 from dynquant.errors import ModelError
 from dynquant.models.tokenizer import load_tokenizer
 from dynquant.numerics.compute_dtype import describe, resolve_dtype
@@ -74,6 +75,7 @@ def generate_text(path: str | Path, prompt: str, max_new_tokens: int = 64,
 
     if not prompt:
         raise ModelError("the prompt is empty", field="prompt")
+    require_checkpoint(path)  # before the tokenizer: its error would name the wrong thing
     tokenizer = load_tokenizer(path)
     ids = _prompt_ids(tokenizer, prompt, chat, path)  # a missing template: before any loading
     dtype = resolve_dtype(dtype)

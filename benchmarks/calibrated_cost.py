@@ -1,0 +1,130 @@
+"""The calibrated default's cost model: `quantize --budget` with text (48 x 256 windows, GPTQ
+codes) of 8 B, 70 B and 235 B-A22B models on 1, 8 and 64 workers, projected from the per-stage
+rates that ``benchmarks/scale.py`` measures at a 7 B layer's shapes (one worker = the measuring
+machine's threads; the driver the same).
+
+Per decoder block, in order, as the pipeline runs it (docs/distributed.md):
+- the X^T X pass: the block's forwards and second moments, by shards of 8 windows over the
+  workers (6 shards: at most 6 workers share a block);
+- the statistics pass (8 windows, one shard) and the Fisher pass's backward (on the driver);
+- the measure's gptq ratios: one job per Linear (an inverse factor and a few rows compensated),
+  the whole model's at once once every block's moments are on disk;
+- the sequential GPTQ pass, a group at a time (q/k/v, o, gate/up, down): the group's partial
+  forwards and X^T X by shards, then its inverse factor(s) on the driver (one per distinct input;
+  one per expert for a bank: the Cholesky must round the same on every run), then its matrices'
+  compensation as jobs (a bank: one per expert).
+Then the output head once (its factor and its vocabulary-wide compensation). Not counted: moving
+the windows' hidden states to the workers (48 x 256 positions x hidden x 4 B per group: 400 MB
+at 8,192 wide), the data-free measure's candidates, Ray's start.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+WINDOWS, WINDOW, SHARD, STAT_WINDOWS = 48, 256, 8, 8
+RATIO_ROWS = 256  # rows a gptq ratio compensates, at each of 4 widths
+
+
+@dataclass(frozen=True)
+class Shape:
+    """A decoder model's shapes (``q``/``kv``: the attention projections' widths; a MoE's
+    ``experts`` of ``expert_mlp`` each, ``active`` per token)."""
+
+    name: str
+    layers: int
+    hidden: int
+    mlp: int
+    q: int
+    kv: int
+    vocab: int
+    experts: int = 0
+    active: int = 0
+
+    def linears(self) -> list[tuple[int, int, int]]:
+        """(rows, inputs, copies) of one block's matrices (copies: a bank's experts)."""
+        h, e = self.hidden, max(self.experts, 1)
+        return [(self.q + 2 * self.kv, h, 1), (h, self.q, 1),
+                (2 * self.mlp, h, e), (h, self.mlp, e)]
+
+
+SEVEN_B = Shape("7B layer (Qwen2-7B)", 1, 3584, 18944, 3584, 512, 49152)
+MODELS = [Shape("8B (Llama-3-8B)", 32, 4096, 14336, 4096, 1024, 128256),
+          Shape("70B (Llama-3-70B)", 80, 8192, 28672, 8192, 1024, 128256),
+          Shape("235B-A22B (Qwen3)", 94, 4096, 1536, 8192, 512, 151936, 128, 8)]
+WORKERS = (1, 8, 64)
+
+
+def block_work(s: Shape, tokens: int) -> dict[str, float]:
+    """Multiply-adds of one block over ``tokens``: ``forward``, ``moments`` (X^T X of each
+    distinct input as symmetric updates; a MoE's experts over their routed tokens),
+    ``partial`` (the GPTQ pass's extra partial forwards), ``factors`` (Cholesky + triangular
+    inverse, n^3/3 per distinct input), ``compensate`` (rows x inputs^2 / 2 per matrix),
+    ``largest_compensate`` (the largest single job), ``ratios`` (the measure's gptq ratios)."""
+    routed = s.active if s.experts else 1
+    (qkv_r, h, _), (o_r, o_in, _), (gu_r, _, e), (d_r, m, _) = s.linears()
+    attn, mlp = qkv_r * h + o_r * o_in, routed * (gu_r * h + d_r * m)
+    forward = tokens * (attn + mlp)
+    moments = tokens * (h * h + o_in * o_in + routed * (h * h + m * m)) / 2
+    partial = tokens * (3 * qkv_r * h + 2 * o_r * o_in + routed * gu_r * h)
+    factors = (h ** 3 + o_in ** 3 + e * (h ** 3 + m ** 3)) / 3
+    jobs = [r * n * n / 2 for r, n, _ in s.linears()]
+    compensate = sum(j * c for j, (_, _, c) in zip(jobs, s.linears(), strict=True))
+    # a ratio per tensor (q, k, v, o, gate, up, down): its own factor, 256 rows at 4 widths
+    ratio_jobs = [n ** 3 / 3 + 4 * RATIO_ROWS * n * n / 2 for n in (h, h, h, o_in, h, h, m)]
+    return {"forward": forward, "moments": moments, "partial": partial, "factors": factors,
+            "compensate": compensate, "largest_compensate": max(jobs),
+            "ratios": sum(ratio_jobs), "largest_ratio": max(ratio_jobs)}
+
+
+def head_work(s: Shape) -> dict[str, float]:
+    """The output head's factor and compensation (once), and its logits over the Fisher
+    pass's windows (per position: vocabulary x hidden)."""
+    return {"factor": s.hidden ** 3 / 3, "compensate": s.vocab * s.hidden ** 2 / 2,
+            "logits": STAT_WINDOWS * WINDOW * s.vocab * s.hidden}
+
+
+def project(s: Shape, workers: int, rate: dict[str, float]) -> dict[str, float]:
+    """Seconds of each part of the run on ``workers`` (rates in multiply-adds per second:
+    ``pass``, ``stats``, ``fisher`` (forward multiply-adds of the backward's windows per s),
+    ``fisher_head`` (logits per s), ``ratios``, ``gptq``, ``factor``)."""
+    big, small = block_work(s, WINDOWS * WINDOW), block_work(s, STAT_WINDOWS * WINDOW)
+    head = head_work(s)
+    spread = min(workers, WINDOWS // SHARD)
+    per_block = {
+        "X^T X pass (workers)": (big["forward"] + big["moments"]) / rate["pass"] / spread,
+        "statistics + Fisher (driver)": (small["forward"] / rate["stats"]
+                                         + small["forward"] / rate["fisher"]),
+        "GPTQ forwards + X^T X (workers)": (big["forward"] + big["partial"] + big["moments"])
+        / rate["gptq"] / spread,
+        "inverse factors (driver)": big["factors"] / rate["factor"],
+        "compensation (workers)": max(big["compensate"] / workers, big["largest_compensate"])
+        / rate["gptq"],
+    }
+    out = {k: v * s.layers for k, v in per_block.items()}
+    # the ratios' jobs wait on no block: the whole model's spread over the workers
+    out["gptq ratios (workers)"] = max(big["ratios"] * s.layers / workers,
+                                       big["largest_ratio"]) / rate["ratios"]
+    out["head (driver)"] = (head["factor"] / rate["factor"] + head["compensate"] / rate["gptq"]
+                            + head["logits"] / rate["fisher_head"])
+    return out
+
+
+def _duration(seconds: float) -> str:
+    if seconds < 90:
+        return f"{seconds:.0f} s"
+    return f"{seconds / 60:.0f} min" if seconds < 5400 else f"{seconds / 3600:.1f} h"
+
+
+def print_cost_model(rate: dict[str, float]) -> None:
+    """The projection table: each part's hours and the whole, per model and worker count."""
+    parts = list(project(MODELS[0], 1, rate))
+    print("| model | workers | " + " | ".join(parts) + " | **projected wall** | on the driver |")
+    print("|---|---|" + "---|" * len(parts) + "---|---|")
+    for s in MODELS:
+        for w in WORKERS:
+            p = project(s, w, rate)
+            total = sum(p.values())
+            driver = sum(v for k, v in p.items() if "driver" in k)
+            print(f"| {s.name} | {w} | " + " | ".join(_duration(p[k]) for k in parts)
+                  + f" | **{_duration(total)}** | {driver / total:.0%} |")
