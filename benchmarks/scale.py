@@ -3,7 +3,7 @@ bundled text, GPTQ codes) of the scale model (``benchmarks/scale_model.py``, N d
 each stage's seconds and the work it does against this machine's float32 GEMM peak, and the
 whole run's wall time and peak RSS.
 
-    python -m benchmarks scale [--layers N] [--budget B]
+    python -m benchmarks scale [--layers N] [--budget B] [--dense-head] [--no-llama-cpp]
 
 Stage seconds come from the progress lines (a stage's "done" line); the arithmetic per stage
 is counted from the model's shapes (multiply-adds; X^T X as symmetric updates counts half).
@@ -111,11 +111,12 @@ class PeakRss:
         return self.peak
 
 
-def run(model: Path, out: Path, budget: float) -> tuple[float, int, list[Stage]]:
+def run(model: Path, out: Path, budget: float, extra: list[str]
+        ) -> tuple[float, int, list[Stage]]:
     """(wall seconds, peak RSS bytes, stages with their seconds and peak RSS) of the calibrated
     quantize."""
     cmd = [sys.executable, "-m", "dynquant", "quantize", str(model), "--budget", str(budget),
-           "-o", str(out)]
+           "-o", str(out), *extra]
     start = time.perf_counter()
     proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
     stages: list[Stage] = []
@@ -184,6 +185,8 @@ def main() -> None:
     parser.add_argument("--layers", type=int, default=1)
     parser.add_argument("--budget", type=float, default=4.25)
     parser.add_argument("--no-llama-cpp", action="store_true")
+    parser.add_argument("--dense-head", action="store_true",
+                        help="keep the output head dense (--not-convert lm_head)")
     args = parser.parse_args()
     print(f"# 7B-shaped Llama (hidden 3,584, MLP 18,944, 28/4 heads, vocabulary 49,152), "
           f"{args.layers} layer(s), random bf16 weights; {machine()}")
@@ -191,7 +194,8 @@ def main() -> None:
     figure("float32 GEMM peak", peak / 1e9, "GMAC/s")
     with tempfile.TemporaryDirectory(prefix="dynquant-scale-") as tmp:
         model = save_scale_model(Path(tmp) / "model", args.layers)
-        wall, rss, stages = run(model, Path(tmp) / "q", args.budget)
+        wall, rss, stages = run(model, Path(tmp) / "q", args.budget,
+                                ["--not-convert", "lm_head"] if args.dense_head else [])
         dense = sum(p.stat().st_size for p in model.glob("*.safetensors"))
         theirs = [] if args.no_llama_cpp else llama_cpp(model, Path(tmp),
                                                         torch.get_num_threads())
