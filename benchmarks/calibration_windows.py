@@ -7,7 +7,10 @@ stages of the calibrated default: BENCHMARKS.md "Scale"). For each count: the al
 and 4.25 bits from a measure with that many moment windows, the checkpoint's GPTQ codes from
 that many windows, the quantize's seconds, and KL on 16,384 held-out tokens.
 
-    python -m benchmarks calibration_windows [--counts 16 24 48]
+    python -m benchmarks calibration_windows [--counts 16 24 48] [--gptq-windows N]
+
+``--gptq-windows N``: the codes from N windows whatever the count, so that only the measure's
+moment windows vary (8, the statistics pass's own windows: no X^T X pass of its own).
 """
 
 from __future__ import annotations
@@ -40,6 +43,7 @@ BUDGETS = (3.25, 4.25)
 def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--counts", type=int, nargs="+", default=[16, 24, 48])
+    parser.add_argument("--gptq-windows", type=int)
     args = parser.parse_args()
     model_dir = real_model()
     if model_dir is None:
@@ -55,7 +59,8 @@ def main() -> None:
             maps = measure(source, MeasureOptions(budgets=[], moment_seqs=count),
                            out / f"maps{count}.json", progress=False)
             figure(f"measure with {count} moment windows", time.perf_counter() - start, "s")
-            ids = calibration_ids(tok, [str(default_calibration())], count, 256)
+            ids = calibration_ids(tok, [str(default_calibration())],
+                                  args.gptq_windows or count, 256)
             chooser = CodeChooser("gptq", sequential=SequentialCalibration(ids))
             for budget in BUDGETS:
                 widths = dict(allocate_widths(maps_modules(maps, "gptq"), budget).widths)
@@ -65,7 +70,8 @@ def main() -> None:
                 rows.append((count, budget, tag, time.perf_counter() - start))
         kls = evaluate_checkpoints(model_dir, out, [r[2] for r in rows], HELDOUT, 512,
                                    EVAL_TOKENS, None)
-    print("| windows | budget | quantize s | KL |")
+    gptq = "" if args.gptq_windows is None else f" (codes from {args.gptq_windows})"
+    print(f"| moment windows{gptq} | budget | quantize s | KL |")
     print("|---|---|---|---|")
     for count, budget, tag, seconds in rows:
         print(f"| {count} | {budget} | {seconds:.0f} | {kls[tag].kl_mean:.4f} |")

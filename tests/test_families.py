@@ -209,6 +209,35 @@ def test_native_decode_steps_give_the_eager_tokens(quantized, family, monkeypatc
     _assert_native_steps_match_eager(model, monkeypatch)
 
 
+def test_attention_over_blocks_of_positions_and_a_grown_cache(quantized, monkeypatch):
+    """Past 128 cached positions the attention is several blocks merged (flash-decoding), the
+    same bits on one and two threads and the eager tokens; a cache that outgrows its capacity
+    mid-generation is copied into a larger one."""
+    from dynquant.runtime import native_decode
+
+    _, ck_dir, _, _ = quantized["llama"]
+    monkeypatch.setattr(native_decode, "ATTENTION_PARALLEL_MIN_MACS", 0)
+    monkeypatch.setattr(native_decode, "FIRST_CAPACITY", 8)
+    grown = []
+    grow = native_decode.NativeDecode._grow
+    monkeypatch.setattr(native_decode.NativeDecode, "_grow",
+                        lambda self: (grown.append(self.program.capacity), grow(self)))
+    long = torch.randint(0, 384, (1, 300), generator=torch.Generator().manual_seed(3))
+    short = long[:, :7]  # capacity 16 at the first step: grown after 9 steps
+    for ids, steps in ((long, 4), (short, 12)):
+        runs = {}
+        for threads in (1, 2):
+            monkeypatch.setattr(native, "pool_threads", threads)
+            runs[threads] = _greedy(load(ck_dir, dtype=torch.float32), ids, steps)
+        assert torch.equal(runs[1][0], runs[2][0]) and torch.equal(runs[1][1], runs[2][1])
+        monkeypatch.setenv("DYNQUANT_NATIVE_DECODE", "0")
+        eager = _greedy(load(ck_dir, dtype=torch.float32), ids, steps)
+        monkeypatch.delenv("DYNQUANT_NATIVE_DECODE")
+        assert torch.equal(runs[1][0], eager[0])
+        torch.testing.assert_close(runs[1][1], eager[1], rtol=1e-4, atol=1e-4)
+    assert grown == [16, 16]  # the short prompt's runs, one a thread count
+
+
 @pytest.mark.parametrize("family", ["llama", "dynquant_hybrid"])
 def test_attention_heads_split_over_threads_keep_the_bits(quantized, family, monkeypatch):
     """A native step's attention with its heads split over the kernel pool (every step, two

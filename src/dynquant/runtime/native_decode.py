@@ -56,7 +56,7 @@ FIRST_CAPACITY = 256
 # hand-off of ~1 us, not the ~25 us wake-up between transformers' modules that keeps
 # PARALLEL_MIN_ELEMENTS high): benchmarks/packed_products.py, "hand-off".
 STEP_PARALLEL_MIN_ELEMENTS = 1 << 16
-# A step's attention (its heads, each on one thread) split over the pool from this many
+# A step's attention (units of a key/value head by 128 positions) split over the pool from this many
 # multiply-adds: SmolLM2's 9 heads of 64 from ~14 cached positions (its time grows with the
 # context, the products' does not).
 ATTENTION_PARALLEL_MIN_MACS = 1 << 14
@@ -121,7 +121,7 @@ class _Layer:
 class _Program:
     """The descriptors ``dq_llama_step`` reads, for one model and cache capacity, with every
     tensor they point into kept alive (``keep``): keys and values for the attention layers
-    (``k``, ``v``: [attention layers, capacity, kv_heads, head_dim], ``attention[i]`` the index of
+    (``k``, ``v``: [attention layers, kv_heads, capacity, head_dim], ``attention[i]`` the index of
     layer i or None) and the states of the convolution layers (``conv``: [convolution layers,
     hidden, K], ``convolution[i]``)."""
 
@@ -140,8 +140,9 @@ class _Program:
                                                     strict=True)):
             raise _Unsupported("a layer that is neither attention nor a short convolution")
         kernel = max((p.conv.conv.kernel_size[0] for p in parts if p.conv is not None), default=1)
-        self.k = torch.zeros(sum(a is not None for a in self.attention), capacity,
-                             self.kv_heads, self.head_dim)
+        # a key/value head's positions in a row: the attention reads them in order
+        self.k = torch.zeros(sum(a is not None for a in self.attention), self.kv_heads,
+                             capacity, self.head_dim)
         self.v = torch.zeros_like(self.k)
         self.conv = torch.zeros(sum(c is not None for c in self.convolution), self.hidden, kernel)
         layers: list[int] = []
@@ -351,8 +352,8 @@ class NativeDecode:
         prog = self.program = _Program(self.model, capacity)
         for i, layer in enumerate(cache.layers):
             if (a := prog.attention[i]) is not None:
-                prog.k[a, :pos] = layer.keys[0, :, :pos].transpose(0, 1).float()
-                prog.v[a, :pos] = layer.values[0, :, :pos].transpose(0, 1).float()
+                prog.k[a, :, :pos] = layer.keys[0, :, :pos].float()
+                prog.v[a, :, :pos] = layer.values[0, :, :pos].float()
             if (c := prog.convolution[i]) is not None and (state := cache.get_conv_state(i)) \
                     is not None:
                 prog.conv[c] = state[0, :, -prog.conv.shape[-1]:].float()
@@ -361,8 +362,8 @@ class NativeDecode:
     def _grow(self) -> None:
         old = self.program
         self.program = _Program(self.model, 2 * old.capacity)
-        self.program.k[:, :old.capacity] = old.k
-        self.program.v[:, :old.capacity] = old.v
+        self.program.k[:, :, :old.capacity] = old.k
+        self.program.v[:, :, :old.capacity] = old.v
         self.program.conv.copy_(old.conv)
 
     def _step(self, ids: torch.Tensor, cache: DynamicCache, cache_position: Any
@@ -393,8 +394,8 @@ class NativeDecode:
         for i, layer in enumerate(cache.layers):
             if (a := prog.attention[i]) is not None:
                 dtype = layer.keys.dtype
-                layer.keys = prog.k[a, :n].transpose(0, 1).unsqueeze(0).to(dtype).contiguous()
-                layer.values = prog.v[a, :n].transpose(0, 1).unsqueeze(0).to(dtype).contiguous()
+                layer.keys = prog.k[a, :, :n].unsqueeze(0).to(dtype).contiguous()
+                layer.values = prog.v[a, :, :n].unsqueeze(0).to(dtype).contiguous()
             if (c := prog.convolution[i]) is not None and (state := cache.get_conv_state(i)) \
                     is not None:
                 state[0, :, -prog.conv.shape[-1]:].copy_(prog.conv[c])

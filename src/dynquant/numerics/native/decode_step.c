@@ -9,8 +9,8 @@
  * packed_matvec_q8.c) or, for a matrix kept dense, a float32 / bf16 matvec below. The rest
  * follows transformers' definitions: RMSNorm x * rsqrt(mean(x^2) + eps) * w; rotary with
  * cos/sin(pos * inv_freq) * attention_scaling on the two halves of each head (rotate_half);
- * softmax attention over the cached positions 0..pos with grouped key/value heads (each head on
- * one thread); SiLU-gated MLP;
+ * softmax attention over the cached positions 0..pos with grouped key/value heads (a key/value
+ * head's block of positions a unit of work, merged in order: attend_blocks); SiLU-gated MLP;
  * MoE: softmax of the router's logits, the top k (ties: the lower expert), their weights
  * renormalised where asked, each routed expert's SiLU-gated MLP by packed_experts.c's pair
  * kernels (dq_experts_one) and the weighted sum in slot order; LFM2-MoE's router instead: the
@@ -30,8 +30,8 @@
  *   layer [26]:  [0] attention norm weight, [1]-[4] q, k, v, o products, [5], [6] q_norm and
  *                k_norm weights (Qwen3: per head; OLMoE: over all heads, see [20]; 0: none), [7]
  *                MLP norm weight, [8]-[10] gate, up, down products (a dense MLP, or the shared
- *                expert of MLP kind 2), [11], [12] key cache, value cache (float32 [capacity,
- *                kv_heads, head_dim]); [13] MLP kind (0 dense, 1 routed experts of F.linear
+ *                expert of MLP kind 2), [11], [12] key cache, value cache (float32 [kv_heads,
+ *                capacity, head_dim]); [13] MLP kind (0 dense, 1 routed experts of F.linear
  *                banks, 2 routed experts of x @ W[e] banks and a shared expert), [14] router
  *                product, [15], [16] the banks' ExpertPairs argument blocks (kind 1: gate_up and
  *                down; kind 2: w1 and w3, [25] w2), [17] top k, [18] renormalise the top k's
@@ -122,45 +122,109 @@ static void rotary(float *v, int64_t count, int64_t hd, const float *cs, const f
     }
 }
 
-/* One head's attention: out [hd] = softmax(q . k_t * scale) . v_t over t = 0..len-1, the keys and
- * values of key/value head kvh (scores: len floats of scratch). */
-static void attend_head(const float *qh, const float *kc, const float *vc, int64_t len,
-                        int64_t kv_heads, int64_t kvh, int64_t hd, float scale, float *scores,
-                        float *o) {
-    float mx = -INFINITY;
-    for (int64_t t = 0; t < len; t++) {
-        scores[t] = dense_dot_f32(kc + (t * kv_heads + kvh) * hd, qh, hd) * scale;
-        if (scores[t] > mx) mx = scores[t];
-    }
-    float sum = 0.0f;
-    for (int64_t t = 0; t < len; t++) {
-        scores[t] = expf(scores[t] - mx);
-        sum += scores[t];
-    }
-    for (int64_t i = 0; i < hd; i++) o[i] = 0.0f;
-    for (int64_t t = 0; t < len; t++) {
-        const float p = scores[t] / sum;
-        const float *vt = vc + (t * kv_heads + kvh) * hd;
-        for (int64_t i = 0; i < hd; i++) o[i] += p * vt[i];
-    }
+/* exp(x) for x <= 0 (a score minus its row's max) in plain float operations that the compiler
+ * vectorises (expf is a call per element: at 8,192 cached positions it was most of a step):
+ * x = n ln2 + r with |r| <= ln2 / 2, exp(r) by Cephes' degree-6 polynomial (within 2 ulp of
+ * expf over this range), 2^n written into the exponent bits; below -87 the result is 2^-126
+ * times exp(r), against weights of at least 1 (the max's own), so nothing is lost. */
+static inline float exp_nonpositive(float x) {
+    x = x < -87.0f ? -87.0f : x;
+    const float n = __builtin_rintf(x * 1.44269504088896341f);
+    float r = x - n * 0.693359375f;
+    r = r + n * 2.12194440e-4f;
+    float p = 1.9875691500e-4f;
+    p = p * r + 1.3981999507e-3f;
+    p = p * r + 8.3334519073e-3f;
+    p = p * r + 4.1665795894e-2f;
+    p = p * r + 1.6666665459e-1f;
+    p = p * r + 5.0000001201e-1f;
+    p = p * (r * r) + r + 1.0f;
+    union {
+        int32_t i;
+        float f;
+    } two_n = {.i = ((int32_t)n + 127) << 23};
+    return p * two_n.f;
 }
 
-/* The heads of one token's attention, each on its own (so any split of them over threads gives
- * the same bits): out [heads, hd]; scores: len floats a head. */
+/* Positions a unit of attention work covers: a fixed number (not a share of the threads), so
+ * that the partial sums and their merge, and the bits, are the same on any number of threads. */
+#define ATTENTION_BLOCK 128
+#define MAX_GROUP 64 /* query heads per key/value head */
+
+/* One token's attention over the cache (keys, values: [kv_heads, capacity, hd], a head's
+ * positions in a row). A unit of work is one key/value head over one block of positions: every
+ * query head of its group scores the block's keys (each key read once for the group), and
+ * keeps the block's max m, sum l of exp(score - m) and sum of exp(score - m) v in its partial
+ * [hd + 2]; ``attention_merge`` combines a head's blocks in order (flash-decoding). */
 typedef struct {
     const float *q, *kc, *vc;
-    int64_t len, heads, kv_heads, hd;
+    int64_t len, capacity, heads, kv_heads, hd;
     float scale;
-    float *scores, *out;
+    float *scores; /* [heads, len] */
+    float *part;   /* [heads, blocks, hd + 2] */
 } attention_job;
 
-static int attend_heads(const void *ctx, int64_t lo, int64_t hi) {
+static int attend_blocks(const void *ctx, int64_t lo, int64_t hi) {
     const attention_job *a = ctx;
-    const int64_t group = a->heads / a->kv_heads;
-    for (int64_t h = lo; h < hi; h++)
-        attend_head(a->q + h * a->hd, a->kc, a->vc, a->len, a->kv_heads, h / group, a->hd,
-                    a->scale, a->scores + h * a->len, a->out + h * a->hd);
+    const int64_t hd = a->hd, group = a->heads / a->kv_heads;
+    const int64_t blocks = (a->len + ATTENTION_BLOCK - 1) / ATTENTION_BLOCK;
+    for (int64_t unit = lo; unit < hi; unit++) {
+        const int64_t g = unit / blocks, b = unit % blocks;
+        const int64_t t0 = b * ATTENTION_BLOCK;
+        const int64_t t1 = t0 + ATTENTION_BLOCK < a->len ? t0 + ATTENTION_BLOCK : a->len;
+        const float *keys = a->kc + g * a->capacity * hd, *values = a->vc + g * a->capacity * hd;
+        float *s[MAX_GROUP];
+        for (int64_t i = 0; i < group; i++) s[i] = a->scores + (g * group + i) * a->len;
+        for (int64_t t = t0; t < t1; t++) {
+            const float *kt = keys + t * hd;
+            for (int64_t i = 0; i < group; i++)
+                s[i][t] = dense_dot_f32(kt, a->q + (g * group + i) * hd, hd) * a->scale;
+        }
+        for (int64_t i = 0; i < group; i++) {
+            float *st = s[i], *pt = a->part + ((g * group + i) * blocks + b) * (hd + 2);
+            float mx = st[t0];
+            for (int64_t t = t0 + 1; t < t1; t++) mx = st[t] > mx ? st[t] : mx;
+            for (int64_t t = t0; t < t1; t++) st[t] = exp_nonpositive(st[t] - mx);
+            float acc[16] = {0};
+            int64_t t = t0;
+            for (; t + 16 <= t1; t += 16)
+                for (int l = 0; l < 16; l++) acc[l] += st[t + l];
+            float sum = 0.0f;
+            for (int l = 0; l < 16; l++) sum += acc[l];
+            for (; t < t1; t++) sum += st[t];
+            pt[0] = mx;
+            pt[1] = sum;
+            for (int64_t d = 0; d < hd; d++) pt[2 + d] = 0.0f;
+        }
+        for (int64_t t = t0; t < t1; t++) {
+            const float *vt = values + t * hd;
+            for (int64_t i = 0; i < group; i++) {
+                float *o = a->part + ((g * group + i) * blocks + b) * (hd + 2) + 2;
+                const float p = s[i][t];
+                for (int64_t d = 0; d < hd; d++) o[d] += p * vt[d];
+            }
+        }
+    }
     return 0;
+}
+
+/* out [heads, hd]: each head's blocks merged in order: softmax over all positions. */
+static void attention_merge(const float *part, int64_t heads, int64_t blocks, int64_t hd,
+                            float *out) {
+    for (int64_t h = 0; h < heads; h++) {
+        const float *ph = part + h * blocks * (hd + 2);
+        float mx = ph[0];
+        for (int64_t b = 1; b < blocks; b++) mx = ph[b * (hd + 2)] > mx ? ph[b * (hd + 2)] : mx;
+        float *o = out + h * hd, sum = 0.0f;
+        for (int64_t d = 0; d < hd; d++) o[d] = 0.0f;
+        for (int64_t b = 0; b < blocks; b++) {
+            const float *pb = ph + b * (hd + 2);
+            const float w = exp_nonpositive(pb[0] - mx);
+            sum += w * pb[1];
+            for (int64_t d = 0; d < hd; d++) o[d] += w * pb[2 + d];
+        }
+        for (int64_t d = 0; d < hd; d++) o[d] /= sum;
+    }
 }
 
 #define PTR(T, v) ((T)(intptr_t)(v))
@@ -308,13 +372,16 @@ int dq_llama_step(const int64_t *model, const int64_t *layers, const float *scal
         }
     }
     const int64_t gu = inter > hidden ? inter : hidden; /* g: also the experts' sum */
+    const int64_t blocks = (pos + ATTENTION_BLOCK) / ATTENTION_BLOCK; /* of pos + 1 positions */
+    if (heads / kvh > MAX_GROUP) return -1;
     const size_t floats = (size_t)(hidden + qn + 2 * kvn + qn + 2 * gu + hd + heads * (pos + 1) +
-                                   moe + 3 * hidden);
+                                   heads * blocks * (hd + 2) + moe + 3 * hidden);
     float *buf = malloc(floats * sizeof(float));
     if (!buf) return -1;
     float *x = buf, *q = x + hidden, *k = q + qn, *v = k + kvn, *att = v + kvn;
     float *g = att + qn, *u = g + gu, *cs = u + gu, *sn = cs + hd / 2;
-    float *scores = cs + hd, *experts = scores + heads * (pos + 1), *bcx = experts + moe;
+    float *scores = cs + hd, *part = scores + heads * (pos + 1);
+    float *experts = part + heads * blocks * (hd + 2), *bcx = experts + moe;
     const float *inv_freq = PTR(const float *, model[8]);
     for (int64_t i = 0; i < hd / 2; i++) {
         const float f = (float)pos * inv_freq[i];
@@ -344,12 +411,16 @@ int dq_llama_step(const int64_t *model, const int64_t *layers, const float *scal
             rotary(q, heads, hd, cs, sn);
             rotary(k, kvh, hd, cs, sn);
             float *kc = PTR(float *, L[11]), *vc = PTR(float *, L[12]);
-            memcpy(kc + pos * kvn, k, (size_t)kvn * sizeof(float));
-            memcpy(vc + pos * kvn, v, (size_t)kvn * sizeof(float));
-            const attention_job aj = {q, kc, vc, pos + 1, heads, kvh, hd, attn_scale, scores,
-                                      att};
+            for (int64_t j = 0; j < kvh; j++) { /* each key/value head's row of positions */
+                memcpy(kc + (j * capacity + pos) * hd, k + j * hd, (size_t)hd * sizeof(float));
+                memcpy(vc + (j * capacity + pos) * hd, v + j * hd, (size_t)hd * sizeof(float));
+            }
+            const attention_job aj = {q, kc, vc, pos + 1, capacity, heads, kvh, hd, attn_scale,
+                                      scores, part};
             const int64_t macs = 2 * heads * (pos + 1) * hd;
-            dq_parallel(attend_heads, &aj, heads, macs >= attention_min_macs ? threads : 1);
+            dq_parallel(attend_blocks, &aj, kvh * blocks,
+                        macs >= attention_min_macs ? threads : 1);
+            attention_merge(part, heads, blocks, hd, att);
             rc |= product(PTR(const int64_t *, L[4]), att, x);
         }
         for (int64_t i = 0; i < hidden; i++) h[i] += x[i]; /* the mixer's residual */

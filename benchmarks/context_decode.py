@@ -1,0 +1,96 @@
+"""Decode after a long context: dynquant's default checkpoint against llama.cpp Q4_0, tokens/s
+of the steps after 0, 512, 2,048 and 8,192 cached positions.
+
+Model: SmolLM2-135M-Instruct (``make real-model``). dynquant: the default calibrated
+``quantize --budget 4.25`` checkpoint (``vs_llamacpp``'s, quantized once and kept), through
+``generate`` (the native decode step), a prompt of that many tokens of held-out text (repeated
+where the text is short), timed from the first new token's logits to the last's. llama.cpp:
+its own ``llama-bench -p 0 -n N -d DEPTH`` (``scripts/install_llama_cpp.py --tools``) on a
+Q4_0 made from the shipped Q4_1 by ``llama-quantize``. Same threads; best of ``--rounds``.
+
+    python -m benchmarks context_decode [--depths 0 512 2048 8192] [--new 32]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import subprocess
+from pathlib import Path
+
+import torch
+
+import dynquant
+from benchmarks.common import figure, machine
+from benchmarks.scale import LLAMA_TOOLS
+from benchmarks.vs_llamacpp import WORK, Generate, checkpoints
+from dynquant.models.tokenizer import load_tokenizer
+from scripts.install_llama_cpp import install_tools
+from scripts.prepare_real_model import real_model
+
+ROOT = Path(__file__).parents[1]
+HELDOUT = ROOT / "data" / "heldout.txt"
+
+
+def q4_0(real: Path, bin_dir: Path) -> Path:
+    """A Q4_0 GGUF of the model, made from the shipped Q4_1 by llama.cpp's quantize (kept)."""
+    out = WORK / "SmolLM2-135M-Instruct.Q4_0.tools.gguf"
+    if not out.is_file():
+        WORK.mkdir(parents=True, exist_ok=True)
+        tmp = out.with_suffix(".tmp")
+        subprocess.run([bin_dir / "llama-quantize", "--allow-requantize",
+                        real.parent / "SmolLM2-135M-Instruct.Q4_1.gguf", tmp, "Q4_0"],
+                       check=True, capture_output=True, env=_libs(bin_dir))
+        os.replace(tmp, out)
+    return out
+
+
+def _libs(bin_dir: Path) -> dict:
+    return {**os.environ, "LD_LIBRARY_PATH": str(bin_dir)}
+
+
+def llama_bench(bin_dir: Path, gguf: Path, depth: int, new: int, threads: int,
+                rounds: int) -> float:
+    """llama-bench's mean tokens/s of ``new`` tokens generated after ``depth`` positions."""
+    out = subprocess.run([bin_dir / "llama-bench", "-m", gguf, "-p", "0", "-n", str(new),
+                          "-d", str(depth), "-t", str(threads), "-r", str(rounds), "-o", "json"],
+                         check=True, capture_output=True, text=True, env=_libs(bin_dir))
+    return float(json.loads(out.stdout)[0]["avg_ts"])
+
+
+def prompt(real: Path, n: int) -> list[int]:
+    ids = load_tokenizer(real)(HELDOUT.read_text())["input_ids"]
+    return (ids * (n // len(ids) + 1))[:max(n, 1)]
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--depths", type=int, nargs="+", default=[0, 512, 2048, 8192])
+    parser.add_argument("--new", type=int, default=32)
+    parser.add_argument("--threads", type=int, default=2)
+    parser.add_argument("--rounds", type=int, default=2)
+    args = parser.parse_args()
+    real = real_model()
+    if real is None:
+        raise SystemExit("the real model is not prepared: make real-model")
+    torch.set_num_threads(args.threads)
+    print(f"# SmolLM2-135M-Instruct, {args.new} new tokens after a context; {machine()}")
+    bin_dir = install_tools(LLAMA_TOOLS, avx2_only=False)
+    gguf = q4_0(real, bin_dir)
+    model = Generate(dynquant.load(checkpoints(real)["dynquant 4.25"]))
+    print("| cached positions | dynquant 4.25 tok/s | llama.cpp Q4_0 tok/s | ratio |")
+    print("|---|---|---|---|")
+    for depth in args.depths:
+        ids = prompt(real, depth)
+        ours = max((args.new - 1) / model.decode(ids, args.new) for _ in range(args.rounds))
+        theirs = llama_bench(bin_dir, gguf, depth, args.new, args.threads, args.rounds)
+        print(f"| {depth} | {ours:.1f} | {theirs:.1f} | {ours / theirs:.2f}x |", flush=True)
+    figure("dynquant checkpoint", sum(
+        p.stat().st_size for p in checkpoints(real)["dynquant 4.25"].glob("*.safetensors"))
+        / 2**20, "MiB")
+    figure("llama.cpp Q4_0", gguf.stat().st_size / 2**20, "MiB")
+
+
+if __name__ == "__main__":
+    main()
