@@ -22,6 +22,13 @@ FAMILIES = sorted(family_configs())
 CYCLE = (2, 3, 4, 8)
 
 
+@pytest.fixture(autouse=True)
+def float32_kv_cache(monkeypatch):
+    """Native steps compared with the eager path keep their keys and values in float32 (the
+    eager cache's own numbers); ``test_a_float16_kv_cache`` covers the default."""
+    monkeypatch.setenv("DYNQUANT_KV_CACHE", "float32")
+
+
 @pytest.fixture(scope="module")
 def quantized(tmp_path_factory):
     """family -> (source dir, checkpoint dir, metadata, specs)."""
@@ -236,6 +243,32 @@ def test_attention_over_blocks_of_positions_and_a_grown_cache(quantized, monkeyp
         assert torch.equal(runs[1][0], eager[0])
         torch.testing.assert_close(runs[1][1], eager[1], rtol=1e-4, atol=1e-4)
     assert grown == [16, 16]  # the short prompt's runs, one a thread count
+
+
+@pytest.mark.parametrize("family", ["llama", "qwen3_moe"])
+def test_a_float16_kv_cache(quantized, family, monkeypatch):
+    """The default cache holds keys and values in float16 (as llama.cpp's): over several blocks
+    of positions, the same bits on one and two threads, the eager tokens, logits within float16's
+    rounding of the keys and values."""
+    from dynquant.runtime import native_decode
+
+    monkeypatch.setenv("DYNQUANT_KV_CACHE", "float16")
+    monkeypatch.setattr(native_decode, "ATTENTION_PARALLEL_MIN_MACS", 0)
+    _, ck_dir, _, _ = quantized[family]
+    ids = torch.randint(0, 384, (1, 200), generator=torch.Generator().manual_seed(4))
+    runs = {}
+    for threads in (1, 2):
+        monkeypatch.setattr(native, "pool_threads", threads)
+        model = load(ck_dir, dtype=torch.float32)
+        runs[threads] = _greedy(model, ids, 4)
+    assert torch.equal(runs[1][0], runs[2][0]) and torch.equal(runs[1][1], runs[2][1])
+    cache = model.forward.program.k
+    assert cache.dtype == torch.float16
+    monkeypatch.setenv("DYNQUANT_NATIVE_DECODE", "0")
+    eager = _greedy(load(ck_dir, dtype=torch.float32), ids, 4)
+    assert torch.equal(runs[1][0], eager[0])
+    torch.testing.assert_close(runs[1][1], eager[1], rtol=0, atol=5e-3)
+    assert not torch.equal(runs[1][1], eager[1])  # float16 keys and values: not the same bits
 
 
 @pytest.mark.parametrize("family", ["llama", "dynquant_hybrid"])

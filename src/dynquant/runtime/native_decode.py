@@ -60,6 +60,16 @@ STEP_PARALLEL_MIN_ELEMENTS = 1 << 16
 # multiply-adds: SmolLM2's 9 heads of 64 from ~14 cached positions (its time grows with the
 # context, the products' does not).
 ATTENTION_PARALLEL_MIN_MACS = 1 << 14
+# The native cache's keys and values: float16 (llama.cpp's default; half the bytes a step reads
+# over a long context) or float32 (``DYNQUANT_KV_CACHE=float32``: the eager path's own numbers).
+KV_CACHE_DTYPES = {"float16": torch.float16, "float32": torch.float32}
+
+
+def kv_cache_dtype() -> torch.dtype:
+    name = os.environ.get("DYNQUANT_KV_CACHE", "float16")
+    if name not in KV_CACHE_DTYPES:
+        raise ValueError(f"DYNQUANT_KV_CACHE={name}: one of {sorted(KV_CACHE_DTYPES)}")
+    return KV_CACHE_DTYPES[name]
 
 
 def supports(config: Any) -> bool:
@@ -142,7 +152,7 @@ class _Program:
         kernel = max((p.conv.conv.kernel_size[0] for p in parts if p.conv is not None), default=1)
         # a key/value head's positions in a row: the attention reads them in order
         self.k = torch.zeros(sum(a is not None for a in self.attention), self.kv_heads,
-                             capacity, self.head_dim)
+                             capacity, self.head_dim, dtype=kv_cache_dtype())
         self.v = torch.zeros_like(self.k)
         self.conv = torch.zeros(sum(c is not None for c in self.convolution), self.hidden, kernel)
         layers: list[int] = []
@@ -165,7 +175,7 @@ class _Program:
         self.model = _int64s([len(parts), self.hidden, self.heads, self.kv_heads, self.head_dim,
                               inter, self._norm(final_norm), self._product(model.lm_head),
                               inv_freq.data_ptr(), capacity, native.kernel_threads(),
-                              ATTENTION_PARALLEL_MIN_MACS])
+                              ATTENTION_PARALLEL_MIN_MACS, int(self.k.dtype == torch.float16)])
         self.vocab = self._rows(model.lm_head)
         eps = getattr(cfg, "rms_norm_eps", None) or cfg.norm_eps
         self.scalars = (ctypes.c_float * 3)(eps, float(getattr(rotary, "attention_scaling", 1.0)),
@@ -352,8 +362,8 @@ class NativeDecode:
         prog = self.program = _Program(self.model, capacity)
         for i, layer in enumerate(cache.layers):
             if (a := prog.attention[i]) is not None:
-                prog.k[a, :, :pos] = layer.keys[0, :, :pos].float()
-                prog.v[a, :, :pos] = layer.values[0, :, :pos].float()
+                prog.k[a, :, :pos] = layer.keys[0, :, :pos]
+                prog.v[a, :, :pos] = layer.values[0, :, :pos]
             if (c := prog.convolution[i]) is not None and (state := cache.get_conv_state(i)) \
                     is not None:
                 prog.conv[c] = state[0, :, -prog.conv.shape[-1]:].float()

@@ -30,8 +30,8 @@
  *   layer [26]:  [0] attention norm weight, [1]-[4] q, k, v, o products, [5], [6] q_norm and
  *                k_norm weights (Qwen3: per head; OLMoE: over all heads, see [20]; 0: none), [7]
  *                MLP norm weight, [8]-[10] gate, up, down products (a dense MLP, or the shared
- *                expert of MLP kind 2), [11], [12] key cache, value cache (float32 [kv_heads,
- *                capacity, head_dim]); [13] MLP kind (0 dense, 1 routed experts of F.linear
+ *                expert of MLP kind 2), [11], [12] key cache, value cache ([kv_heads,
+ *                capacity, head_dim], float32 or float16: model [12]); [13] MLP kind (0 dense, 1 routed experts of F.linear
  *                banks, 2 routed experts of x @ W[e] banks and a shared expert), [14] router
  *                product, [15], [16] the banks' ExpertPairs argument blocks (kind 1: gate_up and
  *                down; kind 2: w1 and w3, [25] w2), [17] top k, [18] renormalise the top k's
@@ -42,9 +42,10 @@
  *                [1] is its in projection (3 * hidden rows), [2] its weight (float32 [hidden,
  *                K]), [3] its bias (float32 [hidden] or 0), [4] its out projection, [5] K, [11]
  *                its state (float32 [hidden, K], oldest first)
- *   model [12]:  layers, hidden, heads, kv_heads, head_dim, intermediate, final norm weight,
+ *   model [13]:  layers, hidden, heads, kv_heads, head_dim, intermediate, final norm weight,
  *                head product, inv_freq (float32 [head_dim / 2]), capacity, the attention's
- *                threads and the multiply-adds from which its heads are split over them
+ *                threads and the multiply-adds from which its work is split over them, the
+ *                cache's element type (0 float32, 1 float16)
  *   scalars [3]: rms eps, rotary attention_scaling, attention scale
  * Norm weights are float32.
  */
@@ -157,12 +158,34 @@ static inline float exp_nonpositive(float x) {
  * keeps the block's max m, sum l of exp(score - m) and sum of exp(score - m) v in its partial
  * [hd + 2]; ``attention_merge`` combines a head's blocks in order (flash-decoding). */
 typedef struct {
-    const float *q, *kc, *vc;
+    const float *q;
+    const void *kc, *vc; /* float32, or float16 when half */
     int64_t len, capacity, heads, kv_heads, hd;
     float scale;
     float *scores; /* [heads, len] */
     float *part;   /* [heads, blocks, hd + 2] */
+    int half;
 } attention_job;
+
+#define MAX_HEAD_DIM 512
+
+/* Row t of a key/value head's cache as float32: the row itself, or converted into buf. */
+static inline const float *cache_row(const void *cache, int half, int64_t row, int64_t hd,
+                                     float *buf) {
+    if (!half) return (const float *)cache + row * hd;
+    const _Float16 *r = (const _Float16 *)cache + row * hd;
+    for (int64_t d = 0; d < hd; d++) buf[d] = (float)r[d];
+    return buf;
+}
+
+static inline void cache_store(void *cache, int half, int64_t row, int64_t hd, const float *x) {
+    if (!half) {
+        memcpy((float *)cache + row * hd, x, (size_t)hd * sizeof(float));
+        return;
+    }
+    _Float16 *r = (_Float16 *)cache + row * hd;
+    for (int64_t d = 0; d < hd; d++) r[d] = (_Float16)x[d];
+}
 
 static int attend_blocks(const void *ctx, int64_t lo, int64_t hi) {
     const attention_job *a = ctx;
@@ -172,11 +195,11 @@ static int attend_blocks(const void *ctx, int64_t lo, int64_t hi) {
         const int64_t g = unit / blocks, b = unit % blocks;
         const int64_t t0 = b * ATTENTION_BLOCK;
         const int64_t t1 = t0 + ATTENTION_BLOCK < a->len ? t0 + ATTENTION_BLOCK : a->len;
-        const float *keys = a->kc + g * a->capacity * hd, *values = a->vc + g * a->capacity * hd;
-        float *s[MAX_GROUP];
+        const int64_t first = g * a->capacity; /* the head's row 0 */
+        float *s[MAX_GROUP], buf[MAX_HEAD_DIM];
         for (int64_t i = 0; i < group; i++) s[i] = a->scores + (g * group + i) * a->len;
         for (int64_t t = t0; t < t1; t++) {
-            const float *kt = keys + t * hd;
+            const float *kt = cache_row(a->kc, a->half, first + t, hd, buf);
             for (int64_t i = 0; i < group; i++)
                 s[i][t] = dense_dot_f32(kt, a->q + (g * group + i) * hd, hd) * a->scale;
         }
@@ -197,7 +220,7 @@ static int attend_blocks(const void *ctx, int64_t lo, int64_t hi) {
             for (int64_t d = 0; d < hd; d++) pt[2 + d] = 0.0f;
         }
         for (int64_t t = t0; t < t1; t++) {
-            const float *vt = values + t * hd;
+            const float *vt = cache_row(a->vc, a->half, first + t, hd, buf);
             for (int64_t i = 0; i < group; i++) {
                 float *o = a->part + ((g * group + i) * blocks + b) * (hd + 2) + 2;
                 const float p = s[i][t];
@@ -373,7 +396,8 @@ int dq_llama_step(const int64_t *model, const int64_t *layers, const float *scal
     }
     const int64_t gu = inter > hidden ? inter : hidden; /* g: also the experts' sum */
     const int64_t blocks = (pos + ATTENTION_BLOCK) / ATTENTION_BLOCK; /* of pos + 1 positions */
-    if (heads / kvh > MAX_GROUP) return -1;
+    if (heads / kvh > MAX_GROUP || hd > MAX_HEAD_DIM) return -1;
+    const int half = (int)model[12]; /* the cache's keys and values in float16 */
     const size_t floats = (size_t)(hidden + qn + 2 * kvn + qn + 2 * gu + hd + heads * (pos + 1) +
                                    heads * blocks * (hd + 2) + moe + 3 * hidden);
     float *buf = malloc(floats * sizeof(float));
@@ -410,13 +434,13 @@ int dq_llama_step(const int64_t *model, const int64_t *layers, const float *scal
             }
             rotary(q, heads, hd, cs, sn);
             rotary(k, kvh, hd, cs, sn);
-            float *kc = PTR(float *, L[11]), *vc = PTR(float *, L[12]);
+            void *kc = PTR(void *, L[11]), *vc = PTR(void *, L[12]);
             for (int64_t j = 0; j < kvh; j++) { /* each key/value head's row of positions */
-                memcpy(kc + (j * capacity + pos) * hd, k + j * hd, (size_t)hd * sizeof(float));
-                memcpy(vc + (j * capacity + pos) * hd, v + j * hd, (size_t)hd * sizeof(float));
+                cache_store(kc, half, j * capacity + pos, hd, k + j * hd);
+                cache_store(vc, half, j * capacity + pos, hd, v + j * hd);
             }
             const attention_job aj = {q, kc, vc, pos + 1, capacity, heads, kvh, hd, attn_scale,
-                                      scores, part};
+                                      scores, part, half};
             const int64_t macs = 2 * heads * (pos + 1) * hd;
             dq_parallel(attend_blocks, &aj, kvh * blocks,
                         macs >= attention_min_macs ? threads : 1);
