@@ -54,6 +54,10 @@
 #include <stdlib.h>
 #include <string.h>
 
+#ifdef __F16C__
+#include <immintrin.h>
+#endif
+
 #include "pool.h"
 
 int dq_matvec_one(const int64_t *a, const float *x, float *y);
@@ -123,14 +127,14 @@ static void rotary(float *v, int64_t count, int64_t hd, const float *cs, const f
     }
 }
 
-/* exp(x) for x <= 0 (a score minus its row's max) in plain float operations that the compiler
- * vectorises (expf is a call per element: at 8,192 cached positions it was most of a step):
- * x = n ln2 + r with |r| <= ln2 / 2, exp(r) by Cephes' degree-6 polynomial (within 2 ulp of
- * expf over this range), 2^n written into the exponent bits; below -87 the result is 2^-126
- * times exp(r), against weights of at least 1 (the max's own), so nothing is lost. */
+/* exp(x) for x <= 0 (a score minus its row's max) in plain float and integer operations that
+ * the compiler vectorises (expf is a call per element: at 8,192 cached positions it was most of
+ * a step): x = n ln2 + r with |r| <= ln2 / 2 (n rounded by adding and subtracting 1.5 * 2^23),
+ * exp(r) by Cephes' degree-6 polynomial, 2^n written into the exponent bits; below 2^-126 the
+ * result is 0, against weights of at least 1 (the max's own). No comparison of floats: without
+ * -ffast-math one keeps the loop scalar. */
 static inline float exp_nonpositive(float x) {
-    x = x < -87.0f ? -87.0f : x;
-    const float n = __builtin_rintf(x * 1.44269504088896341f);
+    const float n = (x * 1.44269504088896341f + 12582912.0f) - 12582912.0f;
     float r = x - n * 0.693359375f;
     r = r + n * 2.12194440e-4f;
     float p = 1.9875691500e-4f;
@@ -140,11 +144,11 @@ static inline float exp_nonpositive(float x) {
     p = p * r + 1.6666665459e-1f;
     p = p * r + 5.0000001201e-1f;
     p = p * (r * r) + r + 1.0f;
-    union {
-        int32_t i;
-        float f;
-    } two_n = {.i = ((int32_t)n + 127) << 23};
-    return p * two_n.f;
+    const int32_t ni = (int32_t)n;
+    const int32_t bits = ni < -126 ? 0 : (ni + 127) << 23;
+    float two_n;
+    memcpy(&two_n, &bits, sizeof two_n);
+    return p * two_n;
 }
 
 /* Positions a unit of attention work covers: a fixed number (not a share of the threads), so
@@ -173,8 +177,17 @@ typedef struct {
 static inline const float *cache_row(const void *cache, int half, int64_t row, int64_t hd,
                                      float *buf) {
     if (!half) return (const float *)cache + row * hd;
-    const _Float16 *r = (const _Float16 *)cache + row * hd;
-    for (int64_t d = 0; d < hd; d++) buf[d] = (float)r[d];
+    const uint16_t *r = (const uint16_t *)cache + row * hd;
+    int64_t d = 0;
+#ifdef __F16C__ /* the compiler does not vectorise _Float16 conversions without AVX512-FP16 */
+    for (; d + 8 <= hd; d += 8)
+        _mm256_storeu_ps(buf + d, _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(r + d))));
+#endif
+    for (; d < hd; d++) {
+        _Float16 v;
+        memcpy(&v, r + d, sizeof v);
+        buf[d] = (float)v;
+    }
     return buf;
 }
 
@@ -184,7 +197,7 @@ static inline void cache_store(void *cache, int half, int64_t row, int64_t hd, c
         return;
     }
     _Float16 *r = (_Float16 *)cache + row * hd;
-    for (int64_t d = 0; d < hd; d++) r[d] = (_Float16)x[d];
+    for (int64_t d = 0; d < hd; d++) r[d] = (_Float16)x[d]; /* round to nearest even */
 }
 
 static int attend_blocks(const void *ctx, int64_t lo, int64_t hi) {
