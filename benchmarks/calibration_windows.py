@@ -8,6 +8,7 @@ and 4.25 bits from a measure with that many moment windows, the checkpoint's GPT
 that many windows, the quantize's seconds, and KL on 16,384 held-out tokens.
 
     python -m benchmarks calibration_windows [--counts 16 24 48] [--gptq-windows N]
+        [--model smollm2|gemma3-270m]
 
 ``--gptq-windows N``: the codes from N windows whatever the count, so that only the measure's
 moment windows vary (8, the statistics pass's own windows: no X^T X pass of its own).
@@ -44,11 +45,13 @@ def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--counts", type=int, nargs="+", default=[16, 24, 48])
     parser.add_argument("--gptq-windows", type=int)
+    parser.add_argument("--model", default="smollm2", help="a prepared real model's name")
     args = parser.parse_args()
-    model_dir = real_model()
+    model_dir = real_model(args.model)
     if model_dir is None:
-        raise SystemExit("the real model is not prepared: make real-model")
-    print(f"# SmolLM2-135M-Instruct, bundled calibration text, windows of 256 tokens; {machine()}")
+        raise SystemExit(f"the real model is not prepared: python scripts/prepare_real_model.py "
+                         f"{args.model}")
+    print(f"# {args.model}, bundled calibration text, windows of 256 tokens; {machine()}")
     source = resolve_model(str(model_dir))
     tok = load_tokenizer(model_dir)
     rows = []

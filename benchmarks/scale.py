@@ -151,26 +151,40 @@ def timed(cmd: list, env: dict | None = None) -> tuple[float, int]:
     return time.perf_counter() - start, rss.join()
 
 
-def llama_cpp(model: Path, work: Path, threads: int) -> list[tuple[str, float, int]]:
-    """llama.cpp's steps on the model: (step, seconds, peak RSS bytes) each."""
+def llama_tools() -> tuple[Path, Path]:
+    """llama.cpp's programs (built once) and its source folder (the converter)."""
     bin_dir = install_tools(LLAMA_TOOLS, avx2_only=False)
-    source = bin_dir.parents[1]
+    return bin_dir, bin_dir.parents[1]
+
+
+def with_libraries(bin_dir: Path) -> dict:
+    return {**os.environ, "LD_LIBRARY_PATH": str(bin_dir)}  # its shared libraries beside it
+
+
+def convert_command(model: Path, work: Path, f16: Path) -> tuple[list, dict]:
+    """llama.cpp's converter of ``model`` to an f16 GGUF, and its environment; the model's files
+    are linked into ``work/hf`` with the real model's tokenizer (one the converter knows)."""
+    _, source = llama_tools()
     real = real_model()
     if real is None:
         sys.exit("the GGUF conversion takes the real model's tokenizer: run make real-model")
-    hf = work / "hf"  # the model's files with a tokenizer llama.cpp's converter knows
+    hf = work / "hf"
     hf.mkdir()
     for f in model.iterdir():
         if not f.name.startswith("tokenizer"):
             (hf / f.name).symlink_to(f)
     for f in real.glob("tokenizer*.json"):
         (hf / f.name).symlink_to(f)
+    return ([sys.executable, source / "convert_hf_to_gguf.py", hf, "--outtype", "f16",
+             "--outfile", f16], {**os.environ, "PYTHONPATH": str(source / "gguf-py")})
+
+
+def llama_cpp(model: Path, work: Path, threads: int) -> list[tuple[str, float, int]]:
+    """llama.cpp's steps on the model: (step, seconds, peak RSS bytes) each."""
+    bin_dir, _ = llama_tools()
     f16, imatrix, q4 = work / "model-f16.gguf", work / "imatrix.gguf", work / "model-q4_k_m.gguf"
-    env = {**os.environ, "PYTHONPATH": str(source / "gguf-py")}
-    libs = {**os.environ, "LD_LIBRARY_PATH": str(bin_dir)}  # its shared libraries beside it
-    steps = [("convert_hf_to_gguf.py (f16)",
-              [sys.executable, source / "convert_hf_to_gguf.py", hf, "--outtype", "f16",
-               "--outfile", f16], env),
+    libs = with_libraries(bin_dir)
+    steps = [("convert_hf_to_gguf.py (f16)", *convert_command(model, work, f16)),
              ("llama-imatrix, 4 x 512 tokens",
               [bin_dir / "llama-imatrix", "-m", f16, "-f", default_calibration(), "-o", imatrix,
                "-c", "512", "--chunks", "4", "-t", threads], libs),

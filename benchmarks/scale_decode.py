@@ -1,0 +1,78 @@
+"""Decode at a 7 B model's layer shapes: the scale model (``benchmarks/scale_model.py``, N layers,
+random weights, untied 49,152-row head) packed by dynquant at 4.25 and 3.25 bits against
+llama.cpp Q4_0 of the same weights, tokens/s after a short prompt and after 512 positions.
+
+dynquant: ``quantize --budget B --no-calib`` (a token's speed depends on the widths and the
+format, not on how the codes were chosen; the head is in the budget), through ``generate`` (the
+native decode step). llama.cpp: ``convert_hf_to_gguf.py`` to f16, ``llama-quantize Q4_0``,
+``llama-bench -p 0 -n N -d DEPTH`` on the same threads. Also each file's size and the bytes a
+token reads per second (the file's bytes x tokens/s: every weight is read once a token).
+
+    python -m benchmarks scale_decode [--layers N] [--depths 0 512] [--new 32]
+"""
+
+from __future__ import annotations
+
+import argparse
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
+
+import torch
+
+import dynquant
+from benchmarks.common import figure, machine
+from benchmarks.context_decode import llama_bench
+from benchmarks.scale import convert_command, llama_tools, with_libraries
+from benchmarks.scale_model import save_scale_model
+from benchmarks.vs_llamacpp import Generate
+
+BUDGETS = (4.25, 3.25)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--layers", type=int, default=1)
+    parser.add_argument("--depths", type=int, nargs="+", default=[0, 512])
+    parser.add_argument("--new", type=int, default=32)
+    parser.add_argument("--threads", type=int, default=2)
+    parser.add_argument("--rounds", type=int, default=3)
+    args = parser.parse_args()
+    torch.set_num_threads(args.threads)
+    print(f"# 7B-shaped Llama, {args.layers} layer(s), random weights, {args.new} new tokens; "
+          f"{machine()}")
+    bin_dir, _ = llama_tools()
+    with tempfile.TemporaryDirectory(prefix="dynquant-scale-decode-") as tmp:
+        work = Path(tmp)
+        model = save_scale_model(work / "model", args.layers)
+        f16, q40 = work / "f16.gguf", work / "q4_0.gguf"
+        cmd, env = convert_command(model, work, f16)
+        subprocess.run([str(c) for c in cmd], check=True, capture_output=True, env=env)
+        subprocess.run([str(c) for c in (bin_dir / "llama-quantize", f16, q40, "Q4_0")],
+                       check=True, capture_output=True, env=with_libraries(bin_dir))
+        f16.unlink()
+        runs: dict[str, tuple[Generate | None, int]] = {}
+        for budget in BUDGETS:
+            out = work / f"q{budget}"
+            subprocess.run([sys.executable, "-m", "dynquant", "quantize", str(model), "--budget",
+                            str(budget), "--no-calib", "-o", str(out), "--quiet"], check=True)
+            size = sum(p.stat().st_size for p in out.glob("*.safetensors"))
+            runs[f"dynquant {budget}"] = (Generate(dynquant.load(out)), size)
+        runs["llama.cpp Q4_0"] = (None, q40.stat().st_size)
+        print("| runtime | file MiB | cached positions | tok/s | GB/s of the file | "
+              "/ llama.cpp Q4_0 |")
+        print("|---|---|---|---|---|---|")
+        for depth in args.depths:
+            theirs = llama_bench(bin_dir, q40, depth, args.new, args.threads, args.rounds)
+            ids = [1 + i % 1000 for i in range(max(depth, 1))]
+            for name, (gen, size) in runs.items():
+                rate = theirs if gen is None else max(
+                    (args.new - 1) / gen.decode(ids, args.new) for _ in range(args.rounds))
+                print(f"| {name} | {size / 2**20:.0f} | {depth} | {rate:.1f} | "
+                      f"{size * rate / 1e9:.1f} | {rate / theirs:.2f}x |", flush=True)
+    figure("threads", args.threads)
+
+
+if __name__ == "__main__":
+    main()
