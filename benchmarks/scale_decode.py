@@ -6,7 +6,8 @@ dynquant: ``quantize --budget B --no-calib`` (a token's speed depends on the wid
 format, not on how the codes were chosen; the head is in the budget), through ``generate`` (the
 native decode step). llama.cpp: ``convert_hf_to_gguf.py`` to f16, ``llama-quantize Q4_0``,
 ``llama-bench -p 0 -n N -d DEPTH`` on the same threads. Also each file's size and the bytes a
-token reads per second (the file's bytes x tokens/s: every weight is read once a token).
+token reads per second (the file's bytes x tokens/s: every weight is read once a token) beside
+this machine's read bandwidth (a sum over 2 GiB).
 
     python -m benchmarks scale_decode [--layers N] [--depths 0 512] [--new 32]
 """
@@ -17,6 +18,7 @@ import argparse
 import subprocess
 import sys
 import tempfile
+import time
 from pathlib import Path
 
 import torch
@@ -31,6 +33,19 @@ from benchmarks.vs_llamacpp import Generate
 BUDGETS = (4.25, 3.25)
 
 
+def read_bandwidth(gib: float = 2.0, rounds: int = 5) -> float:
+    """Bytes per second this process reads from memory on its threads: a sum over a float32
+    array far larger than the caches (STREAM's read, as torch's reduction runs it), best of
+    ``rounds``."""
+    x = torch.ones(int(gib * 2**30) // 4)
+    best = float("inf")
+    for _ in range(rounds):
+        start = time.perf_counter()
+        x.sum()
+        best = min(best, time.perf_counter() - start)
+    return x.numel() * 4 / best
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--layers", type=int, default=1)
@@ -42,6 +57,7 @@ def main() -> None:
     torch.set_num_threads(args.threads)
     print(f"# 7B-shaped Llama, {args.layers} layer(s), random weights, {args.new} new tokens; "
           f"{machine()}")
+    figure("memory read bandwidth (2 GiB float32 sum)", read_bandwidth() / 1e9, "GB/s")
     bin_dir, _ = llama_tools()
     with tempfile.TemporaryDirectory(prefix="dynquant-scale-decode-") as tmp:
         work = Path(tmp)
