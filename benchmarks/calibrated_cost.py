@@ -1,11 +1,11 @@
-"""The calibrated default's cost model: `quantize --budget` with text (48 x 256 windows, GPTQ
-codes) of 8 B, 70 B and 235 B-A22B models on 1, 8 and 64 workers, projected from the per-stage
-rates that ``benchmarks/scale.py`` measures at a 7 B layer's shapes (one worker = the measuring
-machine's threads; the driver the same).
+"""The calibrated default's cost model: `quantize --budget` with text (16 x 256 windows for the
+measure's X^T X, 48 for the GPTQ codes) of 8 B, 70 B and 235 B-A22B models on 1, 8 and 64
+workers, projected from the per-stage rates that ``benchmarks/scale.py`` measures at a 7 B
+layer's shapes (one worker = the measuring machine's threads; the driver the same).
 
 Per decoder block, in order, as the pipeline runs it (docs/distributed.md):
 - the X^T X pass: the block's forwards and second moments, by shards of 8 windows over the
-  workers (6 shards: at most 6 workers share a block);
+  workers (16 windows: at most 2 workers share a block);
 - the statistics pass (8 windows, one shard) and the Fisher pass's backward (on the driver);
 - the measure's gptq ratios: one job per Linear (an inverse factor and a few rows compensated),
   the whole model's at once once every block's moments are on disk;
@@ -22,7 +22,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-WINDOWS, WINDOW, SHARD, STAT_WINDOWS = 48, 256, 8, 8
+WINDOWS, MOMENT_WINDOWS, WINDOW, SHARD, STAT_WINDOWS = 48, 16, 256, 8, 8
 RATIO_ROWS = 256  # rows a gptq ratio compensates, at each of 4 widths
 
 
@@ -89,10 +89,12 @@ def project(s: Shape, workers: int, rate: dict[str, float]) -> dict[str, float]:
     ``pass``, ``stats``, ``fisher`` (forward multiply-adds of the backward's windows per s),
     ``fisher_head`` (logits per s), ``ratios``, ``gptq``, ``factor``)."""
     big, small = block_work(s, WINDOWS * WINDOW), block_work(s, STAT_WINDOWS * WINDOW)
+    measured = block_work(s, MOMENT_WINDOWS * WINDOW)
     head = head_work(s)
     spread = min(workers, WINDOWS // SHARD)
     per_block = {
-        "X^T X pass (workers)": (big["forward"] + big["moments"]) / rate["pass"] / spread,
+        "X^T X pass (workers)": (measured["forward"] + measured["moments"]) / rate["pass"]
+        / min(workers, MOMENT_WINDOWS // SHARD),
         "statistics + Fisher (driver)": (small["forward"] / rate["stats"]
                                          + small["forward"] / rate["fisher"]),
         "GPTQ forwards + X^T X (workers)": (big["forward"] + big["partial"] + big["moments"])

@@ -39,7 +39,7 @@ from scripts.prepare_real_model import real_model
 
 LLAMA_TOOLS = Path.home() / ".cache" / "dynquant" / "llama-cpp-tools"
 
-LABELS = {("calibration pass", 1): "calibration pass: X^T X, 48 windows",
+LABELS = {("calibration pass", 1): "calibration pass: X^T X, 16 windows",
           ("calibration pass", 2): "calibration pass: statistics, 8 windows",
           ("Fisher pass", 1): "Fisher pass: the blocks",
           ("measuring", 1): "measuring (candidates, each Linear's gptq ratio)",
@@ -214,9 +214,10 @@ def main() -> None:
         theirs = [] if args.no_llama_cpp else llama_cpp(model, Path(tmp),
                                                         torch.get_num_threads())
     big, small = block_work(SEVEN_B, 48 * 256), block_work(SEVEN_B, 8 * 256)
+    measured = block_work(SEVEN_B, 16 * 256)  # the measure's X^T X windows
     factor = factor_rate()
     figure("inverse factor (n = 6,144)", factor / 1e9, "GMAC/s")
-    work = {"pass": big["forward"] + big["moments"], "stats": small["forward"],
+    work = {"pass": measured["forward"] + measured["moments"], "stats": small["forward"],
             "fisher": small["forward"], "ratios": big["ratios"],
             "gptq": sum(big[k] for k in ("forward", "partial", "moments", "factors",
                                          "compensate"))}

@@ -197,7 +197,7 @@ def test_measure_writes_second_moments_when_asked(tmp_path):
     blocks = sorted((tmp_path / "out" / "maps.moments").glob("block_*.safetensors"))
     assert [b.name for b in blocks] == ["block_000.safetensors", "block_001.safetensors"]
     assert all(m["sensitivity"] > 0 for m in doc["modules"].values())
-    # the moments come from their own pass over moment_seqs (48) windows, not the 2 of the
+    # the moments come from their own pass over moment_seqs (16) windows, not the 2 of the
     # statistics: X^T X / n of the whole model's inputs over those windows
     from dynquant.models.tokenizer import load_tokenizer
     from dynquant.pipeline.calibrate.statistics import InputStatistics

@@ -352,9 +352,9 @@ def build_parser() -> argparse.ArgumentParser:
                    "on the float model's inputs: a slower measure, BENCHMARKS.md "
                    "'Error-compensating codes'; implies --second-moments)")
     p.add_argument("--quiet", action="store_true", help="no progress and no summary")
-    p.add_argument("--moment-seqs", type=int, default=48,
-                   help="calibration sequences for the second moments (default 48: X^T X needs "
-                   "many more tokens than the sensitivities; a forward-only pass of its own)")
+    p.add_argument("--moment-seqs", type=int, default=16,
+                   help="calibration sequences for the measure's second moments (default 16: "
+                   "the gptq ratios price as well as from 48; a forward-only pass of its own)")
     p.add_argument("--no-forecast-check", action="store_true",
                    help="skip the check of the forecast (for gptq codes: two checkpoints "
                    "allocated at the probe width's bytes and one bit per weight more, measured on "
