@@ -23,10 +23,9 @@ import torch
 
 import dynquant
 from benchmarks.common import figure, machine
-from benchmarks.scale import LLAMA_TOOLS
+from benchmarks.scale import llama_tools, with_libraries
 from benchmarks.vs_llamacpp import WORK, Generate, checkpoints
 from dynquant.models.tokenizer import load_tokenizer
-from scripts.install_llama_cpp import install_tools
 from scripts.prepare_real_model import real_model
 
 ROOT = Path(__file__).parents[1]
@@ -41,13 +40,9 @@ def q4_0(real: Path, bin_dir: Path) -> Path:
         tmp = out.with_suffix(".tmp")
         subprocess.run([bin_dir / "llama-quantize", "--allow-requantize",
                         real.parent / "SmolLM2-135M-Instruct.Q4_1.gguf", tmp, "Q4_0"],
-                       check=True, capture_output=True, env=_libs(bin_dir))
+                       check=True, capture_output=True, env=with_libraries(bin_dir))
         os.replace(tmp, out)
     return out
-
-
-def _libs(bin_dir: Path) -> dict:
-    return {**os.environ, "LD_LIBRARY_PATH": str(bin_dir)}
 
 
 def llama_bench(bin_dir: Path, gguf: Path, depth: int, new: int, threads: int,
@@ -55,7 +50,8 @@ def llama_bench(bin_dir: Path, gguf: Path, depth: int, new: int, threads: int,
     """llama-bench's mean tokens/s of ``new`` tokens generated after ``depth`` positions."""
     out = subprocess.run([bin_dir / "llama-bench", "-m", gguf, "-p", "0", "-n", str(new),
                           "-d", str(depth), "-t", str(threads), "-r", str(rounds), "-o", "json"],
-                         check=True, capture_output=True, text=True, env=_libs(bin_dir))
+                         check=True, capture_output=True, text=True,
+                         env=with_libraries(bin_dir))
     return float(json.loads(out.stdout)[0]["avg_ts"])
 
 
@@ -76,7 +72,7 @@ def main() -> None:
         raise SystemExit("the real model is not prepared: make real-model")
     torch.set_num_threads(args.threads)
     print(f"# SmolLM2-135M-Instruct, {args.new} new tokens after a context; {machine()}")
-    bin_dir = install_tools(LLAMA_TOOLS, avx2_only=False)
+    bin_dir, _ = llama_tools()
     gguf = q4_0(real, bin_dir)
     model = Generate(dynquant.load(checkpoints(real)["dynquant 4.25"]))
     print("| cached positions | dynquant 4.25 tok/s | llama.cpp Q4_0 tok/s | ratio |")

@@ -16,7 +16,8 @@ from __future__ import annotations
 
 import contextlib
 import tempfile
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -236,6 +237,35 @@ class BlockStream:
         finally:
             self.model.set_input_embeddings(embed)
             self._put_back(stands)
+
+    def head_inputs(self, linear: nn.Module, finals: list[torch.Tensor],
+                    ids: list[torch.Tensor], seen: Callable[[torch.Tensor], None]) -> None:
+        """Each of ``finals``' inputs to the head Linear ``linear`` handed to ``seen``: the model's
+        final norm runs, the vocabulary-wide product does not (head weights materialized)."""
+        def stop(_module: nn.Module, inputs: tuple) -> None:
+            seen(inputs[0])
+            raise InputSeen
+
+        handle = linear.register_forward_pre_hook(stop)
+        try:
+            with torch.no_grad():
+                for final, row in zip(finals, ids, strict=True):
+                    with contextlib.suppress(InputSeen):
+                        self.head_logits(final, row)
+        finally:
+            handle.remove()
+
+    @contextmanager
+    def heads_held(self) -> Iterator[list[tuple[str, nn.Module]]]:
+        """The head modules (``head_modules``) materialized, released after."""
+        parts = self.head_modules()
+        for name, module in parts:
+            self.materialize(module, name)
+        try:
+            yield parts
+        finally:
+            for _, module in parts:
+                self.release(module)
 
     def head_modules(self) -> list[tuple[str, nn.Module]]:
         """The modules with parameters outside the blocks and the input embedding."""

@@ -23,7 +23,7 @@ from safetensors.torch import save_file
 from torch import nn
 
 from dynquant.numerics.quantizer import QuantizedTensor
-from dynquant.pipeline.calibrate.block_stream import ActivationStore, BlockStream, InputSeen
+from dynquant.pipeline.calibrate.block_stream import ActivationStore, BlockStream
 from dynquant.pipeline.calibrate.statistics import InputStatistics
 from dynquant.pipeline.calibrate.weights import WeightsAt
 from dynquant.pipeline.execute.executor import Executor, LocalExecutor, use_threads
@@ -182,31 +182,16 @@ def run_calibration_pass(stream: BlockStream, modules: set[str],
 def _head_statistics(stream: BlockStream, modules: set[str], stats: InputStatistics,
                      final: list[torch.Tensor]) -> None:
     """The mean squared inputs of the quantized Linears after the blocks (an untied lm_head),
-    from the last block's outputs: the final norm runs, the vocabulary-wide product does not."""
-    parts = stream.head_modules()
-    heads = [(n, m) for n, m in parts if n in modules and isinstance(m, nn.Linear)]
-    if not heads:
+    from the last block's outputs. Squares only: the Fisher pass takes a head's X^T X over
+    the moment windows itself (``fisher.head_input_moments``)."""
+    if not any(n in modules and isinstance(m, nn.Linear) for n, m in stream.head_modules()):
         return
-
-    def seen(name: str):
-        def fn(module: nn.Module, inputs: tuple) -> None:
-            stats.observe(name, inputs[0])
-            raise InputSeen
-        return fn
-
-    for name, module in parts:
-        stream.materialize(module, name)
-    hooks = [m.register_forward_pre_hook(seen(n)) for n, m in heads]
-    try:
-        with torch.no_grad():
-            for chunk, ids in zip(final, stream.chunks(), strict=True):
-                with contextlib.suppress(InputSeen):
-                    stream.head_logits(chunk, ids)
-    finally:
-        for h in hooks:
-            h.remove()
-        for _, module in parts:
-            stream.release(module)
+    with stream.heads_held() as parts:
+        ids = list(stream.chunks())
+        for name, module in parts:
+            if name in modules and isinstance(module, nn.Linear):
+                stream.head_inputs(module, final, ids,
+                                   lambda x, n=name: stats.observe(n, x, second=False))
 
 
 def _save_moments(stats: InputStatistics, path: Path) -> None:

@@ -20,7 +20,6 @@ with one full forward per module; the tests and benchmarks/ hold this estimate t
 
 from __future__ import annotations
 
-import contextlib
 import itertools
 from collections.abc import Callable, Iterator
 
@@ -30,11 +29,10 @@ from torch import nn
 
 from dynquant.format.planner import TensorSpec
 from dynquant.models.embedding_scale import embedding_scale
+from dynquant.numerics.gram import GramAccumulator
 from dynquant.numerics.quantizer import QuantizedTensor, dequantize_rows
 from dynquant.pipeline.calibrate.block_stream import (
     BlockStream,
-    InputMoments,
-    InputSeen,
     first_output,
     parameter_slots,
 )
@@ -343,17 +341,11 @@ def head_input_moments(cal: CalibrationPass, modules: set[str]) -> dict[str, tor
     ids = _sequences(list(stream.chunks()))
     finals = _sequences(cal.inputs.get(len(stream.blocks)))
     out = {}
-    parts = stream.head_modules()
-    for name, module in parts:
-        stream.materialize(module, name)
-    try:
+    with stream.heads_held() as parts:
         for name, module in parts:
             key = _module_of(stream, f"{name}.weight")
             if key in modules and isinstance(module, nn.Linear):
                 out[key] = _head_moments(stream, module, finals, ids)
-    finally:
-        for _, module in parts:
-            stream.release(module)
     return out
 
 
@@ -361,15 +353,8 @@ def _head_moments(stream: BlockStream, linear: nn.Module, finals: list[torch.Ten
                   ids: list[torch.Tensor]) -> torch.Tensor:
     """X^T X / n of the head Linear's inputs over the calibration positions (the final norm
     runs, the vocabulary-wide product does not)."""
-    moments = InputMoments(linear.in_features)
-    handle = linear.register_forward_pre_hook(moments.hook)
-    try:
-        with torch.no_grad():
-            for final, row in zip(finals, ids, strict=True):
-                with contextlib.suppress(InputSeen):
-                    stream.head_logits(final, row)
-    finally:
-        handle.remove()
+    moments = GramAccumulator(linear.in_features)
+    stream.head_inputs(linear, finals, ids, moments.add)
     return moments.mean()
 
 

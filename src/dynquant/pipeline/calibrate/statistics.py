@@ -50,12 +50,13 @@ class InputStatistics:
             self.observe(name, inputs[0])
         return fn
 
-    def observe(self, name: str, source: torch.Tensor) -> None:
-        """Linear ``name``'s input ``source`` [..., in]: its squares (and X^T X) summed."""
+    def observe(self, name: str, source: torch.Tensor, second: bool = True) -> None:
+        """Linear ``name``'s input ``source`` [..., in]: its squares summed (and its X^T X, when
+        the statistics gather second moments and ``second``)."""
         x = source.detach().float().reshape(-1, source.shape[-1])
         self.sums[name] = self.sums.get(name, 0) + x.square().sum(0)
         self.counts[name] = self.counts.get(name, 0) + x.shape[0]
-        if self.second:
+        if self.second and second:
             self._gram(name, source, x)
 
     def _gram(self, name: str, source: torch.Tensor, x: torch.Tensor) -> None:
