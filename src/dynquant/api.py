@@ -17,6 +17,7 @@ from dynquant.pipeline.allocate.allocation import (
     uniform_widths,
 )
 from dynquant.pipeline.allocate.maps import load_maps, maps_modules
+from dynquant.pipeline.codes.tuned_scales import ScaleTuning
 from dynquant.pipeline.execute.executor import Executor
 from dynquant.pipeline.execute.scope import executor_scope
 from dynquant.pipeline.measure.options import DEFAULT_BUDGETS, DEFAULT_WIDTHS, MeasureOptions
@@ -66,19 +67,21 @@ def quantize(model: str | Path, output: str | Path, *, budget: float | None = No
              group_size: int = 128, group_sizes: Sequence[int] | None = None,
              pins: Sequence[str] = (), not_convert: Sequence[str] = (),
              random_init: bool = False, overwrite: bool = False,
-             progress: bool = True, quantizer: str = "auto",
+             progress: bool = True, quantizer: str = "auto", tune_steps: int = ScaleTuning.steps,
              executor: str | Executor | None = None, address: str | None = None) -> dict:
     """``dynquant quantize``: (measure ->) allocate -> quantize -> write; returns the metadata.
     ``quantizer``: "gptq" (error-compensating, sequential over the blocks, on the calibration
-    text), "rtn" (round-to-nearest with the clip search), "auto" (gptq when calibrating on
-    text, rtn on the data-free path). ``executor``: where the per-module work runs ("local",
-    "ray" on the cluster at ``address`` or a local Ray instance, or an ``Executor``): the
-    checkpoint is byte-identical either way. An untied output head is quantized like any
-    Linear; ``not_convert=["lm_head"]`` keeps it dense."""
+    text), "tuned" (gptq's codes with each block's scales and offsets tuned against the float
+    block, ``tune_steps`` steps a block), "rtn" (round-to-nearest with the clip search), "auto"
+    (gptq when calibrating on text, rtn on the data-free path). ``executor``: where the
+    per-module work runs ("local", "ray" on the cluster at ``address`` or a local Ray
+    instance, or an ``Executor``): the checkpoint is byte-identical either way. An untied
+    output head is quantized like any Linear; ``not_convert=["lm_head"]`` keeps it dense."""
     req = QuantizeRequest(output=str(output), widths=None if widths is None else str(widths),
                           budget=budget, uniform=uniform, calib=[str(c) for c in calib],
                           method=method, group_size=group_size, group_sizes=group_sizes,
                           pins=pins, not_convert=not_convert,
                           random_init=random_init, overwrite=overwrite, progress=progress,
-                          quantizer=quantizer, executor=executor, address=address)
+                          quantizer=quantizer, tuning=ScaleTuning(steps=tune_steps),
+                          executor=executor, address=address)
     return run_quantize(resolve_model(str(model)), req)

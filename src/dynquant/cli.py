@@ -91,6 +91,7 @@ def _cmd_validate(args: argparse.Namespace) -> int:
 def _cmd_quantize(args: argparse.Namespace) -> int:
     from dynquant.format.summary import render_element_counts, render_summary
     from dynquant.models.sources import resolve_model
+    from dynquant.pipeline.codes.tuned_scales import ScaleTuning
     from dynquant.pipeline.workflow import QuantizeRequest, run_quantize
 
     source = resolve_model(args.model)
@@ -111,6 +112,7 @@ def _cmd_quantize(args: argparse.Namespace) -> int:
         random_init=args.random_init, seed=args.seed, overwrite=args.overwrite,
         progress=not (args.quiet or args.json), dtype=args.dtype, report=report,
         quantizer=args.quantizer, gptq_seqs=args.gptq_seqs,
+        tuning=ScaleTuning() if args.tune_steps is None else ScaleTuning(steps=args.tune_steps),
         executor=_executor(args)[0], address=_executor(args)[1])
     doc = run_quantize(source, req)
     if args.json:
@@ -390,12 +392,17 @@ def build_parser() -> argparse.ArgumentParser:
                    help="weights per scale/offset pair (default 128; smaller: more accurate, "
                    "0.25 bits per weight more per halving)")
     p.add_argument("--group-sizes", help="allocate group sizes too, e.g. 32,64,128")
-    p.add_argument("--quantizer", choices=("auto", "rtn", "gptq"), default="auto",
+    p.add_argument("--quantizer", choices=("auto", "rtn", "gptq", "tuned"), default="auto",
                    help="how codes are chosen: gptq (error-compensating, block by block over "
                    "the quantized model's own activations on --gptq-seqs calibration windows; "
                    "Linears, expert banks and the output head; an untied input embedding rtn), "
-                   "rtn (round-to-nearest with a clip search), auto (default: gptq when "
-                   "calibrating on text, rtn data-free)")
+                   "tuned (gptq's codes, then each block's group scales and offsets tuned "
+                   "against the float block: lower KL, a longer quantize, BENCHMARKS.md 'Tuned "
+                   "scales'; not the default for that time), rtn (round-to-nearest with a clip "
+                   "search), auto (default: gptq when calibrating on text, rtn data-free)")
+    p.add_argument("--tune-steps", type=int,
+                   help="--quantizer tuned: steps per block, one calibration window each "
+                   "(default 100)")
     p.add_argument("--gptq-seqs", type=int, default=48,
                    help="calibration windows the gptq pass streams (default 48 x --calib-len "
                    "tokens; cost: about one forward per Linear group over them)")

@@ -25,7 +25,14 @@ from dynquant.pipeline.allocate.maps import (
     split_maps_arg,
 )
 from dynquant.pipeline.codes.code_chooser import CodeChooser
-from dynquant.pipeline.codes.policy import check_request, choose_quantizer, gptq_calibration
+from dynquant.pipeline.codes.policy import (
+    SEQUENTIAL,
+    check_request,
+    choose_quantizer,
+    gptq_calibration,
+    pricing,
+)
+from dynquant.pipeline.codes.tuned_scales import ScaleTuning
 from dynquant.pipeline.codes.write import quantize_model
 from dynquant.pipeline.execute.executor import Executor
 from dynquant.pipeline.execute.scope import executor_scope
@@ -59,10 +66,12 @@ class QuantizeRequest:
     # told the forecast of a budget allocation before anything is written (None: printed to
     # stderr unless progress is off)
     report: Callable[[Forecast], None] | None = None
-    # "gptq": error-compensating, sequential over the blocks; "rtn": round-to-nearest; "auto":
-    # gptq when calibrating on text, else rtn
+    # "gptq": error-compensating, sequential over the blocks; "tuned": gptq's codes with each
+    # block's scales tuned against the float block; "rtn": round-to-nearest; "auto": gptq when
+    # calibrating on text, else rtn
     quantizer: str = "auto"
     gptq_seqs: int = 48  # calibration windows the sequential gptq pass streams
+    tuning: ScaleTuning = field(default_factory=ScaleTuning)  # for "tuned"
     # where the per-module work runs (pipeline/execute/executor.py): None/"local", "ray" (on the
     # cluster at ``address``, or a local Ray instance), or an Executor
     executor: Executor | str | None = None
@@ -112,8 +121,8 @@ def resolve_widths(source: ModelSource, req: QuantizeRequest, workdir: Path,
     if req.widths is None and req.budget is None and req.uniform is None:
         raise DynquantError("give --widths, --budget or --uniform", field="widths")
     maps, maps_path, budget = _maps_for(source, req, workdir, executor)
-    codes = choose_quantizer(req.quantizer, source, req.random_init, req.calib,
-                             maps.get("calibration"))
+    codes = pricing(choose_quantizer(req.quantizer, source, req.random_init, req.calib,
+                                     maps.get("calibration")))
     widths, allocator, tag = _allocate(req, maps, maps_path, budget, codes)
     measured_now = req.widths is None
     importance, stats_path = _statistics(maps, maps_path)
@@ -185,8 +194,9 @@ def _run(source: ModelSource, req: QuantizeRequest, workdir: Path, executor: Exe
     quantizer = choose_quantizer(req.quantizer, source, req.random_init, req.calib,
                                  w.calibration, say=req.progress)
     sequential = (gptq_calibration(source, req.calib, w.calibration, req.gptq_seqs,
-                                   req.calib_len, w.compensate_head)
-                  if quantizer == "gptq" else None)
+                                   req.calib_len, w.compensate_head,
+                                   req.tuning if quantizer == "tuned" else None)
+                  if quantizer in SEQUENTIAL else None)
     chooser = CodeChooser(quantizer, w.importance or {}, sequential=sequential)
     if not w.forecast_for_codes and w.allocator == "sensitivity" and req.progress:
         print("dynquant: gptq codes; the predicted KL is for round-to-nearest codes (these "

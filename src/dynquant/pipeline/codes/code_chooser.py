@@ -1,7 +1,9 @@
 """How a module's codes are chosen when a checkpoint is written.
 
 ``rtn``: round-to-nearest with the per-group clip search, its error weighted by the calibration
-statistics (the column mean squares) when there are any. ``gptq``: error-compensating
+statistics (the column mean squares) when there are any. ``tuned``: sequential GPTQ's codes with
+each block's scales and offsets tuned against the float block (``tuned_scales.py``; where it is
+not sequential, as gptq). ``gptq``: error-compensating
 quantization (``numerics/gptq.py``) of the 2-D Linears, two ways:
 
 - sequential (what ``quantize --quantizer gptq`` writes; ``sequential`` set): the calibration
@@ -33,7 +35,7 @@ from dynquant.pipeline.calibrate.priors import block_index
 from dynquant.pipeline.calibrate.statistics import importance_of
 from dynquant.pipeline.codes.sequential_gptq import SequentialCalibration
 
-QUANTIZERS = ("rtn", "gptq")
+QUANTIZERS = ("rtn", "gptq", "tuned")
 
 
 def check_quantizer(name: str) -> None:
@@ -107,7 +109,8 @@ class CodeChooser:
         """(codes, the second moments they were compensated with or None, the column
         importance they were rounded with or None)."""
         hessian = (self.moments.get(spec.module)
-                   if self.quantizer == "gptq" and self.moments is not None and tensor.ndim == 2
+                   if self.quantizer in ("gptq", "tuned") and self.moments is not None
+                   and tensor.ndim == 2
                    else None)
         if hessian is not None:
             return (gptq_quantize(tensor.float(), hessian, bits, group_size,

@@ -1,5 +1,6 @@
 """Which codes a quantize writes: ``--quantizer auto`` (the default) decides from the run's text
-and model, ``rtn`` and ``gptq`` are asked for; gptq's calibration windows. The one place that
+and model, ``rtn``, ``gptq`` and ``tuned`` are asked for; the sequential pass's calibration
+windows. The one place that
 decides and checks it."""
 
 from __future__ import annotations
@@ -18,6 +19,15 @@ from dynquant.pipeline.calibrate.text import (
 )
 from dynquant.pipeline.codes.code_chooser import check_quantizer
 from dynquant.pipeline.codes.sequential_gptq import SequentialCalibration
+from dynquant.pipeline.codes.tuned_scales import ScaleTuning
+
+SEQUENTIAL = ("gptq", "tuned")  # codes of the sequential pass over calibration windows
+
+
+def pricing(codes: str) -> str:
+    """The codes an allocation prices ``codes`` as: tuned codes start from gptq's and are
+    priced as those (their own ratio is not measured)."""
+    return "gptq" if codes == "tuned" else codes
 
 
 def check_request(requested: str, source: ModelSource, random_init: bool) -> None:
@@ -25,9 +35,10 @@ def check_request(requested: str, source: ModelSource, random_init: bool) -> Non
     can run calibration text."""
     if requested != "auto":
         check_quantizer(requested)
-    if requested == "gptq" and calibration_blocker(source, random_init) is not None:
-        raise DynquantError("--quantizer gptq needs model weights and a tokenizer (a model "
-                            "directory) to calibrate with", file=source.name, field="quantizer")
+    if requested in SEQUENTIAL and calibration_blocker(source, random_init) is not None:
+        raise DynquantError(f"--quantizer {requested} needs model weights and a tokenizer (a "
+                            "model directory) to calibrate with", file=source.name,
+                            field="quantizer")
 
 
 def choose_quantizer(requested: str, source: ModelSource, random_init: bool,
@@ -50,8 +61,8 @@ def choose_quantizer(requested: str, source: ModelSource, random_init: bool,
 
 
 def gptq_calibration(source: ModelSource, calib: Sequence[str], record: dict | None,
-                     seqs: int, length: int, compensate_head: bool = True
-                     ) -> SequentialCalibration:
+                     seqs: int, length: int, compensate_head: bool = True,
+                     tuning: ScaleTuning | None = None) -> SequentialCalibration:
     """The ``seqs`` windows of ``length`` tokens the sequential gptq pass streams: of
     ``calib``, else of the text the widths were measured on when that is dynquant's bundled
     text (or nothing was measured). The model can run them (``check_request`` /
@@ -65,4 +76,4 @@ def gptq_calibration(source: ModelSource, calib: Sequence[str], record: dict | N
                                 field="calib")
         texts = [str(default_calibration())]
     ids = calibration_ids(load_tokenizer(source.directory), texts, seqs, length)
-    return SequentialCalibration(ids, compensate_head)
+    return SequentialCalibration(ids, compensate_head, tuning)

@@ -64,6 +64,12 @@ from dynquant.pipeline.calibrate.calibration_pass import (
 )
 from dynquant.pipeline.calibrate.statistics import InputStatistics
 from dynquant.pipeline.calibrate.weights import WeightsAt
+from dynquant.pipeline.codes.tuned_scales import (
+    ScaleTuning,
+    block_error,
+    float_outputs,
+    tune_block,
+)
 from dynquant.pipeline.execute.executor import Executor, LocalExecutor, use_threads
 from dynquant.pipeline.execute.progress import StageProgress
 
@@ -80,10 +86,14 @@ class SequentialCalibration:
     # the output head (a tied embedding included) compensated; False: rounded to nearest (the
     # measure found its compensated codes cost more KL, the lookup's share included)
     compensate_head: bool = True
+    # each block's scales and offsets then tuned against the float block (``tuned_scales.py``)
+    tuning: ScaleTuning | None = None
 
     def digest(self) -> str:
         h = hashlib.sha256(self.ids.numpy().tobytes())
         h.update(repr(self.compensate_head).encode())
+        if self.tuning is not None:
+            h.update(repr(self.tuning).encode())
         return h.hexdigest()
 
 
@@ -103,14 +113,16 @@ class _Target:
 def sequential_gptq(stream: BlockStream, specs: list[TensorSpec], quantized: set[str],
                     choice: Choice, rounder: Rounder, store: ResumeStore,
                     progress: bool = False, executor: Executor | None = None,
-                    compensate_head: bool = True) -> None:
+                    compensate_head: bool = True, tuning: ScaleTuning | None = None) -> None:
     """Quantize the ``quantized`` modules inside the decoder blocks, then the output head, into
     ``store`` (index = the tensor's position in ``specs``). Each group's matrices (a Linear,
     an expert of a bank) are compensated as jobs on ``executor`` (default: here); the head
-    rounds to nearest unless ``compensate_head``."""
+    rounds to nearest unless ``compensate_head``. With ``tuning``, each block's scales are then
+    tuned here, and its codes stored only once tuned (a killed run redoes that block)."""
     executor = executor or LocalExecutor()
     index = {s.module: i for i, s in enumerate(specs) if s.module in quantized}
     hidden = stream.record()
+    floats = list(hidden) if tuning is not None else []  # the float model's hidden states
     work = BlockWork(WeightsAt.of(stream.source, False), stream.dtype, frozenset(), False,
                      torch.get_num_threads())
     with StageProgress(enabled=progress) as bar, serving(stream, work):
@@ -120,26 +132,70 @@ def sequential_gptq(stream: BlockStream, specs: list[TensorSpec], quantized: set
             mine = [s for s in specs if s.module in index and s.module.startswith(state.prefix)]
             stream.materialize(block, state.prefix[:-1])
             try:
+                tuned = tuning is not None and not all(store.has(index[s.module]) for s in mine)
+                if tuning is not None:  # before any codes are in place
+                    floats = float_outputs(stream, b, floats)
+                say = _noter(bar, task, f"block {b + 1}")
+                block_store = _HeldCodes(store) if tuned else store
                 targets = _targets(block, state.prefix, mine)
                 groups = _groups(stream, b, hidden[0], targets)
                 reached = {m for g in groups for m in g}
                 for s in mine:  # the rest first, to nearest: their errors feed the groups
                     if s.module not in reached:
                         param = block.get_parameter(state.relative(s))
-                        qt = _finished(store, index[s.module]) or rounder(
+                        qt = _finished(block_store, index[s.module]) or rounder(
                             s, param.data, *choice(s.module))
-                        _keep(store, index[s.module], s, qt, param, state)
+                        _keep(block_store, index[s.module], s, qt, param, state)
                 for g, group in enumerate(groups):
                     where = (f"block {b + 1}, group {g + 1}/{len(groups)} "
                              f"({group[0].removeprefix(state.prefix)})")
-                    _quantize_group(state, group, targets, specs, index, choice, store,
+                    _quantize_group(state, group, targets, specs, index, choice, block_store,
                                     _noter(bar, task, where))
                 hidden = _outputs(state, _noter(bar, task, f"block {b + 1}: its output"))
+                if tuned:
+                    hidden = _tuned(state, mine, index, hidden, floats, tuning, store, say)
             finally:
                 stream.release(block)
             bar.advance(task)
         _head(stream, hidden, index, choice, store,
               None if compensate_head else (specs, rounder), bar)
+
+
+class _HeldCodes:
+    """A block's codes held here until they are tuned (a resume store's ``load`` and
+    ``save_quantized``): the resume store sees only tuned codes."""
+
+    def __init__(self, store: ResumeStore) -> None:
+        self.store = store
+
+    def load(self, _index: int) -> None:
+        return None
+
+    def save_quantized(self, _index: int, _module: str, _qt: QuantizedTensor) -> None:
+        pass
+
+
+def _tuned(state: _Block, mine: list[TensorSpec], index: dict, hidden: list[torch.Tensor],
+           targets: list[torch.Tensor], tuning: ScaleTuning, store: ResumeStore,
+           say: Callable[[str], None]) -> list[torch.Tensor]:
+    """The block's codes (in ``state.replaced``) with tuned scales where they lower the block's
+    error over every window, stored, put in place; returns the block's outputs with them
+    (``hidden``: its outputs with the GPTQ codes)."""
+    codes = dict(state.replaced)
+    tuned = tune_block(state.stream, state.index, codes, state.hidden, targets, tuning, say)
+    block = state.stream.blocks[state.index]
+    for name, qt in tuned.items():
+        put_codes(block.get_parameter(name), qt)
+    state.replaced.update(tuned)
+    outputs = _outputs(state, lambda what: say(f"tuned output: {what}"))
+    if block_error(outputs, targets) >= block_error(hidden, targets):
+        for name, qt in codes.items():
+            put_codes(block.get_parameter(name), qt)
+        state.replaced.update(codes)
+        outputs = hidden
+    for s in mine:
+        store.save_quantized(index[s.module], s.module, state.replaced[state.relative(s)])
+    return outputs
 
 
 @dataclass

@@ -184,4 +184,5 @@ def _sequential(source: ModelSource, weights: WeightSource, specs: list, plan: d
     stream = BlockStream(source, weights, chooser.sequential.ids, chunk=1)
     sequential_gptq(stream, specs, set(plan["layers"]),
                     lambda m: split_choice(widths[m], group_size), chooser.quantize, store,
-                    progress, executor, chooser.sequential.compensate_head)
+                    progress, executor, chooser.sequential.compensate_head,
+                    chooser.sequential.tuning)

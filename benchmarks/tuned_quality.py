@@ -1,0 +1,112 @@
+"""Codes against codes in the same format and bytes: round-to-nearest, sequential GPTQ, and GPTQ
+with each block's scales and offsets tuned against the float block (``--quantizer tuned``).
+
+One calibrated measure on the bundled text (``quantize --budget``'s own, rtn-priced with each
+Linear's gptq ratio) gives the widths, uniform and allocated; every code kind writes the same
+widths (equal bytes). Each row: the codes' write time (the measure, the same for every kind, is
+shown once), and mean KL against the float model on 16,384 held-out tokens.
+
+    python -m benchmarks tuned_quality [--model smollm2|gemma3-270m] [--settings u3 a3.25 ...]
+        [--steps 100]
+
+Targets: tuned <= 0.6x GPTQ's KL at 3.25 and 4.25 bits (SmolLM2; Gemma-3-270M at 4.25), no
+budget worse at 5.5; tuned's quantize (measure + codes) <= 3x GPTQ's.
+"""
+
+from __future__ import annotations
+
+import argparse
+import tempfile
+import time
+from dataclasses import replace
+from pathlib import Path
+
+from safetensors.torch import load_file
+
+from benchmarks.common import figure, machine
+from dynquant.models.sources import resolve_model
+from dynquant.models.tokenizer import load_tokenizer
+from dynquant.pipeline.allocate.allocation import allocate_widths, uniform_widths
+from dynquant.pipeline.allocate.maps import compensates_head, maps_modules
+from dynquant.pipeline.calibrate.text import calibration_ids, default_calibration
+from dynquant.pipeline.codes.code_chooser import CodeChooser
+from dynquant.pipeline.codes.sequential_gptq import SequentialCalibration
+from dynquant.pipeline.codes.tuned_scales import ScaleTuning
+from dynquant.pipeline.codes.write import quantize_model
+from dynquant.pipeline.measure.options import MeasureOptions
+from dynquant.pipeline.measure.run import measure
+from dynquant.pipeline.report.frontier import evaluate_checkpoints
+from scripts.prepare_real_model import real_model
+
+ROOT = Path(__file__).parents[1]
+HELDOUT = ROOT / "data" / "heldout.txt"
+EVAL_TOKENS = 16384
+GPTQ_SEQS = 48  # quantize --gptq-seqs's default
+
+
+def _widths(maps: dict, setting: str) -> dict:
+    """``u3``: uniform 3 bits; ``a3.25``: allocated at 3.25 bits (for gptq codes)."""
+    modules = maps_modules(maps, "gptq")
+    if setting.startswith("u"):
+        return dict(uniform_widths(modules, int(setting[1:]), 128).widths)
+    return dict(allocate_widths(modules, float(setting[1:])).widths)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--model", default="smollm2", help="a prepared real model's name")
+    parser.add_argument("--settings", nargs="+", default=["u3", "a3.25", "a4.25", "a5.5"])
+    parser.add_argument("--steps", type=int, default=ScaleTuning.steps)
+    args = parser.parse_args()
+    model_dir = real_model(args.model)
+    if model_dir is None:
+        raise SystemExit(f"the real model is not prepared: python scripts/prepare_real_model.py "
+                         f"{args.model}")
+    print(f"# {args.model}: RTN / GPTQ / tuned scales ({args.steps} steps a block), same widths; "
+          f"{GPTQ_SEQS} x 256 calibration tokens of the bundled text, KL on {EVAL_TOKENS} "
+          f"held-out tokens; {machine()}")
+    source = resolve_model(str(model_dir))
+    ids = calibration_ids(load_tokenizer(model_dir), [str(default_calibration())], GPTQ_SEQS,
+                          256)
+    rows, names = [], []
+    with tempfile.TemporaryDirectory(prefix="dynquant-tuned-") as tmp:
+        out = Path(tmp)
+        start = time.perf_counter()
+        maps = measure(source, MeasureOptions(budgets=[]), out / "maps.json", progress=False)
+        measured = time.perf_counter() - start
+        figure(f"{args.model}: calibrated measure", measured, "s")
+        importance = load_file(out / maps["stats"])
+        for setting in args.settings:
+            widths = _widths(maps, setting)
+            cal = SequentialCalibration(ids, compensates_head(maps, widths))
+            choosers = {"rtn": CodeChooser("rtn", importance),
+                        "gptq": CodeChooser("gptq", importance, sequential=cal),
+                        "tuned": CodeChooser("tuned", importance, sequential=replace(
+                            cal, tuning=ScaleTuning(steps=args.steps)))}
+            for codes, chooser in choosers.items():
+                tag = f"{codes}-{setting}"
+                start = time.perf_counter()
+                doc = quantize_model(source, widths, out / tag, overwrite=True, progress=False,
+                                     chooser=chooser)
+                seconds = time.perf_counter() - start
+                figure(f"{args.model} {setting}: {codes} codes' write time", seconds, "s")
+                rows.append({"setting": setting, "codes": codes, "tag": tag, "seconds": seconds,
+                             "nbytes": doc["accounting"]["total_nbytes"]})
+                names.append(tag)
+        results = evaluate_checkpoints(model_dir, out, names, HELDOUT, 512, EVAL_TOKENS, None)
+    by = {(r["setting"], r["codes"]): r | {"kl": results[r["tag"]].kl_mean} for r in rows}
+    print(f"\n| {args.model} | MiB | RTN KL | GPTQ KL | tuned KL | tuned / GPTQ | codes' time "
+          f"RTN / GPTQ / tuned (s) | quantize tuned / GPTQ (with the {measured:.0f} s measure) |")
+    print("|---|---|---|---|---|---|---|---|")
+    for setting in args.settings:
+        rtn, gptq, tuned = (by[(setting, c)] for c in ("rtn", "gptq", "tuned"))
+        ratio = tuned["kl"] / gptq["kl"]
+        cost = (measured + tuned["seconds"]) / (measured + gptq["seconds"])
+        figure(f"{args.model} {setting}: KL tuned / gptq", ratio, "x")
+        print(f"| {setting} | {gptq['nbytes'] / 2**20:.2f} | {rtn['kl']:.4f} | {gptq['kl']:.4f} | "
+              f"{tuned['kl']:.4f} | {ratio:.2f}x | {rtn['seconds']:.0f} / {gptq['seconds']:.0f} / "
+              f"{tuned['seconds']:.0f} | {cost:.2f}x |")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,73 @@
+"""Group scales and offsets tuned by gradient descent on an output error, the codes frozen
+(EfficientQAT's E2E-QP and OmniQuant's learnable clipping, in the format's own terms).
+
+Codes ``q`` with bf16 scale ``s0`` and offset ``o0`` per group (GPTQ's, say) stay as they are;
+per group two factors ``a``, ``b`` (zero at the start) give
+
+    s = bf16(s0 * (1 + a)),  o = bf16(o0 + s0 * b),  w_hat = q * s + o
+
+The bf16 rounding passes its gradient straight through, so ``w_hat`` is differentiable in ``a``
+and ``b`` and is exactly what the tuned codes dequantize to: :meth:`TunableScales.codes` writes
+the same ``q`` beside the new ``s`` and ``o`` as an ordinary :class:`QuantizedTensor`, which no
+reader can tell from any other. The caller chooses the error (``pipeline/codes/tuned_scales.py``:
+a decoder block's output against the float block's).
+
+Freezing the codes is a measured choice: learning per-weight rounding offsets as well (SignRound
+/ AutoRound, signed gradient steps through a straight-through rounding) made a SmolLM2 block's
+output error larger than GPTQ's codes it started from, at 1e-3 and 5e-3 step sizes, while the
+scales alone lower it (BENCHMARKS.md "Tuned scales").
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from dynquant.format.packing import unpack_codes
+from dynquant.numerics.quantizer import QuantizedTensor
+
+
+def _straight(x: torch.Tensor, rounded: torch.Tensor) -> torch.Tensor:
+    """``rounded`` in the forward pass (exactly: x - x is 0), the identity's gradient in the
+    backward."""
+    return rounded.detach() + (x - x.detach())
+
+
+def _bf16(x: torch.Tensor) -> torch.Tensor:
+    return _straight(x, x.detach().to(torch.bfloat16).float())
+
+
+class TunableScales(nn.Module):
+    """One tensor's frozen codes with learnable group scales and offsets."""
+
+    def __init__(self, start: QuantizedTensor) -> None:
+        super().__init__()
+        lay = start.layout
+        self.start, self.in_features = start, lay.in_features
+        self.max_code = (1 << lay.bits) - 1
+        self.q = unpack_codes(start.qweight, lay.bits).view(
+            lay.num_rows, lay.num_groups, lay.group_size).float()
+        self.s0, self.o0 = start.scales.float(), start.offsets.float()
+        self.a = nn.Parameter(torch.zeros_like(self.s0))
+        self.b = nn.Parameter(torch.zeros_like(self.s0))
+
+    def _scale_offset(self) -> tuple[torch.Tensor, torch.Tensor]:
+        return _bf16(self.s0 * (1 + self.a)), _bf16(self.o0 + self.s0 * self.b)
+
+    def forward(self) -> torch.Tensor:
+        """The dequantized weight in its logical shape (float32; the format's arithmetic:
+        multiply, then add)."""
+        s, o = self._scale_offset()
+        w_hat = self.q * s[..., None] + o[..., None]
+        rows = w_hat.shape[0]
+        return w_hat.reshape(rows, -1)[:, : self.in_features].reshape(
+            self.start.logical_shape)
+
+    @torch.no_grad()
+    def codes(self) -> QuantizedTensor:
+        """The codes with the current scales and offsets (dequantizing to ``forward()``)."""
+        s, o = self._scale_offset()
+        st = self.start
+        return QuantizedTensor(st.qweight, s.to(torch.bfloat16), o.to(torch.bfloat16),
+                               st.logical_shape, st.bits, st.group_size, st.clipped_fraction,
+                               st.clip_improvement)
