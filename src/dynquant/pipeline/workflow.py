@@ -30,7 +30,6 @@ from dynquant.pipeline.codes.policy import (
     check_request,
     choose_quantizer,
     gptq_calibration,
-    pricing,
 )
 from dynquant.pipeline.codes.tuned_scales import ScaleTuning
 from dynquant.pipeline.codes.write import quantize_model
@@ -121,8 +120,8 @@ def resolve_widths(source: ModelSource, req: QuantizeRequest, workdir: Path,
     if req.widths is None and req.budget is None and req.uniform is None:
         raise DynquantError("give --widths, --budget or --uniform", field="widths")
     maps, maps_path, budget = _maps_for(source, req, workdir, executor)
-    codes = pricing(choose_quantizer(req.quantizer, source, req.random_init, req.calib,
-                                     maps.get("calibration")))
+    codes = choose_quantizer(req.quantizer, source, req.random_init, req.calib,
+                             maps.get("calibration"))
     widths, allocator, tag = _allocate(req, maps, maps_path, budget, codes)
     measured_now = req.widths is None
     importance, stats_path = _statistics(maps, maps_path)

@@ -22,7 +22,7 @@ from dynquant.pipeline.allocate.allocation import (
     allocate_widths,
     reachable_range,
 )
-from dynquant.pipeline.allocate.maps import maps_codes, maps_modules
+from dynquant.pipeline.allocate.maps import COMPENSATED, maps_codes, maps_modules
 
 LARGE_LOSS = 0.1  # nats per token: beyond it a model visibly degrades (PPL up by ~10 %)
 STEP = 0.25  # bits between the budgets compared
@@ -121,7 +121,7 @@ def check_points(check: dict | None) -> list[tuple[float, float]]:
 
 def _unchecked(maps: dict, codes: str | None) -> bool:
     """Whether a forecast of gptq codes is the modules' sum alone (no check for them)."""
-    return (codes or maps_codes(maps)) == "gptq" and _check_for(maps, codes) is None
+    return (codes or maps_codes(maps)) in COMPENSATED and _check_for(maps, codes) is None
 
 
 def _check_for(maps: dict, codes: str | None) -> dict | None:

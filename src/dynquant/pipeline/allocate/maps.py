@@ -13,6 +13,9 @@ from dynquant.format.validate import load_metadata
 from dynquant.pipeline.allocate.allocation import Candidate, ModuleChoices
 
 MAPS_SCHEMA = "dynquant_maps_v1"
+# codes priced by the Linears' gptq ratios: gptq's, and tuned ones (gptq's codes with tuned
+# scales, priced as gptq's: their own ratio is not measured)
+COMPENSATED = ("gptq", "tuned")
 
 
 def maps_codes(maps: dict) -> str:
@@ -31,7 +34,7 @@ def maps_modules(maps: dict, codes: str | None = None) -> list[ModuleChoices]:
     trend = width_trend(maps)
 
     def factor(m: dict, c: dict) -> float:
-        if codes != "gptq":
+        if codes not in COMPENSATED:
             return 1.0
         if "gptq_ratio" in c:  # a head: compensated only where that measured better
             return min(1.0, c["gptq_ratio"])

@@ -24,12 +24,6 @@ from dynquant.pipeline.codes.tuned_scales import ScaleTuning
 SEQUENTIAL = ("gptq", "tuned")  # codes of the sequential pass over calibration windows
 
 
-def pricing(codes: str) -> str:
-    """The codes an allocation prices ``codes`` as: tuned codes start from gptq's and are
-    priced as those (their own ratio is not measured)."""
-    return "gptq" if codes == "tuned" else codes
-
-
 def check_request(requested: str, source: ModelSource, random_init: bool) -> None:
     """A quantize's ``--quantizer`` before any work: a known name, and for gptq a model that
     can run calibration text."""

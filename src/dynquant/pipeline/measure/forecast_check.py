@@ -36,6 +36,7 @@ from dynquant.pipeline.allocate.maps import compensates_head, maps_modules
 from dynquant.pipeline.calibrate.text import calibration_tokens, spread_windows
 from dynquant.pipeline.codes.code_chooser import CodeChooser
 from dynquant.pipeline.codes.sequential_gptq import SequentialCalibration
+from dynquant.pipeline.codes.tuned_scales import ScaleTuning
 from dynquant.pipeline.codes.write import quantize_model
 from dynquant.pipeline.execute.executor import Executor
 from dynquant.pipeline.execute.progress import StageProgress
@@ -79,9 +80,9 @@ def mean_kl(base: nn.Module, model: nn.Module, windows: torch.Tensor,
 
 def forecast_check(source: ModelSource, doc: dict, importance: dict[str, torch.Tensor],
                    calib: list[str], length: int, bits: int, group_size: int,
-                   work: Path, executor: Executor | None = None, progress: bool = False
-                   ) -> dict | None:
-    """Quantize ``source`` with gptq codes at the widths allocated for the bytes of ``bits``
+                   work: Path, executor: Executor | None = None, progress: bool = False,
+                   codes: str = "gptq") -> dict | None:
+    """Quantize ``source`` with ``codes`` (gptq or tuned) at the widths allocated for the bytes of ``bits``
     everywhere, and for those bytes plus each further step of ``STEPS``, and measure each on
     held-out windows of the calibration text: ``{"codes", "held_tokens", "points": [{"widths",
     "predicted_kl", "measured_kl"}, ...]}`` (a point the modules cannot be allocated at is left
@@ -105,22 +106,22 @@ def forecast_check(source: ModelSource, doc: dict, importance: dict[str, torch.T
         if alloc.predicted_error <= 0:
             continue
         measured = _measured_kl(source, doc, importance, dict(alloc.widths), fit, held,
-                                group_size, work, executor, progress)
+                                group_size, work, executor, progress, codes)
         points.append({"widths": f"allocated at uniform {bits}:{group_size}'s bytes"
                        + (f" + {step} bit per weight" if step else ""),
                        "predicted_kl": alloc.predicted_error, "measured_kl": measured})
     if not points:
         return None
-    return {"codes": "gptq", "held_tokens": held.numel(), "points": points}
+    return {"codes": codes, "held_tokens": held.numel(), "points": points}
 
 
 def _measured_kl(source: ModelSource, doc: dict, importance: dict[str, torch.Tensor],
                  widths: dict, fit: torch.Tensor, held: torch.Tensor, group_size: int,
-                 work: Path, executor: Executor | None, progress: bool) -> float:
-    """The KL on ``held`` of ``source`` quantized at ``widths`` with gptq codes fitted to
+                 work: Path, executor: Executor | None, progress: bool, codes: str) -> float:
+    """The KL on ``held`` of ``source`` quantized at ``widths`` with ``codes`` fitted to
     ``fit``."""
-    chooser = CodeChooser("gptq", importance, sequential=SequentialCalibration(
-        fit, compensates_head(doc, widths)))
+    chooser = CodeChooser(codes, importance, sequential=SequentialCalibration(
+        fit, compensates_head(doc, widths), ScaleTuning() if codes == "tuned" else None))
     with tempfile.TemporaryDirectory(prefix=".forecast-check-", dir=work) as tmp:
         quantize_model(source, widths, Path(tmp) / "check", group_size=group_size,
                        modules_to_not_convert=tuple(doc["modules_to_not_convert"]),
