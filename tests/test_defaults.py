@@ -158,7 +158,7 @@ def test_the_forecast_is_scaled_by_the_measures_check():
     from dynquant.pipeline.allocate.forecast import calibrated_kl
 
     maps, modules = _toy_maps("fisher", 1.0)
-    maps["quantizer"] = "rtn"  # calibrated maps: gptq codes by default
+    maps["quantizer"] = "rtn"  # calibrated maps: tuned codes by default
     maps["forecast_check"] = _check((0.1, 0.2))
     assert calibrated_kl(maps, 0.3) == pytest.approx(0.6)
     assert calibrated_kl(maps, 0.05) == pytest.approx(0.05 * 2 ** 0.5)
@@ -172,7 +172,7 @@ def test_the_forecast_is_scaled_by_the_measures_check():
     maps["forecast_check"]["points"][0]["measured_kl"] = 100.0
     assert calibrated_kl(maps, 0.3) == pytest.approx(0.3 * math.e)
     # maps.json written before the check had points: the one point at the top level
-    maps["forecast_check"] = {"codes": "gptq", "predicted_kl": 0.1, "measured_kl": 0.2}
+    maps["forecast_check"] = {"codes": "tuned", "predicted_kl": 0.1, "measured_kl": 0.2}
     assert calibrated_kl(maps, 0.05) == pytest.approx(0.05 * 2 ** 0.5)
 
 
@@ -200,7 +200,7 @@ def test_a_check_of_two_points_interpolates_between_them():
 
 def _check(*points: tuple[float, float]) -> dict:
     """A gptq forecast check of (predicted, measured) KL points."""
-    return {"codes": "gptq", "held_tokens": 1024,
+    return {"codes": "tuned", "held_tokens": 1024,
             "points": [{"widths": "test", "predicted_kl": p, "measured_kl": m}
                        for p, m in points]}
 

@@ -80,16 +80,16 @@ def test_quantize_with_budget_end_to_end(hybrid_dir, tmp_path):
                  str(tmp_path / "w.json")]) == 0
     widths = json.loads((tmp_path / "w.json").read_text())
     assert widths == {n: e["bits"] for n, e in doc["layers"].items()}
-    # and quantizing again from those maps with their text gives the same widths and gptq
+    # and quantizing again from those maps with their text gives the same widths and tuned
     # codes; without the text the widths were measured on, the codes round to nearest (auto),
     # allocated for those codes (each Linear's error without its gptq ratio)
-    assert prov["quantizer"] == "gptq"
+    assert prov["quantizer"] == "tuned"
     maps_arg = f"{out / 'maps.json'}:5.0"
     assert main(["quantize", str(hybrid_dir / "src"), "-o", str(tmp_path / "q2"), "--widths",
                  maps_arg, "--calib", str(hybrid_dir / "calib.txt"), "--quiet", *short]) == 0
     doc2 = json.loads((tmp_path / "q2" / "dynquant.json").read_text())
     assert {n: e["bits"] for n, e in doc2["layers"].items()} == widths
-    assert doc2["provenance"]["quantizer"] == "gptq"
+    assert doc2["provenance"]["quantizer"] == "tuned"
     assert main(["quantize", str(hybrid_dir / "src"), "-o", str(tmp_path / "q3"), "--widths",
                  maps_arg, "--quiet", *short]) == 0
     doc3 = json.loads((tmp_path / "q3" / "dynquant.json").read_text())

@@ -73,7 +73,7 @@ def quantize(model: str | Path, output: str | Path, *, budget: float | None = No
     ``quantizer``: "gptq" (error-compensating, sequential over the blocks, on the calibration
     text), "tuned" (gptq's codes with each block's scales and offsets tuned against the float
     block, ``tune_steps`` steps a block), "rtn" (round-to-nearest with the clip search), "auto"
-    (gptq when calibrating on text, rtn on the data-free path). ``executor``: where the
+    (tuned when calibrating on text, rtn on the data-free path). ``executor``: where the
     per-module work runs ("local", "ray" on the cluster at ``address`` or a local Ray
     instance, or an ``Executor``): the checkpoint is byte-identical either way. An untied
     output head is quantized like any Linear; ``not_convert=["lm_head"]`` keeps it dense."""

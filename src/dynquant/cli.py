@@ -397,9 +397,9 @@ def build_parser() -> argparse.ArgumentParser:
                    "the quantized model's own activations on --gptq-seqs calibration windows; "
                    "Linears, expert banks and the output head; an untied input embedding rtn), "
                    "tuned (gptq's codes, then each block's group scales and offsets tuned "
-                   "against the float block: lower KL, a longer quantize, BENCHMARKS.md 'Tuned "
-                   "scales'; not the default for that time), rtn (round-to-nearest with a clip "
-                   "search), auto (default: gptq when calibrating on text, rtn data-free)")
+                   "against the float block: lower KL for a longer quantize, BENCHMARKS.md "
+                   "'Tuned scales'), rtn (round-to-nearest with a clip search), auto (default: "
+                   "tuned when calibrating on text, rtn data-free)")
     p.add_argument("--tune-steps", type=int,
                    help="--quantizer tuned: steps per block, one calibration window each "
                    "(default 100)")

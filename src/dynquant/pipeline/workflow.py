@@ -66,7 +66,7 @@ class QuantizeRequest:
     # stderr unless progress is off)
     report: Callable[[Forecast], None] | None = None
     # "gptq": error-compensating, sequential over the blocks; "tuned": gptq's codes with each
-    # block's scales tuned against the float block; "rtn": round-to-nearest; "auto": gptq when
+    # block's scales tuned against the float block; "rtn": round-to-nearest; "auto": tuned when
     # calibrating on text, else rtn
     quantizer: str = "auto"
     gptq_seqs: int = 48  # calibration windows the sequential gptq pass streams

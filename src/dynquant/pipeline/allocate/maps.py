@@ -20,8 +20,8 @@ COMPENSATED = ("gptq", "tuned")
 
 def maps_codes(maps: dict) -> str:
     """The codes ``quantize`` writes from a maps document by default (``--quantizer auto``):
-    gptq when it was measured on text, else round-to-nearest."""
-    return "gptq" if maps.get("quantizer") == "gptq" or maps.get("method") in (
+    tuned when it was measured on text, else round-to-nearest."""
+    return "tuned" if maps.get("quantizer") == "gptq" or maps.get("method") in (
         "fisher", "kl-exact") else "rtn"
 
 

@@ -37,10 +37,11 @@ def check_request(requested: str, source: ModelSource, random_init: bool) -> Non
 
 def choose_quantizer(requested: str, source: ModelSource, random_init: bool,
                      calib: Sequence[str], record: dict | None, say: bool = False) -> str:
-    """The codes to write. ``auto``: gptq when the run has calibration text (``calib``, or
-    widths measured on the bundled text: ``record``, the maps' record of their text) and a
-    model that can run it; round-to-nearest on the data-free path, and (with one line saying so
-    when ``say``) for widths measured on a text not given again."""
+    """The codes to write. ``auto``: tuned (gptq's codes with each block's scales tuned) when
+    the run has calibration text (``calib``, or widths measured on the bundled text:
+    ``record``, the maps' record of their text) and a model that can run it; round-to-nearest on
+    the data-free path, and (with one line saying so when ``say``) for widths measured on a text
+    not given again."""
     if requested != "auto":
         return requested
     texts = (record or {}).get("texts")
@@ -49,9 +50,9 @@ def choose_quantizer(requested: str, source: ModelSource, random_init: bool,
     if not calib and texts != [BUNDLED_TEXT]:
         if say:
             print(f"dynquant: rounding to nearest: the widths were measured on "
-                  f"{', '.join(texts)}; give it with --calib for gptq codes", file=sys.stderr)
+                  f"{', '.join(texts)}; give it with --calib for tuned codes", file=sys.stderr)
         return "rtn"
-    return "gptq"
+    return "tuned"
 
 
 def gptq_calibration(source: ModelSource, calib: Sequence[str], record: dict | None,

@@ -1,4 +1,5 @@
-"""The forecast's check: gptq checkpoints quantized and measured during the measure.
+"""The forecast's check: checkpoints of the default codes (tuned) quantized and measured during
+the measure.
 
 The forecast adds up each module's predicted KL, and the modules' errors do not add up that way
 in the written model: compounding through the blocks makes the sum low (SmolLM2's gptq codes),
@@ -9,11 +10,12 @@ BENCHMARKS.md "Large vocabularies". So the measure quantizes the model as ``quan
 two sizes, the bytes of every module at the probe width (3 bits) and one bit per weight more
 (those of 4 bits): at each, the widths allocated for those bytes (an allocation like the ones
 forecast: uniform widths would leave the most sensitive modules at 3 bits, and their KL would
-set the check's), with gptq codes (sequential, ``GPTQ_SEQS`` windows) fitted to the first ``1 -
-HELD_SHARE`` of the calibration text, and measures its KL against the float model on windows of
-the rest, which the codes never saw. ``forecast_check`` in maps.json keeps each point's two
-numbers; forecasts scale their sums by the points' ratios (``pipeline/allocate/forecast.py``,
-``calibrated_kl``). Two float copies of the model are in memory while a KL is measured.
+set the check's), with the codes asked for (gptq's, tuned by default: sequential, ``GPTQ_SEQS``
+windows) fitted to the first ``1 - HELD_SHARE`` of the calibration text, and measures its KL
+against the float model on windows of the rest, which the codes never saw. ``forecast_check``
+in maps.json keeps each point's two numbers; forecasts scale their sums by the points' ratios
+(``pipeline/allocate/forecast.py``, ``calibrated_kl``). Two float copies of the model are in
+memory while a KL is measured.
 """
 
 from __future__ import annotations

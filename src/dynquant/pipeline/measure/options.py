@@ -113,6 +113,6 @@ def moments_dir(out: str | Path) -> Path:
 
 def gptq_ratios(opts: MeasureOptions) -> bool:
     """Whether the measure prices round-to-nearest codes on text, for a checkpoint that will be
-    written with gptq codes by default: then each Linear gets the ratio of the two codes'
+    written with gptq's codes by default (tuned or not): then each Linear gets the ratio of the two codes'
     output errors at the probe width (``gptq_ratio``), and forecasts are for gptq codes."""
     return opts.quantizer == "rtn" and opts.method == "fisher" and bool(opts.calib)

@@ -7,7 +7,7 @@ that module's relative error: KL ~ s * ||dW||^2 / ||W||^2 holds for small pertur
 - ``fisher`` (the default): that KL estimated from one streamed forward and one streamed
   backward pass, a block in memory at a time (``pipeline/calibrate/fisher.py``). Without ``--calib`` it
   calibrates on the generic English text the package ships (``dynquant/data/``).
-- ``kl-exact`` (``kl`` is its old name): that KL measured, one full-model forward per module,
+- ``kl-exact`` (``kl`` is accepted as an alias): that KL measured, one full-model forward per module,
   the dense model in memory. The reference the estimate is checked against; small models.
 - ``weight`` (data-free, ``--no-calib``; also what a model without weights or tokenizer gets):
   a prior per unit of relative error by the module's role and depth (``pipeline/calibrate/priors.py``).
@@ -41,7 +41,7 @@ from dynquant.pipeline.allocate.allocation import (
     allocate_widths,
     widths_mapping,
 )
-from dynquant.pipeline.allocate.maps import MAPS_SCHEMA, maps_modules
+from dynquant.pipeline.allocate.maps import MAPS_SCHEMA, maps_codes, maps_modules
 from dynquant.pipeline.calibrate.block_stream import BlockStream
 from dynquant.pipeline.calibrate.calibration_pass import run_calibration_pass
 from dynquant.pipeline.calibrate.fisher import fisher_kl, head_input_moments
@@ -162,12 +162,13 @@ def _forecast_check(source: ModelSource, doc: dict, stats: dict[str, torch.Tenso
     calibrated on (``gptq_ratios`` implies one), said in a line."""
     bits, gs = probe_bits(opts)
     start = time.perf_counter()
+    codes = maps_codes(doc)  # what quantize writes from these maps by default
     check = forecast_check(source, doc, stats, list(opts.calib), opts.calib_len, bits, gs,
-                           Path(out).parent, executor, progress)
+                           Path(out).parent, executor, progress, codes)
     if progress:
         said = ("none made (too short a text for held-out windows, or no module at the probe "
                 "width): forecasts are sums over modules" if check is None else
-                "; ".join(f"gptq codes {p['widths']} measure {p['measured_kl']:.3g} nats/token, "
+                "; ".join(f"{codes} codes {p['widths']} measure {p['measured_kl']:.3g} nats/token, "
                           f"the modules' sum predicts {p['predicted_kl']:.3g}"
                           for p in check["points"]) + f" ({check['held_tokens']} held-out tokens)")
         print(f"dynquant: forecast check ({time.perf_counter() - start:.0f} s): {said}",
