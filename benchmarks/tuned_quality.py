@@ -95,18 +95,18 @@ def main() -> None:
                 names.append(tag)
         results = evaluate_checkpoints(model_dir, out, names, HELDOUT, 512, EVAL_TOKENS, None)
     by = {(r["setting"], r["codes"]): r | {"kl": results[r["tag"]].kl_mean} for r in rows}
+    for setting in args.settings:
+        figure(f"{args.model} {setting}: KL tuned / gptq",
+               by[(setting, "tuned")]["kl"] / by[(setting, "gptq")]["kl"], "x")
     print(f"\n| {args.model} | MiB | RTN KL | GPTQ KL | tuned KL | tuned / GPTQ | codes' time "
           f"RTN / GPTQ / tuned (s) | quantize tuned / GPTQ (with the {measured:.0f} s measure) |")
     print("|---|---|---|---|---|---|---|---|")
     for setting in args.settings:
         rtn, gptq, tuned = (by[(setting, c)] for c in ("rtn", "gptq", "tuned"))
-        ratio = tuned["kl"] / gptq["kl"]
         cost = (measured + tuned["seconds"]) / (measured + gptq["seconds"])
-        figure(f"{args.model} {setting}: KL tuned / gptq", ratio, "x")
         print(f"| {setting} | {gptq['nbytes'] / 2**20:.2f} | {rtn['kl']:.4f} | {gptq['kl']:.4f} | "
-              f"{tuned['kl']:.4f} | {ratio:.2f}x | {rtn['seconds']:.0f} / {gptq['seconds']:.0f} / "
-              f"{tuned['seconds']:.0f} | {cost:.2f}x |")
-
+              f"{tuned['kl']:.4f} | {tuned['kl'] / gptq['kl']:.2f}x | {rtn['seconds']:.0f} / "
+              f"{gptq['seconds']:.0f} / {tuned['seconds']:.0f} | {cost:.2f}x |")
 
 if __name__ == "__main__":
     main()
