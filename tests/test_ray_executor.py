@@ -64,7 +64,8 @@ def test_ray_run_is_byte_identical_to_a_local_run(cluster, tmp_path, family):
     gptq pass's windows in two shards, 8 + 4, each group's X^T X and each block's outputs, each
     matrix's compensation and the other tensors on the workers; each block's scales then tuned
     on the driver, the default codes, expert banks included): the same files, byte for byte;
-    the moments folded from the shards are the local run's bits, or the codes would differ. (The data-free path: test_a_killed_worker_is_survived.)"""
+    the moments folded from the shards are the local run's bits, or the codes would differ.
+    (The data-free path: test_a_killed_worker_is_survived.)"""
     model = save_tiny_model(family, tmp_path / "src")
     save_tiny_tokenizer(model, vocab_size=512 if family == "dynquant_hybrid" else 384)
     (tmp_path / "calib.txt").write_text(TOKENIZER_TEXT * 3)
