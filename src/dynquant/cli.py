@@ -91,7 +91,6 @@ def _cmd_validate(args: argparse.Namespace) -> int:
 def _cmd_quantize(args: argparse.Namespace) -> int:
     from dynquant.format.summary import render_element_counts, render_summary
     from dynquant.models.sources import resolve_model
-    from dynquant.pipeline.codes.tuned_scales import ScaleTuning
     from dynquant.pipeline.workflow import QuantizeRequest, run_quantize
 
     source = resolve_model(args.model)
@@ -112,7 +111,7 @@ def _cmd_quantize(args: argparse.Namespace) -> int:
         random_init=args.random_init, seed=args.seed, overwrite=args.overwrite,
         progress=not (args.quiet or args.json), dtype=args.dtype, report=report,
         quantizer=args.quantizer, gptq_seqs=args.gptq_seqs,
-        tuning=ScaleTuning() if args.tune_steps is None else ScaleTuning(steps=args.tune_steps),
+        tuning=_tuning(args),
         executor=_executor(args)[0], address=_executor(args)[1])
     doc = run_quantize(source, req)
     if args.json:
@@ -143,7 +142,7 @@ def _cmd_measure(args: argparse.Namespace) -> int:
                           dtype=args.dtype, second_moments=args.second_moments,
                           moment_seqs=args.moment_seqs, quantizer=args.quantizer,
                           fisher_draws=args.fisher_draws,
-                          forecast_check=not args.no_forecast_check)
+                          forecast_check=not args.no_forecast_check, tuning=_tuning(args))
     with executor_scope(*_executor(args)) as executor:
         doc = measure(resolve_model(args.model), opts, args.output,
                       progress=not (args.json or args.quiet), random_init=args.random_init,
@@ -288,6 +287,17 @@ def _calibration_options(p: argparse.ArgumentParser) -> None:
                    "without --calib, dynquant calibrates on the English text it ships")
     p.add_argument("--json", action="store_true",
                    help="print the result (sizes, predicted KL per budget, warnings) as JSON")
+    p.add_argument("--tune-steps", type=int,
+                   help="tuned codes (the default with text): scale-tuning steps per block, one "
+                   "calibration window each (default 100); measure: those its forecast check "
+                   "writes")
+
+
+def _tuning(args: argparse.Namespace):
+    """The tuned codes' settings asked for (ScaleTuning's defaults unless --tune-steps)."""
+    from dynquant.pipeline.codes.tuned_scales import ScaleTuning
+
+    return ScaleTuning() if args.tune_steps is None else ScaleTuning(steps=args.tune_steps)
 
 
 def _constraint_options(p: argparse.ArgumentParser) -> None:
@@ -400,9 +410,6 @@ def build_parser() -> argparse.ArgumentParser:
                    "against the float block: lower KL for a longer quantize, BENCHMARKS.md "
                    "'Tuned scales'), rtn (round-to-nearest with a clip search), auto (default: "
                    "tuned when calibrating on text, rtn data-free)")
-    p.add_argument("--tune-steps", type=int,
-                   help="--quantizer tuned: steps per block, one calibration window each "
-                   "(default 100)")
     p.add_argument("--gptq-seqs", type=int, default=48,
                    help="calibration windows the gptq pass streams (default 48 x --calib-len "
                    "tokens; cost: about one forward per Linear group over them)")

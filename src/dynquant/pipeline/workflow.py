@@ -92,7 +92,7 @@ def _maps_for(source: ModelSource, req: QuantizeRequest, workdir: Path,
                           # auto: rtn-priced candidates with each Linear's gptq ratio, a
                           # fraction of gptq pricing's time (BENCHMARKS.md, gptq_quality)
                           quantizer="gptq" if req.quantizer == "gptq" else "rtn",
-                          not_convert=req.not_convert, dtype=req.dtype)
+                          not_convert=req.not_convert, dtype=req.dtype, tuning=req.tuning)
     return (measure(source, opts, maps_path, req.progress, req.random_init, executor),
             maps_path, req.budget)
 

@@ -83,7 +83,7 @@ def mean_kl(base: nn.Module, model: nn.Module, windows: torch.Tensor,
 def forecast_check(source: ModelSource, doc: dict, importance: dict[str, torch.Tensor],
                    calib: list[str], length: int, bits: int, group_size: int,
                    work: Path, executor: Executor | None = None, progress: bool = False,
-                   codes: str = "gptq") -> dict | None:
+                   codes: str = "gptq", tuning: ScaleTuning | None = None) -> dict | None:
     """Quantize ``source`` with ``codes`` (gptq or tuned) at the widths allocated for the bytes of ``bits``
     everywhere, and for those bytes plus each further step of ``STEPS``, and measure each on
     held-out windows of the calibration text: ``{"codes", "held_tokens", "points": [{"widths",
@@ -108,7 +108,8 @@ def forecast_check(source: ModelSource, doc: dict, importance: dict[str, torch.T
         if alloc.predicted_error <= 0:
             continue
         measured = _measured_kl(source, doc, importance, dict(alloc.widths), fit, held,
-                                group_size, work, executor, progress, codes)
+                                group_size, work, executor, progress, codes,
+                                tuning or ScaleTuning())
         points.append({"widths": f"allocated at uniform {bits}:{group_size}'s bytes"
                        + (f" + {step} bit per weight" if step else ""),
                        "predicted_kl": alloc.predicted_error, "measured_kl": measured})
@@ -119,11 +120,12 @@ def forecast_check(source: ModelSource, doc: dict, importance: dict[str, torch.T
 
 def _measured_kl(source: ModelSource, doc: dict, importance: dict[str, torch.Tensor],
                  widths: dict, fit: torch.Tensor, held: torch.Tensor, group_size: int,
-                 work: Path, executor: Executor | None, progress: bool, codes: str) -> float:
+                 work: Path, executor: Executor | None, progress: bool, codes: str,
+                 tuning: ScaleTuning) -> float:
     """The KL on ``held`` of ``source`` quantized at ``widths`` with ``codes`` fitted to
     ``fit``."""
     chooser = CodeChooser(codes, importance, sequential=SequentialCalibration(
-        fit, compensates_head(doc, widths), ScaleTuning() if codes == "tuned" else None))
+        fit, compensates_head(doc, widths), tuning if codes == "tuned" else None))
     with tempfile.TemporaryDirectory(prefix=".forecast-check-", dir=work) as tmp:
         quantize_model(source, widths, Path(tmp) / "check", group_size=group_size,
                        modules_to_not_convert=tuple(doc["modules_to_not_convert"]),

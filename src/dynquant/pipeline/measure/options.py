@@ -4,7 +4,7 @@ bundled text, the user's text, or data-free)."""
 from __future__ import annotations
 
 from collections.abc import Sequence
-from dataclasses import dataclass, replace
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 
 from dynquant.errors import DynquantError
@@ -16,6 +16,7 @@ from dynquant.pipeline.calibrate.text import (
 from dynquant.pipeline.codes.code_chooser import (
     check_quantizer,
 )
+from dynquant.pipeline.codes.tuned_scales import ScaleTuning
 
 METHODS = ("weight", "fisher", "kl-exact")
 ALIASES = {"kl": "kl-exact"}
@@ -58,6 +59,8 @@ class MeasureOptions:
     # is scaled by (``measure/forecast_check.py``; about two quantizes' time: the measure
     # command does it unless told not to, quantize --budget's own measure does not)
     forecast_check: bool = False
+    # the tuned codes' settings (the check writes the codes quantize will: tuned by default)
+    tuning: ScaleTuning = field(default_factory=ScaleTuning)
 
 
 def measure_method(opts: MeasureOptions) -> str:

@@ -164,7 +164,7 @@ def _forecast_check(source: ModelSource, doc: dict, stats: dict[str, torch.Tenso
     start = time.perf_counter()
     codes = maps_codes(doc)  # what quantize writes from these maps by default
     check = forecast_check(source, doc, stats, list(opts.calib), opts.calib_len, bits, gs,
-                           Path(out).parent, executor, progress, codes)
+                           Path(out).parent, executor, progress, codes, opts.tuning)
     if progress:
         said = ("none made (too short a text for held-out windows, or no module at the probe "
                 "width): forecasts are sums over modules" if check is None else
