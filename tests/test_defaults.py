@@ -23,7 +23,7 @@ from dynquant.pipeline.measure.run import measure
 from model_zoo import save_tiny_model, save_tiny_tokenizer
 
 ROOT = Path(__file__).parents[1]
-SHORT = ["--calib-seqs", "2", "--calib-len", "32"]
+SHORT = ["--calib-seqs", "2", "--calib-len", "32", "--tune-steps", "10"]
 
 
 @pytest.fixture(scope="module")
@@ -247,7 +247,7 @@ def test_cli_says_the_forecast_before_writing(model_dir, tmp_path, capsys):
         assert "predicted KL" in err and ("warning: expect a large loss" in err) == warned
     out = tmp_path / "q"
     assert main(["quantize", str(model_dir), "-o", str(out), "--widths", f"{loud}:6.0",
-                 "--json"]) == 0
+                 "--json", "--tune-steps", "10"]) == 0
     result = json.loads(capsys.readouterr().out)
     assert result["forecast"]["large_loss"] is True
     assert result["accounting"]["average_bits"] <= 6.0

@@ -86,7 +86,7 @@ def test_tuned_scales_lower_every_block_s_error_at_every_width(tmp_path, monkeyp
     for bits in (2, 3, 4, 8):
         errors.clear()
         quantize_model(source, _uniform(source, bits), tmp_path / f"t{bits}", progress=False,
-                       chooser=_tuned(cal, 40))
+                       chooser=_tuned(cal, 20))
         tuned, gptq = errors[0::2], errors[1::2]  # per block: tuned, then GPTQ's
         assert len(tuned) == 4
         if bits == 8:
