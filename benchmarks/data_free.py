@@ -1,4 +1,4 @@
-"""Data-free vs calibrated sensitivities, and the size/quality frontier with its knee (issue 12).
+"""Data-free vs calibrated sensitivities, and the size/quality frontier with its knee.
 
 For each quality model (both reference models, and the real pretrained model when prepared):
 measure once data-free (``--no-calib``: priors by role and depth) and once with the new

@@ -1,4 +1,4 @@
-"""`dynquant demo` quiet vs beside one busy process (issue 10's threads-under-load target).
+"""`dynquant demo` quiet vs beside one busy process.
 
 The demo runs as a child process twice per round: alone, then with one competing process that
 spins a core (`while True: pass`) for the whole run; rounds alternate so drift hits both alike.

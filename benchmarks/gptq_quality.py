@@ -1,4 +1,4 @@
-"""Quality vs bytes (issue 13): round-to-nearest, error-compensated (sequential GPTQ) and HQQ
+"""Quality vs bytes: round-to-nearest, error-compensated (sequential GPTQ) and HQQ
 codes, uniform and allocated, on every quality model. Mean KL against the unquantized model on
 held-out text; checkpoint bytes. One table per model (printed as figures and as a markdown
 table) and a plot of it: ``out/bench/quality_vs_bytes_MODEL.png``.

@@ -1,4 +1,4 @@
-"""Error-compensating quantization (issue 13): the fast path held to the float64 reference, its
+"""Error-compensating quantization: the fast path held to the float64 reference, its
 output error against round-to-nearest on a trained model's real activations, determinism, and
 codes that decode with the format's own reference."""
 

@@ -1,4 +1,4 @@
-"""Progress in a log (issue 15): stage lines with counts and elapsed time where rich's bars
+"""Progress in a log: stage lines with counts and elapsed time where rich's bars
 print nothing, and silence with --quiet."""
 
 from __future__ import annotations

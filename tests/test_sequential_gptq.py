@@ -1,4 +1,4 @@
-"""Sequential GPTQ (issue 13): block by block over the quantized model's own activations, groups
+"""Sequential GPTQ: block by block over the quantized model's own activations, groups
 of Linears in forward order, every width better than round-to-nearest on a trained model,
 byte-identical reruns and resumes, one-line errors."""
 
