@@ -24,10 +24,10 @@ from pathlib import Path
 from safetensors.torch import load_file
 
 from benchmarks.common import figure, machine
+from benchmarks.gptq_quality import _widths as widths_of
 from dynquant.models.sources import resolve_model
 from dynquant.models.tokenizer import load_tokenizer
-from dynquant.pipeline.allocate.allocation import allocate_widths, uniform_widths
-from dynquant.pipeline.allocate.maps import compensates_head, maps_modules
+from dynquant.pipeline.allocate.maps import compensates_head
 from dynquant.pipeline.calibrate.text import calibration_ids, default_calibration
 from dynquant.pipeline.codes.code_chooser import CodeChooser
 from dynquant.pipeline.codes.sequential_gptq import SequentialCalibration
@@ -45,11 +45,11 @@ GPTQ_SEQS = 48  # quantize --gptq-seqs's default
 
 
 def _widths(maps: dict, setting: str) -> dict:
-    """``u3``: uniform 3 bits; ``a3.25``: allocated at 3.25 bits (for gptq codes)."""
-    modules = maps_modules(maps, "gptq")
+    """``u3``: uniform 3 bits; ``a3.25``: allocated at 3.25 bits (for the maps' default codes,
+    priced as gptq's)."""
     if setting.startswith("u"):
-        return dict(uniform_widths(modules, int(setting[1:]), 128).widths)
-    return dict(allocate_widths(modules, float(setting[1:])).widths)
+        return widths_of(maps, "uniform", int(setting[1:]))
+    return widths_of(maps, "allocated", float(setting[1:]))
 
 
 def main() -> None:

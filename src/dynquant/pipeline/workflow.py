@@ -24,13 +24,8 @@ from dynquant.pipeline.allocate.maps import (
     maps_modules,
     split_maps_arg,
 )
-from dynquant.pipeline.codes.code_chooser import CodeChooser
-from dynquant.pipeline.codes.policy import (
-    SEQUENTIAL,
-    check_request,
-    choose_quantizer,
-    gptq_calibration,
-)
+from dynquant.pipeline.codes.code_chooser import SEQUENTIAL, CodeChooser
+from dynquant.pipeline.codes.policy import check_request, choose_quantizer, gptq_calibration
 from dynquant.pipeline.codes.tuned_scales import ScaleTuning
 from dynquant.pipeline.codes.write import quantize_model
 from dynquant.pipeline.execute.executor import Executor

@@ -36,6 +36,7 @@ from dynquant.pipeline.calibrate.statistics import importance_of
 from dynquant.pipeline.codes.sequential_gptq import SequentialCalibration
 
 QUANTIZERS = ("rtn", "gptq", "tuned")
+SEQUENTIAL = ("gptq", "tuned")  # codes of the sequential pass over calibration windows
 
 
 def check_quantizer(name: str) -> None:
@@ -109,7 +110,7 @@ class CodeChooser:
         """(codes, the second moments they were compensated with or None, the column
         importance they were rounded with or None)."""
         hessian = (self.moments.get(spec.module)
-                   if self.quantizer in ("gptq", "tuned") and self.moments is not None
+                   if self.quantizer in SEQUENTIAL and self.moments is not None
                    and tensor.ndim == 2
                    else None)
         if hessian is not None:

@@ -17,11 +17,9 @@ from dynquant.pipeline.calibrate.text import (
     calibration_ids,
     default_calibration,
 )
-from dynquant.pipeline.codes.code_chooser import check_quantizer
+from dynquant.pipeline.codes.code_chooser import SEQUENTIAL, check_quantizer
 from dynquant.pipeline.codes.sequential_gptq import SequentialCalibration
 from dynquant.pipeline.codes.tuned_scales import ScaleTuning
-
-SEQUENTIAL = ("gptq", "tuned")  # codes of the sequential pass over calibration windows
 
 
 def check_request(requested: str, source: ModelSource, random_init: bool) -> None:

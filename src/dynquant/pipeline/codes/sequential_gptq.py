@@ -64,12 +64,7 @@ from dynquant.pipeline.calibrate.calibration_pass import (
 )
 from dynquant.pipeline.calibrate.statistics import InputStatistics
 from dynquant.pipeline.calibrate.weights import WeightsAt
-from dynquant.pipeline.codes.tuned_scales import (
-    ScaleTuning,
-    block_error,
-    float_outputs,
-    tune_block,
-)
+from dynquant.pipeline.codes.tuned_scales import ScaleTuning, block_error, tune_block
 from dynquant.pipeline.execute.executor import Executor, LocalExecutor, use_threads
 from dynquant.pipeline.execute.progress import StageProgress
 
@@ -134,9 +129,9 @@ def sequential_gptq(stream: BlockStream, specs: list[TensorSpec], quantized: set
             try:
                 tuned = tuning is not None and not all(store.has(index[s.module]) for s in mine)
                 if tuning is not None:  # before any codes are in place
-                    floats = float_outputs(stream, b, floats)
+                    floats = stream.run_block(b, floats)
                 say = _noter(bar, task, f"block {b + 1}")
-                block_store = _HeldCodes(store) if tuned else store
+                block_store = _HeldCodes() if tuned else store
                 targets = _targets(block, state.prefix, mine)
                 groups = _groups(stream, b, hidden[0], targets)
                 reached = {m for g in groups for m in g}
@@ -162,11 +157,9 @@ def sequential_gptq(stream: BlockStream, specs: list[TensorSpec], quantized: set
 
 
 class _HeldCodes:
-    """A block's codes held here until they are tuned (a resume store's ``load`` and
-    ``save_quantized``): the resume store sees only tuned codes."""
-
-    def __init__(self, store: ResumeStore) -> None:
-        self.store = store
+    """Where a block's codes go until they are tuned, in the resume store's place (its ``load``
+    and ``save_quantized``): nothing is loaded or kept, the codes live in the block's
+    ``replaced``, and the resume store sees only tuned codes."""
 
     def load(self, _index: int) -> None:
         return None
@@ -262,25 +255,19 @@ def _head(stream: BlockStream, final: list[torch.Tensor], index: dict, choice: C
         weight = stream.weights.get(spec).float()
         store.save_quantized(index[module], module, rounder(spec, weight, *choice(module)))
         return
-    moments = InputMoments(head.in_features)
-    parts = stream.head_modules()
-    for n, m in parts:
-        stream.materialize(m, n)
-    handle = head.register_forward_pre_hook(moments.hook)
+    moments = GramAccumulator(head.in_features)
     bar = bar or StageProgress(enabled=False)
     task = bar.add_task("gptq: head", total=len(final) + 1)
-    try:
-        with torch.no_grad():
-            for h, ids in zip(final, stream.chunks(), strict=True):
-                with contextlib.suppress(InputSeen):
-                    stream.head_logits(h.to(stream.dtype), ids)
-                bar.advance(task)
-        qt = gptq_quantize(head.weight.data.float(), moments.mean(), *choice(module))
+
+    def seen(x: torch.Tensor) -> None:
+        moments.add(x)
         bar.advance(task)
-    finally:
-        handle.remove()
-        for _, m in parts:
-            stream.release(m)
+
+    with stream.heads_held():
+        stream.head_inputs(head, [h.to(stream.dtype) for h in final], list(stream.chunks()),
+                           seen)
+        qt = gptq_quantize(head.weight.data.float(), moments.mean(), *choice(module))
+    bar.advance(task)
     store.save_quantized(index[module], module, qt)
 
 

@@ -38,13 +38,6 @@ class ScaleTuning:
     seed: int = 0
 
 
-def float_outputs(stream: BlockStream, index: int, hidden: list[torch.Tensor]
-                  ) -> list[torch.Tensor]:
-    """The float block's outputs on the float model's hidden states (the block's weights as
-    read, none replaced yet)."""
-    return stream.run_block(index, hidden)
-
-
 def block_error(outputs: list[torch.Tensor], targets: list[torch.Tensor]) -> float:
     """Mean squared difference over every window (float64 sum: any order, same value)."""
     total = sum(float((o - t).double().pow(2).sum()) for o, t in zip(outputs, targets,
