@@ -24,6 +24,7 @@ from pathlib import Path
 from safetensors.torch import load_file
 
 from benchmarks.common import figure, machine
+from benchmarks.gptq_quality import EVAL_TOKENS, GPTQ_SEQS, HELDOUT
 from benchmarks.gptq_quality import _widths as widths_of
 from dynquant.models.sources import resolve_model
 from dynquant.models.tokenizer import load_tokenizer
@@ -37,11 +38,6 @@ from dynquant.pipeline.measure.options import MeasureOptions
 from dynquant.pipeline.measure.run import measure
 from dynquant.pipeline.report.frontier import evaluate_checkpoints
 from scripts.prepare_real_model import real_model
-
-ROOT = Path(__file__).parents[1]
-HELDOUT = ROOT / "data" / "heldout.txt"
-EVAL_TOKENS = 16384
-GPTQ_SEQS = 48  # quantize --gptq-seqs's default
 
 
 def _widths(maps: dict, setting: str) -> dict:

@@ -51,6 +51,7 @@ def tune_block(stream: BlockStream, index: int, codes: dict[str, QuantizedTensor
     """Block ``index``'s ``codes`` (parameter path inside the block -> codes) with scales and
     offsets fitted so that the block on ``hidden`` gives ``targets``."""
     block = stream.blocks[index]
+    params = {name: block.get_parameter(name) for name in codes}
     tunables = {name: TunableScales(qt) for name, qt in codes.items()}
     opt = torch.optim.Adam([{"params": list(t.parameters()), "width": 7 / t.max_code}
                             for t in tunables.values()], lr=tuning.lr)
@@ -59,7 +60,7 @@ def tune_block(stream: BlockStream, index: int, codes: dict[str, QuantizedTensor
     for step, k in enumerate(order):
         for group in opt.param_groups:
             group["lr"] = tuning.lr * group["width"] * (1 - step / tuning.steps)
-        weights = {name: _shaped(t(), block.get_parameter(name)) for name, t in tunables.items()}
+        weights = {name: _shaped(t(), params[name]) for name, t in tunables.items()}
         args, kwargs = stream.args[index][k]
         out = first_output(functional_call(block, weights, (hidden[k].to(stream.dtype),
                                                              *args), kwargs))
