@@ -1,5 +1,6 @@
-"""Codes against codes in the same format and bytes: round-to-nearest, sequential GPTQ, and GPTQ
-with each block's scales and offsets tuned against the float block (``--quantizer tuned``).
+"""Codes against codes in the same format and bytes: round-to-nearest, sequential GPTQ, GPTQ
+with each block's scales and offsets tuned against the float block (``--quantizer tuned``), and
+those then tuned end to end against the float model's distributions (``--e2e-steps``).
 
 One calibrated measure on the bundled text (``quantize --budget``'s own, rtn-priced with each
 Linear's gptq ratio) gives the widths, uniform and allocated; every code kind writes the same
@@ -7,7 +8,7 @@ widths (equal bytes). Each row: the codes' write time (the measure, the same for
 shown once), and mean KL against the float model on 16,384 held-out tokens.
 
     python -m benchmarks tuned_quality [--model smollm2|gemma3-270m] [--settings u3 a3.25 ...]
-        [--steps 100]
+        [--steps 100] [--e2e-steps 100]
 
 Targets: tuned <= 0.6x GPTQ's KL at 3.25 and 4.25 bits (SmolLM2; Gemma-3-270M at 4.25), no
 budget worse at 5.5; tuned's quantize (measure + codes) <= 3x GPTQ's.
@@ -31,6 +32,7 @@ from dynquant.models.tokenizer import load_tokenizer
 from dynquant.pipeline.allocate.maps import compensates_head
 from dynquant.pipeline.calibrate.text import calibration_ids, default_calibration
 from dynquant.pipeline.codes.code_chooser import CodeChooser
+from dynquant.pipeline.codes.end_to_end import EndToEndTuning
 from dynquant.pipeline.codes.sequential_gptq import SequentialCalibration
 from dynquant.pipeline.codes.tuned_scales import ScaleTuning
 from dynquant.pipeline.codes.write import quantize_model
@@ -53,6 +55,7 @@ def main() -> None:
     parser.add_argument("--model", default="smollm2", help="a prepared real model's name")
     parser.add_argument("--settings", nargs="+", default=["u3", "a3.25", "a4.25", "a5.5"])
     parser.add_argument("--steps", type=int, default=ScaleTuning.steps)
+    parser.add_argument("--e2e-steps", type=int, default=100, help="0: no end-to-end row")
     args = parser.parse_args()
     model_dir = real_model(args.model)
     if model_dir is None:
@@ -79,6 +82,10 @@ def main() -> None:
                         "gptq": CodeChooser("gptq", importance, sequential=cal),
                         "tuned": CodeChooser("tuned", importance, sequential=replace(
                             cal, tuning=ScaleTuning(steps=args.steps)))}
+            if args.e2e_steps:
+                choosers["e2e"] = CodeChooser("tuned", importance, sequential=replace(
+                    cal, tuning=ScaleTuning(steps=args.steps),
+                    end_to_end=EndToEndTuning(steps=args.e2e_steps)))
             for codes, chooser in choosers.items():
                 tag = f"{codes}-{setting}"
                 start = time.perf_counter()
@@ -91,18 +98,26 @@ def main() -> None:
                 names.append(tag)
         results = evaluate_checkpoints(model_dir, out, names, HELDOUT, 512, EVAL_TOKENS, None)
     by = {(r["setting"], r["codes"]): r | {"kl": results[r["tag"]].kl_mean} for r in rows}
+    kinds = ["rtn", "gptq", "tuned", *(["e2e"] if args.e2e_steps else [])]
     for setting in args.settings:
-        figure(f"{args.model} {setting}: KL tuned / gptq",
-               by[(setting, "tuned")]["kl"] / by[(setting, "gptq")]["kl"], "x")
-    print(f"\n| {args.model} | MiB | RTN KL | GPTQ KL | tuned KL | tuned / GPTQ | codes' time "
-          f"RTN / GPTQ / tuned (s) | quantize tuned / GPTQ (with the {measured:.0f} s measure) |")
-    print("|---|---|---|---|---|---|---|---|")
+        for kind in kinds[2:]:
+            figure(f"{args.model} {setting}: KL {kind} / gptq",
+                   by[(setting, kind)]["kl"] / by[(setting, "gptq")]["kl"], "x")
+    print(f"\n| {args.model} | MiB | KL: {' / '.join(kinds)} | / GPTQ: {' / '.join(kinds[2:])} | "
+          f"codes' s: {' / '.join(kinds)} | quantize / GPTQ's: {' / '.join(kinds[2:])} (with "
+          f"the {measured:.0f} s measure) |")
+    print("|---|---|---|---|---|---|")
     for setting in args.settings:
-        rtn, gptq, tuned = (by[(setting, c)] for c in ("rtn", "gptq", "tuned"))
-        cost = (measured + tuned["seconds"]) / (measured + gptq["seconds"])
-        print(f"| {setting} | {gptq['nbytes'] / 2**20:.2f} | {rtn['kl']:.4f} | {gptq['kl']:.4f} | "
-              f"{tuned['kl']:.4f} | {tuned['kl'] / gptq['kl']:.2f}x | {rtn['seconds']:.0f} / "
-              f"{gptq['seconds']:.0f} / {tuned['seconds']:.0f} | {cost:.2f}x |")
+        row = [by[(setting, c)] for c in kinds]
+        gptq = row[1]
+        kls = " / ".join(f"{r['kl']:.4f}" for r in row)
+        ratios = " / ".join(f"{r['kl'] / gptq['kl']:.2f}x" for r in row[2:])
+        times = " / ".join(f"{r['seconds']:.0f}" for r in row)
+        costs = " / ".join(f"{(measured + r['seconds']) / (measured + gptq['seconds']):.2f}x"
+                           for r in row[2:])
+        print(f"| {setting} | {gptq['nbytes'] / 2**20:.2f} | {kls} | {ratios} | {times} | "
+              f"{costs} |")
+
 
 if __name__ == "__main__":
     main()

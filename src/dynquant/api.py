@@ -17,6 +17,7 @@ from dynquant.pipeline.allocate.allocation import (
     uniform_widths,
 )
 from dynquant.pipeline.allocate.maps import load_maps, maps_modules
+from dynquant.pipeline.codes.end_to_end import EndToEndTuning
 from dynquant.pipeline.codes.tuned_scales import ScaleTuning
 from dynquant.pipeline.execute.executor import Executor
 from dynquant.pipeline.execute.scope import executor_scope
@@ -68,11 +69,13 @@ def quantize(model: str | Path, output: str | Path, *, budget: float | None = No
              pins: Sequence[str] = (), not_convert: Sequence[str] = (),
              random_init: bool = False, overwrite: bool = False,
              progress: bool = True, quantizer: str = "auto", tune_steps: int = ScaleTuning.steps,
-             executor: str | Executor | None = None, address: str | None = None) -> dict:
+             e2e_steps: int = EndToEndTuning.steps, executor: str | Executor | None = None,
+             address: str | None = None) -> dict:
     """``dynquant quantize``: (measure ->) allocate -> quantize -> write; returns the metadata.
     ``quantizer``: "gptq" (error-compensating, sequential over the blocks, on the calibration
     text), "tuned" (gptq's codes with each block's scales and offsets tuned against the float
-    block, ``tune_steps`` steps a block), "rtn" (round-to-nearest with the clip search), "auto"
+    block, ``tune_steps`` steps a block; then, with ``e2e_steps``, every scale and offset tuned
+    against the whole float model), "rtn" (round-to-nearest with the clip search), "auto"
     (tuned when calibrating on text, rtn on the data-free path). ``executor``: where the
     per-module work runs ("local", "ray" on the cluster at ``address`` or a local Ray
     instance, or an ``Executor``): the checkpoint is byte-identical either way. An untied
@@ -83,5 +86,6 @@ def quantize(model: str | Path, output: str | Path, *, budget: float | None = No
                           pins=pins, not_convert=not_convert,
                           random_init=random_init, overwrite=overwrite, progress=progress,
                           quantizer=quantizer, tuning=ScaleTuning(steps=tune_steps),
+                          end_to_end=EndToEndTuning(steps=e2e_steps),
                           executor=executor, address=address)
     return run_quantize(resolve_model(str(model)), req)

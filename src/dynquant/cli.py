@@ -111,7 +111,7 @@ def _cmd_quantize(args: argparse.Namespace) -> int:
         random_init=args.random_init, seed=args.seed, overwrite=args.overwrite,
         progress=not (args.quiet or args.json), dtype=args.dtype, report=report,
         quantizer=args.quantizer, gptq_seqs=args.gptq_seqs,
-        tuning=_tuning(args),
+        tuning=_tuning(args), end_to_end=_end_to_end(args),
         executor=_executor(args)[0], address=_executor(args)[1])
     doc = run_quantize(source, req)
     if args.json:
@@ -300,6 +300,12 @@ def _tuning(args: argparse.Namespace):
     return ScaleTuning() if args.tune_steps is None else ScaleTuning(steps=args.tune_steps)
 
 
+def _end_to_end(args: argparse.Namespace):
+    from dynquant.pipeline.codes.end_to_end import EndToEndTuning
+
+    return EndToEndTuning(steps=args.e2e_steps)
+
+
 def _constraint_options(p: argparse.ArgumentParser) -> None:
     p.add_argument("--pin", action="append", default=[], metavar="GLOB=BITS",
                    help="fix the width of matching modules, e.g. 'model.embed_tokens=8'; "
@@ -413,6 +419,11 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--gptq-seqs", type=int, default=48,
                    help="calibration windows the gptq pass streams (default 48 x --calib-len "
                    "tokens; cost: about one forward per Linear group over them)")
+    p.add_argument("--e2e-steps", type=int, default=0,
+                   help="gptq / tuned codes: then every group scale and offset tuned against "
+                   "the float model's next-token distributions, one calibration window a step "
+                   "(default 0: off; BENCHMARKS.md 'Tuned scales' for what 100 steps give and "
+                   "cost)")
     _constraint_options(p)
     p.add_argument("--random-init", action="store_true",
                    help="i.i.d. Gaussian weights, generated module by module (presets)")

@@ -113,6 +113,16 @@ class ResumeStore(PartialDir):
                              meta["clip_improvement"])
         return "quantized", meta["module"], qt, {n: self.loader(index, n) for n in names}
 
+    def quantized(self, index: int) -> QuantizedTensor | None:
+        """Finished tensor ``index``'s codes, read (None unless it is finished and quantized)."""
+        saved = self.load(index)
+        if saved is None or saved[0] != "quantized":
+            return None
+        _, _, meta, loaders = saved
+        q, s, o = (self.tensor(index, n) for n in loaders)
+        return QuantizedTensor(q, s, o, meta.logical_shape, meta.bits, meta.group_size,
+                               meta.clipped_fraction, meta.clip_improvement)
+
     def _save(self, index: int, tensors: dict[str, torch.Tensor], meta: dict) -> None:
         tmp = self.dir / f".{index:06d}.tmp"
         save_file({k: v.contiguous() for k, v in tensors.items()}, str(tmp),

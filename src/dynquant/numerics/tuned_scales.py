@@ -45,8 +45,9 @@ class TunableScales(nn.Module):
         lay = start.layout
         self.start, self.in_features = start, lay.in_features
         self.max_code = (1 << lay.bits) - 1
+        # the codes as bytes (a float copy would be 4 bytes a weight for the whole model)
         self.q = unpack_codes(start.qweight, lay.bits).view(
-            lay.num_rows, lay.num_groups, lay.group_size).float()
+            lay.num_rows, lay.num_groups, lay.group_size)
         self.s0, self.o0 = start.scales.float(), start.offsets.float()
         self.a = nn.Parameter(torch.zeros_like(self.s0))
         self.b = nn.Parameter(torch.zeros_like(self.s0))

@@ -25,6 +25,7 @@ from dynquant.pipeline.allocate.maps import (
     split_maps_arg,
 )
 from dynquant.pipeline.codes.code_chooser import SEQUENTIAL, CodeChooser
+from dynquant.pipeline.codes.end_to_end import EndToEndTuning
 from dynquant.pipeline.codes.policy import check_request, choose_quantizer, gptq_calibration
 from dynquant.pipeline.codes.tuned_scales import ScaleTuning
 from dynquant.pipeline.codes.write import quantize_model
@@ -66,6 +67,8 @@ class QuantizeRequest:
     quantizer: str = "auto"
     gptq_seqs: int = 48  # calibration windows the sequential gptq pass streams
     tuning: ScaleTuning = field(default_factory=ScaleTuning)  # for "tuned"
+    # gptq / tuned codes: then every scale tuned against the whole float model (steps 0: off)
+    end_to_end: EndToEndTuning = field(default_factory=EndToEndTuning)
     # where the per-module work runs (pipeline/execute/executor.py): None/"local", "ray" (on the
     # cluster at ``address``, or a local Ray instance), or an Executor
     executor: Executor | str | None = None
@@ -189,7 +192,8 @@ def _run(source: ModelSource, req: QuantizeRequest, workdir: Path, executor: Exe
                                  w.calibration, say=req.progress)
     sequential = (gptq_calibration(source, req.calib, w.calibration, req.gptq_seqs,
                                    req.calib_len, w.compensate_head,
-                                   req.tuning if quantizer == "tuned" else None)
+                                   req.tuning if quantizer == "tuned" else None,
+                                   req.end_to_end)
                   if quantizer in SEQUENTIAL else None)
     chooser = CodeChooser(quantizer, w.importance or {}, sequential=sequential)
     if not w.forecast_for_codes and w.allocator == "sensitivity" and req.progress:

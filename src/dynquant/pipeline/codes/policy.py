@@ -18,6 +18,7 @@ from dynquant.pipeline.calibrate.text import (
     default_calibration,
 )
 from dynquant.pipeline.codes.code_chooser import SEQUENTIAL, check_quantizer
+from dynquant.pipeline.codes.end_to_end import EndToEndTuning
 from dynquant.pipeline.codes.sequential_gptq import SequentialCalibration
 from dynquant.pipeline.codes.tuned_scales import ScaleTuning
 
@@ -55,7 +56,8 @@ def choose_quantizer(requested: str, source: ModelSource, random_init: bool,
 
 def gptq_calibration(source: ModelSource, calib: Sequence[str], record: dict | None,
                      seqs: int, length: int, compensate_head: bool = True,
-                     tuning: ScaleTuning | None = None) -> SequentialCalibration:
+                     tuning: ScaleTuning | None = None,
+                     end_to_end: EndToEndTuning | None = None) -> SequentialCalibration:
     """The ``seqs`` windows of ``length`` tokens the sequential gptq pass streams: of
     ``calib``, else of the text the widths were measured on when that is dynquant's bundled
     text (or nothing was measured). The model can run them (``check_request`` /
@@ -69,4 +71,4 @@ def gptq_calibration(source: ModelSource, calib: Sequence[str], record: dict | N
                                 field="calib")
         texts = [str(default_calibration())]
     ids = calibration_ids(load_tokenizer(source.directory), texts, seqs, length)
-    return SequentialCalibration(ids, compensate_head, tuning)
+    return SequentialCalibration(ids, compensate_head, tuning, end_to_end)

@@ -64,6 +64,7 @@ from dynquant.pipeline.calibrate.calibration_pass import (
 )
 from dynquant.pipeline.calibrate.statistics import InputStatistics
 from dynquant.pipeline.calibrate.weights import WeightsAt
+from dynquant.pipeline.codes.end_to_end import EndToEndTuning
 from dynquant.pipeline.codes.tuned_scales import ScaleTuning, block_error, tune_block
 from dynquant.pipeline.execute.executor import Executor, LocalExecutor, use_threads
 from dynquant.pipeline.execute.progress import StageProgress
@@ -83,12 +84,17 @@ class SequentialCalibration:
     compensate_head: bool = True
     # each block's scales and offsets then tuned against the float block (``tuned_scales.py``)
     tuning: ScaleTuning | None = None
+    # then every quantized tensor's scales tuned against the float model's outputs
+    # (``end_to_end.py``; written after the pass, ``write.py``)
+    end_to_end: EndToEndTuning | None = None
 
     def digest(self) -> str:
         h = hashlib.sha256(self.ids.numpy().tobytes())
         h.update(repr(self.compensate_head).encode())
         if self.tuning is not None:
             h.update(repr(self.tuning).encode())
+        if self.end_to_end is not None and self.end_to_end.steps > 0:
+            h.update(repr(self.end_to_end).encode())
         return h.hexdigest()
 
 
@@ -138,7 +144,7 @@ def sequential_gptq(stream: BlockStream, specs: list[TensorSpec], quantized: set
                 for s in mine:  # the rest first, to nearest: their errors feed the groups
                     if s.module not in reached:
                         param = block.get_parameter(state.relative(s))
-                        qt = _finished(block_store, index[s.module]) or rounder(
+                        qt = block_store.quantized(index[s.module]) or rounder(
                             s, param.data, *choice(s.module))
                         _keep(block_store, index[s.module], s, qt, param, state)
                 for g, group in enumerate(groups):
@@ -157,11 +163,14 @@ def sequential_gptq(stream: BlockStream, specs: list[TensorSpec], quantized: set
 
 
 class _HeldCodes:
-    """Where a block's codes go until they are tuned, in the resume store's place (its ``load``
-    and ``save_quantized``): nothing is loaded or kept, the codes live in the block's
+    """Where a block's codes go until they are tuned, in the resume store's place (its ``load``,
+    ``quantized`` and ``save_quantized``): nothing is loaded or kept, the codes live in the block's
     ``replaced``, and the resume store sees only tuned codes."""
 
     def load(self, _index: int) -> None:
+        return None
+
+    def quantized(self, _index: int) -> None:
         return None
 
     def save_quantized(self, _index: int, _module: str, _qt: QuantizedTensor) -> None:
@@ -311,7 +320,7 @@ def compensate_job(job: CompensateJob, _shared: None = None) -> QuantizedTensor:
 def _quantize_group(state: _Block, group: list[str], targets: dict[str, _Target],
                     specs: list[TensorSpec], index: dict, choice: Choice, store: ResumeStore,
                     say: Callable[[str], None]) -> None:
-    done = {m: _finished(store, index[m]) for m in group}
+    done = {m: store.quantized(index[m]) for m in group}
     todo = [m for m in group if done[m] is None]
     moments = _group_moments(state, group, targets, say) if todo else None
     say(f"compensating {len(todo)} {'matrix' if len(todo) == 1 else 'matrices'}")
@@ -367,16 +376,6 @@ def _keep(store: ResumeStore, i: int, spec: TensorSpec, qt: QuantizedTensor,
         store.save_quantized(i, spec.module, qt)
     put_codes(param, qt)
     state.replaced[state.relative(spec)] = qt
-
-
-def _finished(store: ResumeStore, i: int) -> QuantizedTensor | None:
-    saved = store.load(i)
-    if saved is None or saved[0] != "quantized":
-        return None
-    _, _, meta, loaders = saved
-    q, s, o = (store.tensor(i, n) for n in loaders)
-    return QuantizedTensor(q, s, o, meta.logical_shape, meta.bits, meta.group_size,
-                           meta.clipped_fraction, meta.clip_improvement)
 
 
 def _groups(stream: BlockStream, b: int, first: torch.Tensor, targets: dict[str, _Target]

@@ -24,6 +24,7 @@ from dynquant.numerics.quantizer import QuantizedTensor
 from dynquant.pipeline.calibrate.block_stream import BlockStream
 from dynquant.pipeline.calibrate.weights import WeightsAt, WeightSource
 from dynquant.pipeline.codes.code_chooser import CodeChooser
+from dynquant.pipeline.codes.end_to_end import end_to_end_codes
 from dynquant.pipeline.codes.sequential_gptq import sequential_gptq
 from dynquant.pipeline.execute.executor import Executor, LocalExecutor
 from dynquant.pipeline.execute.progress import StageProgress
@@ -117,6 +118,10 @@ def quantize_model(
                 on_tensor(index)
 
         _fill_store(store, jobs, work, executor, done)
+    tuning = chooser.sequential.end_to_end if chooser.sequential is not None else None
+    if tuning is not None and tuning.steps > 0:  # every tensor's codes are in the store
+        stream = BlockStream(source, work.weights.open(), chooser.sequential.ids, chunk=1)
+        end_to_end_codes(stream, specs, set(plan["layers"]), store, tuning, progress)
     executor.idle()  # writing the checkpoint needs no workers
     for index in range(len(specs)):  # the writer keeps a way to load each, not the data
         kind, name, value, load = store.load(index)

@@ -1,0 +1,262 @@
+"""Group scales and offsets tuned end to end (``quantize --e2e-steps N``): every quantized
+tensor's codes frozen, their scales and offsets moved together to lower the whole model's KL
+to the float model on the calibration windows (EfficientQAT's E2E-QP, in the format's terms:
+``numerics/tuned_scales.py``).
+
+The float model's next-token distributions are computed first, one block in memory at a time
+(``BlockStream``), and kept as each position's ``top_k`` most likely tokens' log-probabilities
+and the rest's total: the loss is the KL between those ``top_k + 1`` bins (the vocabulary-wide
+KL's lower bound, equal to it where the float model's rest is spread as the quantized model's
+is). Each step runs one window through the quantized model, its every quantized weight
+dequantized from codes and tunable scales, each block under activation checkpointing: what is
+held is the codes (a byte a weight), the model's dense tensors, and one block's dequantized
+weights while it runs forward or backward. A tied embedding's two uses (the lookup and the head)
+read the same tunable scales and both give them gradients. Adam, one window a step in a seeded
+order, the step size falling linearly to zero (as the block-wise tuning, ``tuned_scales.py``).
+An eighth of the windows is kept out of the tuning: the tuned scales are kept only where they
+lower the KL there (a step size too large fits the tuned windows and loses on others:
+BENCHMARKS.md "Tuned scales").
+
+The tuned codes are written into the quantization's resume folder as one file before they
+replace the stored ones: a killed run either tunes again from the same codes or finds the file
+and only puts it in place (the same bytes either way).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import torch
+from torch import nn
+from torch.func import functional_call
+from torch.utils.checkpoint import checkpoint
+
+from dynquant.checkpoint.resume import ResumeStore
+from dynquant.format.planner import TensorSpec
+from dynquant.numerics.quantizer import QuantizedTensor
+from dynquant.numerics.tuned_scales import TunableScales
+from dynquant.pipeline.calibrate.block_stream import BlockStream, first_output
+from dynquant.pipeline.execute.progress import StageProgress
+
+TUNED_FILE = "end_to_end.safetensors"
+
+
+@dataclass(frozen=True)
+class EndToEndTuning:
+    """How the whole model's scales are tuned (part of the codes' identity)."""
+
+    steps: int = 0  # one calibration window each; 0: no end-to-end tuning
+    lr: float = 1e-3  # Adam's step for 3-bit codes, ``lr * 7 / max_code`` at other widths
+    top_k: int = 128  # the float model's most likely tokens kept per position
+    seed: int = 0
+
+
+@dataclass
+class Teacher:
+    """The float model's distribution at every position of one window, in ``top_k + 1`` bins."""
+
+    log_probs: torch.Tensor  # [positions, top_k]
+    tokens: torch.Tensor  # [positions, top_k]
+    rest: torch.Tensor  # [positions]: log of the other tokens' total probability
+
+
+def log_rest(log_probs: torch.Tensor) -> torch.Tensor:
+    """log(1 - sum(exp(log_probs))) over the last dimension (the bins' remainder)."""
+    total = torch.logsumexp(log_probs, -1).clamp(max=-1e-7)
+    return torch.log(-torch.expm1(total))
+
+
+def binned_kl(teacher: Teacher, logits: torch.Tensor) -> torch.Tensor:
+    """Mean over positions of KL(teacher || model) between the teacher's bins, ``logits``
+    [positions, vocabulary] the model's."""
+    log_q = torch.log_softmax(logits.float(), -1)
+    top_q = log_q.gather(-1, teacher.tokens)
+    p = teacher.log_probs.exp()
+    kl = (p * (teacher.log_probs - top_q)).sum(-1)
+    kl = kl + teacher.rest.exp() * (teacher.rest - log_rest(top_q))
+    return kl.mean()
+
+
+def teacher_of(stream: BlockStream, top_k: int, say: Callable[[str], None]) -> list[Teacher]:
+    """The float model's bins for each of the stream's windows (chunks of one sequence)."""
+    hidden = stream.record()
+    for b, block in enumerate(stream.blocks):
+        say(f"float model, block {b + 1}/{len(stream.blocks)}")
+        stream.materialize(block, stream.block_prefix(b))
+        hidden = stream.run_block(b, hidden)
+        stream.release(block)
+    out = []
+    with stream.heads_held(), torch.no_grad():
+        for final, ids in zip(hidden, stream.chunks(), strict=True):
+            logp = torch.log_softmax(stream.head_logits(final.to(stream.dtype), ids)
+                                     .float()[0], -1)
+            top, tokens = logp.topk(min(top_k, logp.shape[-1]), -1)
+            out.append(Teacher(top, tokens, log_rest(top)))
+    return out
+
+
+class _Head(nn.Module):
+    """What runs after the blocks, as a module whose parameters ``functional_call`` can
+    replace (the head's weight by its tunable codes)."""
+
+    def __init__(self, stream: BlockStream) -> None:
+        super().__init__()
+        self.model = stream.model
+        self.stream = stream
+
+    def forward(self, final: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
+        return self.stream.head_logits(final, ids)
+
+
+class _Student:
+    """The quantized model: dense tensors in memory, each quantized one as tunable scales on
+    its codes (by full parameter name; a tied head's name maps to the embedding's)."""
+
+    def __init__(self, stream: BlockStream, codes: dict[str, QuantizedTensor]) -> None:
+        self.stream = stream
+        self.tunables = {name: TunableScales(qt) for name, qt in codes.items()}
+        self.embed = stream.model.get_input_embeddings()
+        self.embed_name = f"{stream.module_name(self.embed)}.weight"
+        self.head = _Head(stream)
+        self.prefixes = [stream.block_prefix(b) + "." for b in range(len(stream.blocks))]
+        for b, block in enumerate(stream.blocks):
+            self._hold(block, self.prefixes[b][:-1])
+        for name, module in stream.head_modules():
+            self._hold(module, name)
+        self.first = None if self._stored(self.embed_name) in self.tunables else stream.record()
+
+    def _stored(self, name: str) -> str:
+        return self.stream.tied.get(name, name)
+
+    def _hold(self, module: nn.Module, prefix: str) -> None:
+        """``module``'s dense parameters read from disk; its quantized ones left on meta (the
+        tunables stand in for them)."""
+        self.stream.materialize(module, prefix)
+        for name, param in list(module.named_parameters()):
+            if self._stored(f"{prefix}.{name}") in self.tunables:
+                owner, _, leaf = name.rpartition(".")
+                target = module.get_submodule(owner) if owner else module
+                target._parameters[leaf] = nn.Parameter(param.detach().to("meta"),
+                                                        requires_grad=False)
+
+    def _weights(self, prefix: str, module: nn.Module, cache: dict) -> dict[str, torch.Tensor]:
+        """The module's quantized parameters (names relative to it) from their tunables."""
+        out = {}
+        for name, param in module.named_parameters():
+            stored = self._stored(f"{prefix}{name}")
+            if stored in self.tunables:
+                if stored not in cache:
+                    cache[stored] = self.tunables[stored]()
+                out[name] = cache[stored].reshape(param.shape)
+        return out
+
+    def logits(self, k: int, ids: torch.Tensor) -> torch.Tensor:
+        """Window ``k``'s logits (``ids`` its tokens), differentiable in every tunable."""
+        stream = self.stream
+        shared: dict[str, torch.Tensor] = {}
+        if self.first is None:
+            hidden = functional_call(self.embed, {"weight": self._embedding(shared)}, (ids,))
+        else:
+            hidden = self.first[k]
+        for b in range(len(stream.blocks)):
+            args, kwargs = stream.args[b][k]
+            hidden = checkpoint(self._block_forward, b, hidden.to(stream.dtype), args, kwargs,
+                                use_reentrant=False)
+        head = {f"model.{n}": w for n, w in self._head_weights(shared).items()}
+        return functional_call(self.head, head, (hidden, ids))[0]
+
+    def _embedding(self, shared: dict) -> torch.Tensor:
+        name = self._stored(self.embed_name)
+        shared[name] = self.tunables[name]()
+        return shared[name].reshape(self.embed.weight.shape)
+
+    def _head_weights(self, shared: dict) -> dict[str, torch.Tensor]:
+        out = {}
+        for prefix, module in self.stream.head_modules():
+            for name, w in self._weights(f"{prefix}.", module, shared).items():
+                out[f"{prefix}.{name}"] = w
+        return out
+
+    def _block_forward(self, b: int, hidden: torch.Tensor, args: tuple, kwargs: dict
+                       ) -> torch.Tensor:
+        block = self.stream.blocks[b]
+        weights = self._weights(self.prefixes[b], block, {})
+        return first_output(functional_call(block, weights, (hidden, *args), kwargs))
+
+    def codes(self) -> dict[str, QuantizedTensor]:
+        return {name: t.codes() for name, t in self.tunables.items()}
+
+
+def tune_end_to_end(stream: BlockStream, codes: dict[str, QuantizedTensor],
+                    tuning: EndToEndTuning, progress: bool = False
+                    ) -> dict[str, QuantizedTensor]:
+    """``codes`` (by the tensor's stored name) with scales and offsets tuned against the float
+    model's distributions on the stream's windows (chunks of one sequence), or ``codes``
+    themselves where the tuned ones do worse on the windows held out of the tuning."""
+    with StageProgress(enabled=progress) as bar:
+        task = bar.add_task("end-to-end scales", total=tuning.steps + 2)
+        teachers = teacher_of(stream, tuning.top_k, lambda what: bar.note(task, what))
+        student = _Student(stream, codes)
+        windows = list(stream.chunks())
+        held = list(range(len(windows) - validation_windows(len(windows)), len(windows)))
+        before = _held_out_kl(student, teachers, windows, held)
+        bar.advance(task)
+        _fit(student, teachers, windows, len(windows) - len(held), tuning,
+             lambda loss: (bar.note(task, f"KL {loss:.4f}"), bar.advance(task)))
+        after = _held_out_kl(student, teachers, windows, held)
+        bar.advance(task)
+        return student.codes() if not held or after < before else codes
+
+
+def validation_windows(count: int) -> int:
+    """Windows kept out of the tuning to check it (an eighth; none of a single window)."""
+    return count // 8 if count >= 8 else min(1, count - 1)
+
+
+def _held_out_kl(student: _Student, teachers: list[Teacher], windows: list[torch.Tensor],
+                 held: list[int]) -> float:
+    """The mean binned KL over windows ``held`` (0 with none)."""
+    with torch.no_grad():
+        return sum(float(binned_kl(teachers[k], student.logits(k, windows[k])))
+                   for k in held) / max(1, len(held))
+
+
+def _fit(student: _Student, teachers: list[Teacher], windows: list[torch.Tensor], fitted: int,
+         tuning: EndToEndTuning, say: Callable[[float], None]) -> None:
+    """Adam on every tunable, one of the first ``fitted`` windows a step in a seeded order."""
+    params = [{"params": list(t.parameters()), "width": 7 / t.max_code}
+              for t in student.tunables.values()]
+    opt = torch.optim.Adam(params, lr=tuning.lr)
+    gen = torch.Generator().manual_seed(tuning.seed)
+    order = torch.randint(fitted, (tuning.steps,), generator=gen).tolist()
+    for step, k in enumerate(order):
+        for group in opt.param_groups:
+            group["lr"] = tuning.lr * group["width"] * (1 - step / tuning.steps)
+        loss = binned_kl(teachers[k], student.logits(k, windows[k]))
+        loss.backward()
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+        say(float(loss.detach()))
+
+
+def end_to_end_codes(stream: BlockStream, specs: list[TensorSpec], quantized: set[str],
+                     store: ResumeStore, tuning: EndToEndTuning, progress: bool = False
+                     ) -> None:
+    """Every quantized tensor in ``store`` replaced by its end-to-end tuned codes (tuned now,
+    or read from the resume folder's file of an earlier run)."""
+    index = {s.name: i for i, s in enumerate(specs) if s.module in quantized}
+    tuned = store.read_tensors(TUNED_FILE)
+    if tuned is None:
+        codes = {name: store.quantized(i) for name, i in index.items()}
+        result = tune_end_to_end(stream, codes, tuning, progress)
+        tuned = {}
+        for name, qt in result.items():
+            tuned[f"{index[name]}.scales"] = qt.scales
+            tuned[f"{index[name]}.offsets"] = qt.offsets
+        store.write_tensors(TUNED_FILE, tuned)
+    for i in index.values():
+        qt = store.quantized(i)
+        store.save_quantized(i, specs[i].module, QuantizedTensor(
+            qt.qweight, tuned[f"{i}.scales"], tuned[f"{i}.offsets"], qt.logical_shape, qt.bits,
+            qt.group_size, qt.clipped_fraction, qt.clip_improvement))

@@ -1,0 +1,106 @@
+"""End-to-end tuned scales (``quantize --e2e-steps``): every scale and offset moved against the
+float model's next-token distributions, codes frozen; the same format, a lower KL on the windows
+it was fitted to, the same bytes on a rerun and after a kill at any point."""
+
+from __future__ import annotations
+
+from dataclasses import replace
+
+import pytest
+import torch
+from safetensors import safe_open
+from test_sequential_gptq import LLAMA_REF, _calibration, _checkpoint_bytes, _uniform
+from test_tuned_scales import _headers
+
+from dynquant.models.sources import resolve_model
+from dynquant.pipeline.codes import end_to_end as e2e
+from dynquant.pipeline.codes.code_chooser import CodeChooser
+from dynquant.pipeline.codes.write import quantize_model
+from dynquant.pipeline.report.evaluate import evaluate
+
+
+def test_binned_kl_is_the_full_kl_with_every_token_and_a_lower_bound_with_fewer():
+    gen = torch.Generator().manual_seed(0)
+    p_logits = torch.randn(6, 50, generator=gen) * 2
+    q_logits = p_logits + torch.randn(6, 50, generator=gen)
+    log_p, log_q = torch.log_softmax(p_logits, -1), torch.log_softmax(q_logits, -1)
+    full = (log_p.exp() * (log_p - log_q)).sum(-1).mean()
+
+    def teacher(k: int) -> e2e.Teacher:
+        top, tokens = log_p.topk(k, -1)
+        return e2e.Teacher(top, tokens, e2e.log_rest(top))
+
+    assert float(e2e.binned_kl(teacher(50), q_logits)) == pytest.approx(float(full), rel=1e-4)
+    for k in (1, 5, 20):  # merging tokens into one bin never raises a KL (log-sum inequality)
+        assert 0 < float(e2e.binned_kl(teacher(k), q_logits)) <= float(full) + 1e-6
+
+
+def _e2e(cal, steps: int) -> CodeChooser:
+    return CodeChooser("gptq", sequential=replace(cal, end_to_end=e2e.EndToEndTuning(steps)))
+
+
+def test_end_to_end_scales_lower_the_fitted_kl_in_gptq_s_format(tmp_path):
+    """2 bits on the trained reference model (tied embedding): KL to the float model on the
+    fitted windows below GPTQ's; same tensors, dtypes, shapes and offsets; every qweight GPTQ's,
+    the tied embedding's scales (its lookup and head uses both fitted) moved."""
+    source = resolve_model(str(LLAMA_REF))
+    cal = _calibration(LLAMA_REF, 8, 64)  # 7 fitted, 1 checking the fit
+    widths = _uniform(source, 2)
+    quantize_model(source, widths, tmp_path / "gptq", progress=False,
+                   chooser=CodeChooser("gptq", sequential=cal))
+    quantize_model(source, widths, tmp_path / "e2e", progress=False, chooser=_e2e(cal, 24))
+    assert _headers(tmp_path / "e2e") == _headers(tmp_path / "gptq")
+    with (safe_open(str(tmp_path / "e2e" / "model.safetensors"), "pt") as tuned,
+          safe_open(str(tmp_path / "gptq" / "model.safetensors"), "pt") as gptq):
+        for name in gptq.keys():  # noqa: SIM118
+            same = torch.equal(tuned.get_tensor(name), gptq.get_tensor(name))
+            assert same == (not name.endswith((".scales", ".offsets"))), name
+    text = tmp_path / "fitted.txt"  # the windows' own text: what the tuning minimised
+    text.write_text(_calibration_text(cal))
+    kl = {run: evaluate(tmp_path / run, LLAMA_REF, text, 64, progress=False).kl_mean
+          for run in ("gptq", "e2e")}
+    assert kl["e2e"] < 0.9 * kl["gptq"], kl
+
+
+def _calibration_text(cal) -> str:
+    from dynquant.models.tokenizer import load_tokenizer
+
+    tok = load_tokenizer(LLAMA_REF)
+    return "".join(tok.decode(row) for row in cal.ids)
+
+
+def test_end_to_end_reruns_and_resumes_to_the_same_bytes(tmp_path, monkeypatch):
+    """A run killed while tuning tunes again from the same codes, to the bytes of a run never
+    killed; one killed once its tuned scales are saved only puts them in place."""
+    source = resolve_model(str(LLAMA_REF))
+    widths = _uniform(source, 3)
+    cal = _calibration(LLAMA_REF, 2, 64)
+    quantize_model(source, widths, tmp_path / "a", progress=False, chooser=_e2e(cal, 6))
+
+    real_tune, real_write = e2e.tune_end_to_end, e2e.ResumeStore.write_tensors
+    tuned: list[int] = []
+
+    def dies_while_tuning(*args, **kwargs):
+        tuned.append(1)
+        if len(tuned) == 1:
+            raise KeyboardInterrupt
+        return real_tune(*args, **kwargs)
+
+    monkeypatch.setattr(e2e, "tune_end_to_end", dies_while_tuning)
+    with pytest.raises(KeyboardInterrupt):
+        quantize_model(source, widths, tmp_path / "c", progress=False, chooser=_e2e(cal, 6))
+    quantize_model(source, widths, tmp_path / "c", progress=False, chooser=_e2e(cal, 6))
+    assert len(tuned) == 2
+    assert _checkpoint_bytes(tmp_path / "c") == _checkpoint_bytes(tmp_path / "a")
+
+    def dies_after_saving(self, name, tensors):
+        real_write(self, name, tensors)
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(e2e.ResumeStore, "write_tensors", dies_after_saving)
+    with pytest.raises(KeyboardInterrupt):
+        quantize_model(source, widths, tmp_path / "d", progress=False, chooser=_e2e(cal, 6))
+    monkeypatch.setattr(e2e.ResumeStore, "write_tensors", real_write)
+    quantize_model(source, widths, tmp_path / "d", progress=False, chooser=_e2e(cal, 6))
+    assert len(tuned) == 3  # the second run of "d" tuned nothing
+    assert _checkpoint_bytes(tmp_path / "d") == _checkpoint_bytes(tmp_path / "a")
