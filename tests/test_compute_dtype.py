@@ -85,9 +85,15 @@ def test_the_cli_takes_dtype_and_defaults_to_auto(command):
 
 
 def test_measure_probes_in_float32_unless_asked():
+    """The default is the API's (the CLI passes only what it is given)."""
+    from dynquant.api import MeasureOptions, QuantizeRequest
+    from dynquant.cli import measure_options, quantize_options
+
     parser = build_parser()
-    assert parser.parse_args(["measure", "m", "-o", "x"]).dtype == "float32"
-    assert parser.parse_args(["quantize", "m", "-o", "x", "--dtype", "auto"]).dtype == "auto"
+    assert "dtype" not in measure_options(parser.parse_args(["measure", "m", "-o", "x"]))
+    assert MeasureOptions().dtype == QuantizeRequest("x").dtype == "float32"
+    args = parser.parse_args(["quantize", "m", "-o", "x", "--dtype", "auto"])
+    assert quantize_options(args)["dtype"] == "auto"
 
 
 def test_load_and_from_pretrained_follow_the_decision(tmp_path, monkeypatch):

@@ -116,3 +116,13 @@ def test_validator_and_header_reader_need_no_torch():
                  "jsonstyle.py", "widths.py", "planner.py"):
         mods = _modules(SRC / "format" / name)
         assert not any(m.split(".")[0] in ("torch", "transformers") for m in mods), name
+
+
+def test_the_cli_reaches_the_pipeline_only_through_the_api():
+    """``cli.py`` maps arguments onto ``dynquant.api``: what the command line can do, the API
+    can do (and nothing the CLI runs bypasses it)."""
+    mods = _modules(SRC / "cli.py")
+    assert "dynquant.api" in mods or any(
+        isinstance(n, ast.ImportFrom) and n.module == "dynquant" and
+        any(a.name == "api" for a in n.names) for n in _imports(SRC / "cli.py"))
+    assert sorted(m for m in mods if m.startswith("dynquant.pipeline")) == []

@@ -1,50 +1,103 @@
-"""The Python API, mirroring the CLI: ``measure``, ``allocate``, ``quantize``.
+"""The Python API: everything the ``dynquant`` command does, as functions that take what its
+options take and return plain data. ``cli.py`` only maps arguments onto these calls.
 
-Each takes what the command line takes (paths, presets, numbers) and returns plain data.
+The options of ``measure`` and ``quantize`` are the fields of their configurations,
+:class:`MeasureOptions` and :class:`QuantizeRequest` (each field documented there, every default
+defined there once); a call passes any of them by name::
+
+    from dynquant import api
+    api.quantize("SmolLM2-135M", "out/q", budget=4.25, tuning=api.ScaleTuning(steps=50))
 """
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
+from dataclasses import replace
 from pathlib import Path
 
-from dynquant.models.sources import resolve_model
+from dynquant.errors import DynquantError
+from dynquant.format.planner import plan_document
+from dynquant.format.widths_file import load_widths
+from dynquant.models.sources import ModelSource, resolve_model
 from dynquant.pipeline.allocate.allocation import (
     Allocation,
     Constraints,
     allocate_widths,
     parse_pins,
     uniform_widths,
+    widths_mapping,
 )
-from dynquant.pipeline.allocate.maps import load_maps, maps_modules
+from dynquant.pipeline.allocate.forecast import Forecast, forecast, measure_summary, summary_lines
+from dynquant.pipeline.allocate.maps import is_maps, load_maps, maps_modules, split_maps_arg
 from dynquant.pipeline.codes.end_to_end import EndToEndTuning
 from dynquant.pipeline.codes.tuned_scales import ScaleTuning
-from dynquant.pipeline.execute.executor import Executor
 from dynquant.pipeline.execute.scope import executor_scope
-from dynquant.pipeline.measure.options import DEFAULT_BUDGETS, DEFAULT_WIDTHS, MeasureOptions
+from dynquant.pipeline.measure.options import MeasureOptions
 from dynquant.pipeline.measure.run import measure as _measure
+from dynquant.pipeline.report.demo import run_demo
+from dynquant.pipeline.report.evaluate import EvalResult
+from dynquant.pipeline.report.evaluate import evaluate as _evaluate
+from dynquant.pipeline.report.generate import generate_text
 from dynquant.pipeline.workflow import QuantizeRequest, run_quantize
 
+__all__ = ["Allocation", "EndToEndTuning", "EvalResult", "Forecast", "MeasureOptions",
+           "QuantizeRequest", "ScaleTuning", "allocate", "demo", "evaluate", "generate",
+           "measure", "measure_lines", "model", "plan", "quantize", "widths_json"]
 
-def measure(model: str | Path, output: str | Path | None = None, *,
-            calib: Sequence[str | Path] = (), method: str | None = None,
-            widths: Sequence[int] = DEFAULT_WIDTHS, group_sizes: Sequence[int] = (128,),
-            budgets: Sequence[float] = DEFAULT_BUDGETS, not_convert: Sequence[str] = (),
-            calib_seqs: int = 8, calib_len: int = 256, random_init: bool = False,
-            progress: bool = True, dtype: str = "float32", quantizer: str = "rtn",
-            executor: str | Executor | None = None, address: str | None = None) -> dict:
-    """``dynquant measure``: the maps document (written to ``output`` when given). Without
-    ``calib`` it calibrates on the text dynquant ships (``method="weight"``: data-free).
-    ``dtype``: the calibration passes' compute dtype (float32 by default on every CPU);
-    ``quantizer``: price the candidates with round-to-nearest ("rtn") or GPTQ codes;
-    ``executor``: where the modules' candidates are computed ("local", "ray" on the cluster at
-    ``address`` or a local Ray instance, or an ``Executor``)."""
-    opts = MeasureOptions(widths=widths, group_sizes=group_sizes, budgets=budgets,
-                          method=method, calib=[str(c) for c in calib], calib_seqs=calib_seqs,
-                          calib_len=calib_len, not_convert=not_convert, dtype=dtype,
-                          quantizer=quantizer)
+
+def model(name: str | Path) -> ModelSource:
+    """A model directory, config.json, preset or cached hub name, resolved (its tensors and
+    config; no weight read)."""
+    return resolve_model(str(name))
+
+
+def plan(model_name: str | Path, widths: str | Path, *, group_size: int = 128,
+         report: Callable[[Forecast], None] | None = None) -> dict:
+    """``dynquant plan``: the dynquant.json a quantize with ``widths`` (a dynquant.json, a
+    widths JSON, or ``MAPS.json:BUDGET``, allocated here and its forecast given to ``report``)
+    would write, from the model's shapes alone."""
+    source = model(model_name)
+    chosen = _plan_widths(str(widths), report)
+    return plan_document(source.tensor_specs(), chosen, model=str(model_name),
+                         group_size=group_size, tied=source.tied, widths_from=str(widths))
+
+
+def _plan_widths(arg: str, report: Callable[[Forecast], None] | None) -> dict:
+    if not is_maps(arg):
+        return load_widths(arg)
+    path, budget = split_maps_arg(arg)
+    if budget is None:
+        raise DynquantError("a maps file needs a budget: MAPS.json:BUDGET", file=path,
+                            field="budget")
+    maps = load_maps(path)
+    modules = maps_modules(maps)
+    alloc = allocate_widths(modules, budget)
+    if report is not None:
+        report(forecast(maps, modules, budget, alloc=alloc))
+    return dict(alloc.widths)  # module -> (bits, group size)
+
+
+def measure(model_name: str | Path, output: str | Path | None = None, *,
+            progress: bool = True, random_init: bool = False, executor=None,
+            address: str | None = None, **options) -> dict:
+    """``dynquant measure``: the maps document (written to ``output`` when given). ``options``:
+    :class:`MeasureOptions`' fields (``calib=[]``: the text dynquant ships; ``method="weight"``:
+    data-free; ``forecast_check``: the command's check of the forecast, on by default there);
+    ``executor``: "local", "ray" (the cluster at ``address``, or a local Ray instance), or an
+    ``Executor``."""
+    if "calib" in options:
+        options["calib"] = [str(c) for c in options["calib"]]
+    opts = replace(MeasureOptions(), **options)
     with executor_scope(executor, address) as runner:
-        return _measure(resolve_model(str(model)), opts, output, progress, random_init, runner)
+        return _measure(model(model_name), opts, None if output is None else str(output),
+                        progress, random_init, runner)
+
+
+def measure_lines(doc: dict) -> tuple[dict, list[str]]:
+    """A maps document's summary (sizes and predicted KL per budget, warnings) as data, and as
+    the lines ``dynquant measure`` prints."""
+    summary = measure_summary(doc)
+    return summary, summary_lines(summary)
 
 
 def allocate(maps: str | Path | dict, budget: float | None = None, *,
@@ -58,34 +111,44 @@ def allocate(maps: str | Path | dict, budget: float | None = None, *,
     if uniform is not None:
         return uniform_widths(modules, uniform, max(doc["group_sizes"]), cons)
     if budget is None:
-        raise ValueError("give a budget or uniform=BITS")
+        raise DynquantError("give a budget or uniform widths", field="budget")
     return allocate_widths(modules, budget, cons)
 
 
-def quantize(model: str | Path, output: str | Path, *, budget: float | None = None,
-             widths: str | Path | None = None, uniform: int | None = None,
-             calib: Sequence[str | Path] = (), method: str | None = None,
-             group_size: int = 128, group_sizes: Sequence[int] | None = None,
-             pins: Sequence[str] = (), not_convert: Sequence[str] = (),
-             random_init: bool = False, overwrite: bool = False,
-             progress: bool = True, quantizer: str = "auto", tune_steps: int = ScaleTuning.steps,
-             e2e_steps: int = EndToEndTuning.steps, executor: str | Executor | None = None,
-             address: str | None = None) -> dict:
+def widths_json(alloc: Allocation, maps: str | Path | dict) -> dict:
+    """An allocation as the widths JSON ``dynquant allocate`` writes."""
+    doc = maps if isinstance(maps, dict) else load_maps(maps)
+    return widths_mapping(alloc, max(doc["group_sizes"]))
+
+
+def quantize(model_name: str | Path, output: str | Path, **options) -> dict:
     """``dynquant quantize``: (measure ->) allocate -> quantize -> write; returns the metadata.
-    ``quantizer``: "gptq" (error-compensating, sequential over the blocks, on the calibration
-    text), "tuned" (gptq's codes with each block's scales and offsets tuned against the float
-    block, ``tune_steps`` steps a block; then, with ``e2e_steps``, every scale and offset tuned
-    against the whole float model), "rtn" (round-to-nearest with the clip search), "auto"
-    (tuned when calibrating on text, rtn on the data-free path). ``executor``: where the
-    per-module work runs ("local", "ray" on the cluster at ``address`` or a local Ray
-    instance, or an ``Executor``): the checkpoint is byte-identical either way. An untied
-    output head is quantized like any Linear; ``not_convert=["lm_head"]`` keeps it dense."""
-    req = QuantizeRequest(output=str(output), widths=None if widths is None else str(widths),
-                          budget=budget, uniform=uniform, calib=[str(c) for c in calib],
-                          method=method, group_size=group_size, group_sizes=group_sizes,
-                          pins=pins, not_convert=not_convert,
-                          random_init=random_init, overwrite=overwrite, progress=progress,
-                          quantizer=quantizer, tuning=ScaleTuning(steps=tune_steps),
-                          end_to_end=EndToEndTuning(steps=e2e_steps),
-                          executor=executor, address=address)
-    return run_quantize(resolve_model(str(model)), req)
+    ``options``: :class:`QuantizeRequest`'s fields, e.g. ``budget=4.25``, ``quantizer=`` "auto"
+    (tuned with calibration text, rtn data-free), "tuned", "gptq" or "rtn",
+    ``tuning=ScaleTuning(steps=...)``, ``end_to_end=EndToEndTuning(steps=...)``,
+    ``executor="ray"`` (the checkpoint is byte-identical on any executor), ``report`` (told the
+    forecast before anything is written). An untied output head is quantized like any Linear;
+    ``not_convert=["lm_head"]`` keeps it dense."""
+    if "calib" in options:
+        options["calib"] = [str(c) for c in options["calib"]]
+    if options.get("widths") is not None:
+        options["widths"] = str(options["widths"])
+    return run_quantize(model(model_name), QuantizeRequest(output=str(output), **options))
+
+
+def evaluate(model_path: str | Path, base: str | Path, text: str | Path, **options
+             ) -> EvalResult:
+    """``dynquant eval``: perplexity and KL(base || model) on ``text`` (``options``: ``ctx``,
+    ``max_tokens``, ``progress``, ``dtype``, ``activations``, ``spread``)."""
+    return _evaluate(model_path, base, text, **options)
+
+
+def generate(checkpoint: str | Path, prompt: str, **options) -> str:
+    """``dynquant generate``: the completion of ``prompt`` (``options``: ``max_new_tokens``,
+    ``temperature``, ``seed``, ``stream``, ``dtype``, ``chat``, ``activations``)."""
+    return generate_text(checkpoint, prompt, **options)
+
+
+def demo(output: str | Path = "out/demo", dtype: str | None = None) -> None:
+    """``dynquant demo``: the main job on the bundled default."""
+    run_demo(output, dtype=dtype)

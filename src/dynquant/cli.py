@@ -18,44 +18,34 @@ EXIT_INVALID = 1
 EXIT_ERROR = 2
 
 
-def _cmd_plan(args: argparse.Namespace) -> int:
-    from dynquant.format.planner import plan_document
-    from dynquant.format.summary import render_summary
-    from dynquant.models.sources import resolve_model
+def _api():
+    """The API, imported when a command needs it (plan, inspect and validate stay light: the
+    format layer alone)."""
+    from dynquant import api
 
-    source = resolve_model(args.model)
-    widths = _plan_widths(args.widths)
-    doc = plan_document(source.tensor_specs(), widths, model=args.model,
-                        group_size=args.group_size, tied=source.tied, widths_from=args.widths)
+    return api
+
+
+def _given(**options) -> dict:
+    """The options the user gave (the rest take the API's defaults, defined once there)."""
+    return {k: v for k, v in options.items() if v is not None}
+
+
+def _print_forecast(f) -> None:
+    for line in f.lines():
+        print(line, file=sys.stderr)
+
+
+def _cmd_plan(args: argparse.Namespace) -> int:
+    from dynquant.format.summary import render_summary
+
+    doc = _api().plan(args.model, args.widths, report=_print_forecast,
+                      **_given(group_size=args.group_size))
     if args.json:
         print(dumps(doc))
     else:
         render_summary(doc, f"plan: {args.model} with widths from {args.widths}")
     return 0
-
-
-def _plan_widths(arg: str) -> dict:
-    """A widths source; maps.json:BUDGET is allocated here (from the maps alone, no weights),
-    and its forecast printed to stderr."""
-    from dynquant.format.widths_file import load_widths
-    from dynquant.pipeline.allocate.maps import is_maps, split_maps_arg
-
-    if not is_maps(arg):
-        return load_widths(arg)
-    from dynquant.pipeline.allocate.allocation import allocate_widths
-    from dynquant.pipeline.allocate.forecast import forecast
-    from dynquant.pipeline.allocate.maps import load_maps, maps_modules
-
-    path, budget = split_maps_arg(arg)
-    if budget is None:
-        raise DynquantError("a maps file needs a budget: MAPS.json:BUDGET", file=path,
-                            field="budget")
-    maps = load_maps(path)
-    modules = maps_modules(maps)
-    alloc = allocate_widths(modules, budget)
-    for line in forecast(maps, modules, budget, alloc=alloc).lines():
-        print(line, file=sys.stderr)
-    return dict(alloc.widths)  # module -> (bits, group size)
 
 
 def _cmd_inspect(args: argparse.Namespace) -> int:
@@ -88,12 +78,23 @@ def _cmd_validate(args: argparse.Namespace) -> int:
     return 0
 
 
+def quantize_options(args: argparse.Namespace) -> dict:
+    """``dynquant quantize``'s arguments as ``api.quantize``'s options (those given)."""
+    return _given(
+        widths=args.widths, budget=args.budget, uniform=args.uniform,
+        calib=args.calib or None, calib_seqs=args.calib_seqs, calib_len=args.calib_len,
+        method=_method(args), group_size=args.group_size, group_sizes=_ints(args.group_sizes),
+        pins=args.pin or None, min_bits=args.min_bits, max_bits=args.max_bits,
+        not_convert=args.not_convert or None, random_init=args.random_init or None,
+        seed=args.seed, overwrite=args.overwrite or None, dtype=args.dtype,
+        quantizer=args.quantizer, gptq_seqs=args.gptq_seqs, tuning=_tuning(args),
+        end_to_end=_end_to_end(args), **_executor(args))
+
+
 def _cmd_quantize(args: argparse.Namespace) -> int:
     from dynquant.format.summary import render_element_counts, render_summary
-    from dynquant.models.sources import resolve_model
-    from dynquant.pipeline.workflow import QuantizeRequest, run_quantize
 
-    source = resolve_model(args.model)
+    api = _api()
     forecasts = []
 
     def report(f) -> None:  # before any weight is written: the user can still stop
@@ -102,25 +103,15 @@ def _cmd_quantize(args: argparse.Namespace) -> int:
             if not args.quiet or line.startswith("warning"):  # --quiet keeps warnings
                 print(line, file=sys.stderr)
 
-    req = QuantizeRequest(
-        output=args.output, widths=args.widths, budget=args.budget, uniform=args.uniform,
-        calib=args.calib, calib_seqs=args.calib_seqs, calib_len=args.calib_len,
-        method=_method(args), group_size=args.group_size,
-        group_sizes=_ints(args.group_sizes), pins=args.pin, min_bits=args.min_bits,
-        max_bits=args.max_bits, not_convert=args.not_convert,
-        random_init=args.random_init, seed=args.seed, overwrite=args.overwrite,
-        progress=not (args.quiet or args.json), dtype=args.dtype, report=report,
-        quantizer=args.quantizer, gptq_seqs=args.gptq_seqs,
-        tuning=_tuning(args), end_to_end=_end_to_end(args),
-        executor=_executor(args)[0], address=_executor(args)[1])
-    doc = run_quantize(source, req)
+    doc = api.quantize(args.model, args.output, progress=not (args.quiet or args.json),
+                       report=report, **quantize_options(args))
     if args.json:
         print(json.dumps({"output": args.output, "accounting": doc["accounting"],
                           "provenance": doc["provenance"],
                           "forecast": forecasts[0].to_json() if forecasts else None}, indent=1))
     elif not args.quiet:
         render_summary(doc, f"quantized {args.model} -> {args.output}")
-        render_element_counts(source.tensor_specs(), set(doc["layers"]))
+        render_element_counts(api.model(args.model).tensor_specs(), set(doc["layers"]))
     return 0
 
 
@@ -128,45 +119,44 @@ def _ints(text: str | None) -> list[int] | None:
     return None if text is None else [int(x) for x in text.split(",") if x]
 
 
-def _cmd_measure(args: argparse.Namespace) -> int:
-    from dynquant.models.sources import resolve_model
-    from dynquant.pipeline.allocate.forecast import measure_summary, summary_lines
-    from dynquant.pipeline.execute.scope import executor_scope
-    from dynquant.pipeline.measure.options import MeasureOptions
-    from dynquant.pipeline.measure.run import measure
+def measure_options(args: argparse.Namespace) -> dict:
+    """``dynquant measure``'s arguments as ``api.measure``'s options (those given; the command
+    checks its forecast unless told not to)."""
+    return _given(
+        widths=_ints(args.widths), group_sizes=_ints(args.group_sizes),
+        budgets=None if args.budgets is None else [float(b) for b in args.budgets.split(",")
+                                                  if b],
+        method=_method(args), calib=args.calib or None, not_convert=args.not_convert or None,
+        calib_seqs=args.calib_seqs, calib_len=args.calib_len, dtype=args.dtype,
+        second_moments=args.second_moments or None, moment_seqs=args.moment_seqs,
+        quantizer=args.quantizer, fisher_draws=args.fisher_draws,
+        forecast_check=not args.no_forecast_check, tuning=_tuning(args))
 
-    opts = MeasureOptions(widths=_ints(args.widths), group_sizes=_ints(args.group_sizes),
-                          budgets=[float(b) for b in args.budgets.split(",") if b],
-                          method=_method(args), calib=args.calib, not_convert=args.not_convert,
-                          calib_seqs=args.calib_seqs, calib_len=args.calib_len,
-                          dtype=args.dtype, second_moments=args.second_moments,
-                          moment_seqs=args.moment_seqs, quantizer=args.quantizer,
-                          fisher_draws=args.fisher_draws,
-                          forecast_check=not args.no_forecast_check, tuning=_tuning(args))
-    with executor_scope(*_executor(args)) as executor:
-        doc = measure(resolve_model(args.model), opts, args.output,
-                      progress=not (args.json or args.quiet), random_init=args.random_init,
-                      executor=executor)
-    summary = measure_summary(doc)
+
+def _cmd_measure(args: argparse.Namespace) -> int:
+    api = _api()
+    doc = api.measure(args.model, args.output, progress=not (args.json or args.quiet),
+                      random_init=args.random_init, **_executor(args), **measure_options(args))
+    summary, lines = api.measure_lines(doc)
     if args.json:
         print(json.dumps({"maps": args.output, **summary}, indent=1))
         return 0
-    for line in [] if args.quiet else summary_lines(summary):
+    for line in [] if args.quiet else lines:
         print(line)
     print(f"maps: {args.output}")
     return 0
 
 
-def _executor(args: argparse.Namespace) -> tuple[str | None, str | None]:
+def _executor(args: argparse.Namespace) -> dict:
     """``--ray [ADDRESS]`` as the executor's name and address."""
     if args.ray is None:
-        return None, None
-    return "ray", None if args.ray == "local" else args.ray
+        return {}
+    return {"executor": "ray", "address": None if args.ray == "local" else args.ray}
 
 
 def _work_options(p: argparse.ArgumentParser) -> None:
     """How measure's and quantize's work runs: the calibration passes' dtype, and where."""
-    _dtype_option(p, "float32", "the calibration passes (float32: bf16 noise is of the size "
+    _dtype_option(p, None, "the calibration passes (default float32: bf16 noise is of the size "
                   "of the sensitivities)")
     p.add_argument("--ray", nargs="?", const="local", metavar="ADDRESS",
                    help="run the per-module work as Ray tasks: on the cluster at ADDRESS (auto, "
@@ -185,28 +175,11 @@ def _method(args: argparse.Namespace) -> str | None:
 
 
 def _cmd_allocate(args: argparse.Namespace) -> int:
-    from dynquant.pipeline.allocate.allocation import (
-        Constraints,
-        allocate_widths,
-        parse_pins,
-        uniform_widths,
-        widths_mapping,
-    )
-    from dynquant.pipeline.allocate.maps import load_maps, maps_modules
-
-    maps = load_maps(args.maps)
-    modules = maps_modules(maps)
-    cons = Constraints(pins=parse_pins(args.pin), min_bits=args.min_bits,
-                       max_bits=args.max_bits, group_sizes=_ints(args.group_sizes))
-    gs = max(maps["group_sizes"])
-    if args.uniform is not None:
-        alloc = uniform_widths(modules, args.uniform, gs, cons)
-    elif args.budget is not None:
-        alloc = allocate_widths(modules, args.budget, cons)
-    else:
-        raise DynquantError("give --budget or --uniform", field="budget")
-    widths = widths_mapping(alloc, gs)
-    text = json.dumps(widths, indent=1) + "\n"
+    api = _api()
+    alloc = api.allocate(args.maps, args.budget, uniform=args.uniform, pins=args.pin,
+                         min_bits=args.min_bits, max_bits=args.max_bits,
+                         group_sizes=_ints(args.group_sizes))
+    text = json.dumps(api.widths_json(alloc, args.maps), indent=1) + "\n"
     if args.output:
         Path(args.output).write_text(text)
     else:
@@ -217,22 +190,20 @@ def _cmd_allocate(args: argparse.Namespace) -> int:
 
 
 def _cmd_generate(args: argparse.Namespace) -> int:
-    from dynquant.pipeline.report.generate import generate_text
-
-    generate_text(args.checkpoint, args.prompt, args.max_new_tokens, args.temperature, args.seed,
-                  dtype=args.dtype, chat=args.chat, activations=args.activations)
+    _api().generate(args.checkpoint, args.prompt, max_new_tokens=args.max_new_tokens,
+                    temperature=args.temperature, seed=args.seed, dtype=args.dtype,
+                    chat=args.chat, activations=args.activations)
     return 0
 
 
 def _cmd_eval(args: argparse.Namespace) -> int:
     from dynquant.numerics.compute_dtype import describe, resolve_dtype
-    from dynquant.pipeline.report.evaluate import evaluate
 
     dtype = resolve_dtype(args.dtype)
     print(f"[{describe(dtype)}]", file=sys.stderr)
-    result = evaluate(args.model, args.base, args.text, args.ctx, args.max_tokens,
-                      progress=not args.json, dtype=dtype, activations=args.activations,
-                      spread=args.spread)
+    result = _api().evaluate(args.model, args.base, args.text, ctx=args.ctx,
+                             max_tokens=args.max_tokens, progress=not args.json, dtype=dtype,
+                             activations=args.activations, spread=args.spread)
     if args.json:
         print(result.to_json())
     else:
@@ -252,9 +223,7 @@ def _cmd_eval(args: argparse.Namespace) -> int:
 
 
 def _cmd_demo(args: argparse.Namespace) -> int:
-    from dynquant.pipeline.report.demo import run_demo
-
-    run_demo(args.output, dtype=args.dtype)
+    _api().demo(args.output, dtype=args.dtype)
     return 0
 
 
@@ -270,14 +239,35 @@ def _activations_option(p: argparse.ArgumentParser, what: str) -> None:
                    "4+ bits and int16 for narrower ones where the CPU has VNNI or AVX2")
 
 
-def _dtype_option(p: argparse.ArgumentParser, default: str, what: str) -> None:
+def _dtype_option(p: argparse.ArgumentParser, default: str | None, what: str) -> None:
+    said = "" if default is None else f"default {default}; "
     p.add_argument("--dtype", choices=DTYPE_CHOICES, default=default,
-                   help=f"compute dtype of {what} (default {default}; auto: bfloat16 only where "
+                   help=f"compute dtype of {what} ({said}auto: bfloat16 only where "
                    "the CPU has native bf16 dot products, else float32; $DYNQUANT_DTYPE sets auto's "
                    "answer)")
 
 
+def _model_options(p: argparse.ArgumentParser) -> None:
+    """What measure and quantize share about the model and their output."""
+    p.add_argument("--not-convert", action="append", default=[], metavar="GLOB",
+                   help="keep matching modules dense (modules_to_not_convert; not measured); "
+                   "repeatable")
+    p.add_argument("--random-init", action="store_true",
+                   help="i.i.d. Gaussian weights, generated module by module (presets): "
+                   "data-free only")
+    p.add_argument("--quiet", action="store_true",
+                   help="no progress, forecast or summary (warnings still print)")
+
+
 def _calibration_options(p: argparse.ArgumentParser) -> None:
+    """The calibration text and the sensitivities (measure and quantize)."""
+    p.add_argument("--calib", action="append", default=[],
+                   help="calibration text file(s) (default: the English text dynquant ships)")
+    p.add_argument("--calib-seqs", type=int,
+                   help="calibration sequences for the statistics and sensitivities (default 8; "
+                   "cost: linear in them)")
+    p.add_argument("--calib-len", type=int,
+                   help="tokens per calibration sequence (default 256)")
     p.add_argument("--method", choices=("weight", "fisher", "kl-exact", "kl"),
                    help="sensitivities: fisher (the default: streamed, one forward and one "
                    "backward pass), kl-exact (one full forward per module; 'kl' is its old "
@@ -294,16 +284,13 @@ def _calibration_options(p: argparse.ArgumentParser) -> None:
 
 
 def _tuning(args: argparse.Namespace):
-    """The tuned codes' settings asked for (ScaleTuning's defaults unless --tune-steps)."""
-    from dynquant.pipeline.codes.tuned_scales import ScaleTuning
-
-    return ScaleTuning() if args.tune_steps is None else ScaleTuning(steps=args.tune_steps)
+    """The tuned codes' settings asked for (None: the API's, unless --tune-steps)."""
+    return None if args.tune_steps is None else _api().ScaleTuning(steps=args.tune_steps)
 
 
 def _end_to_end(args: argparse.Namespace):
-    from dynquant.pipeline.codes.end_to_end import EndToEndTuning
-
-    return EndToEndTuning(steps=args.e2e_steps)
+    """The end-to-end tuning asked for (None: the API's, off, unless --e2e-steps)."""
+    return None if args.e2e_steps is None else _api().EndToEndTuning(steps=args.e2e_steps)
 
 
 def _constraint_options(p: argparse.ArgumentParser) -> None:
@@ -328,7 +315,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--widths", required=True,
                    help="dynquant.json, widths JSON {module: bits}, or MAPS.json:BUDGET (allocated "
                    "from the maps, its predicted KL printed)")
-    p.add_argument("--group-size", type=int, default=128,
+    p.add_argument("--group-size", type=int,
                    help="weights per scale/offset pair where --widths gives bare widths "
                    "(default 128)")
     p.add_argument("--json", action="store_true", help="print the predicted dynquant.json")
@@ -339,38 +326,25 @@ def build_parser() -> argparse.ArgumentParser:
                    "already in the local Hugging Face cache")
     p.add_argument("-o", "--output", required=True,
                    help="maps.json to write (statistics beside it; a killed run resumes)")
-    p.add_argument("--calib", action="append", default=[],
-                   help="calibration text file(s) (default: the English text dynquant ships)")
-    p.add_argument("--calib-seqs", type=int, default=8,
-                   help="calibration sequences for the statistics and sensitivities (default 8; "
-                   "cost: linear in them)")
-    p.add_argument("--calib-len", type=int, default=256,
-                   help="tokens per calibration sequence (default 256)")
     _calibration_options(p)
-    p.add_argument("--widths", default="2,3,4,8",
-                   help="candidate widths per module (default 2,3,4,8)")
-    p.add_argument("--group-sizes", default="128",
+    p.add_argument("--widths", help="candidate widths per module (default 2,3,4,8)")
+    p.add_argument("--group-sizes",
                    help="candidate group sizes (default 128; each one more set of candidates)")
-    p.add_argument("--budgets", default="2.5,3,3.25,3.5,4.25",
-                   help="budgets (average bits) pre-allocated into maps.json (default "
-                   "2.5,3,3.25,3.5,4.25)")
-    p.add_argument("--not-convert", action="append", default=[], metavar="GLOB",
-                   help="keep matching modules dense (not measured); repeatable")
-    p.add_argument("--random-init", action="store_true",
-                   help="i.i.d. Gaussian weights (presets): data-free only")
-    p.add_argument("--fisher-draws", type=int, default=2,
+    p.add_argument("--budgets", help="budgets (average bits) pre-allocated into maps.json "
+                   "(default 2.5,3,3.25,3.5,4.25)")
+    _model_options(p)
+    p.add_argument("--fisher-draws", type=int,
                    help="label draws per sequence for --method fisher (noise ~ sqrt(2 / "
                    "(sequences x draws)); each costs one backward pass)")
     p.add_argument("--second-moments", action="store_true",
                    help="also write each Linear's X^T X / tokens (of the float model) to "
                    "OUTPUT_STEM.moments/ (what measure --quantizer gptq prices with)")
-    p.add_argument("--quantizer", choices=("rtn", "gptq"), default="rtn",
+    p.add_argument("--quantizer", choices=("rtn", "gptq"),
                    help="the quantizer the candidates are priced with: rtn (default; what "
                    "quantize --quantizer auto uses), gptq (each candidate width compensated "
                    "on the float model's inputs: a slower measure, BENCHMARKS.md "
                    "'Error-compensating codes'; implies --second-moments)")
-    p.add_argument("--quiet", action="store_true", help="no progress and no summary")
-    p.add_argument("--moment-seqs", type=int, default=16,
+    p.add_argument("--moment-seqs", type=int,
                    help="calibration sequences for the measure's second moments (default 16: "
                    "the gptq ratios price as well as from 48; a forward-only pass of its own)")
     p.add_argument("--no-forecast-check", action="store_true",
@@ -399,16 +373,12 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--widths", help="maps.json[:BUDGET] | dynquant.json | widths.json")
     p.add_argument("--budget", type=float, help="average bits per weight (scale overhead counted)")
     p.add_argument("--uniform", type=int, help="every module at this width (for comparison)")
-    p.add_argument("--calib", action="append", default=[],
-                   help="calibration text file(s) (default: the English text dynquant ships)")
-    p.add_argument("--calib-seqs", type=int, default=8, help="calibration sequences")
-    p.add_argument("--calib-len", type=int, default=256, help="tokens per sequence")
     _calibration_options(p)
-    p.add_argument("--group-size", type=int, default=128,
+    p.add_argument("--group-size", type=int,
                    help="weights per scale/offset pair (default 128; smaller: more accurate, "
                    "0.25 bits per weight more per halving)")
     p.add_argument("--group-sizes", help="allocate group sizes too, e.g. 32,64,128")
-    p.add_argument("--quantizer", choices=("auto", "rtn", "gptq", "tuned"), default="auto",
+    p.add_argument("--quantizer", choices=("auto", "rtn", "gptq", "tuned"),
                    help="how codes are chosen: gptq (error-compensating, block by block over "
                    "the quantized model's own activations on --gptq-seqs calibration windows; "
                    "Linears, expert banks and the output head; an untied input embedding rtn), "
@@ -416,27 +386,22 @@ def build_parser() -> argparse.ArgumentParser:
                    "against the float block: lower KL for a longer quantize, BENCHMARKS.md "
                    "'Tuned scales'), rtn (round-to-nearest with a clip search), auto (default: "
                    "tuned when calibrating on text, rtn data-free)")
-    p.add_argument("--gptq-seqs", type=int, default=48,
+    p.add_argument("--gptq-seqs", type=int,
                    help="calibration windows the gptq pass streams (default 48 x --calib-len "
                    "tokens; cost: about one forward per Linear group over them)")
-    p.add_argument("--e2e-steps", type=int, default=0,
+    p.add_argument("--e2e-steps", type=int,
                    help="gptq / tuned codes: then every group scale and offset tuned against "
                    "the float model's next-token distributions, one calibration window a step "
                    "(default 0: off; BENCHMARKS.md 'Tuned scales' for what 100 steps give and "
                    "cost)")
     _constraint_options(p)
-    p.add_argument("--random-init", action="store_true",
-                   help="i.i.d. Gaussian weights, generated module by module (presets)")
-    p.add_argument("--seed", type=int, default=0, help="seed of --random-init's weights")
+    _model_options(p)
+    p.add_argument("--seed", type=int, help="seed of --random-init's weights (default 0)")
     p.add_argument("--lm-head", action="store_true",
                    help="quantize an untied lm_head (the default: it is priced and given a width "
                    "like any Linear; --not-convert lm_head keeps it dense)")
-    p.add_argument("--not-convert", action="append", default=[], metavar="GLOB",
-                   help="keep matching modules dense (modules_to_not_convert); repeatable")
     p.add_argument("--overwrite", action="store_true",
                    help="replace an existing checkpoint at --output")
-    p.add_argument("--quiet", action="store_true",
-                   help="no progress, forecast or summary (warnings still print)")
     _work_options(p)
     p.set_defaults(func=_cmd_quantize)
 
