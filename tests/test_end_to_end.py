@@ -70,12 +70,17 @@ def _calibration_text(cal) -> str:
 
 
 def test_end_to_end_reruns_and_resumes_to_the_same_bytes(tmp_path, monkeypatch):
-    """A run killed while tuning tunes again from the same codes, to the bytes of a run never
-    killed; one killed once its tuned scales are saved only puts them in place."""
+    """Blocks checkpointed (large models) or not, the same bytes; a run killed while tuning
+    tunes again from the same codes, to the bytes of a run never killed; one killed once its
+    tuned scales are saved only puts them in place."""
     source = resolve_model(str(LLAMA_REF))
     widths = _uniform(source, 3)
     cal = _calibration(LLAMA_REF, 2, 64)
     quantize_model(source, widths, tmp_path / "a", progress=False, chooser=_e2e(cal, 6))
+    with monkeypatch.context() as m:
+        m.setattr(e2e, "HELD_WEIGHTS_BYTES", 0)
+        quantize_model(source, widths, tmp_path / "b", progress=False, chooser=_e2e(cal, 6))
+    assert _checkpoint_bytes(tmp_path / "b") == _checkpoint_bytes(tmp_path / "a")
 
     real_tune, real_write = e2e.tune_end_to_end, e2e.ResumeStore.write_tensors
     tuned: list[int] = []

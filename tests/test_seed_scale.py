@@ -5,6 +5,7 @@ reproduces the seed document: every field but provenance, version strings and th
 from __future__ import annotations
 
 import json
+import struct
 
 from dynquant.cli import main
 
@@ -30,5 +31,8 @@ def test_seed_random_init_reproduces_the_seed(tmp_path, seed_path, seed_doc):
             else:
                 assert got[field] == value, (name, field)
     assert doc["provenance"]["predicted_nbytes"] == seed_doc["accounting"]["total_nbytes"]
-    data = (out / "model.safetensors").stat().st_size
-    assert data > seed_doc["accounting"]["total_nbytes"]  # header + exactly the accounted bytes
+    with open(out / "model.safetensors", "rb") as fh:  # 8-byte length, header, the tensors
+        header = 8 + struct.unpack("<Q", fh.read(8))[0]
+    assert doc["files"] == ["model.safetensors"]
+    size = (out / "model.safetensors").stat().st_size
+    assert size == header + seed_doc["accounting"]["total_nbytes"]

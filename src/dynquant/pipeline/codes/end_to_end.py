@@ -8,11 +8,12 @@ The float model's next-token distributions are computed first, one block in memo
 and the rest's total: the loss is the KL between those ``top_k + 1`` bins (the vocabulary-wide
 KL's lower bound, equal to it where the float model's rest is spread as the quantized model's
 is). Each step runs one window through the quantized model, its every quantized weight
-dequantized from codes and tunable scales, each block under activation checkpointing: what is
-held is the codes (a byte a weight), the model's dense tensors, and one block's dequantized
-weights while it runs forward or backward. A tied embedding's two uses (the lookup and the head)
-read the same tunable scales and both give them gradients. Adam, one window a step in a seeded
-order, the step size falling linearly to zero (as the block-wise tuning, ``tuned_scales.py``).
+dequantized from codes and tunable scales; past ``HELD_WEIGHTS_BYTES`` of them each block runs
+under activation checkpointing, and what is held is the codes (a byte a weight), the model's
+dense tensors, and one block's dequantized weights while it runs forward or backward. A tied
+embedding's two uses (the lookup and the head) read the same tunable scales and both give them
+gradients. Adam, one window a step in a seeded order, the step size falling linearly to zero
+(as the block-wise tuning, ``tuned_scales.py``).
 An eighth of the windows is kept out of the tuning: the tuned scales are kept only where they
 lower the KL there (a step size too large fits the tuned windows and loses on others:
 BENCHMARKS.md "Tuned scales").
@@ -40,6 +41,9 @@ from dynquant.pipeline.calibrate.block_stream import BlockStream, first_output
 from dynquant.pipeline.execute.progress import StageProgress
 
 TUNED_FILE = "end_to_end.safetensors"
+# Dequantized weights held for the backward up to this size (float32); past it each block is
+# checkpointed (run again in the backward: about a third more time a step, one block's weights)
+HELD_WEIGHTS_BYTES = 1 << 30
 
 
 @dataclass(frozen=True)
@@ -125,6 +129,8 @@ class _Student:
         for name, module in stream.head_modules():
             self._hold(module, name)
         self.first = None if self._stored(self.embed_name) in self.tunables else stream.record()
+        weights = sum(t.q.numel() for t in self.tunables.values()) * 4
+        self.checkpointed = weights > HELD_WEIGHTS_BYTES
 
     def _stored(self, name: str) -> str:
         return self.stream.tied.get(name, name)
@@ -161,8 +167,11 @@ class _Student:
             hidden = self.first[k]
         for b in range(len(stream.blocks)):
             args, kwargs = stream.args[b][k]
-            hidden = checkpoint(self._block_forward, b, hidden.to(stream.dtype), args, kwargs,
-                                use_reentrant=False)
+            if self.checkpointed:
+                hidden = checkpoint(self._block_forward, b, hidden.to(stream.dtype), args,
+                                    kwargs, use_reentrant=False)
+            else:
+                hidden = self._block_forward(b, hidden.to(stream.dtype), args, kwargs)
         head = {f"model.{n}": w for n, w in self._head_weights(shared).items()}
         return functional_call(self.head, head, (hidden, ids))[0]
 
