@@ -156,8 +156,8 @@ def _executor(args: argparse.Namespace) -> dict:
 
 def _work_options(p: argparse.ArgumentParser) -> None:
     """How measure's and quantize's work runs: the calibration passes' dtype, and where."""
-    _dtype_option(p, None, "the calibration passes (default float32: bf16 noise is of the size "
-                  "of the sensitivities)")
+    _dtype_option(p, None, "the calibration passes", "default float32: bf16 noise is of the "
+                  "size of the sensitivities")
     p.add_argument("--ray", nargs="?", const="local", metavar="ADDRESS",
                    help="run the per-module work as Ray tasks: on the cluster at ADDRESS (auto, "
                    "ray://HOST:10001), or without one on a Ray instance started on this "
@@ -239,8 +239,11 @@ def _activations_option(p: argparse.ArgumentParser, what: str) -> None:
                    "4+ bits and int16 for narrower ones where the CPU has VNNI or AVX2")
 
 
-def _dtype_option(p: argparse.ArgumentParser, default: str | None, what: str) -> None:
-    said = "" if default is None else f"default {default}; "
+def _dtype_option(p: argparse.ArgumentParser, default: str | None, what: str,
+                  said: str | None = None) -> None:
+    """``--dtype``; ``said``: what the help says of the default (that ``default`` names, when
+    the API's default applies)."""
+    said = f"default {default}; " if said is None else f"{said}; "
     p.add_argument("--dtype", choices=DTYPE_CHOICES, default=default,
                    help=f"compute dtype of {what} ({said}auto: bfloat16 only where "
                    "the CPU has native bf16 dot products, else float32; $DYNQUANT_DTYPE sets auto's "
