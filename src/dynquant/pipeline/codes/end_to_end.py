@@ -214,8 +214,11 @@ def tune_end_to_end(stream: BlockStream, codes: dict[str, QuantizedTensor],
         _fit(student, teachers, windows, len(windows) - len(held), tuning,
              lambda loss: (bar.note(task, f"KL {loss:.4f}"), bar.advance(task)))
         after = _held_out_kl(student, teachers, windows, held)
+        keep = not held or after < before
+        bar.note(task, f"held-out KL {before:.4f} -> {after:.4f}: "
+                       f"{'tuned scales kept' if keep else 'the codes as they were kept'}")
         bar.advance(task)
-        return student.codes() if not held or after < before else codes
+        return student.codes() if keep else codes
 
 
 def validation_windows(count: int) -> int:
