@@ -1,6 +1,6 @@
 """The native (C) kernels' library: compiled once per machine on first use, loaded with ctypes.
 
-The kernels (``native/*.c``) and their Python sides:
+The kernels (``*.c`` beside this file) and their Python sides:
 - ``quantize_rows.c`` (``row_kernels.py``): the quantizer's clip search, codes and packing; it
   computes exactly what the torch path of ``quantizer.py`` computes (same float32 operations, IEEE
   semantics, no fused multiply-adds) without that path's per-operation overhead, paid 11 times
@@ -53,8 +53,8 @@ from pathlib import Path
 
 import torch
 
-SOURCES = tuple(sorted((Path(__file__).parent / "native").glob("*.c")))
-HEADERS = tuple(sorted((Path(__file__).parent / "native").glob("*.h")))
+SOURCES = tuple(sorted(Path(__file__).parent.glob("*.c")))
+HEADERS = tuple(sorted(Path(__file__).parent.glob("*.h")))
 LIBRARY_NAME = "libdynquant_native.so"
 # IEEE semantics are part of the contract: never -ffast-math; no contraction into FMA.
 BASE_FLAGS = ("-O3", "-std=c11", "-ffp-contract=off", "-fPIC", "-shared", "-pthread")
