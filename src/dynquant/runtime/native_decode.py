@@ -5,7 +5,7 @@ token.
 Through transformers' modules a decode step pays a Python dispatch for every norm, rotary,
 cat, attention and module call: on small models more than the products themselves. Here the
 model's ``forward`` is wrapped: a one-token forward that continues a ``DynamicCache`` (what
-``generate`` does at every step) runs ``dq_llama_step`` (``numerics/native/decode_step.c``): all
+``generate`` does at every step) runs ``dq_decode_step`` (``numerics/native/decode_step.c``): all
 layers, the final norm and the head in C, the products by dynquant's one-token kernels (int8,
 int16 or float32 activations, as the model's packed modules are set) with keys and values (and
 LFM2's convolution states) kept in a float32 cache of its own. Everything else (prefill, batches,
@@ -129,7 +129,7 @@ class _Layer:
 
 
 class _Program:
-    """The descriptors ``dq_llama_step`` reads, for one model and cache capacity, with every
+    """The descriptors ``dq_decode_step`` reads, for one model and cache capacity, with every
     tensor they point into kept alive (``keep``): keys and values for the attention layers
     (``k``, ``v``: [attention layers, kv_heads, capacity, head_dim], ``attention[i]`` the index of
     layer i or None) and the states of the convolution layers (``conv``: [convolution layers,
@@ -390,10 +390,10 @@ class NativeDecode:
         prog = self.program
         h = self.model.model.embed_tokens(ids).reshape(-1).float().contiguous()
         logits = torch.empty(prog.vocab)
-        rc = native.library().dq_llama_step(prog.model, prog.layers, prog.scalars, h.data_ptr(),
+        rc = native.library().dq_decode_step(prog.model, prog.layers, prog.scalars, h.data_ptr(),
                                             self.length, logits.data_ptr())
         if rc:
-            raise RuntimeError(f"dq_llama_step failed ({rc})")
+            raise RuntimeError(f"dq_decode_step failed ({rc})")
         self.length += 1
         return CausalLMOutputWithPast(logits=logits.view(1, 1, -1), cache=cache)
 

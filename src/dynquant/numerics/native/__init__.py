@@ -200,7 +200,7 @@ def _load() -> ctypes.CDLL | None:
     lib.dq_matvec_mt.argtypes = [*lib.dq_matvec.argtypes, c_int]
     lib.dq_matvec_tokens_mt.argtypes = [*lib.dq_matvec.argtypes[:-1], c_int]
     lib.dq_matvec_one.argtypes = lib.dq_matvec_q8_one.argtypes = [ptr, ptr, ptr]
-    lib.dq_llama_step.argtypes = [ptr, ptr, ptr, ptr, i64, ptr]
+    lib.dq_decode_step.argtypes = [ptr, ptr, ptr, ptr, i64, ptr]
     lib.dq_dense_matvec_bf16_mt.argtypes = [ptr, i64, i64, ptr, i64, ptr, i64, c_int]
     lib.dq_q8_quantize.argtypes = [ptr, i64, ptr, ptr]
     lib.dq_q16_quantize.argtypes = [ptr, i64, i64, ptr, ptr]
@@ -222,7 +222,7 @@ def _load() -> ctypes.CDLL | None:
                lib.dq_matvec_experts_mt, lib.dq_vecmat_experts_mt, lib.dq_gemm_mt,
                lib.dq_gemm_t_mt, lib.dq_matvec_one, lib.dq_experts_one, lib.dq_matvec_tokens_mt,
                lib.dq_q8_simd, lib.dq_q8_group_dots, lib.dq_matvec_q8_mt, lib.dq_matvec_q8_one,
-               lib.dq_llama_step, lib.dq_dense_matvec_bf16_mt, lib.dq_q16_group_dots,
+               lib.dq_decode_step, lib.dq_dense_matvec_bf16_mt, lib.dq_q16_group_dots,
                lib.dq_matvec_q16_mt, lib.dq_matvec_q16_one):
         fn.restype = c_int
     return lib

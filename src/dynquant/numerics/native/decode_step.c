@@ -390,7 +390,7 @@ static int short_conv(const int64_t *L, const float *x, int64_t hidden, float *b
 /* h [hidden]: the token's embedding in, the final hidden state's logits out in logits [rows of
  * the head]. pos: the token's position (the cache holds 0..pos-1; its keys and values go to pos).
  * 0, -1 if out of memory or a product failed, -2 if pos is past the cache's capacity. */
-int dq_llama_step(const int64_t *model, const int64_t *layers, const float *scalars, float *h,
+int dq_decode_step(const int64_t *model, const int64_t *layers, const float *scalars, float *h,
                   int64_t pos, float *logits) {
     const int64_t nl = model[0], hidden = model[1], heads = model[2], kvh = model[3];
     const int64_t hd = model[4], inter = model[5], capacity = model[9];
