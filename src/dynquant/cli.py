@@ -304,14 +304,7 @@ def _constraint_options(p: argparse.ArgumentParser) -> None:
     p.add_argument("--max-bits", type=int, help="no module wider than this")
 
 
-def build_parser() -> argparse.ArgumentParser:
-    from dynquant import __version__
-
-    parser = argparse.ArgumentParser(prog="dynquant", description=__doc__.splitlines()[0])
-    parser.add_argument("--version", action="version", version=f"dynquant {__version__}")
-    sub = parser.add_subparsers(dest="command", required=True)
-
-    # in pipeline order: what --help lists and the README's "Use" follows
+def _add_plan(sub) -> None:
     p = sub.add_parser("plan", help="predicted layers table and accounting, touching no weight")
     p.add_argument("model", help="model directory, config.json, preset (seed, tiny, small), or hub "
                    "name in the local Hugging Face cache")
@@ -324,6 +317,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--json", action="store_true", help="print the predicted dynquant.json")
     p.set_defaults(func=_cmd_plan)
 
+
+def _add_measure(sub) -> None:
     p = sub.add_parser("measure", help="errors and sensitivities per module -> maps.json")
     p.add_argument("model", help="model directory, config.json, preset, or hub name (org/name[@rev]) "
                    "already in the local Hugging Face cache")
@@ -358,6 +353,8 @@ def build_parser() -> argparse.ArgumentParser:
     _work_options(p)
     p.set_defaults(func=_cmd_measure)
 
+
+def _add_allocate(sub) -> None:
     p = sub.add_parser("allocate", help="widths for a budget from maps.json (exact optimum)")
     p.add_argument("maps", help="maps.json of dynquant measure")
     p.add_argument("--budget", type=float,
@@ -368,6 +365,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("-o", "--output", help="widths JSON to write (default: print it)")
     p.set_defaults(func=_cmd_allocate)
 
+
+def _add_quantize(sub) -> None:
     p = sub.add_parser("quantize", help="(measure ->) allocate -> quantize -> write")
     p.add_argument("model", help="model directory, config.json, preset, or hub name (org/name[@rev]) "
                    "already in the local Hugging Face cache")
@@ -408,15 +407,21 @@ def build_parser() -> argparse.ArgumentParser:
     _work_options(p)
     p.set_defaults(func=_cmd_quantize)
 
+
+def _add_inspect(sub) -> None:
     p = sub.add_parser("inspect", help="summarise a checkpoint or dynquant.json")
     p.add_argument("checkpoint", help="checkpoint directory or a bare dynquant.json")
     p.add_argument("--json", action="store_true", help="print the metadata as JSON")
     p.set_defaults(func=_cmd_inspect)
 
+
+def _add_validate(sub) -> None:
     p = sub.add_parser("validate", help="check a checkpoint (exit 1 with one line per problem)")
     p.add_argument("checkpoint", help="checkpoint directory or a bare dynquant.json")
     p.set_defaults(func=_cmd_validate)
 
+
+def _add_eval(sub) -> None:
     p = sub.add_parser("eval", help="perplexity and KL(base || model) on a text")
     p.add_argument("model", help="dynquant checkpoint or transformers model folder")
     p.add_argument("--base", required=True,
@@ -436,6 +441,8 @@ def build_parser() -> argparse.ArgumentParser:
                         "stays float)")
     p.set_defaults(func=_cmd_eval)
 
+
+def _add_generate(sub) -> None:
     p = sub.add_parser("generate", help="complete a prompt with a checkpoint (streams tokens)")
     p.add_argument("checkpoint", help="dynquant checkpoint directory")
     p.add_argument("--prompt", required=True, help="the text to continue")
@@ -450,11 +457,32 @@ def build_parser() -> argparse.ArgumentParser:
     _activations_option(p, "the decode products")
     p.set_defaults(func=_cmd_generate)
 
+
+def _add_demo(sub) -> None:
     p = sub.add_parser("demo", help="the main job on the bundled default")
     p.add_argument("-o", "--output", default="out/demo",
                    help="where the checkpoints, table and plot go (default out/demo)")
     _dtype_option(p, "auto", "the evaluations and the sample")
     p.set_defaults(func=_cmd_demo)
+
+
+def build_parser() -> argparse.ArgumentParser:
+    from dynquant import __version__
+
+    parser = argparse.ArgumentParser(prog="dynquant", description=__doc__.splitlines()[0])
+    parser.add_argument("--version", action="version", version=f"dynquant {__version__}")
+    sub = parser.add_subparsers(dest="command", required=True)
+
+    # in pipeline order: what --help lists and the README's "Use" follows
+    _add_plan(sub)
+    _add_measure(sub)
+    _add_allocate(sub)
+    _add_quantize(sub)
+    _add_inspect(sub)
+    _add_validate(sub)
+    _add_eval(sub)
+    _add_generate(sub)
+    _add_demo(sub)
     return parser
 
 
