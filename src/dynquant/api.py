@@ -85,9 +85,7 @@ def measure(model_name: str | Path, output: str | Path | None = None, *,
     data-free; ``forecast_check``: the command's check of the forecast, on by default there);
     ``executor``: "local", "ray" (the cluster at ``address``, or a local Ray instance), or an
     ``Executor``."""
-    if "calib" in options:
-        options["calib"] = [str(c) for c in options["calib"]]
-    opts = replace(MeasureOptions(), **options)
+    opts = replace(MeasureOptions(), **_as_text(options))
     with executor_scope(executor, address) as runner:
         return _measure(model(model_name), opts, None if output is None else str(output),
                         progress, random_init, runner)
@@ -129,11 +127,19 @@ def quantize(model_name: str | Path, output: str | Path, **options) -> dict:
     ``executor="ray"`` (the checkpoint is byte-identical on any executor), ``report`` (told the
     forecast before anything is written). An untied output head is quantized like any Linear;
     ``not_convert=["lm_head"]`` keeps it dense."""
-    if "calib" in options:
-        options["calib"] = [str(c) for c in options["calib"]]
-    if options.get("widths") is not None:
-        options["widths"] = str(options["widths"])
-    return run_quantize(model(model_name), QuantizeRequest(output=str(output), **options))
+    request = QuantizeRequest(output=str(output), **_as_text(options))
+    return run_quantize(model(model_name), request)
+
+
+def _as_text(options: dict) -> dict:
+    """``options`` with their paths as the pipeline records them, strings: the calibration
+    texts (``calib``) and a widths or maps file (``widths``)."""
+    out = dict(options)
+    if "calib" in out:
+        out["calib"] = [str(c) for c in out["calib"]]
+    if out.get("widths") is not None:
+        out["widths"] = str(out["widths"])
+    return out
 
 
 def evaluate(model_path: str | Path, base: str | Path, text: str | Path, **options

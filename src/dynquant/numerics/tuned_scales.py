@@ -20,6 +20,8 @@ scales alone lower it (BENCHMARKS.md "Tuned scales").
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 import torch
 from torch import nn
 
@@ -68,7 +70,4 @@ class TunableScales(nn.Module):
     def codes(self) -> QuantizedTensor:
         """The codes with the current scales and offsets (dequantizing to ``forward()``)."""
         s, o = self._scale_offset()
-        st = self.start
-        return QuantizedTensor(st.qweight, s.to(torch.bfloat16), o.to(torch.bfloat16),
-                               st.logical_shape, st.bits, st.group_size, st.clipped_fraction,
-                               st.clip_improvement)
+        return replace(self.start, scales=s.to(torch.bfloat16), offsets=o.to(torch.bfloat16))

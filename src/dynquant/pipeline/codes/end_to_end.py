@@ -26,7 +26,7 @@ and only puts it in place (the same bytes either way).
 from __future__ import annotations
 
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import torch
 from torch import nn
@@ -82,9 +82,11 @@ def binned_kl(teacher: Teacher, logits: torch.Tensor) -> torch.Tensor:
     return kl.mean()
 
 
-def teacher_of(stream: BlockStream, top_k: int, say: Callable[[str], None]) -> list[Teacher]:
-    """The float model's bins for each of the stream's windows (chunks of one sequence)."""
-    hidden = stream.record()
+def teacher_of(stream: BlockStream, first: list[torch.Tensor], top_k: int,
+               say: Callable[[str], None]) -> list[Teacher]:
+    """The float model's bins for each of the stream's windows (chunks of one sequence), from
+    ``first``, their inputs to the first block (``stream.record()``)."""
+    hidden = first
     for b, block in enumerate(stream.blocks):
         say(f"float model, block {b + 1}/{len(stream.blocks)}")
         stream.materialize(block, stream.block_prefix(b))
@@ -115,9 +117,12 @@ class _Head(nn.Module):
 
 class _Student:
     """The quantized model: dense tensors in memory, each quantized one as tunable scales on
-    its codes (by full parameter name; a tied head's name maps to the embedding's)."""
+    its codes (by full parameter name; a tied head's name maps to the embedding's). ``first``:
+    the windows' inputs to the first block with the float embedding, what a dense embedding
+    gives."""
 
-    def __init__(self, stream: BlockStream, codes: dict[str, QuantizedTensor]) -> None:
+    def __init__(self, stream: BlockStream, codes: dict[str, QuantizedTensor],
+                 first: list[torch.Tensor]) -> None:
         self.stream = stream
         self.tunables = {name: TunableScales(qt) for name, qt in codes.items()}
         self.embed = stream.model.get_input_embeddings()
@@ -128,7 +133,7 @@ class _Student:
             self._hold(block, self.prefixes[b][:-1])
         for name, module in stream.head_modules():
             self._hold(module, name)
-        self.first = None if self._stored(self.embed_name) in self.tunables else stream.record()
+        self.first = None if self._stored(self.embed_name) in self.tunables else first
         weights = sum(t.q.numel() for t in self.tunables.values()) * 4
         self.checkpointed = weights > HELD_WEIGHTS_BYTES
 
@@ -205,8 +210,9 @@ def tune_end_to_end(stream: BlockStream, codes: dict[str, QuantizedTensor],
     themselves where the tuned ones do worse on the windows held out of the tuning."""
     with StageProgress(enabled=progress) as bar:
         task = bar.add_task("end-to-end scales", total=tuning.steps + 2)
-        teachers = teacher_of(stream, tuning.top_k, lambda what: bar.note(task, what))
-        student = _Student(stream, codes)
+        first = stream.record()  # also records every block's extra arguments
+        teachers = teacher_of(stream, first, tuning.top_k, lambda what: bar.note(task, what))
+        student = _Student(stream, codes, first)
         windows = list(stream.chunks())
         held = list(range(len(windows) - validation_windows(len(windows)), len(windows)))
         before = _held_out_kl(student, teachers, windows, held)
@@ -268,7 +274,5 @@ def end_to_end_codes(stream: BlockStream, specs: list[TensorSpec], quantized: se
             tuned[f"{index[name]}.offsets"] = qt.offsets
         store.write_tensors(TUNED_FILE, tuned)
     for i in index.values():
-        qt = store.quantized(i)
-        store.save_quantized(i, specs[i].module, QuantizedTensor(
-            qt.qweight, tuned[f"{i}.scales"], tuned[f"{i}.offsets"], qt.logical_shape, qt.bits,
-            qt.group_size, qt.clipped_fraction, qt.clip_improvement))
+        store.save_quantized(i, specs[i].module, replace(
+            store.quantized(i), scales=tuned[f"{i}.scales"], offsets=tuned[f"{i}.offsets"]))
