@@ -66,7 +66,7 @@ def test_pairs_split_across_threads_give_the_same_bits(monkeypatch):
     monkeypatch.setattr(pm, "PARALLEL_MIN_ELEMENTS", 0)
     monkeypatch.setattr(pm, "VECMAT_PARALLEL_MIN_ELEMENTS", 0)
     bank, _ = _bank(4, 256, 384, 3, 1)  # its prepared products read the thresholds when made
-    assert bank._prepared(True)[0].args[9] == 0
+    assert bank._prepared(True)[0].block.min_work == 0
     assert torch.equal(bank.pairs_linear(x_in, ids), one[0])
     assert torch.equal(bank.pairs_matmul(x_out, ids), one[1])
 

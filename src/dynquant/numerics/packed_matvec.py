@@ -17,7 +17,7 @@ matches bit for bit.
 
 from __future__ import annotations
 
-import ctypes
+import copy
 
 import torch
 import torch.nn.functional as F
@@ -25,6 +25,14 @@ import torch.nn.functional as F
 from dynquant.format.layout import LayerLayout
 from dynquant.format.packing import unpack_codes
 from dynquant.numerics import native
+from dynquant.numerics.native.interface import (
+    PAIRS_MATVEC,
+    PAIRS_MATVEC_Q8,
+    PAIRS_MATVEC_Q16,
+    PAIRS_VECMAT,
+    ExpertPairsBlock,
+    PackedBlock,
+)
 from dynquant.numerics.quantizer import dequantize_rows
 
 MAX_TOKENS = 8
@@ -293,8 +301,9 @@ def q8_path() -> str | None:
 
 class OneTokenMatvec:
     """``packed_matvec`` of one float32 token with the per-call work done once: the block's
-    checks, pointers, arguments and thread count are fixed when it is made, in one argument block
-    the kernel reads (``dq_matvec_one``: three converted arguments per call, not thirteen); it
+    checks, pointers, arguments and thread count are fixed when it is made, in one descriptor
+    the kernel reads (``dq_packed_block``; ``dq_matvec_one``: three converted arguments per call,
+    not thirteen); it
     keeps the tensors alive, and callers rebuild it when a buffer is replaced. A decode step calls
     it once per Linear; on small matrices (256 x 256) the general call's checks and conversions
     cost more than the product. Same kernel, same bits; x need not be padded (the kernel
@@ -308,22 +317,27 @@ class OneTokenMatvec:
         self.int8, self.int16 = int8, int16 and not int8
         if not (qweight.is_contiguous() and scales.is_contiguous() and offsets.is_contiguous()):
             raise ValueError("OneTokenMatvec needs contiguous tensors")
-        self.rows, self.n = qweight.shape[0], layout.in_features
+        self.rows, self.n, self.layout = qweight.shape[0], layout.in_features, layout
         self.tensors = (qweight, scales, offsets)  # kept alive while their pointers are used
         threads = native.threads_for(self.rows * self.n, PARALLEL_MIN_ELEMENTS)
-        self.args = (ctypes.c_int64 * 9)(qweight.data_ptr(), scales.data_ptr(),
-                                         offsets.data_ptr(), self.rows,
-                                         layout.padded_in_features, layout.group_size,
-                                         layout.bits, threads, self.n)
-        self.address = ctypes.addressof(self.args)
+        self.block = PackedBlock(qweight.data_ptr(), scales.data_ptr(), offsets.data_ptr(),
+                                 self.rows, layout.padded_in_features, layout.group_size,
+                                 self.n, layout.bits, threads)
+
+    def __deepcopy__(self, memo: dict) -> OneTokenMatvec:
+        """A copy over the copied tensors (a descriptor's addresses are not copied)."""
+        q, s, o = (copy.deepcopy(t, memo) for t in self.tensors)
+        twin = OneTokenMatvec(q, s, o, self.layout, self.int8, self.int16)
+        twin.threads = self.threads
+        return twin
 
     @property
     def threads(self) -> int:
-        return self.args[7]
+        return self.block.threads
 
     @threads.setter
     def threads(self, value: int) -> None:
-        self.args[7] = value
+        self.block.threads = value
 
     def __call__(self, lib, x: torch.Tensor, shape: tuple[int, ...] | None = None
                  ) -> torch.Tensor:
@@ -332,7 +346,7 @@ class OneTokenMatvec:
         y = torch.empty(shape or (1, self.rows))
         kernel = (lib.dq_matvec_q8_one if self.int8 else
                   lib.dq_matvec_q16_one if self.int16 else lib.dq_matvec_one)
-        if kernel(self.address, x.data_ptr(), y.data_ptr()):
+        if kernel(self.block, x.data_ptr(), y.data_ptr()):
             raise RuntimeError("dq_matvec failed (out of memory)")
         return y
 
@@ -481,8 +495,8 @@ class ExpertPairs:
     """``packed_matvec_experts`` (``F.linear(x[p], W[e_p])``, ``along_groups``) or
     ``packed_vecmat_experts`` (``x[p] @ W[e_p]``) of one bank with the per-call work done once,
     as ``OneTokenMatvec`` does for a Linear: the bank's checks, pointers and thread rule fixed
-    in one argument block (``dq_experts_one``, which checks the expert indices itself and pads
-    a copy of x where the layout pads the inputs). A decode step calls it once per bank. Same
+    in one descriptor (``dq_expert_pairs``; ``dq_experts_one`` checks the expert indices itself
+    and pads a copy of x where the layout pads the inputs). A decode step calls it once per bank. Same
     kernels, same bits; ``int8`` (``along_groups`` only): the int8-activation products, each pair
     equal to :func:`packed_matvec_q8` of its expert; ``int16`` the same with int16 activations
     (:func:`packed_matvec_q16`, widths 2-6)."""
@@ -499,14 +513,22 @@ class ExpertPairs:
         self.contracted, self.width = (layout.in_features, per) if along_groups else (per, n)
         self.keep = None if along_groups or n == layout.in_features else layout.in_features
         self.tensors = (qweight, scales, offsets)  # kept alive while their pointers are used
+        self.made_with = (layout, along_groups, int8, int16)
         least = PARALLEL_MIN_ELEMENTS if along_groups else VECMAT_PARALLEL_MIN_ELEMENTS
-        self.args = (ctypes.c_int64 * 12)(qweight.data_ptr(), scales.data_ptr(),
-                                          offsets.data_ptr(), per, n, layout.group_size,
-                                          layout.bits, layout.logical_shape[0],
-                                          (2 if int8 else 3 if int16 else 0)
-                                          if along_groups else 1, least,
-                                          native.kernel_threads(), layout.in_features)
-        self.address = ctypes.addressof(self.args)
+        kind = (PAIRS_MATVEC_Q8 if int8 else PAIRS_MATVEC_Q16 if int16 else PAIRS_MATVEC
+                ) if along_groups else PAIRS_VECMAT
+        self.block = ExpertPairsBlock(
+            qweight=qweight.data_ptr(), scales=scales.data_ptr(), offsets=offsets.data_ptr(),
+            rows_per_expert=per, padded_n=n, gs=layout.group_size,
+            in_features=layout.in_features, experts=layout.logical_shape[0], min_work=least,
+            bits=layout.bits, kind=kind, threads=native.kernel_threads())
+
+    def __deepcopy__(self, memo: dict) -> ExpertPairs:
+        """A copy over the copied tensors (a descriptor's addresses are not copied)."""
+        q, s, o = (copy.deepcopy(t, memo) for t in self.tensors)
+        twin = ExpertPairs(q, s, o, *self.made_with)
+        twin.block.min_work = self.block.min_work
+        return twin
 
     def __call__(self, lib, x: torch.Tensor, experts: torch.Tensor) -> torch.Tensor:
         """float32 [pairs, width] for a contiguous float32 x [pairs, contracted] and int64
@@ -516,10 +538,10 @@ class ExpertPairs:
                              f"x {list(x.shape)}, experts {list(experts.shape)}")
         ids = experts.to(torch.int64).contiguous()
         y = torch.empty(x.shape[0], self.width)
-        rc = lib.dq_experts_one(self.address, ids.data_ptr(), x.shape[0], x.data_ptr(),
+        rc = lib.dq_experts_one(self.block, ids.data_ptr(), x.shape[0], x.data_ptr(),
                                 y.data_ptr())
         if rc == -2:
-            raise ValueError(f"expert index out of range [0, {self.args[7]})")
+            raise ValueError(f"expert index out of range [0, {self.block.experts})")
         if rc:
             raise RuntimeError("expert products failed (out of memory)")
         return y if self.keep is None else y[:, :self.keep]

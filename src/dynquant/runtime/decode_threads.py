@@ -30,7 +30,7 @@ MAX_CACHE_BYTES = 64 << 20
 
 def _tokens(args: tuple, kwargs: dict[str, Any]) -> int | None:
     """Query tokens of a causal LM forward: ``input_ids`` [B, T] or ``inputs_embeds`` [B, T, H]."""
-    ids = kwargs.get("input_ids", args[0] if args else None)
+    ids = kwargs.get("input_ids", next(iter(args), None))
     if isinstance(ids, torch.Tensor):
         return ids.shape[-1]
     embeds = kwargs.get("inputs_embeds")

@@ -24,6 +24,7 @@ through ``forward``.
 
 from __future__ import annotations
 
+import copy
 import ctypes
 import os
 import weakref
@@ -36,6 +37,24 @@ from transformers.integrations import moe as transformers_moe
 from transformers.modeling_outputs import CausalLMOutputWithPast
 
 from dynquant.numerics import native
+from dynquant.numerics.native.interface import (
+    LAYER_ATTENTION,
+    LAYER_CONVOLUTION,
+    MLP_DENSE,
+    MLP_EXPERTS,
+    MLP_HYBRID_EXPERTS,
+    PRODUCT_DENSE_BF16,
+    PRODUCT_DENSE_F32,
+    PRODUCT_PACKED,
+    PRODUCT_PACKED_Q8,
+    PRODUCT_PACKED_Q16,
+    ROUTER_SIGMOID,
+    DecodeLayer,
+    DecodeProgram,
+    ExpertPairsBlock,
+    PackedBlock,
+    Product,
+)
 from dynquant.runtime.packed_modules import PackedWeight, QuantExpertBank, TiedQuantHead
 from dynquant.runtime.stored_linear import StoredLinear
 
@@ -44,7 +63,6 @@ FAMILIES = ("llama", "qwen3", "qwen3_moe", "mixtral", "olmoe", "lfm2", "lfm2_moe
 # the layer types a family's native step runs (LFM2: attention and short convolutions)
 LAYER_TYPES = {family: ("full_attention", "conv")
                for family in ("lfm2", "lfm2_moe", "dynquant_hybrid")}
-LAYER_SLOTS = 26  # decode_step.c's layer descriptor
 # transformers' gated activation of fused experts, act(gate) * up on [gate; up] (what the native
 # step computes); an experts class with its own is not run natively
 DEFAULT_APPLY_GATE = getattr(transformers_moe, "_default_apply_gate", None)
@@ -95,10 +113,6 @@ def _indices(flags: list[bool]) -> list[int | None]:
     return out
 
 
-def _int64s(values: list[int]) -> ctypes.Array:
-    return (ctypes.c_int64 * len(values))(*values)
-
-
 class _Layer:
     """A decoder layer's parts under one set of names: Llama-style (``input_layernorm``,
     ``self_attn`` with ``o_proj`` and ``q_norm``/``k_norm``, ``post_attention_layernorm``, ``mlp``
@@ -129,11 +143,12 @@ class _Layer:
 
 
 class _Program:
-    """The descriptors ``dq_decode_step`` reads, for one model and cache capacity, with every
-    tensor they point into kept alive (``keep``): keys and values for the attention layers
-    (``k``, ``v``: [attention layers, kv_heads, capacity, head_dim], ``attention[i]`` the index of
-    layer i or None) and the states of the convolution layers (``conv``: [convolution layers,
-    hidden, K], ``convolution[i]``)."""
+    """The descriptors ``dq_decode_step`` reads (``kernels.h``'s ``dq_decode_program``, its layers
+    and products), for one model and cache capacity, with every tensor and descriptor they point
+    into kept alive (``keep``): keys and values for the attention layers (``k``, ``v``: [attention
+    layers, kv_heads, capacity, head_dim], ``attention[i]`` the index of layer i or None) and the
+    states of the convolution layers (``conv``: [convolution layers, hidden, K],
+    ``convolution[i]``)."""
 
     def __init__(self, model: nn.Module, capacity: int) -> None:
         cfg, core = model.config, model.model
@@ -155,61 +170,66 @@ class _Program:
                              capacity, self.head_dim, dtype=kv_cache_dtype())
         self.v = torch.zeros_like(self.k)
         self.conv = torch.zeros(sum(c is not None for c in self.convolution), self.hidden, kernel)
-        layers: list[int] = []
-        for i, part in enumerate(parts):
-            slots, full_qk_norm, kind, state = (
-                self._attention(part, self.attention[i]) if part.attn is not None
-                else self._convolution(part, self.convolution[i]))
-            mlp, router = self._mlp(part)
-            layers += [self._norm(part.norm), *slots, self._norm(part.mlp_norm), *mlp,
-                       full_qk_norm, kind, *router]
-            layers[-LAYER_SLOTS + 11:-LAYER_SLOTS + 13] = state
+        self.layers = (DecodeLayer * len(parts))()
+        for i, (part, layer) in enumerate(zip(parts, self.layers, strict=True)):
+            layer.norm, layer.mlp_norm = self._norm(part.norm), self._norm(part.mlp_norm)
+            if part.attn is not None:
+                self._attention(part, self.attention[i], layer)
+            else:
+                self._convolution(part, self.convolution[i], layer)
+            self._mlp(part, layer)
         rotary = next(getattr(core, n) for n in ("rotary_emb", "pos_emb", "rotary")
                       if hasattr(core, n))  # Llama-style, LFM2-MoE, the hybrid
         inv_freq = rotary.inv_freq.detach().float().contiguous()
         self.keep.append(inv_freq)
-        self.layers = _int64s(layers)
         final_norm = core.embedding_norm if hasattr(core, "embedding_norm") else core.norm
         inter = max((p.dense_mlp[0].out_features for p in parts if p.dense_mlp is not None),
                     default=getattr(cfg, "intermediate_size", 0))
-        self.model = _int64s([len(parts), self.hidden, self.heads, self.kv_heads, self.head_dim,
-                              inter, self._norm(final_norm), self._product(model.lm_head),
-                              inv_freq.data_ptr(), capacity, native.kernel_threads(),
-                              ATTENTION_PARALLEL_MIN_MACS, int(self.k.dtype == torch.float16)])
-        self.vocab = self._rows(model.lm_head)
         eps = getattr(cfg, "rms_norm_eps", None) or cfg.norm_eps
-        self.scalars = (ctypes.c_float * 3)(eps, float(getattr(rotary, "attention_scaling", 1.0)),
-                                            self.head_dim ** -0.5)
+        self.program = DecodeProgram(
+            layers=self.layers, final_norm=self._norm(final_norm), inv_freq=inv_freq.data_ptr(),
+            head=self._product(model.lm_head), layer_count=len(parts), hidden=self.hidden,
+            heads=self.heads, kv_heads=self.kv_heads, head_dim=self.head_dim, intermediate=inter,
+            capacity=capacity, attention_min_macs=ATTENTION_PARALLEL_MIN_MACS,
+            attention_threads=native.kernel_threads(),
+            cache_half=int(self.k.dtype == torch.float16), rms_eps=eps,
+            rope_scaling=float(getattr(rotary, "attention_scaling", 1.0)),
+            attention_scale=self.head_dim ** -0.5)
+        self.vocab = self._rows(model.lm_head)
 
-    def _attention(self, part: _Layer, index: int) -> tuple[list[int], int, int, list[int]]:
-        """An attention layer's slots 1-6, 20 (q/k norms over all heads), 21 (kind 0) and 11-12
-        (its keys and values)."""
+    def _attention(self, part: _Layer, index: int, layer: DecodeLayer) -> None:
+        """An attention layer's products, q/k norms (over all heads where a norm's weight spans
+        them: OLMoE) and its keys and values."""
         att = part.attn
-        full_qk_norm = part.q_norm is not None and part.q_norm.weight.numel() != self.head_dim
-        return ([*map(self._product, (att.q_proj, att.k_proj, att.v_proj, part.out_proj)),
-                 self._norm(part.q_norm), self._norm(part.k_norm)], int(full_qk_norm), 0,
-                [self.k[index].data_ptr(), self.v[index].data_ptr()])
+        layer.kind = LAYER_ATTENTION
+        layer.q, layer.k, layer.v, layer.o = map(
+            self._product, (att.q_proj, att.k_proj, att.v_proj, part.out_proj))
+        layer.q_norm, layer.k_norm = self._norm(part.q_norm), self._norm(part.k_norm)
+        layer.qk_norm_all_heads = int(part.q_norm is not None
+                                      and part.q_norm.weight.numel() != self.head_dim)
+        layer.keys, layer.values = self.k[index].data_ptr(), self.v[index].data_ptr()
 
-    def _convolution(self, part: _Layer, index: int) -> tuple[list[int], int, int, list[int]]:
-        """A short-convolution layer's slots (decode_step.c): 1-6, 20, 21 (kind 1), 11-12."""
+    def _convolution(self, part: _Layer, index: int, layer: DecodeLayer) -> None:
+        """A short-convolution layer's projections, weight, bias and state."""
         conv, k = part.conv, self.conv.shape[-1]
         if conv.conv.kernel_size[0] != k:
             raise _Unsupported("convolutions of different kernel sizes")
         weight = conv.conv.weight.detach().float().reshape(self.hidden, k).contiguous()
-        bias = None if conv.conv.bias is None else conv.conv.bias.detach().float().contiguous()
-        self.keep += [weight, bias]
-        return ([self._product(conv.in_proj), weight.data_ptr(),
-                 0 if bias is None else bias.data_ptr(), self._product(conv.out_proj), k, 0],
-                0, 1, [self.conv[index].data_ptr(), 0])
+        self.keep.append(weight)
+        layer.kind = LAYER_CONVOLUTION
+        layer.in_proj, layer.out_proj = self._product(conv.in_proj), self._product(conv.out_proj)
+        layer.conv_weight, layer.conv_bias = weight.data_ptr(), self._vector(conv.conv.bias)
+        layer.conv_state, layer.conv_kernel = self.conv[index].data_ptr(), k
 
-    def _mlp(self, part: _Layer) -> tuple[list[int], list[int]]:
-        """Slots 8-19 of a layer: a dense MLP's products (and room for the caches at 11, 12),
-        or routed experts' router, banks, top k, renormalisation and intermediate size; and
-        slots 22-24: the router's kind, expert bias and routed scaling factor."""
+    def _mlp(self, part: _Layer, layer: DecodeLayer) -> None:
+        """A dense MLP's products, or routed experts' router, banks, top k, renormalisation and
+        intermediate size (and LFM2-MoE's sigmoid router: its expert bias and scaling)."""
         if part.dense_mlp is not None:
-            return [*map(self._product, part.dense_mlp), 0, 0, 0, 0, 0, 0, 0, 0, 0], [0, 0, 0, 0]
+            layer.mlp_kind = MLP_DENSE
+            layer.gate, layer.up, layer.down = map(self._product, part.dense_mlp)
+            return
         if part.hybrid_moe is not None:
-            return self._hybrid_moe(part.hybrid_moe)
+            return self._hybrid_moe(part.hybrid_moe, layer)
         experts, router = part.mlp.experts, part.mlp.gate
         banks = (getattr(experts, "gate_up_proj", None), experts.down_proj)
         if not (all(isinstance(b, QuantExpertBank) for b in banks) and experts.has_gate
@@ -219,39 +239,41 @@ class _Program:
                 and type(experts)._apply_gate is DEFAULT_APPLY_GATE
                 and getattr(experts.config, "hidden_act", "silu") == "silu"):
             raise _Unsupported("experts the native step does not run")
-        pairs = [self._pairs(bank, along_groups=True) for bank in banks]
-        inter = banks[0].layout.logical_shape[1] // 2
-        slots = [0, 0, 0, 0, 0, 1, self._dense(router.weight), *pairs, router.top_k,
-                 int(getattr(router, "norm_topk_prob", True)), inter]
-        if not part.lfm2:
-            return slots, [0, 0, 0, 0]
-        bias = part.mlp.expert_bias if part.mlp.use_expert_bias else None
-        scale = torch.tensor([float(router.routed_scaling_factor)])
-        self.keep.append(scale)
-        return slots, [1, self._vector(bias), scale.data_ptr(), 0]
+        layer.mlp_kind = MLP_EXPERTS
+        layer.router = self._dense(router.weight)
+        layer.expert_gate, layer.expert_down = (self._pairs(b, along_groups=True) for b in banks)
+        layer.top_k, layer.expert_intermediate = router.top_k, banks[0].layout.logical_shape[1] // 2
+        layer.renormalize = int(getattr(router, "norm_topk_prob", True))
+        if part.lfm2:
+            layer.router_kind = ROUTER_SIGMOID
+            layer.expert_bias = self._vector(part.mlp.expert_bias if part.mlp.use_expert_bias
+                                             else None)
+            layer.routed_scaling = float(router.routed_scaling_factor)
 
-    def _hybrid_moe(self, moe: nn.Module) -> tuple[list[int], list[int]]:
-        """The reference hybrid's MoE (MLP kind 2): the shared expert in slots 8-10, the x @ W[e]
-        banks' pair blocks in 15, 16 and 25, a softmax router whose top k is renormalised."""
+    def _hybrid_moe(self, moe: nn.Module, layer: DecodeLayer) -> None:
+        """The reference hybrid's MoE: the x @ W[e] banks, a shared expert in gate/up/down, a
+        softmax router whose top k is renormalised."""
         banks = (moe.w1, moe.w3, moe.w2)
         if not all(isinstance(b, QuantExpertBank) for b in banks):
             raise _Unsupported("experts the native step does not run")
-        pairs = [self._pairs(bank, along_groups=False) for bank in banks]
-        shared = [self._product(m) for m in (moe.sw1, moe.sw3, moe.sw2)]
-        inter = banks[0].layout.logical_shape[2]
-        return ([*shared, 0, 0, 2, self._dense(moe.gate.weight), pairs[0], pairs[1], moe.top_k,
-                 1, inter], [0, 0, 0, pairs[2]])
+        layer.mlp_kind = MLP_HYBRID_EXPERTS
+        layer.gate, layer.up, layer.down = map(self._product, (moe.sw1, moe.sw3, moe.sw2))
+        layer.router = self._dense(moe.gate.weight)
+        layer.expert_gate, layer.expert_up, layer.expert_down = (
+            self._pairs(b, along_groups=False) for b in banks)
+        layer.top_k, layer.renormalize = moe.top_k, 1
+        layer.expert_intermediate = banks[0].layout.logical_shape[2]
 
-    def _pairs(self, bank: QuantExpertBank, along_groups: bool) -> int:
-        """The address of a bank's pair kernels' argument block (ExpertPairs), split over the
-        kernel pool as the step's products are."""
+    def _pairs(self, bank: QuantExpertBank, along_groups: bool) -> ctypes._Pointer:
+        """A bank's pair kernels' descriptor (a copy of ExpertPairs' own), split over the kernel
+        pool as the step's products are."""
         prepared = bank._prepared(along_groups=along_groups)
         if prepared is None:
             raise _Unsupported("an expert bank without its pair kernels")
-        args = (ctypes.c_int64 * len(prepared[0].args))(*prepared[0].args)
-        args[9], args[10] = STEP_PARALLEL_MIN_ELEMENTS, native.kernel_threads()
-        self.keep += [prepared[0], args]
-        return ctypes.addressof(args)
+        block = ExpertPairsBlock.from_buffer_copy(prepared[0].block)
+        block.min_work, block.threads = STEP_PARALLEL_MIN_ELEMENTS, native.kernel_threads()
+        self.keep += [prepared[0], block]
+        return ctypes.pointer(block)
 
     def _norm(self, module: nn.Module | None) -> int:
         return 0 if module is None else self._vector(module.weight)
@@ -270,44 +292,39 @@ class _Program:
             return module.embedding[0].num_embeddings
         return module.out_features
 
-    def _product(self, module: nn.Module) -> int:
-        """The address of a product descriptor (see decode_step.c) for a Linear or tied head."""
-        bias = getattr(module, "bias", None)
-        bias_ptr = 0
-        if bias is not None:
-            bias = bias.detach().float().contiguous()
-            self.keep.append(bias)
-            bias_ptr = bias.data_ptr()
+    def _product(self, module: nn.Module) -> ctypes._Pointer:
+        """A product descriptor for a Linear or tied head."""
+        bias = self._vector(getattr(module, "bias", None))
         packed = module.embedding[0] if isinstance(module, TiedQuantHead) else module
         if isinstance(packed, PackedWeight):
             fast = packed.one_token_product()
             if fast is None:
                 raise _Unsupported(f"{type(module).__name__} has no one-token kernel")
-            args = (ctypes.c_int64 * len(fast.args))(*fast.args)
-            args[7] = native.threads_for(fast.rows * fast.n, STEP_PARALLEL_MIN_ELEMENTS)
-            self.keep += [fast, args]
-            kind = 1 if fast.int8 else 4 if fast.int16 else 0
-            a, rows, cols = ctypes.addressof(args), fast.rows, fast.n
-        elif isinstance(module, (nn.Linear, StoredLinear)):
-            return self._dense(module.weight, bias_ptr)
-        else:
-            raise _Unsupported(f"no native product for {type(module).__name__}")
-        return self._descriptor(kind, a, rows, cols, bias_ptr)
+            block = PackedBlock.from_buffer_copy(fast.block)
+            block.threads = native.threads_for(fast.rows * fast.n, STEP_PARALLEL_MIN_ELEMENTS)
+            self.keep += [fast, block]
+            kind = (PRODUCT_PACKED_Q8 if fast.int8 else PRODUCT_PACKED_Q16 if fast.int16
+                    else PRODUCT_PACKED)
+            return self._descriptor(kind, ctypes.addressof(block), fast.rows, fast.n, bias)
+        if isinstance(module, (nn.Linear, StoredLinear)):
+            return self._dense(module.weight, bias)
+        raise _Unsupported(f"no native product for {type(module).__name__}")
 
-    def _dense(self, weight: torch.Tensor, bias_ptr: int = 0) -> int:
+    def _dense(self, weight: torch.Tensor, bias: int = 0) -> ctypes._Pointer:
         """A product descriptor for a dense float32 or bf16 matrix."""
         if weight.dtype not in (torch.float32, torch.bfloat16) or weight.ndim != 2:
             raise _Unsupported(f"no native product for a {weight.dtype} matrix")
         w = weight.detach().contiguous()
         self.keep.append(w)
-        kind = 2 if w.dtype == torch.float32 else 3
-        return self._descriptor(kind, w.data_ptr(), *w.shape, bias_ptr)
+        kind = PRODUCT_DENSE_F32 if w.dtype == torch.float32 else PRODUCT_DENSE_BF16
+        return self._descriptor(kind, w.data_ptr(), *w.shape, bias)
 
-    def _descriptor(self, kind: int, a: int, rows: int, cols: int, bias_ptr: int) -> int:
-        threads = native.threads_for(rows * cols, STEP_PARALLEL_MIN_ELEMENTS)
-        desc = _int64s([kind, a, rows, cols, bias_ptr, threads])
-        self.keep.append(desc)
-        return ctypes.addressof(desc)
+    def _descriptor(self, kind: int, weight: int, rows: int, cols: int, bias: int
+                    ) -> ctypes._Pointer:
+        product = Product(weight=weight, bias=bias, rows=rows, cols=cols, kind=kind,
+                          threads=native.threads_for(rows * cols, STEP_PARALLEL_MIN_ELEMENTS))
+        self.keep.append(product)
+        return ctypes.pointer(product)
 
 
 class _Unsupported(Exception):
@@ -325,6 +342,15 @@ class NativeDecode:
         self.cache: weakref.ref | None = None  # the DynamicCache the native copy continues
         self.length = 0  # positions in the native copy
         self.supported: bool | None = None  # whether the modules can run natively (checked once)
+
+    def __deepcopy__(self, memo: dict) -> NativeDecode:
+        """The copied model's own, from a fresh start (a program's descriptors hold the
+        original's addresses)."""
+        twin = NativeDecode.__new__(NativeDecode)
+        memo[id(self)] = twin
+        twin.__init__(copy.deepcopy(self.model, memo))
+        twin.supported = self.supported
+        return twin
 
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
         cache = kwargs.get("cache", kwargs.get("past_key_values"))
@@ -390,8 +416,8 @@ class NativeDecode:
         prog = self.program
         h = self.model.model.embed_tokens(ids).reshape(-1).float().contiguous()
         logits = torch.empty(prog.vocab)
-        rc = native.library().dq_decode_step(prog.model, prog.layers, prog.scalars, h.data_ptr(),
-                                            self.length, logits.data_ptr())
+        rc = native.library().dq_decode_step(ctypes.byref(prog.program), h.data_ptr(),
+                                             self.length, logits.data_ptr())
         if rc:
             raise RuntimeError(f"dq_decode_step failed ({rc})")
         self.length += 1

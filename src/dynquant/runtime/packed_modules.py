@@ -488,7 +488,7 @@ class PackedExpert:
             y = None
             if func is F.linear:
                 y = w.linear(x)
-                bias = args[2] if len(args) > 2 else kwargs.get("bias")
+                bias = dict(enumerate(args)).get(2, kwargs.get("bias"))
                 if y is not None and bias is not None:
                     y = y + bias.to(y.dtype)
             elif func in (torch.matmul, torch.Tensor.matmul, torch.Tensor.__matmul__):

@@ -14,13 +14,17 @@ The kernels (``*.c`` beside this file) and their Python sides:
   entry ``dq_matvec_tokens_mt``;
 - ``packed_gemm.c`` (``packed_matvec.py``): many tokens times a packed matrix (prefill), panels of
   rows dequantized into a per-thread float32 buffer that stays in cache;
-- ``packed_matvec_q8.c`` (``packed_matvec.py``): one token with int8 (or int16) activations,
-  integer dot products on the codes (VNNI, AVX2 or portable; every build the same bits);
+- ``packed_matvec_q8.c``, ``packed_matvec_q16.c`` (``packed_matvec.py``): one token with int8 or
+  int16 activations, integer dot products on the codes (VNNI, AVX2 or portable; every build the
+  same bits), their shared parts in ``integer_dots.h``; ``packed_experts_integer.c`` their
+  expert pairs;
 - ``dense_matvec.c`` (``runtime/stored_linear.py``): a few float32 tokens times a dense bf16
   matrix, converted on the fly (a dense Linear kept in its file dtype);
 - ``decode_step.c`` (``runtime/native_decode.py``): a whole decode step of a Llama-style model;
 - ``packed_experts.c`` (``packed_matvec.py``): a few (token, expert) pairs of a bank in one call
   (MoE decode), each pair by the one-token kernels;
+- ``kernels.h``: every exported function and the descriptor structs (mirrored by
+  ``interface.py``; ``layout.c`` reports their compiled layout to the tests);
 - ``unpack.h``: reading packed codes, with AVX-512 VBMI where the CPU has it;
 - ``pool.c``: the products' threads (``*_mt`` entry points): a part reaches a waiting
   worker within a microsecond (a Python pool hand-off costs ~50 us, as much as a decode
@@ -52,6 +56,8 @@ from itertools import pairwise
 from pathlib import Path
 
 import torch
+
+from dynquant.numerics.native import interface
 
 SOURCES = tuple(sorted(Path(__file__).parent.glob("*.c")))
 HEADERS = tuple(sorted(Path(__file__).parent.glob("*.h")))
@@ -179,53 +185,7 @@ def _load() -> ctypes.CDLL | None:
         warnings.warn(f"dynquant: native kernels unavailable ({why}); using the torch paths "
                       "(same results, several times slower)", RuntimeWarning, stacklevel=3)
         return None
-    lib = ctypes.CDLL(str(path))
-    ptr, i64, c_int = ctypes.c_void_p, ctypes.c_int64, ctypes.c_int
-    lib.dq_quantize_rows.argtypes = [ptr, c_int, i64, i64, i64, c_int, ptr, c_int, ptr, ptr, ptr,
-                                     ptr, ptr, ptr, ptr]
-    lib.dq_matvec.argtypes = [ptr, ptr, ptr, i64, i64, i64, c_int, ptr, i64, ptr, i64, c_int]
-    lib.dq_dequantize_rows.argtypes = [ptr, ptr, ptr, i64, i64, i64, c_int, ptr, c_int, c_int]
-    lib.dq_dequantize_int4pack.argtypes = [ptr, ptr, ptr, i64, i64, i64, i64, i64, i64, ptr,
-                                           c_int]
-    lib.dq_dequantize_rows_mt.argtypes = [*lib.dq_dequantize_rows.argtypes, c_int]
-    lib.dq_dequantize_int4pack_mt.argtypes = [*lib.dq_dequantize_int4pack.argtypes, c_int]
-    lib.dq_vecmat.argtypes = [ptr, ptr, ptr, i64, i64, i64, c_int, ptr, i64, i64, i64, ptr, c_int]
-    lib.dq_gemm.argtypes = [ptr, ptr, ptr, i64, i64, i64, c_int, ptr, i64, ptr, i64, c_int]
-    lib.dq_gemm_t.argtypes = [ptr, ptr, ptr, i64, i64, i64, c_int, ptr, i64, i64, i64, ptr, c_int]
-    lib.dq_gemm_mt.argtypes = [*lib.dq_gemm.argtypes, c_int]
-    lib.dq_gemm_t_mt.argtypes = [ptr, ptr, ptr, i64, i64, i64, c_int, ptr, i64, ptr, c_int, c_int]
-    experts = [ptr, ptr, ptr, i64, i64, i64, c_int, ptr, i64, ptr, ptr, i64, i64, c_int]
-    lib.dq_matvec_experts.argtypes = lib.dq_vecmat_experts.argtypes = experts
-    # the decode kernels with their work split by pool.c's threads (last argument: threads)
-    lib.dq_matvec_mt.argtypes = [*lib.dq_matvec.argtypes, c_int]
-    lib.dq_matvec_tokens_mt.argtypes = [*lib.dq_matvec.argtypes[:-1], c_int]
-    lib.dq_matvec_one.argtypes = lib.dq_matvec_q8_one.argtypes = [ptr, ptr, ptr]
-    lib.dq_decode_step.argtypes = [ptr, ptr, ptr, ptr, i64, ptr]
-    lib.dq_dense_matvec_bf16_mt.argtypes = [ptr, i64, i64, ptr, i64, ptr, i64, c_int]
-    lib.dq_q8_quantize.argtypes = [ptr, i64, ptr, ptr]
-    lib.dq_q16_quantize.argtypes = [ptr, i64, i64, ptr, ptr]
-    lib.dq_pool_hold.argtypes = [c_int]
-    lib.dq_q8_quantize.restype = lib.dq_q16_quantize.restype = lib.dq_pool_hold.restype = None
-    lib.dq_q16_group_dots.argtypes = [ptr, i64, i64, i64, c_int, ptr, ptr, c_int]
-    lib.dq_matvec_q16_one.argtypes = [ptr, ptr, ptr]
-    lib.dq_q8_group_dots.argtypes = [ptr, i64, i64, i64, c_int, ptr, ptr, c_int]
-    lib.dq_matvec_q8_mt.argtypes = lib.dq_matvec_q16_mt.argtypes = [*lib.dq_matvec.argtypes,
-                                                                      c_int]
-    lib.dq_experts_one.argtypes = [ptr, ptr, i64, ptr, ptr]
-    lib.dq_vecmat_mt.argtypes = [ptr, ptr, ptr, i64, i64, i64, c_int, ptr, i64, ptr, c_int, c_int]
-    experts_mt = [ptr, ptr, ptr, i64, i64, i64, c_int, ptr, i64, ptr, ptr, c_int, c_int]
-    lib.dq_matvec_experts_mt.argtypes = lib.dq_vecmat_experts_mt.argtypes = experts_mt
-    for fn in (lib.dq_quantize_rows, lib.dq_matvec, lib.dq_matvec_has_simd, lib.dq_dequantize_rows,
-               lib.dq_dequantize_int4pack, lib.dq_dequantize_rows_mt, lib.dq_dequantize_int4pack_mt,
-               lib.dq_vecmat, lib.dq_gemm, lib.dq_gemm_t, lib.dq_gemm_tile, lib.dq_matvec_experts,
-               lib.dq_vecmat_experts, lib.dq_matvec_mt, lib.dq_vecmat_mt,
-               lib.dq_matvec_experts_mt, lib.dq_vecmat_experts_mt, lib.dq_gemm_mt,
-               lib.dq_gemm_t_mt, lib.dq_matvec_one, lib.dq_experts_one, lib.dq_matvec_tokens_mt,
-               lib.dq_q8_simd, lib.dq_q8_group_dots, lib.dq_matvec_q8_mt, lib.dq_matvec_q8_one,
-               lib.dq_decode_step, lib.dq_dense_matvec_bf16_mt, lib.dq_q16_group_dots,
-               lib.dq_matvec_q16_mt, lib.dq_matvec_q16_one):
-        fn.restype = c_int
-    return lib
+    return interface.bind(ctypes.CDLL(str(path)))
 
 
 def available() -> bool:

@@ -21,32 +21,8 @@
  * thirds; the state takes B * x as its newest of K values (the oldest drops); y = C * (bias +
  * sum_j w[j] * state[j]); the out projection.
  *
- * Descriptors (int64 arrays built by runtime/native_decode.py, pointers as integers):
- *   product [6]: kind (0 packed, float32 activations: dq_matvec_one's argument block at a;
- *                1 packed, int8 activations: the same block, dq_matvec_q8_one; 2 dense float32
- *                weight [rows, cols] at a; 3 dense bf16 weight at a, dense_matvec.c; 4 packed,
- *                int16 activations: dq_matvec_q16_one), a, rows, cols, bias (float32 [rows] or
- *                0), threads (kind 3)
- *   layer [26]:  [0] attention norm weight, [1]-[4] q, k, v, o products, [5], [6] q_norm and
- *                k_norm weights (Qwen3: per head; OLMoE: over all heads, see [20]; 0: none), [7]
- *                MLP norm weight, [8]-[10] gate, up, down products (a dense MLP, or the shared
- *                expert of MLP kind 2), [11], [12] key cache, value cache ([kv_heads,
- *                capacity, head_dim], float32 or float16: model [12]); [13] MLP kind (0 dense, 1 routed experts of F.linear
- *                banks, 2 routed experts of x @ W[e] banks and a shared expert), [14] router
- *                product, [15], [16] the banks' ExpertPairs argument blocks (kind 1: gate_up and
- *                down; kind 2: w1 and w3, [25] w2), [17] top k, [18] renormalise the top k's
- *                weights, [19] an expert's intermediate size, [20] q/k norms over all heads,
- *                [21] the layer's kind (0 attention, 1 short convolution), [22] the router's
- *                kind (0 softmax, 1 sigmoid), [23] its expert bias (float32 [experts] or 0), [24]
- *                its routed scaling factor (float32 [1]; router kind 1). A short convolution's
- *                [1] is its in projection (3 * hidden rows), [2] its weight (float32 [hidden,
- *                K]), [3] its bias (float32 [hidden] or 0), [4] its out projection, [5] K, [11]
- *                its state (float32 [hidden, K], oldest first)
- *   model [13]:  layers, hidden, heads, kv_heads, head_dim, intermediate, final norm weight,
- *                head product, inv_freq (float32 [head_dim / 2]), capacity, the attention's
- *                threads and the multiply-adds from which its work is split over them, the
- *                cache's element type (0 float32, 1 float16)
- *   scalars [3]: rms eps, rotary attention_scaling, attention scale
+ * The program, its layers and products are kernels.h's descriptors (built by
+ * runtime/native_decode.py).
  * Norm weights are float32.
  */
 #include <math.h>
@@ -58,15 +34,8 @@
 #include <immintrin.h>
 #endif
 
+#include "kernels.h"
 #include "pool.h"
-
-int dq_matvec_one(const int64_t *a, const float *x, float *y);
-int dq_matvec_q8_one(const int64_t *a, const float *x, float *y);
-int dq_matvec_q16_one(const int64_t *a, const float *x, float *y);
-int dq_experts_one(const int64_t *a, const int64_t *experts, int64_t pairs, const float *x,
-                   float *y);
-int dq_dense_matvec_bf16_mt(const uint16_t *w, int64_t rows, int64_t cols, const float *x,
-                            int64_t m, float *y, int64_t y_stride, int threads);
 
 /* A dense row . x in 16 lanes (the compiler vectorises the lanes; no reassociation needed). */
 static float dense_dot_f32(const float *w, const float *x, int64_t n) {
@@ -80,25 +49,23 @@ static float dense_dot_f32(const float *w, const float *x, int64_t n) {
     return s;
 }
 
-static int product(const int64_t *p, const float *x, float *y) {
-    const int64_t kind = p[0], rows = p[2], cols = p[3];
+static int product(const dq_product *p, const float *x, float *y) {
     int rc = 0;
-    if (kind == 0)
-        rc = dq_matvec_one((const int64_t *)(intptr_t)p[1], x, y);
-    else if (kind == 1)
-        rc = dq_matvec_q8_one((const int64_t *)(intptr_t)p[1], x, y);
-    else if (kind == 2)
-        for (int64_t r = 0; r < rows; r++)
-            y[r] = dense_dot_f32((const float *)(intptr_t)p[1] + r * cols, x, cols);
-    else if (kind == 4)
-        rc = dq_matvec_q16_one((const int64_t *)(intptr_t)p[1], x, y);
-    else if (kind == 3)
-        rc = dq_dense_matvec_bf16_mt((const uint16_t *)(intptr_t)p[1], rows, cols, x, 1, y, rows,
-                                     (int)p[5]);
-    else
-        return -1;
-    if (p[4])
-        for (int64_t r = 0; r < rows; r++) y[r] += ((const float *)(intptr_t)p[4])[r];
+    switch (p->kind) {
+    case DQ_PRODUCT_PACKED: rc = dq_matvec_one(p->weight, x, y); break;
+    case DQ_PRODUCT_PACKED_Q8: rc = dq_matvec_q8_one(p->weight, x, y); break;
+    case DQ_PRODUCT_PACKED_Q16: rc = dq_matvec_q16_one(p->weight, x, y); break;
+    case DQ_PRODUCT_DENSE_F32:
+        for (int64_t r = 0; r < p->rows; r++)
+            y[r] = dense_dot_f32((const float *)p->weight + r * p->cols, x, p->cols);
+        break;
+    case DQ_PRODUCT_DENSE_BF16:
+        rc = dq_dense_matvec_bf16_mt(p->weight, p->rows, p->cols, x, 1, y, p->rows, p->threads);
+        break;
+    default: return -1;
+    }
+    if (p->bias)
+        for (int64_t r = 0; r < p->rows; r++) y[r] += p->bias[r];
     return rc;
 }
 
@@ -263,21 +230,18 @@ static void attention_merge(const float *part, int64_t heads, int64_t blocks, in
     }
 }
 
-#define PTR(T, v) ((T)(intptr_t)(v))
-#define LAYER_SLOTS 26
 #define MAX_TOP_K 64
 
 static inline float silu(float v) { return v / (1.0f + expf(-v)); }
 
 /* The router's choice for x: the top k experts (ids, in order of score; ties to the lower expert)
  * and their weights w; probs and scores: scratch of `experts` floats each. */
-static int route(const int64_t *L, const float *x, float *probs, float *scores, int64_t *ids,
-                 float *w) {
-    const int64_t *router = PTR(const int64_t *, L[14]);
-    const int64_t n = router[2], k = L[17];
-    const int rc = product(router, x, probs);
-    const int sigmoid = L[22] == 1;
-    const float *bias = PTR(const float *, L[23]);
+static int route(const dq_decode_layer *L, const float *x, float *probs, float *scores,
+                 int64_t *ids, float *w) {
+    const int64_t n = L->router->rows, k = L->top_k;
+    const int rc = product(L->router, x, probs);
+    const int sigmoid = L->router_kind == DQ_ROUTER_SIGMOID;
+    const float *bias = L->expert_bias;
     if (sigmoid) {
         for (int64_t e = 0; e < n; e++) {
             probs[e] = 1.0f / (1.0f + expf(-probs[e]));
@@ -300,30 +264,30 @@ static int route(const int64_t *L, const float *x, float *probs, float *scores, 
         ids[s] = best;
         wsum += (w[s] = probs[best]);
     }
-    if (L[18])
+    if (L->renormalize)
         for (int64_t s = 0; s < k; s++) w[s] /= sigmoid ? wsum + 1e-6f : wsum;
     if (sigmoid)
-        for (int64_t s = 0; s < k; s++) w[s] *= *PTR(const float *, L[24]);
+        for (int64_t s = 0; s < k; s++) w[s] *= L->routed_scaling;
     return rc;
 }
 
 /* Floats of scratch routed_experts needs for layer L. */
-static int64_t routed_scratch(const int64_t *L, int64_t hidden) {
-    const int64_t n = PTR(const int64_t *, L[14])[2], k = L[17], inter = L[19];
-    if (L[13] == 1) return 2 * n + k * (2 * hidden + 3 * inter);
-    const int64_t p1 = PTR(const int64_t *, L[15])[4], p3 = PTR(const int64_t *, L[25])[4];
-    const int64_t shared = PTR(const int64_t *, L[8])[2];
+static int64_t routed_scratch(const dq_decode_layer *L, int64_t hidden) {
+    const int64_t n = L->router->rows, k = L->top_k, inter = L->expert_intermediate;
+    if (L->mlp_kind == DQ_MLP_EXPERTS) return 2 * n + k * (2 * hidden + 3 * inter);
+    const int64_t p1 = L->expert_gate->padded_n, p3 = L->expert_down->padded_n;
+    const int64_t shared = L->gate->rows;
     return 2 * n + k * (hidden + 2 * p1 + inter + p3) + 2 * shared + hidden;
 }
 
 /* The MLP of a routed-experts layer for x [hidden] into out [hidden] (scratch: routed_scratch).
- * Kind 1: F.linear banks, gate and up concatenated ([15], [16]: gate_up and down), the weighted
- * sum of the routed experts. Kind 2 (the reference hybrid): x @ W[e] banks ([15] w1, [16] w3,
- * [25] w2; outputs padded to their banks' padded widths), plus a shared SiLU-gated expert ([8],
- * [9], [10]): out = shared + the routed experts' weighted sum. */
-static int routed_experts(const int64_t *L, const float *x, int64_t hidden, float *out,
+ * DQ_MLP_EXPERTS: F.linear banks (expert_gate: gate and up concatenated; expert_down), the
+ * weighted sum of the routed experts. DQ_MLP_HYBRID_EXPERTS (the reference hybrid): x @ W[e]
+ * banks (outputs padded to their banks' padded widths), plus a shared SiLU-gated expert (gate,
+ * up, down): out = shared + the routed experts' weighted sum. */
+static int routed_experts(const dq_decode_layer *L, const float *x, int64_t hidden, float *out,
                           float *scratch) {
-    const int64_t n = PTR(const int64_t *, L[14])[2], k = L[17], inter = L[19];
+    const int64_t n = L->router->rows, k = L->top_k, inter = L->expert_intermediate;
     if (k < 1 || k > MAX_TOP_K || k > n) return -1;
     float *probs = scratch, *scores = probs + n, *xs = scores + n;
     int64_t ids[MAX_TOP_K];
@@ -332,32 +296,31 @@ static int routed_experts(const int64_t *L, const float *x, int64_t hidden, floa
     for (int64_t s = 0; s < k; s++) memcpy(xs + s * hidden, x, (size_t)hidden * sizeof(float));
     float *down, *shared = NULL;
     int64_t stride = hidden;
-    if (L[13] == 1) {
+    if (L->mlp_kind == DQ_MLP_EXPERTS) {
         float *up = xs + k * hidden, *h = up + k * 2 * inter;
         down = h + k * inter;
-        rc |= dq_experts_one(PTR(const int64_t *, L[15]), ids, k, xs, up);
+        rc |= dq_experts_one(L->expert_gate, ids, k, xs, up);
         for (int64_t s = 0; s < k; s++)
             for (int64_t i = 0; i < inter; i++)
                 h[s * inter + i] = silu(up[s * 2 * inter + i]) * up[s * 2 * inter + inter + i];
-        rc |= dq_experts_one(PTR(const int64_t *, L[16]), ids, k, h, down);
+        rc |= dq_experts_one(L->expert_down, ids, k, h, down);
     } else {
-        const int64_t p1 = PTR(const int64_t *, L[15])[4];
-        const int64_t sn = PTR(const int64_t *, L[8])[2];
+        const int64_t p1 = L->expert_gate->padded_n, sn = L->gate->rows;
         float *g = xs + k * hidden, *u = g + k * p1, *h = u + k * p1;
         down = h + k * inter;
-        stride = PTR(const int64_t *, L[25])[4];
+        stride = L->expert_down->padded_n;
         float *sg = down + k * stride, *su = sg + sn;
         shared = su + sn;
-        rc |= dq_experts_one(PTR(const int64_t *, L[15]), ids, k, xs, g);
-        rc |= dq_experts_one(PTR(const int64_t *, L[16]), ids, k, xs, u);
+        rc |= dq_experts_one(L->expert_gate, ids, k, xs, g);
+        rc |= dq_experts_one(L->expert_up, ids, k, xs, u);
         for (int64_t s = 0; s < k; s++)
             for (int64_t i = 0; i < inter; i++)
                 h[s * inter + i] = silu(g[s * p1 + i]) * u[s * p1 + i];
-        rc |= dq_experts_one(PTR(const int64_t *, L[25]), ids, k, h, down);
-        rc |= product(PTR(const int64_t *, L[8]), x, sg);
-        rc |= product(PTR(const int64_t *, L[9]), x, su);
+        rc |= dq_experts_one(L->expert_down, ids, k, h, down);
+        rc |= product(L->gate, x, sg);
+        rc |= product(L->up, x, su);
         for (int64_t i = 0; i < sn; i++) sg[i] = silu(sg[i]) * su[i];
-        rc |= product(PTR(const int64_t *, L[10]), sg, shared);
+        rc |= product(L->down, sg, shared);
     }
     for (int64_t i = 0; i < hidden; i++) {
         float acc = 0.0f;
@@ -368,12 +331,13 @@ static int routed_experts(const int64_t *L, const float *x, int64_t hidden, floa
 }
 
 /* A short-convolution layer's mixer for x [hidden] into out [hidden]; bcx: 3 * hidden floats. */
-static int short_conv(const int64_t *L, const float *x, int64_t hidden, float *bcx, float *out) {
-    int rc = product(PTR(const int64_t *, L[1]), x, bcx);
+static int short_conv(const dq_decode_layer *L, const float *x, int64_t hidden, float *bcx,
+                      float *out) {
+    int rc = product(L->in_proj, x, bcx);
     const float *b = bcx, *c = bcx + hidden, *xx = bcx + 2 * hidden;
-    const float *w = PTR(const float *, L[2]), *bias = PTR(const float *, L[3]);
-    const int64_t k = L[5];
-    float *state = PTR(float *, L[11]), *y = bcx; /* B's third is read before it is written */
+    const float *w = L->conv_weight, *bias = L->conv_bias;
+    const int64_t k = L->conv_kernel;
+    float *state = L->conv_state, *y = bcx; /* B's third is read before it is written */
     for (int64_t i = 0; i < hidden; i++) {
         float *si = state + i * k;
         memmove(si, si + 1, (size_t)(k - 1) * sizeof(float));
@@ -383,26 +347,23 @@ static int short_conv(const int64_t *L, const float *x, int64_t hidden, float *b
         if (bias) acc += bias[i];
         y[i] = c[i] * acc;
     }
-    rc |= product(PTR(const int64_t *, L[4]), y, out);
+    rc |= product(L->out_proj, y, out);
     return rc;
 }
 
 /* h [hidden]: the token's embedding in, the final hidden state's logits out in logits [rows of
  * the head]. pos: the token's position (the cache holds 0..pos-1; its keys and values go to pos).
  * 0, -1 if out of memory or a product failed, -2 if pos is past the cache's capacity. */
-int dq_decode_step(const int64_t *model, const int64_t *layers, const float *scalars, float *h,
-                  int64_t pos, float *logits) {
-    const int64_t nl = model[0], hidden = model[1], heads = model[2], kvh = model[3];
-    const int64_t hd = model[4], inter = model[5], capacity = model[9];
-    const int threads = (int)model[10]; /* the attention's, from model[11] multiply-adds */
-    const int64_t attention_min_macs = model[11];
+int dq_decode_step(const dq_decode_program *P, float *h, int64_t pos, float *logits) {
+    const int64_t nl = P->layer_count, hidden = P->hidden, heads = P->heads, kvh = P->kv_heads;
+    const int64_t hd = P->head_dim, inter = P->intermediate, capacity = P->capacity;
     if (pos < 0 || pos >= capacity) return -2;
-    const float eps = scalars[0], rope_scale = scalars[1], attn_scale = scalars[2];
+    const float eps = P->rms_eps;
     const int64_t qn = heads * hd, kvn = kvh * hd;
     int64_t moe = 0; /* the largest routed-experts scratch of any layer */
     for (int64_t l = 0; l < nl; l++) {
-        const int64_t *L = layers + LAYER_SLOTS * l;
-        if (L[13]) {
+        const dq_decode_layer *L = P->layers + l;
+        if (L->mlp_kind != DQ_MLP_DENSE) {
             const int64_t need = routed_scratch(L, hidden);
             moe = need > moe ? need : moe;
         }
@@ -410,7 +371,7 @@ int dq_decode_step(const int64_t *model, const int64_t *layers, const float *sca
     const int64_t gu = inter > hidden ? inter : hidden; /* g: also the experts' sum */
     const int64_t blocks = (pos + ATTENTION_BLOCK) / ATTENTION_BLOCK; /* of pos + 1 positions */
     if (heads / kvh > MAX_GROUP || hd > MAX_HEAD_DIM) return -1;
-    const int half = (int)model[12]; /* the cache's keys and values in float16 */
+    const int half = P->cache_half; /* the cache's keys and values in float16 */
     const size_t floats = (size_t)(hidden + qn + 2 * kvn + qn + 2 * gu + hd + heads * (pos + 1) +
                                    heads * blocks * (hd + 2) + moe + 3 * hidden);
     float *buf = malloc(floats * sizeof(float));
@@ -419,63 +380,62 @@ int dq_decode_step(const int64_t *model, const int64_t *layers, const float *sca
     float *g = att + qn, *u = g + gu, *cs = u + gu, *sn = cs + hd / 2;
     float *scores = cs + hd, *part = scores + heads * (pos + 1);
     float *experts = part + heads * blocks * (hd + 2), *bcx = experts + moe;
-    const float *inv_freq = PTR(const float *, model[8]);
     for (int64_t i = 0; i < hd / 2; i++) {
-        const float f = (float)pos * inv_freq[i];
-        cs[i] = cosf(f) * rope_scale;
-        sn[i] = sinf(f) * rope_scale;
+        const float f = (float)pos * P->inv_freq[i];
+        cs[i] = cosf(f) * P->rope_scaling;
+        sn[i] = sinf(f) * P->rope_scaling;
     }
     int rc = 0;
     dq_pool_hold(1); /* the products follow each other closely */
     for (int64_t l = 0; l < nl && !rc; l++) {
-        const int64_t *L = layers + LAYER_SLOTS * l;
-        rms_norm(h, PTR(const float *, L[0]), hidden, eps, x);
-        if (L[21] == 1) { /* a short convolution */
+        const dq_decode_layer *L = P->layers + l;
+        rms_norm(h, L->norm, hidden, eps, x);
+        if (L->kind == DQ_LAYER_CONVOLUTION) {
             rc |= short_conv(L, x, hidden, bcx, x);
         } else {
-            rc |= product(PTR(const int64_t *, L[1]), x, q);
-            rc |= product(PTR(const int64_t *, L[2]), x, k);
-            rc |= product(PTR(const int64_t *, L[3]), x, v);
-            if (L[5] && L[20]) { /* over all heads at once (OLMoE) */
-                rms_norm(q, PTR(const float *, L[5]), qn, eps, q);
-                rms_norm(k, PTR(const float *, L[6]), kvn, eps, k);
-            } else if (L[5]) {
+            rc |= product(L->q, x, q);
+            rc |= product(L->k, x, k);
+            rc |= product(L->v, x, v);
+            if (L->q_norm && L->qk_norm_all_heads) { /* over all heads at once (OLMoE) */
+                rms_norm(q, L->q_norm, qn, eps, q);
+                rms_norm(k, L->k_norm, kvn, eps, k);
+            } else if (L->q_norm) {
                 for (int64_t i = 0; i < heads; i++)
-                    rms_norm(q + i * hd, PTR(const float *, L[5]), hd, eps, q + i * hd);
+                    rms_norm(q + i * hd, L->q_norm, hd, eps, q + i * hd);
                 for (int64_t i = 0; i < kvh; i++)
-                    rms_norm(k + i * hd, PTR(const float *, L[6]), hd, eps, k + i * hd);
+                    rms_norm(k + i * hd, L->k_norm, hd, eps, k + i * hd);
             }
             rotary(q, heads, hd, cs, sn);
             rotary(k, kvh, hd, cs, sn);
-            void *kc = PTR(void *, L[11]), *vc = PTR(void *, L[12]);
+            void *kc = L->keys, *vc = L->values;
             for (int64_t j = 0; j < kvh; j++) { /* each key/value head's row of positions */
                 cache_store(kc, half, j * capacity + pos, hd, k + j * hd);
                 cache_store(vc, half, j * capacity + pos, hd, v + j * hd);
             }
-            const attention_job aj = {q, kc, vc, pos + 1, capacity, heads, kvh, hd, attn_scale,
-                                      scores, part, half};
+            const attention_job aj = {q, kc, vc, pos + 1, capacity, heads, kvh, hd,
+                                      P->attention_scale, scores, part, half};
             const int64_t macs = 2 * heads * (pos + 1) * hd;
             dq_parallel(attend_blocks, &aj, kvh * blocks,
-                        macs >= attention_min_macs ? threads : 1);
+                        macs >= P->attention_min_macs ? P->attention_threads : 1);
             attention_merge(part, heads, blocks, hd, att);
-            rc |= product(PTR(const int64_t *, L[4]), att, x);
+            rc |= product(L->o, att, x);
         }
         for (int64_t i = 0; i < hidden; i++) h[i] += x[i]; /* the mixer's residual */
-        rms_norm(h, PTR(const float *, L[7]), hidden, eps, x);
-        if (L[13]) {
+        rms_norm(h, L->mlp_norm, hidden, eps, x);
+        if (L->mlp_kind != DQ_MLP_DENSE) {
             rc |= routed_experts(L, x, hidden, g, experts);
             for (int64_t i = 0; i < hidden; i++) h[i] += g[i];
             continue;
         }
-        rc |= product(PTR(const int64_t *, L[8]), x, g);
-        rc |= product(PTR(const int64_t *, L[9]), x, u);
+        rc |= product(L->gate, x, g);
+        rc |= product(L->up, x, u);
         for (int64_t i = 0; i < inter; i++) g[i] = silu(g[i]) * u[i];
-        rc |= product(PTR(const int64_t *, L[10]), g, x);
+        rc |= product(L->down, g, x);
         for (int64_t i = 0; i < hidden; i++) h[i] += x[i];
     }
     if (!rc) {
-        rms_norm(h, PTR(const float *, model[6]), hidden, eps, x);
-        rc = product(PTR(const int64_t *, model[7]), x, logits);
+        rms_norm(h, P->final_norm, hidden, eps, x);
+        rc = product(P->head, x, logits);
     }
     dq_pool_hold(0);
     free(buf);

@@ -8,17 +8,6 @@
 #include "pool.h"
 #include "unpack.h"
 
-int dq_matvec(const uint32_t *qweight, const uint16_t *scales, const uint16_t *offsets,
-              int64_t rows, int64_t padded_n, int64_t gs, int bits, const float *x, int64_t m,
-              float *y, int64_t y_stride, int portable);
-int dq_matvec_integer_experts_mt(int wide, const uint32_t *qweight, const uint16_t *scales,
-                                 const uint16_t *offsets, int64_t rows_per_expert,
-                                 int64_t padded_n, int64_t gs, int bits, const int64_t *experts,
-                                 int64_t pairs, const float *x, float *y, int threads);
-int dq_vecmat(const uint32_t *qweight, const uint16_t *scales, const uint16_t *offsets,
-              int64_t rows, int64_t padded_n, int64_t gs, int bits, const float *x, int64_t m,
-              int64_t g0, int64_t g1, float *y, int portable);
-
 /* F.linear(x[p], W[e_p]) for rows [r0, r1) of each expert: x [pairs, padded_n] (zero padding),
  * y [pairs, rows_per_expert]. */
 int dq_matvec_experts(const uint32_t *qweight, const uint16_t *scales, const uint16_t *offsets,
@@ -100,33 +89,28 @@ int dq_vecmat_experts_mt(const uint32_t *qweight, const uint16_t *scales, const 
 }
 
 /* A bank's pairs with the bank's fixed arguments prepared once by the caller (decode calls this
- * once per bank per step). a: qweight, scales, offsets (addresses), rows_per_expert, padded_n,
- * gs, bits, experts in the bank, kind (0: F.linear(x, W[e]), dq_matvec_experts; 1: x @ W[e],
- * dq_vecmat_experts, y [pairs, padded_n]; 2: F.linear(x, W[e]) with int8 activations,
- * dq_matvec_integer_experts_mt; 3: with int16 activations, the same), work from which
- * to split, threads then, in_features. For kinds 0, 2 and 3, x holds in_features values a pair, copied beside zeros here where the layout pads
- * them. An expert index outside the bank: -2, nothing computed. Same products as the *_mt
- * calls. */
-int dq_experts_one(const int64_t *a, const int64_t *experts, int64_t pairs, const float *x,
-                   float *y) {
+ * once per bank per step): the kernel its kind names, on its threads from min_work multiply-adds.
+ * For the F.linear kinds x holds in_features values a pair, copied beside zeros here where the
+ * layout pads them. Same products as the *_mt calls. */
+int dq_experts_one(const dq_expert_pairs *b, const int64_t *experts, int64_t pairs,
+                   const float *x, float *y) {
     for (int64_t p = 0; p < pairs; p++)
-        if (experts[p] < 0 || experts[p] >= a[7]) return -2;
-    const int threads = pairs * a[3] * a[4] >= a[9] ? (int)a[10] : 1;
-    const uint32_t *q = (const uint32_t *)(intptr_t)a[0];
-    const uint16_t *s = (const uint16_t *)(intptr_t)a[1], *o = (const uint16_t *)(intptr_t)a[2];
-    if (a[8] == 1)
-        return dq_vecmat_experts_mt(q, s, o, a[3], a[4], a[5], (int)a[6], experts, pairs, x, y, 0,
-                                    threads);
+        if (experts[p] < 0 || experts[p] >= b->experts) return -2;
+    const int threads = pairs * b->rows_per_expert * b->padded_n >= b->min_work ? b->threads : 1;
+    if (b->kind == DQ_PAIRS_VECMAT)
+        return dq_vecmat_experts_mt(b->qweight, b->scales, b->offsets, b->rows_per_expert,
+                                    b->padded_n, b->gs, b->bits, experts, pairs, x, y, 0, threads);
     float *padded = NULL;
-    if (a[11] < a[4]) {
-        if (!(padded = padded_rows(x, pairs, a[11], a[4]))) return -1;
+    if (b->in_features < b->padded_n) {
+        if (!(padded = padded_rows(x, pairs, b->in_features, b->padded_n))) return -1;
         x = padded;
     }
-    const int rc = a[8] >= 2 ? dq_matvec_integer_experts_mt(a[8] == 3, q, s, o, a[3], a[4], a[5],
-                                                            (int)a[6], experts, pairs, x, y,
-                                                            threads)
-                             : dq_matvec_experts_mt(q, s, o, a[3], a[4], a[5], (int)a[6], experts,
-                                                    pairs, x, y, 0, threads);
+    const int rc = b->kind == DQ_PAIRS_MATVEC
+        ? dq_matvec_experts_mt(b->qweight, b->scales, b->offsets, b->rows_per_expert, b->padded_n,
+                               b->gs, b->bits, experts, pairs, x, y, 0, threads)
+        : dq_matvec_integer_experts_mt(b->kind == DQ_PAIRS_MATVEC_Q16, b->qweight, b->scales,
+                                       b->offsets, b->rows_per_expert, b->padded_n, b->gs,
+                                       b->bits, experts, pairs, x, y, threads);
     free(padded);
     return rc;
 }

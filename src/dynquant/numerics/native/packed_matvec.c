@@ -170,6 +170,6 @@ int dq_matvec_mt(const uint32_t *qweight, const uint16_t *scales, const uint16_t
 
 /* One token, the block's fixed arguments prepared once by the caller (unpack.h, dq_one_token).
  * Same product as dq_matvec_mt. */
-int dq_matvec_one(const int64_t *a, const float *x, float *y) {
-    return dq_one_token(dq_matvec_mt, a, x, y);
+int dq_matvec_one(const dq_packed_block *block, const float *x, float *y) {
+    return dq_one_token(dq_matvec_mt, block, x, y);
 }

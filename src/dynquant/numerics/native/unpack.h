@@ -8,6 +8,8 @@
 #include <stdint.h>
 #include <stdlib.h>
 #include <string.h>
+
+#include "kernels.h"
 #if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512VBMI__)
 #include <immintrin.h>
 #define DQ_HAVE_VBMI 1
@@ -63,19 +65,17 @@ typedef int (*dq_matvec_mt_fn)(const uint32_t *qweight, const uint16_t *scales,
 
 /* One token through `kernel` with a block's fixed arguments prepared once by the caller (decode
  * calls this once per Linear per step: 13 converted arguments cost more than a 256 x 256
- * product). a: qweight, scales, offsets (addresses), rows, padded_n, gs, bits, threads,
- * in_features. x holds in_features values; where the layout pads them (SmolLM2's 576 inputs:
- * 640) they are copied beside zeros here, not by the caller. */
-static inline int dq_one_token(dq_matvec_mt_fn kernel, const int64_t *a, const float *x,
+ * product). x holds in_features values; where the layout pads them (SmolLM2's 576 inputs: 640)
+ * they are copied beside zeros here, not by the caller. */
+static inline int dq_one_token(dq_matvec_mt_fn kernel, const dq_packed_block *b, const float *x,
                                float *y) {
     float *padded = NULL;
-    if (a[8] < a[4]) {
-        if (!(padded = padded_rows(x, 1, a[8], a[4]))) return -1;
+    if (b->in_features < b->padded_n) {
+        if (!(padded = padded_rows(x, 1, b->in_features, b->padded_n))) return -1;
         x = padded;
     }
-    const int rc = kernel((const uint32_t *)(intptr_t)a[0], (const uint16_t *)(intptr_t)a[1],
-                          (const uint16_t *)(intptr_t)a[2], a[3], a[4], a[5], (int)a[6], x, 1, y,
-                          a[3], 0, (int)a[7]);
+    const int rc = kernel(b->qweight, b->scales, b->offsets, b->rows, b->padded_n, b->gs, b->bits,
+                          x, 1, y, b->rows, 0, b->threads);
     free(padded);
     return rc;
 }

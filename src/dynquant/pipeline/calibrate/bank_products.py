@@ -31,11 +31,11 @@ class BankProducts(TorchFunctionMode):
         self.banks, self.seen = banks, seen
 
     def __torch_function__(self, func, types, args=(), kwargs=None):
-        if func in _PRODUCTS and len(args) >= 2 and isinstance(args[1], torch.Tensor):
-            w = args[1]
+        x, w = (*args, None, None)[:2]
+        if func in _PRODUCTS and isinstance(w, torch.Tensor):
             for name, bank in self.banks.items():
                 if (tuple(w.shape) == tuple(bank.shape[1:]) and w.numel()
                         and w.untyped_storage().data_ptr() == bank.untyped_storage().data_ptr()):
                     expert = (w.storage_offset() - bank.storage_offset()) // bank.stride(0)
-                    self.seen(name, expert, args[0], func is not F.linear)
+                    self.seen(name, expert, x, func is not F.linear)
         return func(*args, **(kwargs or {}))

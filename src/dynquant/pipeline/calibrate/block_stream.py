@@ -141,7 +141,7 @@ class BlockStream:
     dtype: torch.dtype = torch.float32
     model: nn.Module = field(init=False)
     blocks: nn.ModuleList = field(init=False)
-    args: list[list[tuple]] = field(init=False)  # per block, per chunk: (args, kwargs)
+    calls: list[list[tuple]] = field(init=False)  # per block, per chunk: (args, kwargs)
 
     def __post_init__(self) -> None:
         self.model = empty_model(self.source.config, self.dtype).eval()
@@ -199,7 +199,7 @@ class BlockStream:
             else:
                 self.release(embed)
             self._put_back(stands)
-        self.args = [[(a, k) for _, a, k in s.calls] for s in stands]
+        self.calls = [[(a, k) for _, a, k in s.calls] for s in stands]
         return first
 
     def _row_lookup(self, embed: nn.Module) -> nn.Module | None:
@@ -220,7 +220,7 @@ class BlockStream:
         block = self.blocks[index]
         out = []
         with torch.no_grad():
-            for h, (args, kwargs) in zip(hidden, recorded or self.args[index], strict=True):
+            for h, (args, kwargs) in zip(hidden, recorded or self.calls[index], strict=True):
                 out.append(first_output(block(h.to(self.dtype), *args, **kwargs)).float())
         return out
 

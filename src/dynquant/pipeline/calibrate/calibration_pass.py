@@ -135,7 +135,7 @@ def shards_of(stream: BlockStream, index: int, hidden: list[torch.Tensor],
               replaced: dict[str, QuantizedTensor] | None = None) -> list[BlockShard]:
     """Block ``index``'s jobs: ``SHARD_SEQS`` sequences each, in order."""
     per = max(1, SHARD_SEQS // stream.chunk)  # chunks per shard
-    return [BlockShard(index, hidden[k:k + per], stream.args[index][k:k + per],
+    return [BlockShard(index, hidden[k:k + per], stream.calls[index][k:k + per],
                        dict(replaced or {})) for k in range(0, len(hidden), per)]
 
 
@@ -166,7 +166,7 @@ def run_calibration_pass(stream: BlockStream, modules: set[str],
                                                   cpus=work.threads):
                         hidden.extend(out)
                         stats.add(part)
-                        bar.note(task, f"block {i + 1}: {len(hidden)}/{len(stream.args[i])} "
+                        bar.note(task, f"block {i + 1}: {len(hidden)}/{len(stream.calls[i])} "
                                        "chunks of windows")
                 if moments_dir is not None:
                     _save_moments(stats, moments_dir / f"block_{i:03d}.safetensors")

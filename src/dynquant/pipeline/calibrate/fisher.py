@@ -495,7 +495,7 @@ def _block_backward(stream: BlockStream, index: int, inputs: list[torch.Tensor],
     watched = set(_watch(stream, block, prefix, modules, probe_weight, acc,
                          tapped=frozenset(linears)))
     taps = {_module_of(stream, p): _LinearTaps(m) for p, m in linears.items()}
-    args = [a for a, chunk in zip(stream.args[index], inputs, strict=True)
+    args = [a for a, chunk in zip(stream.calls[index], inputs, strict=True)
             for _ in range(chunk.shape[0])]
     out = []
     try:

@@ -171,7 +171,7 @@ class _Student:
         else:
             hidden = self.first[k]
         for b in range(len(stream.blocks)):
-            args, kwargs = stream.args[b][k]
+            args, kwargs = stream.calls[b][k]
             if self.checkpointed:
                 hidden = checkpoint(self._block_forward, b, hidden.to(stream.dtype), args,
                                     kwargs, use_reentrant=False)

@@ -398,7 +398,7 @@ def _groups(stream: BlockStream, b: int, first: torch.Tensor, targets: dict[str,
     hooks = [t.owner.register_forward_pre_hook(lambda _m, inputs, n=n: record(n, inputs[0]))
              for n, t in targets.items() if t.owner is not None]
     banks = {n: t.param for n, t in targets.items() if t.bank}
-    args, kwargs = stream.args[b][0]
+    args, kwargs = stream.calls[b][0]
     try:
         with torch.no_grad(), BankProducts(banks, bank_seen):
             stream.blocks[b](first.to(stream.dtype), *args, **kwargs)

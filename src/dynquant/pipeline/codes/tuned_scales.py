@@ -61,7 +61,7 @@ def tune_block(stream: BlockStream, index: int, codes: dict[str, QuantizedTensor
         for group in opt.param_groups:
             group["lr"] = tuning.lr * group["width"] * (1 - step / tuning.steps)
         weights = {name: _shaped(t(), params[name]) for name, t in tunables.items()}
-        args, kwargs = stream.args[index][k]
+        args, kwargs = stream.calls[index][k]
         out = first_output(functional_call(block, weights, (hidden[k].to(stream.dtype),
                                                              *args), kwargs))
         loss = (out.float() - targets[k]).pow(2).mean()

@@ -1,0 +1,305 @@
+/* One token times a packed matrix with int16 activations: packed_matvec_q8.c's product with the
+ * token quantized to int16 per group of the layout (d[g] = amax / 32767
+ * over the group's gs values): GPTQ's 2- and 3-bit codes carry a large error in directions the
+ * calibration's activations do not use, and int8's noise reaches those directions
+ * (BENCHMARKS.md, "Against llama.cpp"); at 16 bits that noise is ~100 times smaller. Widths 2-6.
+ * A block's position p holds code q16_code(bits, p) (the 16-bit lanes the AVX2 unpacking leaves)
+ * and lane l sums positions 2l, 2l+1, 16+2l and 17+2l (vpmaddwd on each half, then the halves
+ * added). A group's lanes are summed over its blocks as integers (exact: codes < 64, |xq| <=
+ * 32767, at most 128 products a lane for gs <= 1024), so the float work is once per group:
+ *   acc[l] = acc[l] + (d[g] * scale[g]) * float(lane l)           (mul, mul, then add);
+ *   y = ((acc0+acc4)+(acc2+acc6)) + ((acc1+acc5)+(acc3+acc7)) + sum_g offset[g] * xsum[g],
+ * xsum[g] = d[g] * float(the group's integer sum of xq). */
+#include "integer_dots.h"
+
+#define Q16_LEVELS 32767.0f
+
+/* Which code of a block sits at position p: register r = p / 16 of the unpacking (the
+ * vpmaddwd of codes 0-15 or 16-31 of the positions), 16-bit lane i = p % 16 in it. 2 bits:
+ * byte b = 2 (i % 4) + r of the block's 8, shifted by 2 (i / 4); 4 bits: byte b = 2 (i % 8) + r
+ * of its 16, low nibble in the first 8 lanes, high in the rest; other widths: with l = i % 8,
+ * code 16 (i / 8) + 4 r + l / 2 + 8 (l % 2) (unpack32_words' order). */
+static inline int q16_code(int bits, int p) {
+    const int r = p / 16, i = p % 16;
+    if (bits == 2) return 4 * (2 * (i % 4) + r) + i / 4;
+    if (bits == 4) return 2 * (2 * (i % 8) + r) + i / 8;
+    return 16 * (i / 8) + 4 * r + (i % 8) / 2 + 8 * (i % 2);
+}
+
+/* x [n] -> xq [n] int16 (nearest, ties to even, of x * (32767 / amax) per group of gs), d
+ * [n / gs]; natural order. */
+void dq_q16_quantize(const float *x, int64_t n, int64_t gs, int16_t *xq, float *d) {
+    for (int64_t g = 0; g < n / gs; g++) {
+        const float *xg = x + g * gs;
+        float inv;
+        d[g] = block_step(xg, gs, Q16_LEVELS, &inv);
+        round_scaled(xg, gs, inv, xq + g * gs, NULL);
+    }
+}
+
+/* The group sums of a token quantized per group (d one per group). */
+static void q16_group_sums(const int16_t *xq, const float *d, int64_t n, int64_t gs,
+                           float *xsum) {
+    for (int64_t g = 0; g < n / gs; g++) {
+        int32_t isum = 0;
+        for (int64_t j = g * gs; j < (g + 1) * gs; j++) isum += xq[j];
+        xsum[g] = d[g] * (float)isum;
+    }
+}
+
+/* Each block of 32 of q [n] (natural order) into q16_code's order for `bits` (out may be q). */
+static void q16_permute(const int16_t *q, int64_t n, int bits, int16_t *out) {
+    int order[Q8_BLOCK];
+    for (int p = 0; p < Q8_BLOCK; p++) order[p] = q16_code(bits, p);
+    permute_blocks(q, n, order, (int)sizeof *q, out);
+}
+
+q16_tokens q16_quantize_tokens(const float *x, int64_t m, int64_t padded_n, int64_t gs,
+                                      int bits) {
+    const int64_t groups = padded_n / gs;
+    q16_tokens t = {0};
+    float *d = malloc((size_t)(2 * m * groups) * sizeof(float) +
+                      (size_t)(m * padded_n) * sizeof(int16_t));
+    if (!d) return t;
+    int16_t *xq = (int16_t *)(d + 2 * m * groups);
+    float *xsum = d + m * groups;
+    for (int64_t i = 0; i < m; i++) {
+        int16_t *q = xq + i * padded_n;
+        dq_q16_quantize(x + i * padded_n, padded_n, gs, q, d + i * groups);
+        q16_group_sums(q, d + i * groups, padded_n, gs, xsum + i * groups);
+        q16_permute(q, padded_n, bits, q);
+    }
+    t.xq = xq;
+    t.d = d;
+    t.xsum = xsum;
+    return t;
+}
+
+static inline void q16_lanes_portable(const uint8_t *bytes, int bits, const int16_t *x,
+                                      int32_t *lanes) {
+    uint8_t c[Q8_BLOCK];
+    block_codes(bytes, bits, c);
+    for (int l = 0; l < 8; l++) {
+        const int p[4] = {2 * l, 2 * l + 1, 16 + 2 * l, 17 + 2 * l};
+        int32_t s = 0;
+        for (int i = 0; i < 4; i++) s += (int32_t)c[q16_code(bits, p[i])] * x[p[i]];
+        lanes[l] = s;
+    }
+}
+
+#ifdef Q8_AVX2
+/* A block's 32 codes in two registers of 16-bit lanes (q16_code's order): 2 and 4 bits by masks
+ * and shifts of the bytes in place (2 bits: the 8 bytes broadcast, one shift a qword; 4 bits:
+ * the 16 bytes, and shifted by a nibble), other widths by unpack32_words. */
+static inline __attribute__((always_inline)) void q16_unpack(const uint8_t *p, int bits,
+                                                             const q8_unpacker *u, __m256i *lo,
+                                                             __m256i *hi) {
+    if (bits == 2 || bits == 4) {
+        __m256i v;
+        if (bits == 2) {
+            int64_t w;
+            memcpy(&w, p, sizeof w);
+            v = _mm256_srlv_epi64(_mm256_set1_epi64x(w), _mm256_setr_epi64x(0, 2, 4, 6));
+        } else {
+            const __m128i b = _mm_loadu_si128((const __m128i *)p);
+            v = _mm256_inserti128_si256(_mm256_castsi128_si256(b), _mm_srli_epi16(b, 4), 1);
+        }
+        const __m256i mask = _mm256_set1_epi16((int16_t)((1 << bits) - 1));
+        *lo = _mm256_and_si256(v, mask);
+        *hi = _mm256_and_si256(_mm256_srli_epi16(v, 8), mask);
+        return;
+    }
+    unpack32_words(p, bits, u, lo, hi);
+}
+
+static inline __attribute__((always_inline)) __m256i q16_lanes_avx2(const uint8_t *p, int bits,
+                                                                    const int16_t *x,
+                                                                    const q8_unpacker *u) {
+    __m256i lo, hi;
+    q16_unpack(p, bits, u, &lo, &hi);
+    return _mm256_add_epi32(_mm256_madd_epi16(lo, _mm256_loadu_si256((const __m256i *)x)),
+                            _mm256_madd_epi16(hi, _mm256_loadu_si256((const __m256i *)(x + 16))));
+}
+#endif
+
+/* A group's 8 integer lanes summed over its blocks: AVX2 or portable (the same integers). */
+static inline void q16_group_lanes(const q16_job *j, const uint8_t *bytes, const int16_t *x,
+                                   int32_t *lanes, const void *u) {
+    const int64_t blocks = j->gs / Q8_BLOCK, block_bytes = Q8_BLOCK * j->bits / 8;
+#ifdef Q8_AVX2
+    if (!j->portable) {
+        __m256i total = _mm256_setzero_si256();
+        for (int64_t b = 0; b < blocks; b++)
+            total = _mm256_add_epi32(total, q16_lanes_avx2(bytes + b * block_bytes,
+                                                           j->bits, x + b * Q8_BLOCK,
+                                                           (const q8_unpacker *)u));
+        _mm256_storeu_si256((__m256i *)lanes, total);
+        return;
+    }
+#endif
+    (void)u;
+    memset(lanes, 0, 8 * sizeof *lanes);
+    for (int64_t b = 0; b < blocks; b++) {
+        int32_t one[8];
+        q16_lanes_portable(bytes + b * block_bytes, j->bits, x + b * Q8_BLOCK, one);
+        for (int l = 0; l < 8; l++) lanes[l] += one[l];
+    }
+}
+
+/* Rows [lo, hi) of one token, as the int8 product's rows (one at a time; the float parts in the
+ * same order in every build: C arrays of 8 lanes). */
+static void q16_rows_token(const q16_job *j, const int16_t *xq, const float *d,
+                           const float *xsum, float *y, int32_t *dots, int64_t lo, int64_t hi) {
+    const int64_t groups = j->padded_n / j->gs, group_nbytes = j->gs * j->bits / 8;
+    uint8_t spare[MAX_GROUP + 32];
+#ifdef Q8_AVX2
+    const q8_unpacker unpacker = make_q8_unpacker(j->bits);
+    const void *u = &unpacker;
+#else
+    const void *u = NULL;
+#endif
+    for (int64_t r = lo; r < hi; r++) {
+        float acc[8] = {0}, o_sum = 0.0f;
+        for (int64_t g = 0; g < groups; g++) {
+            const uint8_t *bytes = (const uint8_t *)j->qweight + (r * groups + g) * group_nbytes;
+            if (r == hi - 1 && g == groups - 1) { /* the SIMD loads pass a group's end */
+                memset(spare, 0, (size_t)group_nbytes + 32);
+                memcpy(spare, bytes, (size_t)group_nbytes);
+                bytes = spare;
+            }
+            prefetch_codes(bytes);
+            int32_t lanes[8];
+            q16_group_lanes(j, bytes, xq + g * j->gs, lanes, u);
+            if (dots) {
+                int32_t total = 0;
+                for (int l = 0; l < 8; l++) total += lanes[l];
+                dots[r * groups + g] = total;
+                continue;
+            }
+            const float t = d[g] * bf16_value(j->scales[r * groups + g]);
+            for (int l = 0; l < 8; l++) acc[l] += t * (float)lanes[l];
+            o_sum += bf16_value(j->offsets[r * groups + g]) * xsum[g];
+        }
+        if (!dots) y[r] = lane_sum8_portable(acc) + o_sum;
+    }
+}
+
+#ifdef Q8_AVX2
+/* q16_rows_token's rows in registers (the same operations in the same order), `bits` a
+ * constant after inlining; two rows at a time, as the int8 rows. */
+static inline __attribute__((always_inline)) void q16_rows_avx2_bits(
+    const q16_job *j, const int16_t *xq, const float *d, const float *xsum, float *y,
+    int64_t lo, int64_t hi, int bits) {
+    const int64_t groups = j->padded_n / j->gs, blocks = j->gs / Q8_BLOCK;
+    const int64_t block_bytes = Q8_BLOCK * bits / 8, group_nbytes = j->gs * bits / 8;
+    const q8_unpacker u = make_q8_unpacker(bits);
+    uint8_t spare[MAX_GROUP + 32];
+    for (int64_t r = lo; r < hi; r += 2) {
+        const int two = r + 1 < hi;
+        __m256 acc0 = _mm256_setzero_ps(), acc1 = _mm256_setzero_ps();
+        float o0 = 0.0f, o1 = 0.0f;
+        for (int64_t g = 0; g < groups; g++) {
+            const uint8_t *b0 = (const uint8_t *)j->qweight + (r * groups + g) * group_nbytes;
+            const uint8_t *b1 = b0 + groups * group_nbytes;
+            if (r + 1 + two == hi && g == groups - 1) { /* the part's last group */
+                memset(spare, 0, (size_t)group_nbytes + 32);
+                memcpy(spare, two ? b1 : b0, (size_t)group_nbytes);
+                if (two) b1 = spare; else b0 = spare;
+            }
+            prefetch_codes(b0);
+            if (two) prefetch_codes(b1);
+            const int16_t *xg = xq + g * j->gs;
+            __m256i l0 = _mm256_setzero_si256(), l1 = _mm256_setzero_si256();
+            for (int64_t b = 0; b < blocks; b++) {
+                l0 = _mm256_add_epi32(l0, q16_lanes_avx2(b0 + b * block_bytes, bits, xg + b * Q8_BLOCK, &u));
+                if (two)
+                    l1 = _mm256_add_epi32(l1, q16_lanes_avx2(b1 + b * block_bytes, bits, xg + b * Q8_BLOCK, &u));
+            }
+            const float t0 = d[g] * bf16_value(j->scales[r * groups + g]);
+            acc0 = _mm256_add_ps(acc0, _mm256_mul_ps(_mm256_set1_ps(t0), _mm256_cvtepi32_ps(l0)));
+            o0 += bf16_value(j->offsets[r * groups + g]) * xsum[g];
+            if (two) {
+                const float t1 = d[g] * bf16_value(j->scales[(r + 1) * groups + g]);
+                acc1 = _mm256_add_ps(acc1, _mm256_mul_ps(_mm256_set1_ps(t1), _mm256_cvtepi32_ps(l1)));
+                o1 += bf16_value(j->offsets[(r + 1) * groups + g]) * xsum[g];
+            }
+        }
+        y[r] = lane_sum8(acc0) + o0;
+        if (two) y[r + 1] = lane_sum8(acc1) + o1;
+    }
+}
+
+static void q16_rows_avx2(const q16_job *j, const int16_t *xq, const float *d,
+                          const float *xsum, float *y, int64_t lo, int64_t hi) {
+    switch (j->bits) {
+    case 2: q16_rows_avx2_bits(j, xq, d, xsum, y, lo, hi, 2); break;
+    case 3: q16_rows_avx2_bits(j, xq, d, xsum, y, lo, hi, 3); break;
+    case 4: q16_rows_avx2_bits(j, xq, d, xsum, y, lo, hi, 4); break;
+    case 5: q16_rows_avx2_bits(j, xq, d, xsum, y, lo, hi, 5); break;
+    default: q16_rows_avx2_bits(j, xq, d, xsum, y, lo, hi, 6); break;
+    }
+}
+#endif
+
+int q16_rows(const void *ctx, int64_t lo, int64_t hi) {
+    const q16_job *j = ctx;
+    const int64_t groups = j->padded_n / j->gs;
+    for (int64_t t = 0; t < j->m; t++) {
+        const int16_t *xq = j->x.xq + t * j->padded_n;
+        const float *d = j->x.d + t * groups, *xsum = j->x.xsum + t * groups;
+        float *y = j->y ? j->y + t * j->y_stride : NULL;
+#ifdef Q8_AVX2
+        if (!j->portable && !j->dots) {
+            q16_rows_avx2(j, xq, d, xsum, y, lo, hi);
+            continue;
+        }
+#endif
+        q16_rows_token(j, xq, d, xsum, y, j->dots, lo, hi);
+    }
+    return 0;
+}
+
+int q16_supported(int64_t gs, int bits) {
+    return gs % Q8_BLOCK == 0 && gs <= MAX_GROUP && bits >= 2 && bits <= 6;
+}
+
+/* The per-(row, group) integer sums of codes * xq for an int16 token xq [padded_n] in natural
+ * order (tests against an int64 reference): dots [rows, groups]. */
+int dq_q16_group_dots(const uint32_t *qweight, int64_t rows, int64_t padded_n, int64_t gs,
+                      int bits, const int16_t *xq, int32_t *dots, int portable) {
+    if (!q16_supported(gs, bits)) return -1;
+    float *d = calloc((size_t)(2 * (padded_n / gs)), sizeof(float));
+    int16_t *ordered = malloc((size_t)padded_n * sizeof(int16_t));
+    int rc = -1;
+    if (d && ordered) {
+        q16_permute(xq, padded_n, bits, ordered);
+        const q16_job j = {.qweight = qweight, .padded_n = padded_n, .gs = gs, .bits = bits,
+                           .portable = portable,
+                           .x = {.xq = ordered, .d = d, .xsum = d + padded_n / gs}, .m = 1,
+                           .dots = dots};
+        rc = q16_rows(&j, 0, rows);
+    }
+    free(d);
+    free(ordered);
+    return rc;
+}
+
+/* dq_matvec_q8_mt with int16 activations (widths 2-6). */
+int dq_matvec_q16_mt(const uint32_t *qweight, const uint16_t *scales, const uint16_t *offsets,
+                     int64_t rows, int64_t padded_n, int64_t gs, int bits, const float *x,
+                     int64_t m, float *y, int64_t y_stride, int portable, int threads) {
+    q16_tokens tokens;
+    if (!q16_supported(gs, bits) || !(tokens = q16_quantize_tokens(x, m, padded_n, gs, bits)).d)
+        return -1;
+    const q16_job j = {.qweight = qweight, .scales = scales, .offsets = offsets,
+                       .padded_n = padded_n, .gs = gs, .bits = bits, .portable = portable,
+                       .x = tokens, .m = m, .y = y, .y_stride = y_stride};
+    const int rc = dq_parallel(q16_rows, &j, rows, threads);
+    free((void *)tokens.d);
+    return rc;
+}
+
+/* dq_matvec_q8_one with int16 activations. */
+int dq_matvec_q16_one(const dq_packed_block *block, const float *x, float *y) {
+    return dq_one_token(dq_matvec_q16_mt, block, x, y);
+}
