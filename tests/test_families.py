@@ -312,7 +312,7 @@ def test_int8_activations_stay_close_to_float_ones(quantized, family):
     ids = torch.randint(0, 384, (1, 10), generator=torch.Generator().manual_seed(3))
     float_tokens, float_logits = _greedy(load(ck_dir, dtype=torch.float32), ids)
     int8 = load(ck_dir, dtype=torch.float32, activations="int8")
-    assert all(m.int8_activations for m in int8.modules() if hasattr(m, "int8_activations"))
+    assert all(m.activations.kind == "int8" for m in int8.modules() if hasattr(m, "activations"))
     int8_tokens, int8_logits = _greedy(int8, ids)
     new = int8_tokens[0, ids.shape[1]:] != float_tokens[0, ids.shape[1]:]
     same = int(new.nonzero()[0, 0]) + 1 if new.any() else new.numel()

@@ -25,6 +25,7 @@ from dynquant.numerics.packed_matvec import (
 )
 from dynquant.runtime.activations import resolve_activations, use_activations
 from dynquant.runtime.packed_modules import QuantExpertBank, QuantLinear
+from dynquant.runtime.product_paths import Activations, product_path
 from quantizer_backends import backend
 
 WIDTHS = [2, 3, 4, 5, 6, 8]
@@ -122,7 +123,7 @@ def test_modules_multiply_with_int8_activations_when_asked():
     g = torch.Generator().manual_seed(6)
     one, few, many = (torch.randn(1, n, 200, generator=g) for n in (1, 4, 20))
     float_one = lin(one)
-    lin.int8_activations = True
+    lin.activations = Activations("int8")
     for x in (one, few):
         want = packed_matvec_q8(x[0], lin.qweight, lin.scales, lin.offsets, lin.layout)
         assert torch.equal(lin(x)[0], want + lin.bias)
@@ -130,15 +131,15 @@ def test_modules_multiply_with_int8_activations_when_asked():
     assert not torch.equal(lin(one), float_one)
     assert ((lin(one) - float_one).norm() / float_one.norm()).item() < 0.01
     prefill = lin(many)  # prefill keeps the float32 GEMM ...
-    lin.int8_activations = False
+    lin.activations = Activations()
     assert torch.equal(prefill, lin(many))
-    lin.int8_activations = lin.int8_every_token = True  # ... unless every token is asked for
+    lin.activations = Activations("int8", every_token=True)  # ... unless every token is asked for
     assert torch.equal(lin(many)[0], packed_matvec_q8(many[0], lin.qweight, lin.scales,
                                                       lin.offsets, lin.layout) + lin.bias)
     with backend("torch"):  # no native kernels: the dequantized float product
-        lin.int8_activations = False
+        lin.activations = Activations()
         expect = lin(one)
-        lin.int8_activations = True
+        lin.activations = Activations("int8")
         assert torch.equal(lin(one), expect)
 
 
@@ -149,7 +150,7 @@ def test_an_expert_banks_pairs_use_integer_activations_when_asked(kind):
     qt = quantize_tensor(w, bits)
     bank = QuantExpertBank(LayerLayout.create((5, 64, 200), bits, 128), torch.float32)
     bank.qweight, bank.scales, bank.offsets = qt.qweight, qt.scales, qt.offsets
-    bank.int8_activations, bank.int16_activations = kind == "int8", kind == "int16"
+    bank.activations = Activations(kind)
     product = packed_matvec_q8 if kind == "int8" else packed_matvec_q16
     ids = torch.tensor([4, 0, 4, 2])
     x = torch.randn(4, 200, generator=torch.Generator().manual_seed(5))
@@ -163,7 +164,7 @@ def test_an_expert_banks_pairs_use_integer_activations_when_asked(kind):
     assert f"pairs-True-{kind}" in bank._kept_calls
     out = torch.randn(4, 64)  # x @ W[e] contracts over rows: float32 products stay
     bank_float = bank.pairs_matmul(out, ids)
-    bank.int8_activations = bank.int16_activations = False
+    bank.activations = Activations()
     assert torch.equal(bank.pairs_matmul(out, ids), bank_float)
 
 
@@ -185,14 +186,12 @@ def test_the_activations_setting(monkeypatch):
         resolve_activations("fp8")
     model = torch.nn.Sequential(_linear(2, 8, 64), torch.nn.ReLU(), _linear(4, 8, 8))
     assert use_activations(model, "int8") == "int8"
-    assert model[0].int8_activations and model[2].int8_activations
-    assert not model[0].int8_every_token
+    assert model[0].activations == model[2].activations == Activations("int8")
     use_activations(model, "float", every_token=True)
-    assert not model[0].int8_activations and not model[2].int8_every_token
+    assert model[0].activations == model[2].activations == Activations()  # nothing to every token
     monkeypatch.setenv("DYNQUANT_ACTIVATIONS", "auto")
     if use_activations(model) == "auto":  # by width: the 2-bit module takes int16
-        assert not model[0].int8_activations and model[2].int8_activations
-        assert model[0].int16_activations and not model[2].int16_activations
+        assert model[0].activations.kind == "int16" and model[2].activations.kind == "int8"
 
 
 @pytest.mark.parametrize("gs", GROUPS)
@@ -244,9 +243,36 @@ def test_int16_dot_products_and_product_equal_their_references(bits, gs):
 def test_modules_multiply_with_int16_activations_when_asked():
     lin = _linear(3, 96, 200)
     x = torch.randn(1, 1, 200, generator=torch.Generator().manual_seed(10))
-    lin.int16_activations = True
+    lin.activations = Activations("int16")
     want = packed_matvec_q16(x[0], lin.qweight, lin.scales, lin.offsets, lin.layout)
     assert torch.equal(lin(x)[0], want + lin.bias) and "matvec-int16" in lin._kept_calls
-    lin.int8_activations = True  # int8 wins where both are set
+    lin.activations = Activations("int8")
     assert torch.equal(lin(x)[0], packed_matvec_q8(x[0], lin.qweight, lin.scales, lin.offsets,
                                                    lin.layout) + lin.bias)
+
+
+def test_the_widths_registry_picks_each_module_s_kernels():
+    """One function picks a module's products from the registry: the asked activations where the
+    width's kernels take them (int16: 2-6 bits), else float32; prefills take the float32 GEMM
+    unless every token is asked for."""
+    from dynquant.format.widths import SUPPORTED_BITS, width
+    from dynquant.numerics.packed_matvec import packed_gemm, packed_matvec
+
+    assert width(6).activations == ("float32", "int8", "int16")
+    assert width(8).activations == ("float32", "int8")
+    for bits in SUPPORTED_BITS:
+        for kind in ("float32", "int8", "int16"):
+            path = product_path(bits, Activations(kind))
+            assert path.activations == (kind if kind in width(bits).activations else "float32")
+            assert path.many_tokens is packed_gemm
+    assert product_path(8, Activations("int16")).few_tokens is packed_matvec
+    assert product_path(3, Activations("int16")).few_tokens is packed_matvec_q16
+    assert product_path(3, Activations("int8", every_token=True)).many_tokens is packed_matvec_q8
+    assert product_path(3, Activations("float32", every_token=True)).many_tokens is packed_gemm
+    with pytest.raises(ValueError, match="activations must be one of"):
+        Activations("fp8")
+    lin = _linear(8, 32, 64)  # an 8-bit module asked for int16 multiplies float32 activations
+    x = torch.randn(1, 1, 64, generator=torch.Generator().manual_seed(1))
+    expect = lin(x)
+    lin.activations = Activations("int16")
+    assert torch.equal(lin(x), expect) and "matvec-float32" in lin._kept_calls

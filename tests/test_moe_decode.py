@@ -85,7 +85,7 @@ def test_a_banks_prepared_pairs_give_the_general_calls_bits(dtype, cols):
                                 qt.layout)
     assert torch.equal(bank.pairs_linear(x_in.to(dtype), ids), lin.to(dtype))
     assert torch.equal(bank.pairs_matmul(x_out.to(dtype), ids), mat.to(dtype))
-    assert set(bank._kept_calls) == {"pairs-True", "pairs-False"}
+    assert set(bank._kept_calls) == {"pairs-True-float32", "pairs-False-float32"}
     with pytest.raises(ValueError, match="expert index out of range"):
         bank.pairs_linear(x_in, ids + 1)
     with pytest.raises(ValueError, match="expert index out of range"):

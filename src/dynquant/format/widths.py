@@ -12,6 +12,14 @@ DEFAULT_GROUP_SIZE = 128
 WORD_BITS = 32
 # Each group stores one bfloat16 scale and one bfloat16 offset: 2 + 2 bytes.
 GROUP_OVERHEAD_BYTES = 4
+# The activations each width's one-token products take (numerics/native: packed_matvec.c float32,
+# packed_matvec_q8.c int8, packed_matvec_q16.c int16: its exact integer group sums hold codes of
+# at most 6 bits); runtime/product_paths.py picks a module's kernels from this.
+ACTIVATION_WIDTHS: dict[str, tuple[int, ...]] = {
+    "float32": SUPPORTED_BITS,
+    "int8": SUPPORTED_BITS,
+    "int16": (2, 3, 4, 5, 6),
+}
 
 
 @dataclass(frozen=True)
@@ -37,6 +45,16 @@ class Width:
     @property
     def max_code(self) -> int:
         return (1 << self.bits) - 1
+
+    @property
+    def activations(self) -> tuple[str, ...]:
+        """The activations this width's one-token products take."""
+        return activation_kinds(self.bits)
+
+
+def activation_kinds(bits: int) -> tuple[str, ...]:
+    """The activations (float32, int8, int16) whose one-token kernels serve ``bits``."""
+    return tuple(kind for kind, widths in ACTIVATION_WIDTHS.items() if bits in widths)
 
 
 def width(bits: int, group_size: int = DEFAULT_GROUP_SIZE) -> Width:

@@ -70,15 +70,14 @@ def use_activations(model: nn.Module, mode: str | None = None, every_token: bool
     ``every_token`` (then every product is the one decode computes, token by token: what
     ``dynquant eval --activations int8`` scores)."""
     from dynquant.runtime.packed_modules import PackedWeight
+    from dynquant.runtime.product_paths import Activations
 
     resolved = resolve_activations(mode)
     for module in model.modules():
         if isinstance(module, PackedWeight):
-            auto = resolved == "auto"
-            int8 = resolved == "int8" or (auto and module.layout.bits >= AUTO_INT8_MIN_BITS)
-            module.int8_activations = int8
-            module.int16_activations = auto and not int8
-            module.int8_every_token = every_token and resolved != "float"
+            wide = module.layout.bits >= AUTO_INT8_MIN_BITS
+            kind = {"float": "float32", "int8": "int8"}.get(resolved, "int8" if wide else "int16")
+            module.activations = Activations(kind, every_token and kind != "float32")
     return resolved
 
 

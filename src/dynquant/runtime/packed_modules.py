@@ -30,12 +30,8 @@ from dynquant.numerics.packed_matvec import (
     MAX_TOKENS,
     ExpertPairs,
     OneTokenMatvec,
-    packed_gemm,
     packed_gemm_t,
-    packed_matvec,
     packed_matvec_experts,
-    packed_matvec_q8,
-    packed_matvec_q16,
     packed_vecmat,
     packed_vecmat_experts,
 )
@@ -47,6 +43,7 @@ from dynquant.runtime.int4_cpu import (
     layout_is_known,
     pack_int4,
 )
+from dynquant.runtime.product_paths import Activations, ProductPath, product_path
 
 HEAD_CHUNK_ROWS = 2048
 # (token, expert) pairs that a bank multiplies in one kernel call (MoE decode: tokens x top-k).
@@ -120,19 +117,14 @@ T = TypeVar("T")
 class PackedWeight(nn.Module):
     """The three stored tensors of a quantized module, as buffers (state-dict keys M.qweight...).
 
-    ``int8_activations``: one-token products quantize the token to int8 and multiply it with the
-    codes as integers (``packed_matvec_q8``); set for a whole model by
-    ``runtime/activations.py``; ``int16_activations`` the same with int16 (``packed_matvec_q16``,
-    widths 2-6). Prefills keep the float32 GEMM unless ``int8_every_token`` (scoring what decode
-    computes, token by token: ``dynquant eval --activations int8``)."""
-
-    int8_activations = False
-    int16_activations = False  # int16 instead (widths 2-6; int8 wins where both are set)
-    int8_every_token = False
+    ``activations``: what its products take (float32, int8 or int16; every token or decode's
+    few), set for a whole model by ``runtime/activations.py``; ``runtime/product_paths.py``
+    turns it into kernels for the module's width."""
 
     def __init__(self, layout: LayerLayout, compute_dtype: torch.dtype = torch.bfloat16) -> None:
         super().__init__()
         self.layout, self.compute_dtype = layout, compute_dtype
+        self.activations = Activations()
         self.register_buffer("qweight", torch.empty(layout.qweight_shape, dtype=torch.int32,
                                                     device="meta"))
         self.register_buffer("scales", torch.empty(layout.scales_shape, dtype=torch.bfloat16,
@@ -170,11 +162,12 @@ class PackedWeight(nn.Module):
     def _products(self) -> tuple[Callable[..., torch.Tensor | None],
                                  Callable[..., torch.Tensor | None]]:
         """The products of a few tokens and of many along the groups, as the activations ask."""
-        product = (packed_matvec_q8 if self.int8_activations else
-                   packed_matvec_q16 if self._int16() else None)
-        if product is None:
-            return packed_matvec, packed_gemm
-        return product, product if self.int8_every_token else packed_gemm
+        path = self.product_path()
+        return path.few_tokens, path.many_tokens
+
+    def product_path(self) -> ProductPath:
+        """The kernels this module's width runs for its activations."""
+        return product_path(self.layout.bits, self.activations)
 
     def _one_token(self, x: torch.Tensor) -> tuple[OneTokenMatvec, object] | None:
         """Decode's common case (one token, a small matrix) without the general call's per-call
@@ -190,12 +183,9 @@ class PackedWeight(nn.Module):
     def one_token_product(self) -> OneTokenMatvec | None:
         """The prepared one-token product for the module's activations (int8, int16 or float32), kept
         until a buffer is replaced; None off the CPU."""
-        int8, int16 = self.int8_activations, self._int16()
-        key = "matvec-int8" if int8 else "matvec-int16" if int16 else "matvec"
-        return self._kept(key, lambda q, s, o: OneTokenMatvec(q, s, o, self.layout, int8, int16))
-
-    def _int16(self) -> bool:
-        return self.int16_activations and not self.int8_activations and self.layout.bits <= 6
+        kind = self.product_path().activations
+        return self._kept(f"matvec-{kind}", lambda q, s, o: OneTokenMatvec(
+            q, s, o, self.layout, int8=kind == "int8", int16=kind == "int16"))
 
     def _kept(self, key: str, make: Callable[[torch.Tensor, torch.Tensor, torch.Tensor], T]
               ) -> T | None:
@@ -373,11 +363,9 @@ class QuantExpertBank(PackedWeight):
         lib = native.library()  # DYNQUANT_NATIVE=0 switches the kernels off at any call
         if lib is None:
             return None
-        int8 = along_groups and self.int8_activations
-        int16 = along_groups and self._int16()
-        fast = self._kept(f"pairs-{along_groups}" + ("-int8" if int8 else "-int16" if int16 else ""),
-                          lambda q, s, o: ExpertPairs(q, s, o, self.layout, along_groups, int8,
-                                                      int16))
+        kind = self.product_path().activations if along_groups else "float32"
+        fast = self._kept(f"pairs-{along_groups}-{kind}", lambda q, s, o: ExpertPairs(
+            q, s, o, self.layout, along_groups, int8=kind == "int8", int16=kind == "int16"))
         return None if fast is None else (fast, lib)
 
     def pairs_linear(self, x: torch.Tensor, experts: torch.Tensor) -> torch.Tensor | None:
