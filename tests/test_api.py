@@ -53,3 +53,29 @@ def test_the_api_takes_only_its_configurations_fields(tmp_path):
         api.quantize("tiny", tmp_path / "q", budjet=4.25)
     with pytest.raises(TypeError, match="calib_sequences"):
         api.measure("tiny", calib_sequences=4)
+
+
+def test_flat_option_names_build_the_sectioned_configurations():
+    """A field by its flat name lands in its section (the calibration's by the CLI's names), a
+    whole section can be given and then refined, and a name no section has is refused."""
+    from dynquant.api import (
+        AllocationOptions,
+        Calibration,
+        CodeOptions,
+        MeasureOptions,
+        QuantizeRequest,
+        RunOptions,
+    )
+
+    flat = QuantizeRequest.of("o", budget=4.25, calib_seqs=16, quantizer="gptq",
+                              executor="ray", not_convert=["lm_head"], seed=3)
+    assert flat == QuantizeRequest(
+        "o", measure=MeasureOptions(calibration=Calibration(seqs=16), not_convert=["lm_head"]),
+        allocation=AllocationOptions(budget=4.25), codes=CodeOptions(quantizer="gptq"),
+        run=RunOptions(executor="ray"), seed=3)
+    refined = QuantizeRequest.of("o", codes=CodeOptions(gptq_seqs=8), quantizer="tuned")
+    assert refined.codes == CodeOptions(quantizer="tuned", gptq_seqs=8)
+    assert MeasureOptions.of(calib=["a.txt"], calib_len=64) == MeasureOptions(
+        calibration=Calibration(texts=["a.txt"], length=64))
+    with pytest.raises(TypeError, match="unknown option 'bugdet'"):
+        QuantizeRequest.of("o", bugdet=4.25)

@@ -145,7 +145,7 @@ def test_nothing_is_unpickled():
 
 
 def test_every_option_says_what_it_does():
-    """Issue 15: every subcommand's options and positionals carry a help line."""
+    """Every subcommand's options and positionals carry a help line."""
     import argparse
 
     from dynquant.cli import build_parser

@@ -91,9 +91,11 @@ def test_measure_probes_in_float32_unless_asked():
 
     parser = build_parser()
     assert "dtype" not in measure_options(parser.parse_args(["measure", "m", "-o", "x"]))
-    assert MeasureOptions().dtype == QuantizeRequest("x").dtype == "float32"
+    assert MeasureOptions().dtype == QuantizeRequest("x").measure.dtype == "float32"
     args = parser.parse_args(["quantize", "m", "-o", "x", "--dtype", "auto"])
-    assert quantize_options(args)["dtype"] == "auto"
+    assert quantize_options(args)["measure"].dtype == "auto"
+    default = parser.parse_args(["quantize", "m", "-o", "x"])
+    assert quantize_options(default)["measure"] == MeasureOptions()
 
 
 def test_load_and_from_pretrained_follow_the_decision(tmp_path, monkeypatch):

@@ -1,4 +1,4 @@
-"""Issue 12: calibrated by default (the bundled text, recorded in provenance), the data-free path
+"""Calibrated by default (the bundled text, recorded in provenance), the data-free path
 on request, a loss forecast with a warning above the threshold, and the data-free priors'
 ranking of modules against calibrated sensitivities on a trained model."""
 
@@ -263,7 +263,7 @@ def test_data_free_priors_rank_modules_like_the_calibrated_measurement(tmp_path)
     size proxy (the absolute squared weight error, usage x ||W||^2 x relative error)."""
     source = resolve_model(str(ROOT / "models" / "llama-ref"))
     calib = [str(ROOT / "data" / "calibration.txt")]
-    calibrated = measure(source, MeasureOptions(calib=calib, budgets=[]), None, progress=False)
+    calibrated = measure(source, MeasureOptions.of(calib=calib, budgets=[]), None, progress=False)
     free = measure(source, MeasureOptions(method="weight", budgets=[]), None, progress=False)
     names = sorted(free["modules"])
     truth, priors = _cost_at_3_bits(calibrated), _cost_at_3_bits(free)

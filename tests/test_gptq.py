@@ -151,7 +151,7 @@ def test_measure_prices_candidates_with_the_compensated_codes(tmp_path):
     src = save_tiny_model("llama", tmp_path / "src")
     save_tiny_tokenizer(src)
     source = resolve_model(str(src))
-    opts = MeasureOptions(budgets=[4.5], calib_seqs=2, calib_len=32, moment_seqs=6,
+    opts = MeasureOptions.of(budgets=[4.5], calib_seqs=2, calib_len=32, moment_seqs=6,
                           quantizer="gptq")
     maps = measure(source, opts, tmp_path / "m" / "maps.json", progress=False)
     assert maps["quantizer"] == "gptq" and "error" not in maps["allocations"]["4.5"]

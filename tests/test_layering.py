@@ -12,8 +12,8 @@ RANK = {"errors": 0, "format": 1, "numerics": 2, "checkpoint": 3, "models": 4, "
         "pipeline": 5, "api": 6, "cli": 6, "autoregister": 6, "openmp": 0,
         "version": 0}  # openmp: read by runtime
 # the pipeline's stages, each a sub-package (README "Layout"): a room imports only lower ones
-ROOMS = {"execute": 0, "calibrate": 1, "codes": 2, "allocate": 3, "measure": 4, "report": 5,
-         "workflow": 6}
+ROOMS = {"execute": 0, "calibrate": 1, "codes": 2, "allocate": 3, "config": 4, "measure": 5,
+         "report": 6, "workflow": 7}
 
 
 def _name(path: Path) -> str:

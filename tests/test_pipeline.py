@@ -50,7 +50,7 @@ def test_weight_method_maps_every_module(tmp_path):
 @pytest.mark.parametrize(("method", "recorded"), [(None, "fisher"), ("kl", "kl-exact")])
 def test_calibrated_methods_measure_every_expert_bank(hybrid_dir, tmp_path, method, recorded):
     source = resolve_model(str(hybrid_dir / "src"))
-    opts = MeasureOptions(calib=[str(hybrid_dir / "calib.txt")], calib_seqs=2, calib_len=64,
+    opts = MeasureOptions.of(calib=[str(hybrid_dir / "calib.txt")], calib_seqs=2, calib_len=64,
                           budgets=[3.25], method=method)
     doc = measure(source, opts, tmp_path / "maps.json", progress=False)
     assert doc["method"] == recorded and doc["stats"].endswith(".stats.safetensors")
@@ -164,7 +164,7 @@ def test_calibration_text_errors(tmp_path, capsys):
 
 
 def test_hub_names_resolve_from_the_local_cache(tmp_path, monkeypatch, capsys):
-    """Issue 15: org/name from the Hugging Face cache, no network; the revision in provenance;
+    """org/name from the Hugging Face cache, no network; the revision in provenance;
     one line naming the cache when the model is not there."""
     import shutil
 
@@ -200,7 +200,7 @@ def test_calibrated_maps_price_the_codes_quantize_writes(tmp_path):
     embedding is priced at every width by the Fisher KL of its own codes, rounded and
     compensated (both uses), and quantize compensates it only where that measured better."""
     model = Path(__file__).parents[1] / "models" / "llama-ref"
-    opts = MeasureOptions(calib_seqs=4, calib_len=128, budgets=[3.25])
+    opts = MeasureOptions.of(calib_seqs=4, calib_len=128, budgets=[3.25])
     doc = measure(resolve_model(str(model)), opts, tmp_path / "maps.json", progress=False)
     linears = {n: m for n, m in doc["modules"].items() if n.startswith("model.layers.")}
     assert linears and all(0 < m["gptq_ratio"] < 1 for m in linears.values())

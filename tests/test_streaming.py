@@ -189,7 +189,7 @@ def test_measure_writes_second_moments_when_asked(tmp_path):
     save_tiny_tokenizer(model_dir)
     calib = tmp_path / "calib.txt"
     calib.write_text(" ".join(["the little fox went to the river to drink"] * 60))
-    opts = MeasureOptions(calib=[str(calib)], calib_seqs=2, calib_len=32, budgets=[3.25],
+    opts = MeasureOptions.of(calib=[str(calib)], calib_seqs=2, calib_len=32, budgets=[3.25],
                           second_moments=True)
     doc = measure(resolve_model(str(model_dir)), opts, tmp_path / "out" / "maps.json",
                   progress=False)
@@ -226,7 +226,7 @@ def test_killed_measure_resumes_to_identical_maps(tmp_path, monkeypatch):
     save_tiny_tokenizer(model_dir)
     calib = tmp_path / "calib.txt"
     calib.write_text(" ".join(["the little fox went to the river to drink"] * 60))
-    opts = MeasureOptions(calib=[str(calib)], calib_seqs=2, calib_len=32, budgets=[3.25])
+    opts = MeasureOptions.of(calib=[str(calib)], calib_seqs=2, calib_len=32, budgets=[3.25])
     source = resolve_model(str(model_dir))
     measure(source, opts, tmp_path / "whole" / "maps.json", progress=False)
 
@@ -303,7 +303,7 @@ def test_measure_weights_expert_banks_by_their_tokens(tmp_path):
     calib = tmp_path / "calib.txt"
     calib.write_text(" ".join(["the little fox went to the river to drink"] * 60))
     source = resolve_model(str(model_dir))
-    opts = MeasureOptions(calib=[str(calib)], calib_seqs=2, calib_len=32, budgets=[3.25])
+    opts = MeasureOptions.of(calib=[str(calib)], calib_seqs=2, calib_len=32, budgets=[3.25])
     calibrated = measure(source, opts, tmp_path / "c" / "maps.json", progress=False)
     plain = measure(source, MeasureOptions(budgets=[3.25], method="weight"), None,
                     progress=False)

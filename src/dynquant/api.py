@@ -1,18 +1,23 @@
 """The Python API: everything the ``dynquant`` command does, as functions that take what its
 options take and return plain data. ``cli.py`` only maps arguments onto these calls.
 
-The options of ``measure`` and ``quantize`` are the fields of their configurations,
-:class:`MeasureOptions` and :class:`QuantizeRequest` (each field documented there, every default
-defined there once); a call passes any of them by name::
+The options of ``measure`` and ``quantize`` are their configurations: :class:`MeasureOptions`
+(what to measure, with its :class:`Calibration` text) and :class:`QuantizeRequest`, whose
+sections say what its own measurement measures, how widths are allocated
+(:class:`AllocationOptions`), how codes are chosen (:class:`CodeOptions`) and where the work runs
+(:class:`RunOptions`); each field is documented there and every default defined there once. A
+call passes whole sections, or any field by its flat name (``calib``, ``calib_seqs``,
+``calib_len`` for the calibration's)::
 
     from dynquant import api
     api.quantize("SmolLM2-135M", "out/q", budget=4.25, tuning=api.ScaleTuning(steps=50))
+    api.quantize("SmolLM2-135M", "out/q", allocation=api.AllocationOptions(budget=4.25),
+                 codes=api.CodeOptions(quantizer="gptq"), run=api.RunOptions(executor="ray"))
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
-from dataclasses import replace
 from pathlib import Path
 
 from dynquant.errors import DynquantError
@@ -31,6 +36,7 @@ from dynquant.pipeline.allocate.forecast import Forecast, forecast, measure_summ
 from dynquant.pipeline.allocate.maps import is_maps, load_maps, maps_modules, split_maps_arg
 from dynquant.pipeline.codes.end_to_end import EndToEndTuning
 from dynquant.pipeline.codes.tuned_scales import ScaleTuning
+from dynquant.pipeline.config import AllocationOptions, Calibration, CodeOptions, RunOptions
 from dynquant.pipeline.execute.scope import executor_scope
 from dynquant.pipeline.measure.options import MeasureOptions
 from dynquant.pipeline.measure.run import measure as _measure
@@ -40,8 +46,9 @@ from dynquant.pipeline.report.evaluate import evaluate as _evaluate
 from dynquant.pipeline.report.generate import generate_text
 from dynquant.pipeline.workflow import QuantizeRequest, run_quantize
 
-__all__ = ["Allocation", "EndToEndTuning", "EvalResult", "Forecast", "MeasureOptions",
-           "QuantizeRequest", "ScaleTuning", "allocate", "demo", "evaluate", "generate",
+__all__ = ["Allocation", "AllocationOptions", "Calibration", "CodeOptions", "EndToEndTuning",
+           "EvalResult", "Forecast", "MeasureOptions", "QuantizeRequest", "RunOptions",
+           "ScaleTuning", "allocate", "demo", "evaluate", "generate",
            "measure", "measure_lines", "model", "plan", "quantize", "widths_json"]
 
 
@@ -85,7 +92,7 @@ def measure(model_name: str | Path, output: str | Path | None = None, *,
     data-free; ``forecast_check``: the command's check of the forecast, on by default there);
     ``executor``: "local", "ray" (the cluster at ``address``, or a local Ray instance), or an
     ``Executor``."""
-    opts = replace(MeasureOptions(), **_as_text(options))
+    opts = MeasureOptions.of(**_as_text(options))
     with executor_scope(executor, address) as runner:
         return _measure(model(model_name), opts, None if output is None else str(output),
                         progress, random_init, runner)
@@ -121,13 +128,14 @@ def widths_json(alloc: Allocation, maps: str | Path | dict) -> dict:
 
 def quantize(model_name: str | Path, output: str | Path, **options) -> dict:
     """``dynquant quantize``: (measure ->) allocate -> quantize -> write; returns the metadata.
-    ``options``: :class:`QuantizeRequest`'s fields, e.g. ``budget=4.25``, ``quantizer=`` "auto"
+    ``options``: :class:`QuantizeRequest`'s sections, or their fields by name, e.g.
+    ``budget=4.25``, ``quantizer=`` "auto"
     (tuned with calibration text, rtn data-free), "tuned", "gptq" or "rtn",
     ``tuning=ScaleTuning(steps=...)``, ``end_to_end=EndToEndTuning(steps=...)``,
     ``executor="ray"`` (the checkpoint is byte-identical on any executor), ``report`` (told the
     forecast before anything is written). An untied output head is quantized like any Linear;
     ``not_convert=["lm_head"]`` keeps it dense."""
-    request = QuantizeRequest(output=str(output), **_as_text(options))
+    request = QuantizeRequest.of(str(output), **_as_text(options))
     return run_quantize(model(model_name), request)
 
 

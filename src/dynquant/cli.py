@@ -78,17 +78,25 @@ def _cmd_validate(args: argparse.Namespace) -> int:
     return 0
 
 
-def quantize_options(args: argparse.Namespace) -> dict:
-    """``dynquant quantize``'s arguments as ``api.quantize``'s options (those given)."""
-    return _given(
-        widths=args.widths, budget=args.budget, uniform=args.uniform,
-        calib=args.calib or None, calib_seqs=args.calib_seqs, calib_len=args.calib_len,
-        method=_method(args), group_size=args.group_size, group_sizes=_ints(args.group_sizes),
-        pins=args.pin or None, min_bits=args.min_bits, max_bits=args.max_bits,
-        not_convert=args.not_convert or None, random_init=args.random_init or None,
-        seed=args.seed, overwrite=args.overwrite or None, dtype=args.dtype,
-        quantizer=args.quantizer, gptq_seqs=args.gptq_seqs, tuning=_tuning(args),
-        end_to_end=_end_to_end(args), **_executor(args))
+def quantize_options(args: argparse.Namespace, report=None) -> dict:
+    """``dynquant quantize``'s arguments as ``api.quantize``'s configuration sections (each with
+    the options given; the rest keep the defaults the API's configurations define)."""
+    api = _api()
+    return {
+        "measure": api.MeasureOptions.of(**_given(
+            calib=args.calib or None, calib_seqs=args.calib_seqs, calib_len=args.calib_len,
+            method=_method(args), dtype=args.dtype, not_convert=args.not_convert or None)),
+        "allocation": api.AllocationOptions(**_given(
+            widths=args.widths, budget=args.budget, uniform=args.uniform,
+            group_size=args.group_size, group_sizes=_ints(args.group_sizes),
+            pins=args.pin or None, min_bits=args.min_bits, max_bits=args.max_bits)),
+        "codes": api.CodeOptions(**_given(
+            quantizer=args.quantizer, gptq_seqs=args.gptq_seqs, tuning=_tuning(args),
+            end_to_end=_end_to_end(args))),
+        "run": api.RunOptions(**_executor(args), progress=not (args.quiet or args.json),
+                              report=report),
+        **_given(random_init=args.random_init or None, seed=args.seed,
+                 overwrite=args.overwrite or None)}
 
 
 def _cmd_quantize(args: argparse.Namespace) -> int:
@@ -103,8 +111,7 @@ def _cmd_quantize(args: argparse.Namespace) -> int:
             if not args.quiet or line.startswith("warning"):  # --quiet keeps warnings
                 print(line, file=sys.stderr)
 
-    doc = api.quantize(args.model, args.output, progress=not (args.quiet or args.json),
-                       report=report, **quantize_options(args))
+    doc = api.quantize(args.model, args.output, **quantize_options(args, report))
     if args.json:
         print(json.dumps({"output": args.output, "accounting": doc["accounting"],
                           "provenance": doc["provenance"],
@@ -122,14 +129,15 @@ def _ints(text: str | None) -> list[int] | None:
 def measure_options(args: argparse.Namespace) -> dict:
     """``dynquant measure``'s arguments as ``api.measure``'s options (those given; the command
     checks its forecast unless told not to)."""
+    calibration = _given(texts=args.calib or None, seqs=args.calib_seqs, length=args.calib_len)
     return _given(
         widths=_ints(args.widths), group_sizes=_ints(args.group_sizes),
         budgets=None if args.budgets is None else [float(b) for b in args.budgets.split(",")
                                                   if b],
-        method=_method(args), calib=args.calib or None, not_convert=args.not_convert or None,
-        calib_seqs=args.calib_seqs, calib_len=args.calib_len, dtype=args.dtype,
-        second_moments=args.second_moments or None, moment_seqs=args.moment_seqs,
-        quantizer=args.quantizer, fisher_draws=args.fisher_draws,
+        method=_method(args), not_convert=args.not_convert or None,
+        calibration=_api().Calibration(**calibration) if calibration else None,
+        dtype=args.dtype, second_moments=args.second_moments or None,
+        moment_seqs=args.moment_seqs, quantizer=args.quantizer, fisher_draws=args.fisher_draws,
         forecast_check=not args.no_forecast_check, tuning=_tuning(args))
 
 

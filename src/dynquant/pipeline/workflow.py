@@ -5,8 +5,7 @@ from __future__ import annotations
 import shutil
 import sys
 import tempfile
-from collections.abc import Callable, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 
 from safetensors.torch import load_file
@@ -25,74 +24,57 @@ from dynquant.pipeline.allocate.maps import (
     split_maps_arg,
 )
 from dynquant.pipeline.codes.code_chooser import SEQUENTIAL, CodeChooser
-from dynquant.pipeline.codes.end_to_end import EndToEndTuning
 from dynquant.pipeline.codes.policy import check_request, choose_quantizer, gptq_calibration
-from dynquant.pipeline.codes.tuned_scales import ScaleTuning
 from dynquant.pipeline.codes.write import quantize_model
+from dynquant.pipeline.config import AllocationOptions, CodeOptions, RunOptions, sectioned
 from dynquant.pipeline.execute.executor import Executor
 from dynquant.pipeline.execute.scope import executor_scope
 from dynquant.pipeline.measure.options import MeasureOptions
 from dynquant.pipeline.measure.run import measure
 
+QUANTIZE_SECTIONS = ("allocation", "codes", "run", "measure")
 
-@dataclass
+
+@dataclass(frozen=True)
 class QuantizeRequest:
-    """What ``dynquant quantize`` was asked (the CLI's arguments, as data)."""
+    """What ``dynquant quantize`` is asked: where to write; what its own measurement measures
+    when no maps are given (the calibration text, method, probe dtype, modules kept dense); how
+    widths are allocated, codes chosen, and where the work runs (``pipeline/config.py``); a
+    model built from its config with seeded random weights (``random_init``)."""
 
     output: str
-    widths: str | None = None  # maps.json[:BUDGET] | dynquant.json | widths.json
-    budget: float | None = None
-    uniform: int | None = None
-    calib: Sequence[str] = ()
-    calib_seqs: int = 8
-    calib_len: int = 256
-    method: str | None = None
-    dtype: str = "float32"  # the kl probe's compute dtype (MeasureOptions.dtype)
-    group_size: int = 128
-    group_sizes: Sequence[int] | None = None
-    pins: Sequence[str] = ()
-    min_bits: int | None = None
-    max_bits: int | None = None
-    not_convert: Sequence[str] = ()
+    measure: MeasureOptions = field(default_factory=MeasureOptions)
+    allocation: AllocationOptions = field(default_factory=AllocationOptions)
+    codes: CodeOptions = field(default_factory=CodeOptions)
+    run: RunOptions = field(default_factory=RunOptions)
     random_init: bool = False
     seed: int = 0
     overwrite: bool = False
-    progress: bool = True
-    # told the forecast of a budget allocation before anything is written (None: printed to
-    # stderr unless progress is off)
-    report: Callable[[Forecast], None] | None = None
-    # "gptq": error-compensating, sequential over the blocks; "tuned": gptq's codes with each
-    # block's scales tuned against the float block; "rtn": round-to-nearest; "auto": tuned when
-    # calibrating on text, else rtn
-    quantizer: str = "auto"
-    gptq_seqs: int = 48  # calibration windows the sequential gptq pass streams
-    tuning: ScaleTuning = field(default_factory=ScaleTuning)  # for "tuned"
-    # gptq / tuned codes: then every scale tuned against the whole float model (steps 0: off)
-    end_to_end: EndToEndTuning = field(default_factory=EndToEndTuning)
-    # where the per-module work runs (pipeline/execute/executor.py): None/"local", "ray" (on the
-    # cluster at ``address``, or a local Ray instance), or an Executor
-    executor: Executor | str | None = None
-    address: str | None = None
+
+    @classmethod
+    def of(cls, output: str, **options) -> QuantizeRequest:
+        """A request from flat option names (``budget=4.25``, ``quantizer="gptq"``,
+        ``calib_seqs=16``...), each in its section, or whole sections (``codes=...``)."""
+        return sectioned(cls(output), QUANTIZE_SECTIONS, options)
 
 
 def _maps_for(source: ModelSource, req: QuantizeRequest, workdir: Path,
               executor: Executor | None = None) -> tuple[dict, Path, float | None]:
     """The maps document to allocate from (given, or measured now, candidates priced with
     round-to-nearest unless ``--quantizer gptq``), its path, and the budget."""
-    if req.widths is not None:
-        path, budget = split_maps_arg(req.widths)
-        return load_maps(path), Path(path), budget if budget is not None else req.budget
+    alloc = req.allocation
+    if alloc.widths is not None:
+        path, budget = split_maps_arg(alloc.widths)
+        return load_maps(path), Path(path), budget if budget is not None else alloc.budget
     maps_path = workdir / "maps.json"
-    opts = MeasureOptions(calib=list(req.calib), method=req.method, calib_seqs=req.calib_seqs,
-                          calib_len=req.calib_len,
-                          group_sizes=req.group_sizes or (req.group_size,),
-                          budgets=[req.budget] if req.budget else [],
-                          # auto: rtn-priced candidates with each Linear's gptq ratio, a
-                          # fraction of gptq pricing's time (BENCHMARKS.md, gptq_quality)
-                          quantizer="gptq" if req.quantizer == "gptq" else "rtn",
-                          not_convert=req.not_convert, dtype=req.dtype, tuning=req.tuning)
-    return (measure(source, opts, maps_path, req.progress, req.random_init, executor),
-            maps_path, req.budget)
+    opts = replace(req.measure, group_sizes=alloc.group_sizes or (alloc.group_size,),
+                   budgets=[alloc.budget] if alloc.budget else [],
+                   # auto: rtn-priced candidates with each Linear's gptq ratio, a fraction of
+                   # gptq pricing's time (BENCHMARKS.md, gptq_quality)
+                   quantizer="gptq" if req.codes.quantizer == "gptq" else "rtn",
+                   tuning=req.codes.tuning)
+    return (measure(source, opts, maps_path, req.run.progress, req.random_init, executor),
+            maps_path, alloc.budget)
 
 
 @dataclass
@@ -113,15 +95,16 @@ def resolve_widths(source: ModelSource, req: QuantizeRequest, workdir: Path,
                    executor: Executor | None = None) -> Widths:
     """The widths a quantize request asks for: given as a widths file, or allocated (uniform
     or at a budget) from a maps document, measured now when none is given."""
-    if req.widths is not None and not is_maps(req.widths):
-        return Widths(dict(load_widths(req.widths)), "manual", req.widths)
-    if req.widths is None and req.budget is None and req.uniform is None:
+    alloc = req.allocation
+    if alloc.widths is not None and not is_maps(alloc.widths):
+        return Widths(dict(load_widths(alloc.widths)), "manual", alloc.widths)
+    if alloc.widths is None and alloc.budget is None and alloc.uniform is None:
         raise DynquantError("give --widths, --budget or --uniform", field="widths")
     maps, maps_path, budget = _maps_for(source, req, workdir, executor)
-    codes = choose_quantizer(req.quantizer, source, req.random_init, req.calib,
-                             maps.get("calibration"))
+    codes = choose_quantizer(req.codes.quantizer, source, req.random_init,
+                             req.measure.calibration.texts, maps.get("calibration"))
     widths, allocator, tag = _allocate(req, maps, maps_path, budget, codes)
-    measured_now = req.widths is None
+    measured_now = alloc.widths is None
     importance, stats_path = _statistics(maps, maps_path)
     files = [] if not measured_now else [maps_path, *([stats_path] if stats_path else [])]
     where = maps_path.name if measured_now else str(maps_path)
@@ -142,12 +125,13 @@ def _allocate(req: QuantizeRequest, maps: dict, maps_path: Path, budget: float |
               codes: str) -> tuple[dict, str, str]:
     """(widths, allocator, tag): uniform, or the sensitivity allocation at ``budget`` for the
     ``codes`` that will be written (its forecast told before anything is written)."""
-    cons = Constraints(pins=parse_pins(req.pins), min_bits=req.min_bits,
-                       max_bits=req.max_bits, group_sizes=req.group_sizes)
+    asked = req.allocation
+    cons = Constraints(pins=parse_pins(asked.pins), min_bits=asked.min_bits,
+                       max_bits=asked.max_bits, group_sizes=asked.group_sizes)
     modules = maps_modules(maps, codes)
-    if req.uniform is not None:
-        alloc = uniform(modules, req.uniform, req.group_size, cons)
-        return dict(alloc.widths), "uniform", f"uniform {req.uniform}"
+    if asked.uniform is not None:
+        alloc = uniform(modules, asked.uniform, asked.group_size, cons)
+        return dict(alloc.widths), "uniform", f"uniform {asked.uniform}"
     if budget is None:
         raise DynquantError("maps.json needs a budget (PATH:BUDGET or --budget)",
                             file=str(maps_path), field="budget")
@@ -166,19 +150,19 @@ def _statistics(maps: dict, maps_path: Path) -> tuple[dict | None, Path | None]:
 
 
 def _report(req: QuantizeRequest, f: Forecast) -> None:
-    if req.report is not None:
-        req.report(f)
-    elif req.progress:
+    if req.run.report is not None:
+        req.run.report(f)
+    elif req.run.progress:
         for line in f.lines():
             print(line, file=sys.stderr)
 
 
 def run_quantize(source: ModelSource, req: QuantizeRequest) -> dict:
     """``dynquant quantize``: measure (unless widths are given) -> allocate -> quantize -> write."""
-    check_request(req.quantizer, source, req.random_init)  # before any measuring
+    check_request(req.codes.quantizer, source, req.random_init)  # before any measuring
     workdir = Path(tempfile.mkdtemp(prefix="dynquant-measure-"))
     try:
-        with executor_scope(req.executor, req.address) as executor:
+        with executor_scope(req.run.executor, req.run.address) as executor:
             return _run(source, req, workdir, executor)
     finally:
         shutil.rmtree(workdir, ignore_errors=True)
@@ -188,21 +172,22 @@ def _run(source: ModelSource, req: QuantizeRequest, workdir: Path, executor: Exe
     """The work of ``run_quantize``, on ``executor``."""
     w = resolve_widths(source, req, workdir, executor)
     stats = next((f.name for f in w.files if f.name.endswith(".stats.safetensors")), None)
-    quantizer = choose_quantizer(req.quantizer, source, req.random_init, req.calib,
-                                 w.calibration, say=req.progress)
-    sequential = (gptq_calibration(source, req.calib, w.calibration, req.gptq_seqs,
-                                   req.calib_len, w.compensate_head,
-                                   req.tuning if quantizer == "tuned" else None,
-                                   req.end_to_end)
+    codes, texts, progress = req.codes, req.measure.calibration.texts, req.run.progress
+    quantizer = choose_quantizer(codes.quantizer, source, req.random_init, texts, w.calibration,
+                                 say=progress)
+    sequential = (gptq_calibration(source, texts, w.calibration, codes.gptq_seqs,
+                                   req.measure.calibration.length, w.compensate_head,
+                                   codes.tuning if quantizer == "tuned" else None,
+                                   codes.end_to_end)
                   if quantizer in SEQUENTIAL else None)
     chooser = CodeChooser(quantizer, w.importance or {}, sequential=sequential)
-    if not w.forecast_for_codes and w.allocator == "sensitivity" and req.progress:
+    if not w.forecast_for_codes and w.allocator == "sensitivity" and progress:
         print("dynquant: gptq codes; the predicted KL is for round-to-nearest codes (these "
               "maps have no gptq ratios: measure on text with an output path)", file=sys.stderr)
     return quantize_model(
-        source, w.widths, req.output, group_size=req.group_size,
+        source, w.widths, req.output, group_size=req.allocation.group_size,
         random_init=req.random_init, seed=req.seed, overwrite=req.overwrite,
         allocator=w.allocator, widths_from=w.widths_from,
-        modules_to_not_convert=tuple(req.not_convert),
+        modules_to_not_convert=tuple(req.measure.not_convert),
         chooser=chooser, stats=stats, calibration=w.calibration,
-        extra_files=w.files, progress=req.progress, executor=executor)
+        extra_files=w.files, progress=progress, executor=executor)

@@ -149,8 +149,8 @@ static __attribute__((noinline)) int matvec_rows(
 /* y [m, rows] (row stride y_stride) for the given block of rows; x [m, padded_n] float32 (zero
  * in the padding). portable != 0 forces the portable unpacking. Returns 0, or -1 if out of
  * memory or gs is unsupported. 2..8 tokens are faster through dq_matvec_tokens_mt
- * (packed_matvec_tokens.c, same bits), which Python calls first; a branch to it here slowed the
- * one-token loop by ~10-15% (code placement). */
+ * (packed_matvec_tokens.c, same bits), which Python calls first; a branch to it here would slow
+ * the one-token loop (code placement). */
 int dq_matvec(const uint32_t *qweight, const uint16_t *scales, const uint16_t *offsets,
               int64_t rows, int64_t padded_n, int64_t gs, int bits, const float *x, int64_t m,
               float *y, int64_t y_stride, int portable) {

@@ -1,10 +1,10 @@
 /* The packed matvec (packed_matvec.c) for 2..8 tokens: each group's codes unpacked once, in
  * registers, for every token (VBMI: all tokens at once; AVX2: up to 4 tokens a pass, the 16 ymm
  * registers hold no more), each token's sums in registers. Same bits as packed_matvec.c. A file
- * of its own: compiled beside the one-token loop, it slowed that loop by ~10% (the same source;
- * code placement). For the same reason it is reached only through its own entry,
- * dq_matvec_tokens_mt, called from Python (a branch to it inside dq_matvec slowed the AVX2
- * one-token products by ~15%).
+ * of its own: compiled beside the one-token loop it slows that loop (the same source; code
+ * placement). For the same reason it is reached only through its own entry,
+ * dq_matvec_tokens_mt, called from Python (a branch to it inside dq_matvec slows the AVX2
+ * one-token products; benchmarks/packed_products.py).
  */
 #include "pool.h"
 #include "unpack.h"

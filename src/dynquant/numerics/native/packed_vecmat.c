@@ -53,8 +53,8 @@ static void codes_part_vbmi(const uint32_t *qweight, const uint16_t *scales, int
         const int64_t h1 = h0 + VBMI_ROW_CHUNK < rows ? h0 + VBMI_ROW_CHUNK : rows;
         /* the chunk's rows are contiguous: fetch the next chunk while this one is worked on
          * (its passes read each row a few bytes at a time, which the hardware prefetcher does
-         * not follow: one token through this loop from memory took the seed's decode 1.6x as
-         * long before this prefetch, ~1.0x after; one token still takes the row loop below) */
+         * not follow, so from memory this loop would wait on every row; one token still takes
+         * the row loop below) */
         const int64_t h2 = h1 + VBMI_ROW_CHUNK < rows ? h1 + VBMI_ROW_CHUNK : rows;
         const uint8_t *next = (const uint8_t *)qweight + h1 * row_bytes;
         for (int64_t b = 0; b < (h2 - h1) * row_bytes; b += 64) __builtin_prefetch(next + b, 0, 3);

@@ -89,7 +89,8 @@ static inline float lane_sum(const float *acc) {
 
 /* xsum[t * groups + g]: the sum of token t's group g of x [m, padded_n], in 16 lanes combined as
  * lane_sum does (the offsets' part of the packed matvecs). Not inlined: inlined before the
- * one-token loop of packed_matvec.c it slowed that loop by ~10% (code placement). */
+ * one-token loop of packed_matvec.c it moves that loop's code and slows it (code placement;
+ * benchmarks/packed_products.py). */
 static __attribute__((noinline, unused)) void group_sums(const float *x, int64_t m,
                                                          int64_t groups, int64_t gs,
                                                          int64_t padded_n, float *xsum) {

@@ -17,6 +17,7 @@ from dynquant.pipeline.codes.code_chooser import (
     check_quantizer,
 )
 from dynquant.pipeline.codes.tuned_scales import ScaleTuning
+from dynquant.pipeline.config import Calibration, sectioned
 
 METHODS = ("weight", "fisher", "kl-exact")
 ALIASES = {"kl": "kl-exact"}
@@ -25,15 +26,17 @@ DEFAULT_BUDGETS = (2.5, 3.0, 3.25, 3.5, 4.25)
 PROBE_BITS = 3
 
 
-@dataclass
+@dataclass(frozen=True)
 class MeasureOptions:
+    """What a measurement measures: candidate widths and group sizes, the budgets it summarises,
+    the sensitivity method and its calibration, and what it writes beside the maps."""
+
     widths: Sequence[int] = DEFAULT_WIDTHS
     group_sizes: Sequence[int] = (128,)
     budgets: Sequence[float] = DEFAULT_BUDGETS
     method: str | None = None  # None: fisher (on the bundled text without calib), else weight
-    calib: Sequence[str] = ()  # empty: the bundled text (data/calibration_default.txt)
-    calib_seqs: int = 8
-    calib_len: int = 256
+    # the text (none: the bundled data/calibration_default.txt) and its windows
+    calibration: Calibration = field(default_factory=Calibration)
     not_convert: Sequence[str] = ()
     # The kl probe's compute dtype. float32 by default on every CPU: sensitivities are
     # differences of small KLs, and bf16 rounding of activations would be noise of their size.
@@ -62,13 +65,19 @@ class MeasureOptions:
     # the tuned codes' settings (the check writes the codes quantize will: tuned by default)
     tuning: ScaleTuning = field(default_factory=ScaleTuning)
 
+    @classmethod
+    def of(cls, **options) -> MeasureOptions:
+        """The options from flat names (the CLI's: ``calib``, ``calib_seqs``, ``calib_len`` for
+        the calibration's fields, the rest as they are)."""
+        return sectioned(cls(), (), options)
+
 
 def measure_method(opts: MeasureOptions) -> str:
     method = ALIASES.get(opts.method, opts.method) or "fisher"
     if method not in METHODS:
         raise DynquantError(f"unknown method {opts.method!r} (one of {', '.join(METHODS)})",
                             field="method")
-    if method == "weight" and opts.calib:
+    if method == "weight" and opts.calibration.texts:
         raise DynquantError("--method weight is data-free: drop --calib, or use --method "
                             "fisher", field="method")
     check_quantizer(opts.quantizer)
@@ -85,14 +94,16 @@ def calibration_plan(source: ModelSource, opts: MeasureOptions, random_init: boo
     model has no weights or tokenizer to calibrate with (and no method needing them was asked
     for); data-free runs the model on random tokens for the quantizer's statistics when it can."""
     method = measure_method(opts)
-    if opts.calib:
+    cal = opts.calibration
+    if cal.texts:
         return replace(opts, method=method), None
     runnable = not random_init and source.directory is not None
     blocker = calibration_blocker(source, random_init) if method != "weight" else None
     if method != "weight" and blocker is None:
-        return (replace(opts, method=method, calib=[str(default_calibration())]),
-                f"calibrating on dynquant's bundled English text ({opts.calib_seqs} x "
-                f"{opts.calib_len} tokens); --calib FILE for your own, --no-calib for data-free")
+        return (replace(opts, method=method,
+                        calibration=replace(cal, texts=[str(default_calibration())])),
+                f"calibrating on dynquant's bundled English text ({cal.seqs} x "
+                f"{cal.length} tokens); --calib FILE for your own, --no-calib for data-free")
     if blocker is not None and opts.method is not None:
         raise DynquantError(f"--method {method} needs {blocker}", file=source.name,
                             field="method")
@@ -118,4 +129,5 @@ def gptq_ratios(opts: MeasureOptions) -> bool:
     """Whether the measure prices round-to-nearest codes on text, for a checkpoint that will be
     written with gptq's codes by default (tuned or not): then each Linear gets the ratio of the two codes'
     output errors at the probe width (``gptq_ratio``), and forecasts are for gptq codes."""
-    return opts.quantizer == "rtn" and opts.method == "fisher" and bool(opts.calib)
+    return (opts.quantizer == "rtn" and opts.method == "fisher"
+            and bool(opts.calibration.texts))

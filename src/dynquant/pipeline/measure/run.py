@@ -111,7 +111,8 @@ def measure(source: ModelSource, opts: MeasureOptions, out: str | Path | None = 
     if gptq_ratios(opts) and out is not None:  # X^T X for each Linear's ratio
         opts = replace(opts, second_moments=True)
     method = opts.method
-    read_calibration(list(opts.calib))  # fail on a missing or empty file before any work
+    # fail on a missing or empty file before any work
+    read_calibration(list(opts.calibration.texts))
     if out is not None:
         Path(out).parent.mkdir(parents=True, exist_ok=True)
     specs = source.tensor_specs()
@@ -163,7 +164,8 @@ def _forecast_check(source: ModelSource, doc: dict, stats: dict[str, torch.Tenso
     bits, gs = probe_bits(opts)
     start = time.perf_counter()
     codes = maps_codes(doc)  # what quantize writes from these maps by default
-    check = forecast_check(source, doc, stats, list(opts.calib), opts.calib_len, bits, gs,
+    cal = opts.calibration
+    check = forecast_check(source, doc, stats, list(cal.texts), cal.length, bits, gs,
                            Path(out).parent, executor, progress, codes, opts.tuning)
     if progress:
         said = ("none made (too short a text for held-out windows, or no module at the probe "
@@ -177,9 +179,10 @@ def _forecast_check(source: ModelSource, doc: dict, stats: dict[str, torch.Tenso
 
 
 def _record(opts: MeasureOptions) -> dict | None:
-    if opts.calib:
-        return calibration_record(list(opts.calib), opts.calib_seqs, opts.calib_len)
-    return synthetic_record(opts.calib_seqs, opts.calib_len) if opts.synthetic else None
+    cal = opts.calibration
+    if cal.texts:
+        return calibration_record(list(cal.texts), cal.seqs, cal.length)
+    return synthetic_record(cal.seqs, cal.length) if opts.synthetic else None
 
 
 def _job(source: ModelSource, opts: MeasureOptions, method: str, random_init: bool) -> dict:
@@ -188,7 +191,8 @@ def _job(source: ModelSource, opts: MeasureOptions, method: str, random_init: bo
     files = [] if source.directory is None else sorted(
         (p.name, p.stat().st_size, p.stat().st_mtime_ns) for p in source.directory.iterdir()
         if p.is_file())
-    calib = [(str(c), Path(c).stat().st_size, Path(c).stat().st_mtime_ns) for c in opts.calib]
+    calib = [(str(c), Path(c).stat().st_size, Path(c).stat().st_mtime_ns)
+             for c in opts.calibration.texts]
     return {"model": source.name, "files": files, "calib": calib, "method": method,
             "random_init": random_init, "options": asdict(opts), "version": core_version()}
 
@@ -204,7 +208,7 @@ def _calibrate(source: ModelSource, weights: WeightSource, quantizable: list[Ten
     statistics and Fisher KLs are kept in ``partial`` for a resumed run. ``widths_kl`` gets
     the Fisher KL of the output head and input embedding at each candidate's codes."""
     widths_kl = {} if widths_kl is None else widths_kl
-    if not opts.calib and not opts.synthetic:
+    if not opts.calibration.texts and not opts.synthetic:
         return {}, None
     if source.directory is None:
         raise DynquantError("calibration needs model weights (a model directory)",
@@ -222,7 +226,7 @@ def _calibrate(source: ModelSource, weights: WeightSource, quantizable: list[Ten
     return_freed_memory()
     moments = moments_dir(out) if out is not None and opts.second_moments else None
     head_moments: dict[str, torch.Tensor] = {}
-    if moments is not None and opts.moment_seqs > opts.calib_seqs:
+    if moments is not None and opts.moment_seqs > opts.calibration.seqs:
         # X^T X wants many more tokens than the statistics and the Fisher estimate: a
         # forward-only pass of its own
         stream = BlockStream(source, weights, _ids(source, opts, opts.moment_seqs), chunk=1,
@@ -234,7 +238,7 @@ def _calibrate(source: ModelSource, weights: WeightSource, quantizable: list[Ten
             wide.close()
         moments = None
         return_freed_memory()
-    ids = _ids(source, opts, opts.calib_seqs)
+    ids = _ids(source, opts, opts.calibration.seqs)
     stream = BlockStream(source, weights, ids, chunk=1, dtype=resolve_dtype(opts.dtype))
     cal = run_calibration_pass(stream, modules, moments, progress, executor=executor)
     try:
@@ -318,6 +322,6 @@ def _chooser(opts: MeasureOptions, stats: dict[str, torch.Tensor], out: str | Pa
 def _ids(source: ModelSource, opts: MeasureOptions, seqs: int) -> torch.Tensor:
     """``seqs`` calibration windows: of the text, or of random tokens on the data-free path."""
     if opts.synthetic:
-        return synthetic_ids(source.config.vocab_size, seqs, opts.calib_len)
-    return calibration_ids(load_tokenizer(source.directory), list(opts.calib), seqs,
-                           opts.calib_len)
+        return synthetic_ids(source.config.vocab_size, seqs, opts.calibration.length)
+    return calibration_ids(load_tokenizer(source.directory), list(opts.calibration.texts), seqs,
+                           opts.calibration.length)

@@ -67,7 +67,7 @@ def size_quality_frontier(model_dir: str | Path, calib: str | Path | None, heldo
         note("measuring sensitivities")
         maps_path = out / "maps.json"
         texts = [str(calib)] if calib is not None and method != "weight" else []
-        maps = measure(source, MeasureOptions(calib=texts, budgets=budgets, method=method),
+        maps = measure(source, MeasureOptions.of(calib=texts, budgets=budgets, method=method),
                        maps_path, progress=False)
     else:
         maps_path, maps = Path(maps_path), load_maps(maps_path)
