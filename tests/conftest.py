@@ -25,3 +25,36 @@ def seed_path() -> Path:
 @pytest.fixture(scope="session")
 def seed_doc() -> dict:
     return json.loads(SEED.read_text())
+
+
+@pytest.fixture(scope="session")
+def tiny_checkpoint(tmp_path_factory):
+    """A factory of tiny uniform-width checkpoints, each written once per test process and
+    shared: ``tiny_checkpoint(model="tiny", bits=4, tokenizer=0)`` -> its folder. ``model``:
+    the ``tiny`` preset (the reference hybrid, random weights) or a model_zoo family (a saved
+    random model, with a trained tokenizer of ``tokenizer`` tokens when given). Read only: a test
+    that changes a checkpoint writes its own."""
+    from dynquant.models.sources import resolve_model
+    from dynquant.pipeline.codes.write import quantize_model
+    from model_zoo import save_tiny_model, save_tiny_tokenizer
+
+    built: dict[tuple, Path] = {}
+
+    def make(model: str = "tiny", bits: int = 4, tokenizer: int = 0) -> Path:
+        key = (model, bits, tokenizer)
+        if key not in built:
+            root = tmp_path_factory.mktemp(f"checkpoint-{model}-{bits}")
+            if model == "tiny":
+                source = resolve_model("tiny")
+            else:
+                src = save_tiny_model(model, root / "src")
+                if tokenizer:
+                    save_tiny_tokenizer(src, vocab_size=tokenizer)
+                source = resolve_model(str(src))
+            widths = {s.module: bits for s in source.tensor_specs() if s.quantizable}
+            quantize_model(source, widths, root / "q", random_init=model == "tiny",
+                           progress=False)
+            built[key] = root / "q"
+        return built[key]
+
+    return make

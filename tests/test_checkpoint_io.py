@@ -107,23 +107,19 @@ def test_existing_output_needs_overwrite(tmp_path):
     assert sorted(p.name for p in tmp_path.iterdir()) == ["ck"]
 
 
-def test_opening_a_checkpoint_reads_each_header_once(tmp_path, monkeypatch):
+def test_opening_a_checkpoint_reads_each_header_once(tiny_checkpoint, monkeypatch):
     """Validation and the reader share one parse of the metadata and of every header."""
     from dynquant.checkpoint.reader import open_checkpoint
     from dynquant.format import validate as validate_mod
-    from dynquant.models.sources import resolve_model
-    from dynquant.pipeline.codes.write import quantize_model
     from dynquant.runtime import loader  # noqa: F401  (the reader's users import it first)
 
-    source = resolve_model("tiny")
-    quantize_model(source, {s.module: 4 for s in source.tensor_specs() if s.quantizable},
-                   tmp_path / "q", random_init=True, progress=False)
+    checkpoint = tiny_checkpoint("tiny", 4)
     calls = []
     real = validate_mod.read_header
     from dynquant.checkpoint import reader as reader_mod
 
     for mod in (validate_mod, reader_mod):
         monkeypatch.setattr(mod, "read_header", lambda p: calls.append(p) or real(p))
-    ckpt = open_checkpoint(tmp_path / "q")
+    ckpt = open_checkpoint(checkpoint)
     assert len(calls) == len(ckpt.metadata["files"])
     assert ckpt.tensor_names() and ckpt.dequantize(next(iter(ckpt.layers))).ndim == 2

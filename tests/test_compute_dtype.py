@@ -98,20 +98,16 @@ def test_measure_probes_in_float32_unless_asked():
     assert quantize_options(default)["measure"] == MeasureOptions()
 
 
-def test_load_and_from_pretrained_follow_the_decision(tmp_path, monkeypatch):
+def test_load_and_from_pretrained_follow_the_decision(tiny_checkpoint, monkeypatch):
     from transformers import AutoModelForCausalLM
 
     import dynquant  # noqa: F401  (registers with transformers)
     from dynquant.format.layout import LayerLayout
-    from dynquant.models.sources import resolve_model
-    from dynquant.pipeline.codes.write import quantize_model
     from dynquant.runtime.loader import load
     from dynquant.runtime.packed_modules import PackedWeight, QuantLinear
     from dynquant.runtime.stored_linear import StoredLinear
 
-    source = resolve_model("tiny")
-    widths = {s.module: 4 for s in source.tensor_specs() if s.quantizable}
-    quantize_model(source, widths, tmp_path / "q", random_init=True, progress=False)
+    checkpoint = tiny_checkpoint("tiny", 4)
 
     def dtypes(model):
         """The compute dtypes of the packed modules and the dense parameters, but for the
@@ -127,12 +123,12 @@ def test_load_and_from_pretrained_follow_the_decision(tmp_path, monkeypatch):
     for forced in ("float32", "bfloat16"):  # what auto answers on a CPU with / without bf16
         monkeypatch.setenv("DYNQUANT_DTYPE", forced)
         want = cd.DTYPE_NAMES[forced]
-        assert dtypes(load(tmp_path / "q")) == {want}
+        assert dtypes(load(checkpoint)) == {want}
         for kwargs in ({}, {"dtype": "auto"}, {"torch_dtype": "auto"}):
-            assert dtypes(AutoModelForCausalLM.from_pretrained(tmp_path / "q", **kwargs)) == {want}
+            assert dtypes(AutoModelForCausalLM.from_pretrained(checkpoint, **kwargs)) == {want}
         # 4-bit Linears take torch's int4 kernel only in bf16 (float32 activations: 20x slower)
         layout = LayerLayout.create((192, 512), 4, 128)
         assert QuantLinear(layout, compute_dtype=want).use_int4 == (forced == "bfloat16")
     monkeypatch.setenv("DYNQUANT_DTYPE", "bfloat16")
-    explicit = AutoModelForCausalLM.from_pretrained(tmp_path / "q", dtype=torch.float32)
+    explicit = AutoModelForCausalLM.from_pretrained(checkpoint, dtype=torch.float32)
     assert dtypes(explicit) == {torch.float32}  # an explicit dtype is used as given

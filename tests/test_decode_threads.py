@@ -10,22 +10,14 @@ import copy
 import pytest
 import torch
 
-from dynquant.models.sources import resolve_model
 from dynquant.numerics import native
 from dynquant.runtime import decode_threads
 from dynquant.runtime.loader import load
-from model_zoo import save_tiny_model
 
 
 @pytest.fixture(scope="module")
-def checkpoint(tmp_path_factory):
-    from dynquant.pipeline.codes.write import quantize_model
-
-    root = tmp_path_factory.mktemp("decode_threads")
-    source = resolve_model(str(save_tiny_model("llama", root / "src")))
-    widths = {s.module: 3 for s in source.tensor_specs() if s.quantizable}
-    quantize_model(source, widths, root / "q", progress=False)
-    return root / "q"
+def checkpoint(tiny_checkpoint):
+    return tiny_checkpoint("llama", 3)
 
 
 @pytest.fixture

@@ -15,15 +15,11 @@ from dynquant.runtime.loader import load_dequantized
 from model_zoo import save_tiny_model, save_tiny_tokenizer
 
 
-def test_generate_streams_the_greedy_completion(tmp_path, capsys):
-    src = save_tiny_model("dynquant_hybrid", tmp_path / "src")
-    save_tiny_tokenizer(src, vocab_size=512)
-    source = resolve_model(str(src))
-    widths = {s.module: 4 for s in source.tensor_specs() if s.quantizable}
-    quantize_model(source, widths, tmp_path / "q", progress=False)
-    assert (tmp_path / "q" / "tokenizer.json").is_file()  # side files travel with the checkpoint
+def test_generate_streams_the_greedy_completion(tiny_checkpoint, capsys):
+    checkpoint = tiny_checkpoint("dynquant_hybrid", 4, tokenizer=512)
+    assert (checkpoint / "tokenizer.json").is_file()  # side files travel with the checkpoint
 
-    assert main(["generate", str(tmp_path / "q"), "--prompt", "Once upon a time",
+    assert main(["generate", str(checkpoint), "--prompt", "Once upon a time",
                  "--max-new-tokens", "6", "--dtype", "float32"]) == 0
     captured = capsys.readouterr()
     printed = captured.out
@@ -34,12 +30,12 @@ def test_generate_streams_the_greedy_completion(tmp_path, capsys):
                      r"weights [\d.]+ MiB resident\]$", captured.err, re.M), captured.err
 
     stats = []
-    completion = generate_text(tmp_path / "q", "Once upon a time", 6, stream=False,
+    completion = generate_text(checkpoint, "Once upon a time", 6, stream=False,
                                stats=stats)
-    tok = load_tokenizer(tmp_path / "q")
+    tok = load_tokenizer(checkpoint)
     ids = tok("Once upon a time", return_tensors="pt").input_ids
     with torch.no_grad():
-        ref = load_dequantized(tmp_path / "q").generate(ids, max_new_tokens=6, do_sample=False,
+        ref = load_dequantized(checkpoint).generate(ids, max_new_tokens=6, do_sample=False,
                                                         pad_token_id=tok.eos_token_id)
     assert completion == tok.decode(ref[0, ids.shape[1]:], skip_special_tokens=True)
     assert printed.strip().endswith(completion.strip())
@@ -71,11 +67,8 @@ def test_chat_uses_the_models_template(tmp_path, capsys):
     assert stats[0].prompt_tokens == len(tok("<user>hi<bot>")["input_ids"])
 
 
-def test_generate_without_tokenizer_is_a_clear_error(tmp_path, capsys):
-    source = resolve_model("tiny")
-    widths = {s.module: 8 for s in source.tensor_specs() if s.quantizable}
-    quantize_model(source, widths, tmp_path / "q", random_init=True, progress=False)
-    assert main(["generate", str(tmp_path / "q"), "--prompt", "hi"]) == 2
+def test_generate_without_tokenizer_is_a_clear_error(tiny_checkpoint, capsys):
+    assert main(["generate", str(tiny_checkpoint("tiny", 4)), "--prompt", "hi"]) == 2
     err = capsys.readouterr().err
     assert err.startswith("dynquant: error:") and "tokenizer" in err and err.count("\n") == 1
 

@@ -50,15 +50,8 @@ def _run(script: str, *args: str) -> str:
 
 
 @pytest.fixture(scope="module")
-def checkpoint(tmp_path_factory):
-    from dynquant.models.sources import resolve_model
-    from dynquant.pipeline.codes.write import quantize_model
-
-    source = resolve_model("tiny")
-    out = tmp_path_factory.mktemp("ck") / "tiny"
-    widths = {s.module: 3 for s in source.tensor_specs() if s.quantizable}
-    quantize_model(source, widths, out, random_init=True, progress=False)
-    return out
+def checkpoint(tiny_checkpoint):
+    return tiny_checkpoint("tiny", 3)
 
 
 def test_validate_and_inspect_import_neither_torch_nor_transformers(checkpoint):

@@ -112,14 +112,12 @@ def test_hybrid_moe_few_pairs_path_equals_the_grouped_path(monkeypatch):
     torch.testing.assert_close(few, grouped, rtol=1e-5, atol=1e-6)
 
 
-def test_hybrid_decode_reads_each_bank_once_per_step(tmp_path, monkeypatch):
+def test_hybrid_decode_reads_each_bank_once_per_step(tiny_checkpoint, monkeypatch):
     """One token through the packed hybrid model: one pairs call per bank and layer, never
     a per-expert product and never a dequantized expert."""
-    source = resolve_model("tiny")
-    widths = {s.module: 3 for s in source.tensor_specs() if s.quantizable}
-    quantize_model(source, widths, tmp_path / "q", random_init=True, progress=False)
-    model = load(tmp_path / "q", dtype=torch.float32)
-    reference = load_dequantized(tmp_path / "q", torch.float32)
+    checkpoint = tiny_checkpoint("tiny", 3)
+    model = load(checkpoint, dtype=torch.float32)
+    reference = load_dequantized(checkpoint, torch.float32)
     calls = []
     original = QuantExpertBank.pairs_matmul
     monkeypatch.setattr(QuantExpertBank, "pairs_matmul",
