@@ -6,6 +6,12 @@ from pathlib import Path
 
 import pytest
 
+# pytest-xdist's workers share the cores: threads of their own (torch's, the BLAS's, those of the
+# processes a test starts) would oversubscribe them; the tests of threaded paths set their own
+# counts. Set before anything loads torch or a BLAS.
+if int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "1")) > 1:
+    os.environ.setdefault("OMP_NUM_THREADS", "1")
+
 import dynquant  # noqa: F401  (before torch, as users are told to: OpenMP's short spin)
 
 # The suite holds packed models to float32 references, so "auto" activations mean float32

@@ -225,7 +225,8 @@ def test_columns_are_taken_by_decreasing_input_energy():
 def test_gptq_ratio_from_a_sample_of_rows():
     """A measure's gptq ratio from evenly spaced rows (each row is compensated on its own and
     the output error is a sum over rows): on all rows of a small matrix it is the full
-    matrix's ratio; on 256 of 2,048 rows within 10% of it, at every width."""
+    matrix's ratio (up to the last bit: the two products may sum in another order); on 256 of
+    2,048 rows within 10% of it, at every width."""
     from dataclasses import replace
 
     from dynquant.format.planner import TensorSpec
@@ -250,7 +251,7 @@ def test_gptq_ratio_from_a_sample_of_rows():
                            128)
     sampled = gptq_ratios(spec, w, h, rtn, (2, 3, 4), 128)
     for bits in (2, 3, 4):
-        assert on_small[bits] == full(small, bits)
+        assert on_small[bits] == pytest.approx(full(small, bits), rel=1e-12)  # BLAS's order
         assert sampled[bits] == pytest.approx(full(w, bits), rel=0.1)
 
 
