@@ -363,11 +363,17 @@ def test_native_decode_through_from_pretrained_and_without_kernels(quantized, mo
 
 @pytest.mark.parametrize("family", FAMILIES)
 def test_resident_weights_equal_the_file(quantized, family):
-    """Every stored tensor held in its file dtype: resident weights within 5% of the file's
-    tensor bytes in either compute dtype (float32 norms and routers are the rest)."""
+    """Every stored tensor held in its file dtype: the packed modules' codes, scales and offsets
+    are exactly the file's packed bytes, and resident weights within 5% of the file's tensor
+    bytes in either compute dtype (float32 norms and routers are the rest)."""
     from dynquant.runtime.memory import resident_weight_nbytes
+    from dynquant.runtime.packed_modules import PackedWeight
 
     _, ck_dir, doc, _ = quantized[family]
+    model = load(ck_dir, dtype=torch.float32)
+    packed = sum(t.nbytes for m in model.modules() if isinstance(m, PackedWeight)
+                 for t in (m.qweight, m.scales, m.offsets))
+    assert packed == doc["accounting"]["packed_nbytes"]
     total = doc["accounting"]["total_nbytes"]
     for dtype in (torch.float32, torch.bfloat16):
         assert resident_weight_nbytes(load(ck_dir, dtype=dtype)) <= 1.05 * total, dtype
