@@ -15,7 +15,7 @@ if int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "1")) > 1:
 import dynquant  # noqa: F401  (before torch, as users are told to: OpenMP's short spin)
 
 # The suite holds packed models to float32 references, so "auto" activations mean float32
-# here; the int8 products are tested where asked for (tests/test_int8_activations.py, the
+# here; the int8 products are tested where asked for (tests/numerics/test_int8_activations.py, the
 # families' int8 test), and the default itself by test_the_activations_setting, without this.
 os.environ.setdefault("DYNQUANT_ACTIVATIONS", "float")
 

@@ -54,7 +54,7 @@ DEQUANT_BLOCK_ELEMENTS = 1 << 22
 # bfloat16 inputs up to this many tokens take the packed GEMM (float32 inside); beyond it, a CPU
 # with native bf16 multiplies dequantized bf16 blocks faster. The blocks are faster from fewer
 # tokens too, but short prompts stay on the float32-inside GEMM for accuracy: bf16 blocks there
-# move a tiny OLMoE's prefill logits past what tests/test_moe_decode.py allows. float32 inputs
+# move a tiny OLMoE's prefill logits past what tests/runtime/test_moe_decode.py allows. float32 inputs
 # always take the packed GEMM (BENCHMARKS.md "Packed products and the compute peak").
 BF16_GEMM_MAX_TOKENS = 32
 

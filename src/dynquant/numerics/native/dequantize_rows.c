@@ -22,7 +22,7 @@ static inline __m256i bf16_round16_int(__m512 v) {
 #ifdef __AVX512BF16__
 /* The same with the CPU's conversion (VCVTNEPS2BF16: nearest, ties to even, NaNs quietened as
  * bf16_round does) in one instruction instead of ~8. It flushes denormal inputs to zero, so a vector
- * holding one takes the integer path (the same bits: tests/test_packed_matvec.py). */
+ * holding one takes the integer path (the same bits: tests/numerics/test_packed_matvec.py). */
 static inline __m256i bf16_round16(__m512 v) {
     const __m512i u = _mm512_and_si512(_mm512_castps_si512(v), _mm512_set1_epi32(0x7FFFFFFF));
     const __mmask16 denormal = _mm512_mask_cmplt_epu32_mask(

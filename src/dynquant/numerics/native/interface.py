@@ -1,7 +1,7 @@
 """The Python side of ``kernels.h``: its descriptor structs as ``ctypes.Structure``s and one table
 of the exported functions' signatures, applied to the loaded library by :func:`bind`.
 
-``tests/test_native_interface.py`` holds this file to the header: each Structure's size and field
+``tests/numerics/test_native_interface.py`` holds this file to the header: each Structure's size and field
 offsets against the compiled library's own (``dq_layout``), each signature against the header's
 prototype. Pointers to tensor memory are ``c_void_p`` (an address the caller keeps alive);
 pointers to other descriptors are typed.

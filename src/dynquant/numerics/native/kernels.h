@@ -1,7 +1,7 @@
 /* dynquant's native interface: every kernel the library exports and the descriptor structs that
  * the one-token products and the decode step read. Python mirrors these structs once, as
  * ctypes.Structures (native/interface.py), beside one table of the functions' signatures;
- * tests/test_native_interface.py holds both to this file: every struct's size and every field's
+ * tests/numerics/test_native_interface.py holds both to this file: every struct's size and every field's
  * offset (asked of the compiled library through dq_layout), every function's arguments.
  *
  * Layout rules, so that ctypes lays a struct out as C does on every 64-bit target: pointers and

@@ -62,7 +62,7 @@ def test_a_block_that_takes_long_is_reported_inside(tmp_path, monkeypatch, capsy
     from dynquant.pipeline.codes.sequential_gptq import SequentialCalibration
     from dynquant.pipeline.codes.write import quantize_model
 
-    model = Path(__file__).parents[1] / "models" / "llama-ref"
+    model = Path(__file__).parents[2] / "models" / "llama-ref"
     ids = calibration_ids(load_tokenizer(model), [str(default_calibration())], 2, 32)
     run_block = BlockStream.run_block
 

@@ -21,7 +21,7 @@ from dynquant.pipeline.codes.sequential_gptq import SequentialCalibration
 from dynquant.pipeline.codes.write import quantize_model
 from dynquant.pipeline.execute.executor import LocalExecutor
 
-ROOT = Path(__file__).parents[1]
+ROOT = Path(__file__).parents[2]
 LLAMA_REF = ROOT / "models" / "llama-ref"
 
 

@@ -22,7 +22,7 @@ from dynquant.pipeline.measure.options import MeasureOptions
 from dynquant.pipeline.measure.run import measure
 from model_zoo import save_tiny_model, save_tiny_tokenizer
 
-ROOT = Path(__file__).parents[1]
+ROOT = Path(__file__).parents[2]
 SHORT = ["--calib-seqs", "2", "--calib-len", "32", "--tune-steps", "10"]
 
 

@@ -19,7 +19,7 @@ from dynquant.pipeline.report.evaluate import evaluate_models, text_windows
 from dynquant.runtime.any_model import load_any
 from model_zoo import save_tiny_model, save_tiny_tokenizer
 
-ROOT = Path(__file__).parents[1]
+ROOT = Path(__file__).parents[2]
 HYBRID = ROOT / "models" / "hybrid-ref"
 HELDOUT = ROOT / "data" / "heldout.txt"
 

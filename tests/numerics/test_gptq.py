@@ -16,7 +16,7 @@ from dynquant.numerics.quantizer import quantize_tensor
 from dynquant.numerics.reference import dequantize_ref
 from dynquant.pipeline.calibrate.text import default_calibration
 
-ROOT = Path(__file__).parents[1]
+ROOT = Path(__file__).parents[2]
 
 
 def _problem(rows: int, cols: int, seed: int) -> tuple[torch.Tensor, torch.Tensor]:

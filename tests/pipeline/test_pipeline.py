@@ -171,7 +171,7 @@ def test_hub_names_resolve_from_the_local_cache(tmp_path, monkeypatch, capsys):
     commit = "0123456789abcdef" * 2 + "01234567"
     repo = tmp_path / "hub" / "models--acme--tiny-llama"
     snapshot = repo / "snapshots" / commit
-    shutil.copytree(Path(__file__).parents[1] / "models" / "llama-ref", snapshot)
+    shutil.copytree(Path(__file__).parents[2] / "models" / "llama-ref", snapshot)
     (repo / "refs").mkdir()
     (repo / "refs" / "main").write_text(commit)
     monkeypatch.setenv("HF_HUB_CACHE", str(tmp_path / "hub"))
@@ -184,7 +184,7 @@ def test_hub_names_resolve_from_the_local_cache(tmp_path, monkeypatch, capsys):
     assert main(["quantize", f"acme/tiny-llama@{commit}", "--uniform", "4", "--no-calib", "-o",
                  str(tmp_path / "q2"), "--quiet"]) == 0
     text = tmp_path / "t.txt"
-    text.write_text((Path(__file__).parents[1] / "data" / "heldout.txt").read_text()[:6000])
+    text.write_text((Path(__file__).parents[2] / "data" / "heldout.txt").read_text()[:6000])
     assert main(["eval", str(out), "--base", "acme/tiny-llama", "--text", str(text), "--ctx",
                  "128", "--max-tokens", "256", "--json"]) == 0
     capsys.readouterr()
@@ -199,7 +199,7 @@ def test_calibrated_maps_price_the_codes_quantize_writes(tmp_path):
     codes' output errors (gptq's smaller; pooled with their median to price it); the tied
     embedding is priced at every width by the Fisher KL of its own codes, rounded and
     compensated (both uses), and quantize compensates it only where that measured better."""
-    model = Path(__file__).parents[1] / "models" / "llama-ref"
+    model = Path(__file__).parents[2] / "models" / "llama-ref"
     opts = MeasureOptions.of(calib_seqs=4, calib_len=128, budgets=[3.25])
     doc = measure(resolve_model(str(model)), opts, tmp_path / "maps.json", progress=False)
     linears = {n: m for n, m in doc["modules"].items() if n.startswith("model.layers.")}
@@ -243,7 +243,7 @@ def test_forecasts_for_the_written_codes_hold_on_the_reference_model(tmp_path):
     from dynquant.pipeline.allocate.forecast import forecast
     from dynquant.pipeline.report.frontier import evaluate_checkpoints
 
-    root = Path(__file__).parents[1]
+    root = Path(__file__).parents[2]
     model = root / "models" / "llama-ref"
     maps = tmp_path / "maps.json"
     steps = ["--tune-steps", "25"]  # the check's tuned codes and the written ones alike
@@ -270,7 +270,7 @@ def test_the_forecast_check_measures_on_windows_its_codes_never_saw():
     from dynquant.pipeline.calibrate.text import default_calibration
     from dynquant.pipeline.measure.forecast_check import HELD_SHARE, split_windows
 
-    tok = load_tokenizer(Path(__file__).parents[1] / "models" / "llama-ref")
+    tok = load_tokenizer(Path(__file__).parents[2] / "models" / "llama-ref")
     text = str(default_calibration())
     ids = torch.tensor(tok(Path(text).read_text())["input_ids"])
     fit, held = split_windows(tok, [text], 128, seqs=16)
@@ -288,7 +288,7 @@ def test_the_forecast_checks_kl_stage_says_its_progress(capsys):
     from dynquant.pipeline.measure.forecast_check import mean_kl
     from dynquant.runtime.any_model import load_any
 
-    model = load_any(Path(__file__).parents[1] / "models" / "llama-ref", "float32")
+    model = load_any(Path(__file__).parents[2] / "models" / "llama-ref", "float32")
     windows = torch.arange(64).reshape(2, 32) % 200
     assert mean_kl(model, model, windows, progress=True) == 0.0
     assert "forecast check: KL on held-out windows: done, 2/2" in capsys.readouterr().err

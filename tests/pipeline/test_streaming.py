@@ -26,7 +26,7 @@ from dynquant.pipeline.measure.run import measure
 from dynquant.runtime.any_model import load_any
 from model_zoo import save_tiny_model, save_tiny_tokenizer
 
-ROOT = Path(__file__).parents[1]
+ROOT = Path(__file__).parents[2]
 FAMILIES = ("llama", "qwen3", "qwen3_moe", "olmoe", "lfm2", "lfm2_moe", "dynquant_hybrid")
 
 

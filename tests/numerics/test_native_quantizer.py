@@ -1,6 +1,6 @@
 """The native quantizer kernel: built here, equal to the torch path bit for bit, safe fallback.
 
-(Both paths are also held to the numpy reference in test_quantizer.py.)
+(Both paths are also held to the numpy reference in tests/numerics/test_quantizer.py.)
 """
 
 from __future__ import annotations

@@ -26,7 +26,7 @@ from dynquant.runtime.any_model import load_any
 from scripts.prepare_real_model import real_model
 
 pytestmark = pytest.mark.real_model
-ROOT = Path(__file__).parents[1]
+ROOT = Path(__file__).parents[2]
 CALIB = ROOT / "data" / "calibration.txt"
 
 
