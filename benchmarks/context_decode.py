@@ -1,12 +1,12 @@
 """Decode after a long context: dynquant's default checkpoint against llama.cpp Q4_0, tokens/s
 of the steps after 0, 512, 2,048 and 8,192 cached positions.
 
-Model: SmolLM2-135M-Instruct (``make real-model``). dynquant: the default calibrated
-``quantize --budget 4.25`` checkpoint (``vs_llamacpp``'s, quantized once and kept), through
-``generate`` (the native decode step), a prompt of that many tokens of held-out text (repeated
-where the text is short), timed from the first new token's logits to the last's. llama.cpp:
-its own ``llama-bench -p 0 -n N -d DEPTH`` (``scripts/install_llama_cpp.py --tools``) on a
-Q4_0 made from the shipped Q4_1 by ``llama-quantize``. Same threads; best of ``--rounds``.
+Model: SmolLM2-135M-Instruct (``make real-model``). dynquant: the default calibrated ``quantize
+--budget 4.25`` checkpoint (``vs_llamacpp``'s, quantized once and kept), decoded as ``dynquant
+generate`` decodes (the native decode step), a prompt of that many tokens of held-out text
+(repeated where the text is short), timed from the first new token's logits to the last's.
+llama.cpp: its own ``llama-bench -p 0 -n N -d DEPTH`` (``scripts/install_llama_cpp.py --tools``)
+on a Q4_0 made from the shipped Q4_1 by ``llama-quantize``. Same threads; best of ``--rounds``.
 
     python -m benchmarks context_decode [--depths 0 512 2048 8192] [--new 32]
 """
@@ -24,7 +24,7 @@ import torch
 import dynquant
 from benchmarks.common import figure, machine
 from benchmarks.scale import llama_tools, with_libraries
-from benchmarks.vs_llamacpp import WORK, Generate, checkpoints
+from benchmarks.vs_llamacpp import WORK, Decode, checkpoints
 from dynquant.models.tokenizer import load_tokenizer
 from scripts.prepare_real_model import real_model
 
@@ -74,7 +74,7 @@ def main() -> None:
     print(f"# SmolLM2-135M-Instruct, {args.new} new tokens after a context; {machine()}")
     bin_dir, _ = llama_tools()
     gguf = q4_0(real, bin_dir)
-    model = Generate(dynquant.load(checkpoints(real)["dynquant 4.25"]))
+    model = Decode(dynquant.load(checkpoints(real)["dynquant 4.25"]))
     print("| cached positions | dynquant 4.25 tok/s | llama.cpp Q4_0 tok/s | ratio |")
     print("|---|---|---|---|")
     for depth in args.depths:

@@ -3,11 +3,11 @@ random weights, untied 49,152-row head) packed by dynquant at 4.25 and 3.25 bits
 llama.cpp Q4_0 of the same weights, tokens/s after a short prompt and after 512 positions.
 
 dynquant: ``quantize --budget B --no-calib`` (a token's speed depends on the widths and the
-format, not on how the codes were chosen; the head is in the budget), through ``generate`` (the
-native decode step). llama.cpp: ``convert_hf_to_gguf.py`` to f16, ``llama-quantize Q4_0``,
-``llama-bench -p 0 -n N -d DEPTH`` on the same threads. Also each file's size and the bytes a
-token reads per second (the file's bytes x tokens/s: every weight is read once a token) beside
-this machine's read bandwidth (a sum over 2 GiB).
+format, not on how the codes were chosen; the head is in the budget), decoded as ``dynquant
+generate`` decodes (the native decode step). llama.cpp: ``convert_hf_to_gguf.py`` to f16, ``llama-
+quantize Q4_0``, ``llama-bench -p 0 -n N -d DEPTH`` on the same threads. Also each file's size and
+the bytes a token reads per second (the file's bytes x tokens/s: every weight is read once a
+token) beside this machine's read bandwidth (a sum over 2 GiB).
 
     python -m benchmarks scale_decode [--layers N] [--depths 0 512] [--new 32]
 """
@@ -28,7 +28,7 @@ from benchmarks.common import figure, machine
 from benchmarks.context_decode import llama_bench
 from benchmarks.scale import convert_command, llama_tools, with_libraries
 from benchmarks.scale_model import save_scale_model
-from benchmarks.vs_llamacpp import Generate
+from benchmarks.vs_llamacpp import Decode
 
 BUDGETS = (4.25, 3.25)
 
@@ -68,13 +68,13 @@ def main() -> None:
         subprocess.run([str(c) for c in (bin_dir / "llama-quantize", f16, q40, "Q4_0")],
                        check=True, capture_output=True, env=with_libraries(bin_dir))
         f16.unlink()
-        runs: dict[str, tuple[Generate | None, int]] = {}
+        runs: dict[str, tuple[Decode | None, int]] = {}
         for budget in BUDGETS:
             out = work / f"q{budget}"
             subprocess.run([sys.executable, "-m", "dynquant", "quantize", str(model), "--budget",
                             str(budget), "--no-calib", "-o", str(out), "--quiet"], check=True)
             size = sum(p.stat().st_size for p in out.glob("*.safetensors"))
-            runs[f"dynquant {budget}"] = (Generate(dynquant.load(out)), size)
+            runs[f"dynquant {budget}"] = (Decode(dynquant.load(out)), size)
         runs["llama.cpp Q4_0"] = (None, q40.stat().st_size)
         print("| runtime | file MiB | cached positions | tok/s | GB/s of the file | "
               "/ llama.cpp Q4_0 |")

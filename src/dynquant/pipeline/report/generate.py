@@ -1,9 +1,20 @@
-"""Text generation from a checkpoint, streaming tokens as they come."""
+"""Text generation from a checkpoint, streaming tokens as they come.
+
+``dynquant generate`` decodes with a loop of its own (:func:`decode_tokens`): one forward a
+token continuing the model's cache, the token picked from its logits (greedy, or sampled at a
+temperature with the model's top-k / top-p), stopping at an end-of-text token. transformers'
+``generate`` pays a few milliseconds a token around each forward for features this command does
+not offer (logits processors, stopping criteria, batches), as much as a small model's native
+decode step (BENCHMARKS.md "Against llama.cpp"); a model loaded with ``dynquant.load`` keeps
+``generate`` with all of them.
+"""
 
 from __future__ import annotations
 
+import inspect
 import sys
 import time
+from collections.abc import Callable, Collection
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -37,7 +48,8 @@ class GenerationStats:
 
 
 class _Clock:
-    """A streamer's view of time: when the prompt went in, the first new token, the last."""
+    """A streamer's view of time: when the prompt went in (its put first), the first new token,
+    the last."""
 
     def __init__(self, inner=None) -> None:
         self.inner, self.calls, self.tokens = inner, 0, 0
@@ -72,7 +84,6 @@ def generate_text(path: str | Path, prompt: str, max_new_tokens: int = 64,
     (``runtime/activations.py``)."""
     from transformers import TextStreamer
 
-
     if not prompt:
         raise ModelError("the prompt is empty", field="prompt")
     require_checkpoint(path)  # before the tokenizer: its error would name the wrong thing
@@ -83,23 +94,87 @@ def generate_text(path: str | Path, prompt: str, max_new_tokens: int = 64,
     if stream:  # on stderr: stdout is the text alone
         print(f"[{describe(dtype)}; {describe_activations(activations)}]",
               file=sys.stderr, flush=True)
-    torch.manual_seed(seed)
     clock = _Clock(TextStreamer(tokenizer, skip_prompt=chat, skip_special_tokens=True)
                    if stream else None)
-    sampling = dict(do_sample=True, temperature=temperature) if temperature > 0 else dict(
-        do_sample=False)
-    with torch.no_grad():
-        clock.start = time.perf_counter()
-        out = model.generate(ids, max_new_tokens=max_new_tokens, streamer=clock,
-                             pad_token_id=tokenizer.pad_token_id or tokenizer.eos_token_id,
-                             **sampling)
+    pick = Sampler(temperature, model.generation_config, seed) if temperature > 0 else greedy
+    eos = _eos_ids(model, tokenizer)
+    clock.start = time.perf_counter()
+    clock.put(ids)
+    new = decode_tokens(model, ids, max_new_tokens, pick,
+                        on_token=lambda t: clock.put(torch.tensor([t])), stop=eos)
+    clock.end()
     cost = GenerationStats(ids.shape[1], clock.tokens, clock.first - clock.start,
                            clock.last - clock.first, resident_weight_nbytes(model))
     if stream:
         print(cost.line(), file=sys.stderr, flush=True)
     if stats is not None:
         stats.append(cost)
-    return tokenizer.decode(out[0, ids.shape[1]:], skip_special_tokens=True)
+    return tokenizer.decode(new, skip_special_tokens=True)
+
+
+def greedy(logits: torch.Tensor) -> int:
+    """The most likely token (the lowest index among ties, as ``argmax``)."""
+    return int(logits.argmax())
+
+
+class Sampler:
+    """A token drawn from ``softmax(logits / temperature)``, kept to the ``top_k`` most likely
+    and the smallest set holding ``top_p`` of the probability where the model's generation
+    config sets them (transformers' order: temperature, top-k, top-p), from a seeded
+    generator."""
+
+    def __init__(self, temperature: float, config=None, seed: int = 0) -> None:
+        self.temperature = temperature
+        self.top_k = getattr(config, "top_k", None)
+        self.top_p = getattr(config, "top_p", None)
+        self.generator = torch.Generator().manual_seed(seed)
+
+    def __call__(self, logits: torch.Tensor) -> int:
+        scores = logits.float() / self.temperature
+        if self.top_k:
+            kth = torch.topk(scores, min(self.top_k, scores.numel())).values[-1]
+            scores = scores.masked_fill(scores < kth, float("-inf"))
+        if self.top_p is not None and self.top_p < 1.0:
+            ordered, order = torch.sort(scores, descending=True)
+            beyond = ordered.softmax(-1).cumsum(-1) > self.top_p
+            beyond[1:] = beyond[:-1].clone()  # keep the token that crosses top_p
+            beyond[0] = False
+            scores = scores.masked_fill(torch.zeros_like(beyond).scatter(0, order, beyond),
+                                        float("-inf"))
+        return int(torch.multinomial(scores.softmax(-1), 1, generator=self.generator))
+
+
+def decode_tokens(model, ids: torch.Tensor, max_new_tokens: int,
+                  pick: Callable[[torch.Tensor], int] = greedy,
+                  on_token: Callable[[int], object] | None = None,
+                  stop: Collection[int] = ()) -> list[int]:
+    """Up to ``max_new_tokens`` tokens after ``ids`` [1, n]: the prompt's forward, then one
+    forward a token continuing the cache the model made (a native decode step where the model
+    takes them); ``pick`` chooses each token from its logits, ``on_token`` hears it as it comes;
+    a token in ``stop`` ends the run (kept, as ``generate`` keeps it)."""
+    new: list[int] = []
+    # the prompt's logits at its last position only, where the model can skip the others
+    last = ({"logits_to_keep": 1}
+            if "logits_to_keep" in inspect.signature(type(model).forward).parameters else {})
+    with torch.no_grad():
+        out = model(input_ids=ids, use_cache=True, **last)
+        while len(new) < max_new_tokens:
+            token = pick(out.logits[0, -1])
+            new.append(token)
+            if on_token is not None:
+                on_token(token)
+            if token in stop or len(new) == max_new_tokens:
+                break
+            out = model(input_ids=torch.tensor([[token]]), cache=out.cache, use_cache=True)
+    return new
+
+
+def _eos_ids(model, tokenizer) -> set[int]:
+    """The end-of-text tokens: the model's generation config's, else the tokenizer's."""
+    eos = getattr(model.generation_config, "eos_token_id", None)
+    if eos is None:
+        eos = tokenizer.eos_token_id
+    return set() if eos is None else {eos} if isinstance(eos, int) else set(eos)
 
 
 def _prompt_ids(tokenizer, prompt: str, chat: bool, path: str | Path) -> torch.Tensor:
