@@ -76,7 +76,7 @@ def _real_activations(text: Path, seqs: int) -> dict[str, tuple[torch.Tensor, to
     names = ("model.layers.1.self_attn.q_proj", "model.layers.2.mlp.down_proj")
     seen: dict[str, list[torch.Tensor]] = {n: [] for n in names}
     hooks = [model.get_submodule(n).register_forward_hook(
-        lambda _m, args, _o, n=n: seen[n].append(args[0].reshape(-1, args[0].shape[-1])))
+        lambda _m, inputs, _o, n=n: seen[n].append(inputs[0].reshape(-1, inputs[0].shape[-1])))
         for n in names]
     with torch.no_grad():
         for row in ids[:seqs * 256].reshape(seqs, 256):

@@ -70,12 +70,12 @@ def test_every_prototype_has_its_signature_and_no_other():
 
 
 def test_no_descriptor_is_read_by_position():
-    """The descriptors are read by field name in both languages: no int64 argument block indexed
-    by number (``args[7]``, ``L[13]``) remains in the package's Python or C."""
-    package = Path(native.__file__).parents[2]
+    """The descriptors are read by field name in both languages: no argument block indexed by
+    number (an ``args`` or ``L`` subscript) remains in the repository's Python or C."""
+    root = Path(__file__).parents[2]
     indexed = re.compile(r"\b(?:args|L)\[")
-    hits = [f"{path.relative_to(package)}:{n}: {line.strip()}"
-            for path in sorted([*package.rglob("*.py"), *package.rglob("*.c"),
-                                *package.rglob("*.h")])
+    files = [p for folder in ("src", "tests", "benchmarks", "scripts")
+             for pattern in ("*.py", "*.c", "*.h") for p in (root / folder).rglob(pattern)]
+    hits = [f"{path.relative_to(root)}:{n}: {line.strip()}" for path in sorted(files)
             for n, line in enumerate(path.read_text().splitlines(), 1) if indexed.search(line)]
     assert hits == []

@@ -162,13 +162,13 @@ def test_gptq_needs_text_it_can_find(tmp_path, capsys):
     runs = [(src, ["--widths", str(widths)], "needs model weights and a tokenizer"),
             ("tiny", ["--random-init", "--uniform", "4"], "needs model weights and a tokenizer"),
             (src, ["--widths", f"{tmp_path / 'maps.json'}:4.5"], "give that text again")]
-    for model, args, message in runs:
-        if args[0] == "--widths" and "maps" in args[1]:
+    for model, extra, message in runs:
+        if extra[0] == "--widths" and "maps" in extra[1]:
             save_tiny_tokenizer(src)
             assert main(["measure", str(src), "-o", str(tmp_path / "maps.json"), "--calib",
                          str(own), "--calib-seqs", "2", "--calib-len", "32"]) == 0
         capsys.readouterr()
-        assert main(["quantize", str(model), "-o", str(tmp_path / "x"), *args, "--quantizer",
+        assert main(["quantize", str(model), "-o", str(tmp_path / "x"), *extra, "--quantizer",
                      "gptq", "--quiet"]) == 2
         err = capsys.readouterr().err
         assert message in err and len(err.strip().splitlines()) == 1, err

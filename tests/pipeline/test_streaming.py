@@ -235,7 +235,7 @@ def test_killed_measure_resumes_to_identical_maps(tmp_path, monkeypatch):
     def dies_after_three(*args, **kwargs):
         if len(calls) == 3:
             raise KeyboardInterrupt
-        calls.append(args[0].module)
+        calls.append(next(iter(args)).module)
         return original(*args, **kwargs)
 
     out = tmp_path / "resumed" / "maps.json"
