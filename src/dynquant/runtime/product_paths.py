@@ -13,6 +13,7 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import dataclass
+from functools import cache
 
 from dynquant.format.widths import activation_kinds
 from dynquant.numerics.packed_matvec import (
@@ -50,8 +51,10 @@ class ProductPath:
     many_tokens: Callable
 
 
+@cache
 def product_path(bits: int, asked: Activations) -> ProductPath:
-    """The product path of a ``bits``-wide module asked for ``asked``."""
+    """The product path of a ``bits``-wide module asked for ``asked`` (kept: every product a
+    module makes asks, on decode's per-token path)."""
     kind = asked.kind if asked.kind in activation_kinds(bits) else "float32"
     few = FEW_TOKEN_PRODUCTS[kind]
     many = few if asked.every_token and kind != "float32" else packed_gemm
