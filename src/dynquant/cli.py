@@ -129,13 +129,12 @@ def _ints(text: str | None) -> list[int] | None:
 def measure_options(args: argparse.Namespace) -> dict:
     """``dynquant measure``'s arguments as ``api.measure``'s options (those given; the command
     checks its forecast unless told not to)."""
-    calibration = _given(texts=args.calib or None, seqs=args.calib_seqs, length=args.calib_len)
     return _given(
         widths=_ints(args.widths), group_sizes=_ints(args.group_sizes),
         budgets=None if args.budgets is None else [float(b) for b in args.budgets.split(",")
                                                   if b],
-        method=_method(args), not_convert=args.not_convert or None,
-        calibration=_api().Calibration(**calibration) if calibration else None,
+        method=_method(args), calib=args.calib or None, not_convert=args.not_convert or None,
+        calib_seqs=args.calib_seqs, calib_len=args.calib_len,
         dtype=args.dtype, second_moments=args.second_moments or None,
         moment_seqs=args.moment_seqs, quantizer=args.quantizer, fisher_draws=args.fisher_draws,
         forecast_check=not args.no_forecast_check, tuning=_tuning(args))

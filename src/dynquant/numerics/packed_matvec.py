@@ -302,12 +302,11 @@ def q8_path() -> str | None:
 class OneTokenMatvec:
     """``packed_matvec`` of one float32 token with the per-call work done once: the block's
     checks, pointers, arguments and thread count are fixed when it is made, in one descriptor
-    the kernel reads (``dq_packed_block``; ``dq_matvec_one``: three converted arguments per call,
-    not thirteen); it
-    keeps the tensors alive, and callers rebuild it when a buffer is replaced. A decode step calls
-    it once per Linear; on small matrices (256 x 256) the general call's checks and conversions
-    cost more than the product. Same kernel, same bits; x need not be padded (the kernel
-    pads a copy where the layout does)."""
+    the kernel reads (``dq_packed_block``; ``dq_matvec_one``: three converted arguments per
+    call, not thirteen); it keeps the tensors alive, and callers rebuild it when a buffer is
+    replaced. A decode step calls it once per Linear; on small matrices (256 x 256) the
+    general call's checks and conversions cost more than the product. Same kernel, same bits;
+    x need not be padded (the kernel pads a copy where the layout does)."""
 
     def __init__(self, qweight: torch.Tensor, scales: torch.Tensor, offsets: torch.Tensor,
                  layout: LayerLayout, int8: bool = False, int16: bool = False) -> None:
