@@ -6,11 +6,11 @@ from __future__ import annotations
 import json
 
 import pytest
-from test_sequential_gptq import LLAMA_REF, _checkpoint_bytes
 
 from dynquant import api
 from dynquant.cli import main
 from dynquant.errors import DynquantError
+from shipped_models import LLAMA_REF, checkpoint_bytes
 
 
 @pytest.fixture(scope="module")
@@ -31,7 +31,7 @@ def test_the_cli_and_the_api_write_the_same_bytes(cli_checkpoint, tmp_path):
                        progress=False)
     assert doc["provenance"]["quantizer"] == "tuned"
     assert doc["quantization_config"]["modules"]["model.embed_tokens"]["bits"] == 4
-    assert _checkpoint_bytes(tmp_path / "q") == _checkpoint_bytes(cli_checkpoint)
+    assert checkpoint_bytes(tmp_path / "q") == checkpoint_bytes(cli_checkpoint)
 
 
 def test_allocate_through_the_api_is_the_cli_s(cli_checkpoint, tmp_path, capsys):

@@ -9,7 +9,7 @@ from dataclasses import replace
 import pytest
 import torch
 from safetensors import safe_open
-from test_sequential_gptq import LLAMA_REF, _calibration, _checkpoint_bytes, _uniform
+from test_sequential_gptq import _calibration, _uniform
 from test_tuned_scales import _headers
 
 from dynquant.models.sources import resolve_model
@@ -17,6 +17,7 @@ from dynquant.pipeline.codes import end_to_end as e2e
 from dynquant.pipeline.codes.code_chooser import CodeChooser
 from dynquant.pipeline.codes.write import quantize_model
 from dynquant.pipeline.report.evaluate import evaluate
+from shipped_models import LLAMA_REF, checkpoint_bytes
 
 
 def test_binned_kl_is_the_full_kl_with_every_token_and_a_lower_bound_with_fewer():
@@ -83,7 +84,7 @@ def test_end_to_end_reruns_and_resumes_to_the_same_bytes(tmp_path, monkeypatch):
         quantize_model(source, widths, tmp_path / "a", progress=False, chooser=_e2e(cal, 6))
     quantize_model(source, widths, tmp_path / "gptq", progress=False,
                    chooser=CodeChooser("gptq", sequential=cal))
-    assert _checkpoint_bytes(tmp_path / "a") != _checkpoint_bytes(tmp_path / "gptq")
+    assert checkpoint_bytes(tmp_path / "a") != checkpoint_bytes(tmp_path / "gptq")
 
     real_tune, real_write = e2e.tune_end_to_end, e2e.ResumeStore.write_tensors
     tuned: list[int] = []
@@ -99,7 +100,7 @@ def test_end_to_end_reruns_and_resumes_to_the_same_bytes(tmp_path, monkeypatch):
         quantize_model(source, widths, tmp_path / "c", progress=False, chooser=_e2e(cal, 6))
     quantize_model(source, widths, tmp_path / "c", progress=False, chooser=_e2e(cal, 6))
     assert len(tuned) == 2
-    assert _checkpoint_bytes(tmp_path / "c") == _checkpoint_bytes(tmp_path / "a")
+    assert checkpoint_bytes(tmp_path / "c") == checkpoint_bytes(tmp_path / "a")
 
     def dies_after_saving(self, name, tensors):
         real_write(self, name, tensors)
@@ -111,4 +112,4 @@ def test_end_to_end_reruns_and_resumes_to_the_same_bytes(tmp_path, monkeypatch):
     monkeypatch.setattr(e2e.ResumeStore, "write_tensors", real_write)
     quantize_model(source, widths, tmp_path / "d", progress=False, chooser=_e2e(cal, 6))
     assert len(tuned) == 3  # the second run of "d" tuned nothing
-    assert _checkpoint_bytes(tmp_path / "d") == _checkpoint_bytes(tmp_path / "a")
+    assert checkpoint_bytes(tmp_path / "d") == checkpoint_bytes(tmp_path / "a")

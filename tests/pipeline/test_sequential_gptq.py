@@ -20,9 +20,9 @@ from dynquant.pipeline.codes.code_chooser import CodeChooser
 from dynquant.pipeline.codes.sequential_gptq import SequentialCalibration
 from dynquant.pipeline.codes.write import quantize_model
 from dynquant.pipeline.execute.executor import LocalExecutor
+from shipped_models import LLAMA_REF, checkpoint_bytes
 
 ROOT = Path(__file__).parents[2]
-LLAMA_REF = ROOT / "models" / "llama-ref"
 
 
 def _calibration(model_dir: Path, seqs: int = 8, length: int = 128) -> SequentialCalibration:
@@ -85,10 +85,6 @@ def test_sequential_gptq_beats_round_to_nearest_at_every_width(tmp_path):
         assert ratio < 0.7, (bits, ratio)  # measured 0.38-0.49 (1,024 calibration tokens)
 
 
-def _checkpoint_bytes(path: Path) -> dict[str, bytes]:
-    return {p.name: p.read_bytes() for p in sorted(path.iterdir()) if p.is_file()}
-
-
 def test_reruns_and_resumes_are_byte_identical(tmp_path, monkeypatch):
     source = resolve_model(str(LLAMA_REF))
     widths = {**_uniform(source, 3), "model.layers.1.mlp.down_proj": 4}
@@ -96,7 +92,7 @@ def test_reruns_and_resumes_are_byte_identical(tmp_path, monkeypatch):
     for run in ("a", "b"):
         quantize_model(source, widths, tmp_path / run, progress=False,
                        chooser=CodeChooser("gptq", sequential=cal))
-    assert _checkpoint_bytes(tmp_path / "a") == _checkpoint_bytes(tmp_path / "b")
+    assert checkpoint_bytes(tmp_path / "a") == checkpoint_bytes(tmp_path / "b")
 
     calls = {"n": 0}
     real = seq.gptq_quantize
@@ -119,7 +115,7 @@ def test_reruns_and_resumes_are_byte_identical(tmp_path, monkeypatch):
     quantize_model(source, widths, tmp_path / "c", progress=False,
                    chooser=CodeChooser("gptq", sequential=cal))
     assert len(computed) == 28 + 1 - 8  # the finished modules came from the store (+1: head)
-    assert _checkpoint_bytes(tmp_path / "c") == _checkpoint_bytes(tmp_path / "a")
+    assert checkpoint_bytes(tmp_path / "c") == checkpoint_bytes(tmp_path / "a")
 
 
 class _AsAWorker(LocalExecutor):
@@ -147,7 +143,7 @@ def test_window_shards_run_by_a_worker_give_the_driver_s_bytes(tmp_path):
     for run, executor in (("here", LocalExecutor()), ("worker", _AsAWorker())):
         quantize_model(source, widths, tmp_path / run, progress=False, chooser=chooser,
                        executor=executor)
-    assert _checkpoint_bytes(tmp_path / "here") == _checkpoint_bytes(tmp_path / "worker")
+    assert checkpoint_bytes(tmp_path / "here") == checkpoint_bytes(tmp_path / "worker")
 
 
 def test_gptq_needs_text_it_can_find(tmp_path, capsys):

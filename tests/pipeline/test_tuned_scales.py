@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 import torch
 from safetensors import safe_open
-from test_sequential_gptq import LLAMA_REF, _calibration, _checkpoint_bytes, _uniform
+from test_sequential_gptq import _calibration, _uniform
 
 from dynquant.format.safetensors_header import read_header
 from dynquant.format.validate import validate_checkpoint
@@ -22,6 +22,7 @@ from dynquant.pipeline.codes import sequential_gptq as seq
 from dynquant.pipeline.codes.code_chooser import CodeChooser
 from dynquant.pipeline.codes.tuned_scales import ScaleTuning
 from dynquant.pipeline.codes.write import quantize_model
+from shipped_models import LLAMA_REF, checkpoint_bytes
 
 
 @pytest.mark.parametrize(("shape", "bits", "group_size"), [
@@ -110,7 +111,7 @@ def test_tuned_checkpoints_are_gptq_s_format_and_rerun_and_resume_to_the_same_by
     cal = _calibration(LLAMA_REF, 2, 64)
     for run in ("a", "b"):
         quantize_model(source, widths, tmp_path / run, progress=False, chooser=_tuned(cal, 8))
-    assert _checkpoint_bytes(tmp_path / "a") == _checkpoint_bytes(tmp_path / "b")
+    assert checkpoint_bytes(tmp_path / "a") == checkpoint_bytes(tmp_path / "b")
     quantize_model(source, widths, tmp_path / "gptq", progress=False,
                    chooser=CodeChooser("gptq", sequential=cal))
     assert not validate_checkpoint(str(tmp_path / "a"))
@@ -137,4 +138,4 @@ def test_tuned_checkpoints_are_gptq_s_format_and_rerun_and_resume_to_the_same_by
     assert not (tmp_path / "c" / "dynquant.json").exists()
     quantize_model(source, widths, tmp_path / "c", progress=False, chooser=_tuned(cal, 8))
     assert calls == [0, 1, 1, 2, 3]  # block 1 stored, never tuned again
-    assert _checkpoint_bytes(tmp_path / "c") == _checkpoint_bytes(tmp_path / "a")
+    assert checkpoint_bytes(tmp_path / "c") == checkpoint_bytes(tmp_path / "a")
