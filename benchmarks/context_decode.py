@@ -46,9 +46,10 @@ def q4_0(real: Path, bin_dir: Path) -> Path:
 
 
 def llama_bench(bin_dir: Path, gguf: Path, depth: int, new: int, threads: int,
-                rounds: int) -> float:
-    """llama-bench's mean tokens/s of ``new`` tokens generated after ``depth`` positions."""
-    out = subprocess.run([bin_dir / "llama-bench", "-m", gguf, "-p", "0", "-n", str(new),
+                rounds: int, prompt: int = 0) -> float:
+    """llama-bench's mean tokens/s of ``new`` tokens generated after ``depth`` positions, or
+    (``new`` 0) of a ``prompt``-token prefill."""
+    out = subprocess.run([bin_dir / "llama-bench", "-m", gguf, "-p", str(prompt), "-n", str(new),
                           "-d", str(depth), "-t", str(threads), "-r", str(rounds), "-o", "json"],
                          check=True, capture_output=True, text=True,
                          env=with_libraries(bin_dir))

@@ -1,6 +1,8 @@
 """Decode at a 7 B model's layer shapes: the scale model (``benchmarks/scale_model.py``, N layers,
 random weights, untied 49,152-row head) packed by dynquant at 4.25 and 3.25 bits against
-llama.cpp Q4_0 of the same weights, tokens/s after a short prompt and after 512 positions.
+llama.cpp Q4_0 of the same weights, tokens/s after a short prompt and after 512 positions, and
+of a 512-token prefill (``llama-bench -p 512 -n 0``; dynquant's as ``dynquant generate`` runs a
+prompt: the head at the last position only).
 
 dynquant: ``quantize --budget B --no-calib`` (a token's speed depends on the widths and the
 format, not on how the codes were chosen; the head is in the budget), decoded as ``dynquant
@@ -9,7 +11,7 @@ quantize Q4_0``, ``llama-bench -p 0 -n N -d DEPTH`` on the same threads. Also ea
 the bytes a token reads per second (the file's bytes x tokens/s: every weight is read once a
 token) beside this machine's read bandwidth (a sum over 2 GiB).
 
-    python -m benchmarks scale_decode [--layers N] [--depths 0 512] [--new 32]
+    python -m benchmarks scale_decode [--layers N] [--depths 0 512] [--new 32] [--prefill 512]
 """
 
 from __future__ import annotations
@@ -51,6 +53,7 @@ def main() -> None:
     parser.add_argument("--layers", type=int, default=1)
     parser.add_argument("--depths", type=int, nargs="+", default=[0, 512])
     parser.add_argument("--new", type=int, default=32)
+    parser.add_argument("--prefill", type=int, default=512)
     parser.add_argument("--threads", type=int, default=2)
     parser.add_argument("--rounds", type=int, default=3)
     args = parser.parse_args()
@@ -87,6 +90,13 @@ def main() -> None:
                     (args.new - 1) / gen.decode(ids, args.new) for _ in range(args.rounds))
                 print(f"| {name} | {size / 2**20:.0f} | {depth} | {rate:.1f} | "
                       f"{size * rate / 1e9:.1f} | {rate / theirs:.2f}x |", flush=True)
+        print(f"\n| runtime | prefill {args.prefill} tok/s | / llama.cpp Q4_0 |\n|---|---|---|")
+        theirs = llama_bench(bin_dir, q40, 0, 0, args.threads, args.rounds, prompt=args.prefill)
+        ids = [1 + i % 1000 for i in range(args.prefill)]
+        for name, (gen, _) in runs.items():
+            rate = theirs if gen is None else max(args.prefill / gen.prefill(ids)
+                                                  for _ in range(args.rounds))
+            print(f"| {name} | {rate:.1f} | {rate / theirs:.2f}x |", flush=True)
     figure("threads", args.threads)
 
 

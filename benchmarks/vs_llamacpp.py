@@ -18,7 +18,8 @@ line says which).
 Decode: 64 greedy tokens after a 16-token prompt, tokens/s of the 63 steps after the prompt's
 (timed from the first token's logits to the last's, as llama-bench's text generation leaves the
 prompt out: a prompt's time varies more between runs than the steps' differences); prefill: 128
-and 512 tokens in one forward. Both runtimes on the same
+and 512 tokens in one forward, the head's logits at the last position only (what llama.cpp's
+``eval`` and ``dynquant generate`` compute for a prompt). Both runtimes on the same
 threads (``--threads``, default 2); the runtimes take turns, best of ``--rounds``.
 Checkpoints and the Q4_0 file are kept under ``out/bench/vs_llamacpp`` and reused.
 """
@@ -40,7 +41,7 @@ from transformers import AutoModelForCausalLM, LogitsProcessorList
 import dynquant
 from benchmarks.common import machine, rerun_as_avx2
 from dynquant.numerics.compute_dtype import resolve_dtype
-from dynquant.pipeline.report.generate import decode_tokens
+from dynquant.pipeline.report.generate import decode_tokens, prefill
 from scripts.prepare_real_model import real_model
 
 ROOT = Path(__file__).parents[1]
@@ -146,10 +147,12 @@ class Generate:
         return seen[-1] - seen[0]
 
     def prefill(self, ids: list[int]) -> float:
+        """Seconds of the prompt's forward as ``dynquant generate`` runs it (the head's logits
+        at the last position only, as llama.cpp's ``eval`` computes them)."""
         x = torch.tensor([ids])
         start = time.perf_counter()
         with torch.no_grad():
-            self.model(x)
+            prefill(self.model, x)
         return time.perf_counter() - start
 
 

@@ -137,7 +137,8 @@ def measure_options(args: argparse.Namespace) -> dict:
         calib_seqs=args.calib_seqs, calib_len=args.calib_len,
         dtype=args.dtype, second_moments=args.second_moments or None,
         moment_seqs=args.moment_seqs, quantizer=args.quantizer, fisher_draws=args.fisher_draws,
-        forecast_check=not args.no_forecast_check, tuning=_tuning(args))
+        forecast_check=not args.no_forecast_check, check_codes=args.check_codes,
+        tuning=_tuning(args))
 
 
 def _cmd_measure(args: argparse.Namespace) -> int:
@@ -353,10 +354,14 @@ def _add_measure(sub) -> None:
                    help="calibration sequences for the measure's second moments (default 16: "
                    "the gptq ratios price as well as from 48; a forward-only pass of its own)")
     p.add_argument("--no-forecast-check", action="store_true",
-                   help="skip the check of the forecast (for gptq codes: two checkpoints "
-                   "allocated at the probe width's bytes and one bit per weight more, measured on "
-                   "held-out windows of the text, about two quantizes' time); forecasts are then "
+                   help="skip the check of the forecast (two checkpoints allocated at the probe "
+                   "width's bytes and one bit per weight more, measured on held-out windows of "
+                   "the text, about one quantize's time with gptq codes); forecasts are then "
                    "sums over modules")
+    p.add_argument("--check-codes", choices=("gptq", "tuned"), default=None,
+                   help="the codes the check writes (default gptq: its forecast bounds the "
+                   "tuned codes' from above, at about a quarter of a tuned check's time; tuned "
+                   "checks the default codes themselves)")
     _work_options(p)
     p.set_defaults(func=_cmd_measure)
 

@@ -176,6 +176,32 @@ def test_the_forecast_is_scaled_by_the_measures_check():
     assert calibrated_kl(maps, 0.05) == pytest.approx(0.05 * 2 ** 0.5)
 
 
+def test_a_check_of_gptq_codes_bounds_the_tuned_codes_forecast():
+    """The measure checks gptq codes by default: the forecast of the tuned codes quantize
+    writes is scaled by that check and said to be a bound from above; a check of tuned codes
+    scales no gptq forecast, and a gptq forecast from a gptq check is no bound."""
+    from dynquant.pipeline.allocate.forecast import calibrated_kl, measure_summary, summary_lines
+
+    maps, modules = _toy_maps("fisher", 1.0)
+    maps["quantizer"] = "rtn"  # calibrated maps: tuned codes by default
+    maps["forecast_check"] = dict(_check((0.1, 0.2)), codes="gptq")
+    assert calibrated_kl(maps, 0.3) == pytest.approx(0.6)
+    assert calibrated_kl(maps, 0.3, "gptq") == pytest.approx(0.6)
+    tuned = forecast(maps, modules, 2.25)
+    assert tuned.bound and not tuned.unchecked and tuned.predicted_kl == pytest.approx(0.4)
+    assert tuned.lines()[0].startswith("predicted KL at most 0.4 nats/token at 2.25 bits")
+    assert "tuned codes come at or below it" in tuned.lines()[0]
+    assert not forecast(maps, modules, 2.25, codes="gptq").bound
+    maps["allocations"] = {"3.25": {"average_bits": 3.25, "packed_nbytes": 100,
+                                    "predicted_error": 0.05}}
+    summary = measure_summary(maps)
+    assert summary["bound"] and not summary["unchecked"]
+    assert "at or below it" in summary_lines(summary)[-1]
+    maps["forecast_check"]["codes"] = "tuned"
+    assert calibrated_kl(maps, 0.3, "gptq") == 0.3
+    assert not forecast(maps, modules, 2.25).bound
+
+
 def test_a_check_of_two_points_interpolates_between_them():
     """Points measuring 0.5x the sum at 0.4 nats and 1.5x at 0.1: 0.5x from 0.4 up, 1.5x from
     0.1 down, and between them log r linear in log sum (at 0.2, halfway in log, their

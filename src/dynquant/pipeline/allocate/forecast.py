@@ -36,6 +36,9 @@ class Forecast:
     neighbours: dict[str, float] = field(default_factory=dict)  # budget -> predicted KL
     advice: tuple[float, float] | None = None  # (budget, its predicted KL) under LARGE_LOSS
     unchecked: bool = False  # gptq codes forecast by the modules' sum alone (no measure check)
+    # tuned codes forecast by a check of gptq codes at the same widths: a bound from above
+    # (tuned codes measured 0.63-1.00x gptq's, BENCHMARKS.md "Tuned scales")
+    bound: bool = False
 
     @property
     def large(self) -> bool:
@@ -54,10 +57,12 @@ class Forecast:
             return [f"{self.budget} bits: data-free sensitivities predict no loss in nats "
                     "(calibrate for a prediction)"]
         near = ", ".join(f"{b}: {kl:.3g}" for b, kl in self.neighbours.items())
-        out = [f"predicted KL {self.predicted_kl:.3g} nats/token at {self.budget} bits"
-               + (f" (neighbours {near})" if near else "")
+        out = [f"predicted KL {'at most ' if self.bound else ''}{self.predicted_kl:.3g} "
+               f"nats/token at {self.budget} bits" + (f" (neighbours {near})" if near else "")
                + ("; a sum over modules, unchecked (dynquant measure checks it)"
-                  if self.unchecked else "")]
+                  if self.unchecked else "")
+               + ("; the forecast of gptq codes at these widths, checked: tuned codes come "
+                  "at or below it" if self.bound else "")]
         if self.large:
             out.append(warning_line(f"({self.predicted_kl:.3g} nats/token > {LARGE_LOSS})",
                                     self.advice))
@@ -125,9 +130,20 @@ def _unchecked(maps: dict, codes: str | None) -> bool:
 
 
 def _check_for(maps: dict, codes: str | None) -> dict | None:
-    """The maps' forecast check when it was made for ``codes`` (default: the maps' own)."""
+    """The maps' forecast check when it was made for ``codes`` (default: the maps' own), or for
+    gptq codes when they are tuned (:func:`bounded`)."""
     check = maps.get("forecast_check")
-    return check if check and check["codes"] == (codes or maps_codes(maps)) else None
+    codes = codes or maps_codes(maps)
+    return check if check and (check["codes"] == codes or bounded(maps, codes)) else None
+
+
+def bounded(maps: dict, codes: str | None = None) -> bool:
+    """Whether the forecast of ``codes`` (default: the maps' own) is a bound from above: tuned
+    codes forecast from a check of gptq codes. The tuning starts from gptq's codes and keeps
+    what lowers each block's output error; a check of the tuned codes themselves costs ~4x
+    (``measure --check-codes tuned``)."""
+    check = maps.get("forecast_check")
+    return bool(check) and (codes or maps_codes(maps)) == "tuned" and check["codes"] == "gptq"
 
 
 def forecast(maps: dict, modules: Sequence[ModuleChoices], budget: float,
@@ -151,7 +167,7 @@ def forecast(maps: dict, modules: Sequence[ModuleChoices], budget: float,
             neighbours[str(round(b, 4))] = kl
     result = Forecast(budget, alloc.average_bits,
                       calibrated_kl(maps, alloc.predicted_error, codes), neighbours,
-                      unchecked=_unchecked(maps, codes))
+                      unchecked=_unchecked(maps, codes), bound=bounded(maps, codes))
     if result.large:
         result.advice = _advice(budget, hi, kl_at)
     return result
@@ -195,7 +211,8 @@ def measure_summary(maps: dict) -> dict:
                         lambda b: _forecast_kl(maps, modules, b))
         advice = None if found is None else {"budget": found[0], "predicted_kl": found[1]}
     return {"method": maps["method"], "calibration": maps.get("calibration"),
-            "budgets": budgets, "advice": advice, "unchecked": kl and _unchecked(maps, None)}
+            "budgets": budgets, "advice": advice, "unchecked": kl and _unchecked(maps, None),
+            "bound": kl and bounded(maps)}
 
 
 def _forecast_kl(maps: dict, modules: Sequence[ModuleChoices], budget: float,
@@ -223,6 +240,9 @@ def summary_lines(summary: dict) -> list[str]:
     if summary.get("unchecked"):
         out.append("predicted KL: a sum over modules for gptq codes, unchecked (measure without "
                    "--no-forecast-check checks it)")
+    if summary.get("bound"):
+        out.append("predicted KL: gptq codes' forecast at each allocation, checked; the tuned "
+                   "codes quantize writes come at or below it")
     large = [b for b, v in summary["budgets"].items() if v.get("large_loss")]
     if large:
         advice = summary["advice"]

@@ -1,5 +1,4 @@
-"""The forecast's check: checkpoints of the default codes (tuned) quantized and measured during
-the measure.
+"""The forecast's check: checkpoints quantized and measured during the measure.
 
 The forecast adds up each module's predicted KL, and the modules' errors do not add up that way
 in the written model: compounding through the blocks makes the sum low (SmolLM2's gptq codes),
@@ -10,12 +9,19 @@ BENCHMARKS.md "Large vocabularies". So the measure quantizes the model as ``quan
 two sizes, the bytes of every module at the probe width (3 bits) and one bit per weight more
 (those of 4 bits): at each, the widths allocated for those bytes (an allocation like the ones
 forecast: uniform widths would leave the most sensitive modules at 3 bits, and their KL would
-set the check's), with the codes asked for (gptq's, tuned by default: sequential, ``GPTQ_SEQS``
-windows) fitted to the first ``1 - HELD_SHARE`` of the calibration text, and measures its KL
-against the float model on windows of the rest, which the codes never saw. ``forecast_check``
-in maps.json keeps each point's two numbers; forecasts scale their sums by the points' ratios
+set the check's), with the codes asked for fitted to ``CHECK_SEQS`` windows of the first
+``1 - HELD_SHARE`` of the calibration text, and measures its KL against the float model on
+windows of the rest, which the codes never saw. ``forecast_check`` in maps.json keeps each
+point's two numbers; forecasts scale their sums by the points' ratios
 (``pipeline/allocate/forecast.py``, ``calibrated_kl``). Two float copies of the model are in
 memory while a KL is measured.
+
+The check's codes are gptq's by default (``MeasureOptions.check_codes``): quantize's default
+tuned codes start from them and keep what lowers each block's error, so their forecast is a
+bound from above for the tuned codes, at about a quarter of a tuned check's time (SmolLM2: ~70 s
+a point against ~380). Fitted to ``CHECK_SEQS`` windows, half of quantize's 48, the check's
+codes measure a few per cent more KL than quantize's (BENCHMARKS.md "Calibration windows"):
+the check errs high, by less than its noise, at half the cost.
 """
 
 from __future__ import annotations
@@ -46,12 +52,12 @@ from dynquant.pipeline.measure.probe import dense_model
 from dynquant.runtime.loader import load_dequantized
 
 HELD_SHARE = 0.25  # of the calibration text's tokens: the check's held-out windows
-GPTQ_SEQS = 48  # the sequential pass's windows (quantize --gptq-seqs's default)
+CHECK_SEQS = 24  # the check's sequential pass's windows (quantize's: 48, --gptq-seqs)
 MIN_HELD_WINDOWS = 2
 STEPS = (0, 1)  # bits per weight above the probe width's bytes: the check's points
 
 
-def split_windows(tokenizer, files: list[str], length: int, seqs: int = GPTQ_SEQS
+def split_windows(tokenizer, files: list[str], length: int, seqs: int = CHECK_SEQS
                   ) -> tuple[torch.Tensor, torch.Tensor] | None:
     """(``seqs`` windows evenly spread over the first ``1 - HELD_SHARE`` of the text's tokens,
     the non-overlapping windows of the rest); None when the rest holds fewer than

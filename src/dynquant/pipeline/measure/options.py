@@ -24,6 +24,7 @@ ALIASES = {"kl": "kl-exact"}
 DEFAULT_WIDTHS = (2, 3, 4, 8)
 DEFAULT_BUDGETS = (2.5, 3.0, 3.25, 3.5, 4.25)
 PROBE_BITS = 3
+CHECK_CODES = ("gptq", "tuned")  # the codes a forecast check can write
 
 
 @dataclass(frozen=True)
@@ -59,10 +60,14 @@ class MeasureOptions:
     synthetic: bool = False
     # with gptq ratios: quantize checkpoints allocated at the probe width's bytes and one bit
     # per weight more and measure their KL on held-out windows of the text, which the forecast
-    # is scaled by (``measure/forecast_check.py``; about two quantizes' time: the measure
+    # is scaled by (``measure/forecast_check.py``; about one gptq quantize's time: the measure
     # command does it unless told not to, quantize --budget's own measure does not)
     forecast_check: bool = False
-    # the tuned codes' settings (the check writes the codes quantize will: tuned by default)
+    # the codes the check writes: gptq's by default, whose forecast bounds the tuned codes'
+    # from above (``allocate/forecast.py`` ``bounded``) at a quarter of the tuned check's time;
+    # "tuned" checks the default codes themselves
+    check_codes: str = "gptq"
+    # the tuned codes' settings (for a check of tuned codes)
     tuning: ScaleTuning = field(default_factory=ScaleTuning)
 
     @classmethod
@@ -81,6 +86,9 @@ def measure_method(opts: MeasureOptions) -> str:
         raise DynquantError("--method weight is data-free: drop --calib, or use --method "
                             "fisher", field="method")
     check_quantizer(opts.quantizer)
+    if opts.check_codes not in CHECK_CODES:
+        raise DynquantError(f"unknown check codes {opts.check_codes!r} (one of "
+                            f"{', '.join(CHECK_CODES)})", field="check_codes")
     if opts.quantizer == "gptq" and method == "weight":
         raise DynquantError("--quantizer gptq needs calibration text (its second moments): "
                             "drop --no-calib", field="quantizer")

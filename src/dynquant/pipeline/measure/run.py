@@ -41,7 +41,7 @@ from dynquant.pipeline.allocate.allocation import (
     allocate_widths,
     widths_mapping,
 )
-from dynquant.pipeline.allocate.maps import MAPS_SCHEMA, maps_codes, maps_modules
+from dynquant.pipeline.allocate.maps import MAPS_SCHEMA, maps_modules
 from dynquant.pipeline.calibrate.block_stream import BlockStream
 from dynquant.pipeline.calibrate.calibration_pass import run_calibration_pass
 from dynquant.pipeline.calibrate.fisher import fisher_kl, head_input_moments
@@ -163,7 +163,7 @@ def _forecast_check(source: ModelSource, doc: dict, stats: dict[str, torch.Tenso
     calibrated on (``gptq_ratios`` implies one), said in a line."""
     bits, gs = probe_bits(opts)
     start = time.perf_counter()
-    codes = maps_codes(doc)  # what quantize writes from these maps by default
+    codes = opts.check_codes
     cal = opts.calibration
     check = forecast_check(source, doc, stats, list(cal.texts), cal.length, bits, gs,
                            Path(out).parent, executor, progress, codes, opts.tuning)

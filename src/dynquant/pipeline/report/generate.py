@@ -144,6 +144,15 @@ class Sampler:
         return int(torch.multinomial(scores.softmax(-1), 1, generator=self.generator))
 
 
+def prefill(model, ids: torch.Tensor):
+    """The prompt's forward ``ids`` [1, n], filling the model's cache; logits at its last
+    position only, where the model can skip the others (a prompt needs no more: llama.cpp's
+    prefill computes that one row of the head too)."""
+    last = ({"logits_to_keep": 1}
+            if "logits_to_keep" in inspect.signature(type(model).forward).parameters else {})
+    return model(input_ids=ids, use_cache=True, **last)
+
+
 def decode_tokens(model, ids: torch.Tensor, max_new_tokens: int,
                   pick: Callable[[torch.Tensor], int] = greedy,
                   on_token: Callable[[int], object] | None = None,
@@ -153,11 +162,8 @@ def decode_tokens(model, ids: torch.Tensor, max_new_tokens: int,
     takes them); ``pick`` chooses each token from its logits, ``on_token`` hears it as it comes;
     a token in ``stop`` ends the run (kept, as ``generate`` keeps it)."""
     new: list[int] = []
-    # the prompt's logits at its last position only, where the model can skip the others
-    last = ({"logits_to_keep": 1}
-            if "logits_to_keep" in inspect.signature(type(model).forward).parameters else {})
     with torch.no_grad():
-        out = model(input_ids=ids, use_cache=True, **last)
+        out = prefill(model, ids)
         while len(new) < max_new_tokens:
             token = pick(out.logits[0, -1])
             new.append(token)
