@@ -261,6 +261,34 @@ def test_packed_gemm_matches_the_reference(bits, gs, monkeypatch):
     assert torch.equal(block, whole[:, 30:50]) and torch.equal(whole, fast)
 
 
+@pytest.mark.parametrize("gs", [32, 128])
+def test_packed_gemm_leaves_the_padding_out_with_the_same_bits(gs):
+    """An in_features the kernels' vectors fit (336 = 21 x 16, padded to 352 / 384): x goes in
+    unpadded and the padding's columns are not multiplied; the product has the bits of x padded
+    with zeros through the whole padded width (adding 0 * w changes no sum), for the strips
+    (many tokens) and the dot form (few)."""
+    lib = native.library()
+    g = torch.Generator().manual_seed(gs)
+    qt = quantize_tensor(torch.randn(40, 336, generator=g), 3, gs)
+    lay = qt.layout
+    assert lay.padded_in_features > lay.in_features
+    for m in (3, 64):
+        x = torch.randn(m, 336, generator=g)
+        padded = torch.nn.functional.pad(x, (0, lay.padded_in_features - 336))
+        outs = []
+        for xs in (x, padded):
+            y = torch.empty(m, 40)
+            assert lib.dq_gemm_mt(qt.qweight.data_ptr(), qt.scales.data_ptr(),
+                                  qt.offsets.data_ptr(), 40, lay.padded_in_features, gs, 3,
+                                  xs.data_ptr(), xs.shape[1], m, y.data_ptr(), 40, 0, 1) == 0
+            outs.append(y)
+        assert torch.equal(outs[0], outs[1])
+        assert torch.equal(packed_gemm(x, qt.qweight, qt.scales, qt.offsets, lay), outs[0])
+        torch.testing.assert_close(outs[0], packed_matvec_ref(x, qt.qweight, qt.scales,
+                                                              qt.offsets, lay),
+                                   rtol=1e-5, atol=1e-4)
+
+
 @pytest.mark.parametrize("bits", [2, 3, 4, 8])
 @pytest.mark.parametrize("gs", [32, 128])
 def test_packed_gemm_t_matches_the_reference(bits, gs, monkeypatch):

@@ -99,14 +99,17 @@ def packed_gemm(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor,
     lib = native.library()
     if lib is None:
         return None
-    xf, qweight, scales, offsets = _inputs(x, qweight, scales, offsets, layout, True)
+    # the padding's columns are neither copied nor multiplied where the kernel's vectors fit
+    # the unpadded width (every build's: 16 floats)
+    pad = layout.in_features % 16 != 0
+    xf, qweight, scales, offsets = _inputs(x, qweight, scales, offsets, layout, True, pad=pad)
     rows = qweight.shape[0]
     y = torch.empty(xf.shape[0], rows)
 
-    work = rows * layout.padded_in_features * xf.shape[0]
+    work = rows * xf.shape[1] * xf.shape[0]
     if lib.dq_gemm_mt(qweight.data_ptr(), scales.data_ptr(), offsets.data_ptr(), rows,
                       layout.padded_in_features, layout.group_size, layout.bits, xf.data_ptr(),
-                      xf.shape[0], y.data_ptr(), rows, int(portable),
+                      xf.shape[1], xf.shape[0], y.data_ptr(), rows, int(portable),
                       native.threads_for(work, GEMM_PARALLEL_MIN_MACS)):
         raise RuntimeError("dq_gemm failed (out of memory or unsupported group size)")
     return y
@@ -351,10 +354,11 @@ class OneTokenMatvec:
 
 
 def _inputs(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor, offsets: torch.Tensor,
-            layout: LayerLayout, along_groups: bool, block_rows: int | None = None
-            ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+            layout: LayerLayout, along_groups: bool, block_rows: int | None = None,
+            pad: bool = True) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     """Checked, contiguous inputs of a product: x as float32, with zeros in the layout's padding
-    when the product contracts along the groups (``along_groups``; else along the rows).
+    when the product contracts along the groups (``along_groups``; else along the rows) unless
+    ``pad`` is False (a kernel that multiplies the unpadded columns only).
     ``block_rows``: x multiplies blocks of that many rows (the experts of a bank), the first of
     which is checked."""
     block = (qweight, scales, offsets) if block_rows is None else (
@@ -362,9 +366,9 @@ def _inputs(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor, offset
     contracted = layout.in_features if along_groups else block[0].shape[0]
     _check(x, *block, layout, contracted)
     xf = x.to(torch.float32)
-    pad = layout.padded_in_features - layout.in_features
-    if along_groups and pad:
-        xf = F.pad(xf, (0, pad))
+    padding = layout.padded_in_features - layout.in_features
+    if along_groups and pad and padding:
+        xf = F.pad(xf, (0, padding))
     return xf.contiguous(), qweight.contiguous(), scales.contiguous(), offsets.contiguous()
 
 

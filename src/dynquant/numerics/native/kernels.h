@@ -244,14 +244,14 @@ int dq_vecmat_mt(const uint32_t *qweight, const uint16_t *scales, const uint16_t
 /* packed_gemm.c: many tokens (prefill); dq_gemm_t: x @ W with groups along the output. */
 int dq_gemm_tile(void); /* the register tile: MR * 10000 + NRV * 100 + vector width */
 int dq_gemm(const uint32_t *qweight, const uint16_t *scales, const uint16_t *offsets,
-            int64_t rows, int64_t padded_n, int64_t gs, int bits, const float *x, int64_t m,
-            float *y, int64_t y_stride, int portable);
+            int64_t rows, int64_t padded_n, int64_t gs, int bits, const float *x, int64_t n,
+            int64_t m, float *y, int64_t y_stride, int portable);
 int dq_gemm_t(const uint32_t *qweight, const uint16_t *scales, const uint16_t *offsets,
               int64_t rows, int64_t padded_n, int64_t gs, int bits, const float *x, int64_t m,
               int64_t g0, int64_t g1, float *y, int portable);
 int dq_gemm_mt(const uint32_t *qweight, const uint16_t *scales, const uint16_t *offsets,
-               int64_t rows, int64_t padded_n, int64_t gs, int bits, const float *x, int64_t m,
-               float *y, int64_t y_stride, int portable, int threads);
+               int64_t rows, int64_t padded_n, int64_t gs, int bits, const float *x, int64_t n,
+               int64_t m, float *y, int64_t y_stride, int portable, int threads);
 int dq_gemm_t_mt(const uint32_t *qweight, const uint16_t *scales, const uint16_t *offsets,
                  int64_t rows, int64_t padded_n, int64_t gs, int bits, const float *x, int64_t m,
                  float *y, int portable, int threads);

@@ -211,15 +211,15 @@ static int64_t pad_token_tail(const float *x, int64_t m, int64_t ld, int64_t mr,
 }
 
 static int gemm_panels(const uint32_t *qweight, const uint16_t *scales, const uint16_t *offsets,
-                       int64_t rows, int64_t padded_n, int64_t gs, int bits, const float *x,
-                       int64_t m, float *y, int64_t y_stride, int portable) {
+                       int64_t rows, int64_t padded_n, int64_t n, int64_t gs, int bits,
+                       const float *x, int64_t m, float *y, int64_t y_stride, int portable) {
     const int64_t groups = padded_n / gs, words = bits * gs / 32;
     int64_t nb = PANEL_BYTES / (int64_t)sizeof(float) / padded_n / DOT_NR * DOT_NR;
     nb = nb < DOT_NR ? DOT_NR : nb;
     float *panel = thread_buffer((size_t)((nb + DOT_MR) * padded_n));
     if (!panel) return -1;
     float *xtail = panel + nb * padded_n;
-    const int64_t m_full = pad_token_tail(x, m, padded_n, DOT_MR, xtail);
+    const int64_t m_full = pad_token_tail(x, m, n, DOT_MR, xtail);
     float out[DOT_MR][DOT_NR];
     for (int64_t r0 = 0; r0 < rows; r0 += nb) {
         const int64_t count = rows - r0 < nb ? rows - r0 : nb;
@@ -227,10 +227,10 @@ static int gemm_panels(const uint32_t *qweight, const uint16_t *scales, const ui
         dequantize_panel(qweight + r0 * groups * words, scales + r0 * groups, offsets + r0 * groups,
                          count, used, padded_n, gs, bits, portable, panel);
         for (int64_t t0 = 0; t0 < m; t0 += DOT_MR) {
-            const float *xt = t0 < m_full ? x + t0 * padded_n : xtail;
+            const float *xt = t0 < m_full ? x + t0 * n : xtail;
             const int64_t mt = m - t0 < DOT_MR ? m - t0 : DOT_MR;
             for (int64_t r = 0; r < used; r += DOT_NR) {
-                tile_dot(xt, padded_n, panel + r * padded_n, padded_n, padded_n, out);
+                tile_dot(xt, n, panel + r * padded_n, padded_n, n, out);
                 const int64_t nr = count - r < DOT_NR ? count - r : DOT_NR;
                 for (int64_t t = 0; t < mt; t++)
                     for (int64_t i = 0; i < nr; i++) y[(t0 + t) * y_stride + r0 + r + i] = out[t][i];
@@ -249,30 +249,31 @@ static int gemm_panels(const uint32_t *qweight, const uint16_t *scales, const ui
  * group sizes (32, 64, 128; others would sum in another order, as exactly). */
 #define STRIP_KC (32 * 1024 / NRV)
 static int gemm_strips(const uint32_t *qweight, const uint16_t *scales, const uint16_t *offsets,
-                       int64_t rows, int64_t padded_n, int64_t gs, int bits, const float *x,
-                       int64_t m, float *y, int64_t y_stride, int portable) {
+                       int64_t rows, int64_t padded_n, int64_t n, int64_t gs, int bits,
+                       const float *x, int64_t m, float *y, int64_t y_stride, int portable) {
     const int64_t groups = padded_n / gs, words = bits * gs / 32;
     const int64_t chunk_groups = gs < STRIP_KC ? STRIP_KC / gs : 1;
     float *strip = thread_buffer((size_t)(NRV * chunk_groups * gs + MR * padded_n + NRV * gs));
     if (!strip) return -1;
     float *xtail = strip + NRV * chunk_groups * gs, *rows_buf = xtail + MR * padded_n;
-    const int64_t m_full = pad_token_tail(x, m, padded_n, MR, xtail);
+    const int64_t m_full = pad_token_tail(x, m, n, MR, xtail);
     float out[MR][NRV];
     for (int64_t r0 = 0; r0 < rows; r0 += NRV) {
         const int64_t count = rows - r0 < NRV ? rows - r0 : NRV;
         for (int64_t g0 = 0; g0 < groups; g0 += chunk_groups) {
             const int64_t g1 = groups - g0 < chunk_groups ? groups : g0 + chunk_groups;
-            const int64_t k0 = g0 * gs, kn = (g1 - g0) * gs;
+            /* the padding's columns (past n) are not multiplied: x has none */
+            const int64_t k0 = g0 * gs, kn = ((g1 - g0) * gs < n - k0 ? (g1 - g0) * gs : n - k0);
             dequantize_strip(qweight + r0 * groups * words, scales + r0 * groups,
                              offsets + r0 * groups, count, groups, g0, g1, gs, bits, portable,
                              strip, rows_buf);
             for (int64_t t0 = 0; t0 < m; t0 += MR) {
-                const float *xt = (t0 < m_full ? x + t0 * padded_n : xtail) + k0;
+                const float *xt = (t0 < m_full ? x + t0 * n : xtail) + k0;
                 const int64_t mt = m - t0 < MR ? m - t0 : MR;
                 if (k0)
                     for (int64_t t = 0; t < mt; t++)
                         memcpy(out[t], y + (t0 + t) * y_stride + r0, (size_t)count * sizeof(float));
-                tile(xt, padded_n, strip, NRV, kn, out, k0 > 0);
+                tile(xt, n, strip, NRV, kn, out, k0 > 0);
                 for (int64_t t = 0; t < mt; t++)
                     memcpy(y + (t0 + t) * y_stride + r0, out[t], (size_t)count * sizeof(float));
             }
@@ -281,15 +282,17 @@ static int gemm_strips(const uint32_t *qweight, const uint16_t *scales, const ui
     return 0;
 }
 
-/* y [m, rows] (row stride y_stride) for a block of rows; x [m, padded_n] float32, zero in the
- * padding. portable != 0 forces the portable unpacking. Returns 0, or -1 if out of memory or gs
- * is unsupported. */
+/* y [m, rows] (row stride y_stride) for a block of rows; x [m, n] float32, n the columns
+ * multiplied: padded_n, or fewer (the unpadded in_features, a multiple of the vector width VW:
+ * the caller then has no padding to copy, and its columns are not multiplied). portable != 0
+ * forces the portable unpacking. Returns 0, or -1 if out of memory or gs or n is unsupported. */
 int dq_gemm(const uint32_t *qweight, const uint16_t *scales, const uint16_t *offsets,
-            int64_t rows, int64_t padded_n, int64_t gs, int bits, const float *x, int64_t m,
-            float *y, int64_t y_stride, int portable) {
-    if (gs > MAX_GROUP || gs % 32 != 0) return -1;
+            int64_t rows, int64_t padded_n, int64_t gs, int bits, const float *x, int64_t n,
+            int64_t m, float *y, int64_t y_stride, int portable) {
+    if (gs > MAX_GROUP || gs % 32 != 0 || n > padded_n || n <= padded_n - gs || n % VW != 0)
+        return -1;
     return (m < DOT_MAX_TOKENS ? gemm_panels : gemm_strips)(qweight, scales, offsets, rows,
-                                                            padded_n, gs, bits, x, m, y,
+                                                            padded_n, n, gs, bits, x, m, y,
                                                             y_stride, portable);
 }
 
@@ -335,13 +338,29 @@ int dq_gemm_t(const uint32_t *qweight, const uint16_t *scales, const uint16_t *o
 
 /* Both GEMMs with their rows (dq_gemm) or groups (dq_gemm_t) split over `threads` threads
  * (pool.c): a Python pool's hand-off costs a fifth of a small model's product. */
+typedef struct {
+    dq_job job;
+    int64_t n; /* x's columns (dq_gemm's n) */
+} gemm_job;
+
+static int gemm_rows_part(const void *ctx, int64_t lo, int64_t hi) {
+    const gemm_job *g = ctx;
+    const dq_job *j = &g->job;
+    const int64_t groups = j->padded_n / j->gs, words = j->bits * j->gs / 32;
+    return dq_gemm(j->qweight + lo * groups * words, j->scales + lo * groups,
+                   j->offsets + lo * groups, hi - lo, j->padded_n, j->gs, j->bits, j->x, g->n,
+                   j->m, j->y + lo, j->y_stride, j->portable);
+}
+
 int dq_gemm_mt(const uint32_t *qweight, const uint16_t *scales, const uint16_t *offsets,
-               int64_t rows, int64_t padded_n, int64_t gs, int bits, const float *x, int64_t m,
-               float *y, int64_t y_stride, int portable, int threads) {
-    const dq_job j = {.qweight = qweight, .scales = scales, .offsets = offsets, .rows = rows,
-                      .padded_n = padded_n, .gs = gs, .bits = bits, .portable = portable, .x = x,
-                      .m = m, .y = y, .y_stride = y_stride};
-    return dq_parallel_rows(dq_gemm, &j, threads);
+               int64_t rows, int64_t padded_n, int64_t gs, int bits, const float *x, int64_t n,
+               int64_t m, float *y, int64_t y_stride, int portable, int threads) {
+    const gemm_job g = {.job = {.qweight = qweight, .scales = scales, .offsets = offsets,
+                                .rows = rows, .padded_n = padded_n, .gs = gs, .bits = bits,
+                                .portable = portable, .x = x, .m = m, .y = y,
+                                .y_stride = y_stride},
+                        .n = n};
+    return dq_parallel(gemm_rows_part, &g, rows, threads);
 }
 
 int dq_gemm_t_mt(const uint32_t *qweight, const uint16_t *scales, const uint16_t *offsets,
