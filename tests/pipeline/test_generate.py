@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import re
 
+import pytest
 import torch
 
 from dynquant.cli import main
@@ -114,3 +115,38 @@ def test_decoding_stops_at_an_end_of_text_token(tiny_checkpoint):
     assert tokens == want[0, 3:].tolist()
     end = tokens[-1]  # the first time it comes, the run ends (with it)
     assert decode_tokens(model, ids, 6, greedy, stop={end}) == tokens[:tokens.index(end) + 1]
+
+
+@pytest.mark.parametrize("family", ["llama", "qwen3_moe", "mixtral", "lfm2", "dynquant_hybrid",
+                                    "gemma3"])
+def test_a_prefill_keeps_the_last_positions_logits_and_the_cache(family):
+    """The prompt's forward as generate runs it (last position's logits, the last layer's
+    feed-forward on that position only) gives the full forward's last logits, and the cache it
+    leaves decodes the next token to the same logits."""
+    from transformers import AutoModelForCausalLM
+
+    from dynquant.pipeline.report.generate import prefill
+    from model_zoo import family_configs
+
+    torch.manual_seed(0)
+    model = AutoModelForCausalLM.from_config(family_configs()[family]).float().eval()
+    with torch.no_grad():
+        for p in model.parameters():
+            if p.ndim >= 2:
+                p.normal_(0.0, 0.05)
+        ids = torch.randint(0, 384, (1, 20))
+        full = model(input_ids=ids, use_cache=True)
+        last = getattr(model.model.layers[-1], "mlp", None)
+        seen = []
+        if last is not None:  # lfm2 and the hybrid name theirs otherwise: run whole
+            last.register_forward_hook(lambda _m, args, _out: seen.append(args[0].shape[1]))
+        fast = prefill(model, ids)
+        assert seen == ([] if last is None else [1])
+        torch.testing.assert_close(fast.logits[0, -1], full.logits[0, -1], rtol=1e-5,
+                                   atol=1e-5)
+        nxt = torch.tensor([[5]])
+        step = {}
+        for name, out in (("full", full), ("fast", fast)):
+            step[name] = model(input_ids=nxt, cache=out.cache,
+                               use_cache=True).logits[0, -1]
+        torch.testing.assert_close(step["fast"], step["full"], rtol=1e-5, atol=1e-5)

@@ -11,10 +11,11 @@ decode step (BENCHMARKS.md "Against llama.cpp"); a model loaded with ``dynquant.
 
 from __future__ import annotations
 
+import contextlib
 import inspect
 import sys
 import time
-from collections.abc import Callable, Collection
+from collections.abc import Callable, Collection, Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -146,11 +147,32 @@ class Sampler:
 
 def prefill(model, ids: torch.Tensor):
     """The prompt's forward ``ids`` [1, n], filling the model's cache; logits at its last
-    position only, where the model can skip the others (a prompt needs no more: llama.cpp's
-    prefill computes that one row of the head too)."""
-    last = ({"logits_to_keep": 1}
-            if "logits_to_keep" in inspect.signature(type(model).forward).parameters else {})
-    return model(input_ids=ids, use_cache=True, **last)
+    position only, where the model can skip the others (a prompt needs no more), and then the
+    last decoder layer's feed-forward on that position alone (:func:`last_position_mlp`): what
+    llama.cpp's prefill computes."""
+    if "logits_to_keep" not in inspect.signature(type(model).forward).parameters:
+        return model(input_ids=ids, use_cache=True)
+    with last_position_mlp(model):
+        return model(input_ids=ids, use_cache=True, logits_to_keep=1)
+
+
+@contextlib.contextmanager
+def last_position_mlp(model) -> Iterator[None]:
+    """While inside, the last decoder layer's ``mlp`` sees the last position only: when only
+    the last position's logits are kept, the other positions' outputs of that layer feed
+    nothing (the cache holds keys and values, made before it). The layer's residual sum then
+    broadcasts that one row over the positions, whose values before the last are not used. A
+    model whose last layer has no ``mlp`` runs as it is."""
+    layers = getattr(getattr(model, "model", None), "layers", None)
+    mlp = getattr(layers[-1], "mlp", None) if layers else None
+    if not isinstance(mlp, torch.nn.Module):
+        yield
+        return
+    handle = mlp.register_forward_pre_hook(lambda _m, args: (args[0][:, -1:], *args[1:]))
+    try:
+        yield
+    finally:
+        handle.remove()
 
 
 def decode_tokens(model, ids: torch.Tensor, max_new_tokens: int,
