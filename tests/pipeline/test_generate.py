@@ -139,7 +139,7 @@ def test_a_prefill_keeps_the_last_positions_logits_and_the_cache(family):
         last = getattr(model.model.layers[-1], "mlp", None)
         seen = []
         if last is not None:  # lfm2 and the hybrid name theirs otherwise: run whole
-            last.register_forward_hook(lambda _m, args, _out: seen.append(args[0].shape[1]))
+            last.register_forward_hook(lambda _m, inputs, _out: seen.append(inputs[0].shape[1]))
         fast = prefill(model, ids)
         assert seen == ([] if last is None else [1])
         torch.testing.assert_close(fast.logits[0, -1], full.logits[0, -1], rtol=1e-5,

@@ -168,11 +168,16 @@ def last_position_mlp(model) -> Iterator[None]:
     if not isinstance(mlp, torch.nn.Module):
         yield
         return
-    handle = mlp.register_forward_pre_hook(lambda _m, args: (args[0][:, -1:], *args[1:]))
+    handle = mlp.register_forward_pre_hook(_last_row)
     try:
         yield
     finally:
         handle.remove()
+
+
+def _last_row(_module, inputs: tuple) -> tuple:
+    hidden, *rest = inputs
+    return (hidden[:, -1:], *rest)
 
 
 def decode_tokens(model, ids: torch.Tensor, max_new_tokens: int,
