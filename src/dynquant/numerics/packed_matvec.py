@@ -46,6 +46,9 @@ VECMAT_PARALLEL_MIN_ELEMENTS = 1 << 20
 # The packed GEMMs split their work across threads (native/pool.c) from this many multiply-adds
 # (tokens x weights).
 GEMM_PARALLEL_MIN_MACS = 1 << 23
+# in_features the GEMM multiplies unpadded when a multiple of it: every build's vector width
+# (packed_gemm.c's VW: 16 floats with AVX-512, 8 with AVX2, 4 portable) divides it
+GEMM_UNPADDED_MULTIPLE = 16
 # int8 activations: one float scale per block of this many inputs (llama.cpp's Q8 block).
 Q8_BLOCK = 32
 # Blocks whose largest |x| is below this quantize to zeros (127 / amax would overflow).
@@ -100,8 +103,8 @@ def packed_gemm(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor,
     if lib is None:
         return None
     # the padding's columns are neither copied nor multiplied where the kernel's vectors fit
-    # the unpadded width (every build's: 16 floats)
-    pad = layout.in_features % 16 != 0
+    # the unpadded width
+    pad = layout.in_features % GEMM_UNPADDED_MULTIPLE != 0
     xf, qweight, scales, offsets = _inputs(x, qweight, scales, offsets, layout, True, pad=pad)
     rows = qweight.shape[0]
     y = torch.empty(xf.shape[0], rows)

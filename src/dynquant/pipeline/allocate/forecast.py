@@ -37,7 +37,7 @@ class Forecast:
     advice: tuple[float, float] | None = None  # (budget, its predicted KL) under LARGE_LOSS
     unchecked: bool = False  # gptq codes forecast by the modules' sum alone (no measure check)
     # tuned codes forecast by a check of gptq codes at the same widths: a bound from above
-    # (tuned codes measured 0.63-1.00x gptq's, BENCHMARKS.md "Tuned scales")
+    # (tuned codes measure at or below gptq's, BENCHMARKS.md "Tuned scales")
     bound: bool = False
 
     @property

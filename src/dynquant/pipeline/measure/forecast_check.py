@@ -18,10 +18,10 @@ memory while a KL is measured.
 
 The check's codes are gptq's by default (``MeasureOptions.check_codes``): quantize's default
 tuned codes start from them and keep what lowers each block's error, so their forecast is a
-bound from above for the tuned codes, at about a quarter of a tuned check's time (SmolLM2: ~70 s
-a point against ~380). Fitted to ``CHECK_SEQS`` windows, half of quantize's 48, the check's
-codes measure a few per cent more KL than quantize's (BENCHMARKS.md "Calibration windows"):
-the check errs high, by less than its noise, at half the cost.
+bound from above for the tuned codes, at about a quarter of a tuned check's time. Fitted to
+``CHECK_SEQS`` windows, half of quantize's 48, the check's codes measure a few per cent more KL
+than quantize's: the check errs high, by less than its noise, for less time (both measured in
+BENCHMARKS.md "Calibration windows").
 """
 
 from __future__ import annotations
