@@ -8,8 +8,8 @@ dynquant: ``quantize --budget B --no-calib`` (a token's speed depends on the wid
 format, not on how the codes were chosen; the head is in the budget), decoded as ``dynquant
 generate`` decodes (the native decode step). llama.cpp: ``convert_hf_to_gguf.py`` to f16, ``llama-
 quantize Q4_0``, ``llama-bench -p 0 -n N -d DEPTH`` on the same threads. Also each file's size and
-the bytes a token reads per second (the file's bytes x tokens/s: every weight is read once a
-token) beside this machine's read bandwidth (a sum over 2 GiB).
+the bytes a token reads per second (every tensor once, less the input embedding table of which a
+token reads one row: ``token_bytes``) beside this machine's read bandwidth (a sum over 2 GiB).
 
     python -m benchmarks scale_decode [--layers N] [--depths 0 512] [--new 32] [--prefill 512]
 """
@@ -31,6 +31,7 @@ from benchmarks.context_decode import llama_bench
 from benchmarks.scale import convert_command, llama_tools, with_libraries
 from benchmarks.scale_model import save_scale_model
 from benchmarks.vs_llamacpp import Decode
+from dynquant.format.safetensors_header import read_header
 
 BUDGETS = (4.25, 3.25)
 
@@ -46,6 +47,23 @@ def read_bandwidth(gib: float = 2.0, rounds: int = 5) -> float:
         x.sum()
         best = min(best, time.perf_counter() - start)
     return x.numel() * 4 / best
+
+
+def token_bytes(path: Path) -> int:
+    """Bytes a decode step reads from a checkpoint (a dynquant directory or a GGUF file): every
+    tensor once, less the input embedding table where a separate head exists (a token reads one
+    row of the table; a tied head reads all of it)."""
+    if path.is_dir():
+        sizes = {t.name: t.nbytes for f in sorted(path.glob("*.safetensors"))
+                 for t in read_header(str(f)).values()}
+        table, head = "embed_tokens", "lm_head"
+    else:
+        from gguf import GGUFReader
+
+        sizes = {t.name: int(t.n_bytes) for t in GGUFReader(path).tensors}
+        table, head = "token_embd", "output."
+    untied = any(name.startswith(head) or f".{head}" in name for name in sizes)
+    return sum(n for name, n in sizes.items() if not (untied and table in name))
 
 
 def main() -> None:
@@ -71,29 +89,30 @@ def main() -> None:
         subprocess.run([str(c) for c in (bin_dir / "llama-quantize", f16, q40, "Q4_0")],
                        check=True, capture_output=True, env=with_libraries(bin_dir))
         f16.unlink()
-        runs: dict[str, tuple[Decode | None, int]] = {}
+        runs: dict[str, tuple[Decode | None, int, int]] = {}
         for budget in BUDGETS:
             out = work / f"q{budget}"
             subprocess.run([sys.executable, "-m", "dynquant", "quantize", str(model), "--budget",
                             str(budget), "--no-calib", "-o", str(out), "--quiet"], check=True)
             size = sum(p.stat().st_size for p in out.glob("*.safetensors"))
-            runs[f"dynquant {budget}"] = (Decode(dynquant.load(out)), size)
-        runs["llama.cpp Q4_0"] = (None, q40.stat().st_size)
-        print("| runtime | file MiB | cached positions | tok/s | GB/s of the file | "
+            runs[f"dynquant {budget}"] = (Decode(dynquant.load(out)), size, token_bytes(out))
+        runs["llama.cpp Q4_0"] = (None, q40.stat().st_size, token_bytes(q40))
+        print("| runtime | file MiB | MB a token reads | cached positions | tok/s | GB/s read | "
               "/ llama.cpp Q4_0 |")
-        print("|---|---|---|---|---|---|")
+        print("|---|---|---|---|---|---|---|")
         for depth in args.depths:
             theirs = llama_bench(bin_dir, q40, depth, args.new, args.threads, args.rounds)
             ids = [1 + i % 1000 for i in range(max(depth, 1))]
-            for name, (gen, size) in runs.items():
+            for name, (gen, size, reads) in runs.items():
                 rate = theirs if gen is None else max(
                     (args.new - 1) / gen.decode(ids, args.new) for _ in range(args.rounds))
-                print(f"| {name} | {size / 2**20:.0f} | {depth} | {rate:.1f} | "
-                      f"{size * rate / 1e9:.1f} | {rate / theirs:.2f}x |", flush=True)
+                print(f"| {name} | {size / 2**20:.0f} | {reads / 1e6:.0f} | {depth} | "
+                      f"{rate:.1f} | {reads * rate / 1e9:.1f} | {rate / theirs:.2f}x |",
+                      flush=True)
         print(f"\n| runtime | prefill {args.prefill} tok/s | / llama.cpp Q4_0 |\n|---|---|---|")
         theirs = llama_bench(bin_dir, q40, 0, 0, args.threads, args.rounds, prompt=args.prefill)
         ids = [1 + i % 1000 for i in range(args.prefill)]
-        for name, (gen, _) in runs.items():
+        for name, (gen, _, _) in runs.items():
             rate = theirs if gen is None else max(args.prefill / gen.prefill(ids)
                                                   for _ in range(args.rounds))
             print(f"| {name} | {rate:.1f} | {rate / theirs:.2f}x |", flush=True)

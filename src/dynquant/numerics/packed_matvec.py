@@ -200,6 +200,13 @@ def q8_order(bits: int) -> torch.Tensor:
     return 16 * (p // 16) + 4 * ((p % 16) // 8) + lane // 2 + 8 * (lane % 2)
 
 
+def q8_pairs(bits: int, group_size: int) -> bool:
+    """Whether the int8 product takes a width's blocks in pairs (4 bits, groups of an even number
+    of blocks: the header of ``native/packed_matvec_q8.c``): lane l of a pair sums its codes
+    8l .. 8l+7, in natural order."""
+    return bits == 4 and group_size % (2 * Q8_BLOCK) == 0
+
+
 def q16_order(bits: int) -> torch.Tensor:
     """The int16 products' order of a block's codes (``q16_code`` in
     ``native/packed_matvec_q8.c``): position p is 16-bit lane i = p % 16 of unpacked register
@@ -233,10 +240,19 @@ def packed_matvec_q8_ref(x: torch.Tensor, qweight: torch.Tensor, scales: torch.T
     groups, blocks = layout.padded_in_features // gs, gs // Q8_BLOCK
     int16 = dtype == torch.int16
     xq, d = quantize_activations_ref(xf, dtype, gs if int16 else Q8_BLOCK)
-    order = q16_order(layout.bits) if int16 else q8_order(layout.bits)
-    codes = unpack_codes(qweight, layout.bits).to(torch.int32).view(rows, -1, Q8_BLOCK)
-    products = codes[:, :, order] * xq.to(torch.int32).view(-1, Q8_BLOCK)[:, order]
-    lanes = products[:, :, LANE_POSITIONS[dtype]].sum(-1).view(rows, groups, blocks, 8)
+    pairs = not int16 and q8_pairs(layout.bits, gs)
+    unit = 2 * Q8_BLOCK if pairs else Q8_BLOCK  # the blocks, or pairs of them, that fill 8 lanes
+    codes = unpack_codes(qweight, layout.bits).to(torch.int32).view(rows, -1, unit)
+    xu = xq.to(torch.int32).view(-1, unit)
+    if pairs:
+        lanes = (codes * xu).view(rows, -1, 8, 8).sum(-1)
+        steps = d.view(-1, 2).repeat_interleave(4, dim=1)  # each lane's block's d
+    else:
+        order = q16_order(layout.bits) if int16 else q8_order(layout.bits)
+        lanes = (codes[:, :, order] * xu[:, order])[:, :, LANE_POSITIONS[dtype]].sum(-1)
+        steps = d[:, None].expand(-1, 8)
+    units = gs // unit
+    lanes = lanes.view(rows, groups, units, 8)
     if int16:
         return _q16_epilogue(lanes.sum(2), xq, d, scales, offsets, gs)
     lanes = lanes.to(torch.float32)
@@ -247,8 +263,8 @@ def packed_matvec_q8_ref(x: torch.Tensor, qweight: torch.Tensor, scales: torch.T
     acc, o_sum = torch.zeros(rows, 8), torch.zeros(rows)
     for g in range(groups):
         gacc = torch.zeros(rows, 8)
-        for b in range(blocks):
-            gacc = gacc + d[g * blocks + b] * lanes[:, g, b]
+        for b in range(units):
+            gacc = gacc + steps[g * units + b] * lanes[:, g, b]
         acc = acc + scales[:, g].float()[:, None] * gacc
         o_sum = o_sum + offsets[:, g].float() * xsum[g]
     s4 = acc[:, :4] + acc[:, 4:]

@@ -148,6 +148,13 @@ static inline q8_unpacker make_q8_unpacker(int bits) {
     return u;
 }
 
+/* A 4-bit block's 16 bytes in both lane halves, the upper half shifted right by a nibble: a
+ * broadcast load and one variable shift (no cross-lane insert, which costs a shuffle pipe). */
+static inline __m256i nibble_halves(const uint8_t *p) {
+    return _mm256_srlv_epi64(_mm256_broadcastsi128_si256(_mm_loadu_si128((const __m128i *)p)),
+                             _mm256_setr_epi64x(0, 0, 4, 4));
+}
+
 /* A block's bytes in both lane halves: for 2-4 bits one 16-byte window broadcast from memory (a
  * load, no cross-lane shuffle), else the half from p and the half from p + 2 * bits. Reads up to
  * 16 bytes past a block's start + 2 * bits. */

@@ -101,8 +101,7 @@ static inline __attribute__((always_inline)) void q16_unpack(const uint8_t *p, i
             memcpy(&w, p, sizeof w);
             v = _mm256_srlv_epi64(_mm256_set1_epi64x(w), _mm256_setr_epi64x(0, 2, 4, 6));
         } else {
-            const __m128i b = _mm_loadu_si128((const __m128i *)p);
-            v = _mm256_inserti128_si256(_mm256_castsi128_si256(b), _mm_srli_epi16(b, 4), 1);
+            v = nibble_halves(p);
         }
         const __m256i mask = _mm256_set1_epi16((int16_t)((1 << bits) - 1));
         *lo = _mm256_and_si256(v, mask);

@@ -5,7 +5,8 @@
  * The token is quantized once per call to int8 in blocks of 32 (xq = round(x * 127 / amax),
  * d = amax / 127, as llama.cpp's Q8 blocks), and q . x over a block becomes an exact integer dot
  * product of unsigned codes with signed bytes: vpdpbusd where AVX-VNNI or AVX512-VNNI exist,
- * vpmaddubsw + vpmaddwd on AVX2, plain C elsewhere. The offsets' part keeps the float sums of x.
+ * vpmaddubsw + vpmaddwd on AVX2 (8-bit codes: vpmaddwd of the even and the odd bytes widened in
+ * place), plain C elsewhere. The offsets' part keeps the float sums of x.
  *
  * The result is defined, for every build, as:
  *   lane l (0..7) of block b: the int32 sum over positions p = 4l .. 4l+3 of
@@ -15,7 +16,13 @@
  *     byte, shift after shift); 8 bits: o(p) = p; 3, 5 and 6 bits: with h = p / 16,
  *     r = (p % 16) / 8 and l = p % 8, o(p) = 16h + 4r + l / 2 + 8 (l % 2) (the 16-bit lanes
  *     of unpack32_words packed to bytes);
- *   group g: gacc[l] = sum over its blocks, in order, of d[b] * float(lane l)   (mul, then add);
+ *   4 bits where the group holds an even number of blocks (gs a multiple of 64): a pair of
+ *     blocks 2k, 2k+1 fills the 8 lanes instead, lane l summing codes 8 (l % 4) .. 8 (l % 4) + 7
+ *     of block 2k + l / 4 (each byte's two nibbles in one lane: one 32-byte load and one
+ *     conversion to float for 64 codes); position p of the pair's 64 holds code
+ *     32 ((p % 32) / 16) + 2 (p % 16) + p / 32 (the low nibbles of its 32 bytes, then the high);
+ *   group g: gacc[l] = sum over its blocks, in order, of d[b] * float(lane l)   (mul, then add;
+ *     pairs: over its pairs, d[b] the block of lane l);
  *   row:     acc[l] = sum over groups, in order, of scale[g] * gacc[l];
  *            y = ((acc0+acc4)+(acc2+acc6)) + ((acc1+acc5)+(acc3+acc7)) + sum_g offset[g] * xsum[g]
  * with xsum[g] the sum over the group's blocks, in order, of d[b] * float(sum of the block's xq)
@@ -32,7 +39,7 @@
  * bits: the two bytes of codes j and j + 8 (which start at the same bit) into one 32-bit lane
  * (vpshufb), one variable shift (vpsrlvd) and a mask, then the two registers packed
  * (vpackuswb). No gather, no cross-lane permute, no multiply in the loop. 8-bit codes are the bytes
- * themselves; without VNNI they are split in nibbles (vpmaddubsw saturates past 16 bits).
+ * themselves; without VNNI they go through vpmaddwd (vpmaddubsw saturates past 16 bits).
  */
 #include "integer_dots.h"
 
@@ -67,8 +74,23 @@ static inline int q8_order(int bits, int p) {
     return 16 * (p / 16) + 4 * ((p % 16) / 8) + l / 2 + 8 * (l % 2);
 }
 
-/* xq [n] in natural order -> out [n] in the width's order, block by block (out may be xq). */
-static void q8_permute(const int8_t *xq, int64_t n, int bits, int8_t *out) {
+/* Whether a width and group size take the pairs of blocks (the header). */
+static inline int q8_pairs(int bits, int64_t gs) { return bits == 4 && gs % (2 * Q8_BLOCK) == 0; }
+
+/* Which code of a pair of 4-bit blocks sits at position p (0 .. 63) of the pair (the header). */
+static inline int q8_pair_order(int p) { return 32 * ((p % 32) / 16) + 2 * (p % 16) + p / 32; }
+
+/* xq [n] in natural order -> out [n] in the width's order, block by block or pair by pair (out
+ * may be xq). */
+static void q8_permute(const int8_t *xq, int64_t n, int bits, int64_t gs, int8_t *out) {
+    if (q8_pairs(bits, gs)) {
+        int8_t pair[2 * Q8_BLOCK];
+        for (int64_t b = 0; b < n; b += 2 * Q8_BLOCK) {
+            memcpy(pair, xq + b, sizeof pair);
+            for (int p = 0; p < 2 * Q8_BLOCK; p++) out[b + p] = pair[q8_pair_order(p)];
+        }
+        return;
+    }
     int order[Q8_BLOCK];
     for (int p = 0; p < Q8_BLOCK; p++) order[p] = q8_order(bits, p);
     permute_blocks(xq, n, order, 1, out);
@@ -104,12 +126,23 @@ static inline void block_lanes_portable(const uint8_t *bytes, int bits, const in
     }
 }
 
+/* The 8 integer lanes of a pair of 4-bit blocks (32 bytes), plain C, xq the pair's 64 values in
+ * its order: lane l sums the pair's codes 8l .. 8l+7. */
+static inline void pair_lanes_portable(const uint8_t *bytes, const int8_t *xq, int32_t *lanes) {
+    uint8_t c[2 * Q8_BLOCK];
+    block_codes(bytes, 4, c);
+    block_codes(bytes + Q8_BLOCK / 2, 4, c + Q8_BLOCK);
+    memset(lanes, 0, 8 * sizeof *lanes);
+    for (int p = 0; p < 2 * Q8_BLOCK; p++) {
+        const int code = q8_pair_order(p);
+        lanes[code / 8] += (int32_t)c[code] * xq[p];
+    }
+}
+
 #ifdef Q8_AVX2
 /* 32 codes of 4 bits (16 bytes at p) in the order o: low nibbles, then high ones. */
 static inline __m256i unpack32_4bit(const uint8_t *p) {
-    const __m128i v = _mm_loadu_si128((const __m128i *)p);
-    const __m256i both = _mm256_inserti128_si256(_mm256_castsi128_si256(v), _mm_srli_epi16(v, 4), 1);
-    return _mm256_and_si256(both, _mm256_set1_epi8(0x0F));
+    return _mm256_and_si256(nibble_halves(p), _mm256_set1_epi8(0x0F));
 }
 
 /* 32 codes of 2 bits (8 bytes at p) in the order o: qword q holds every byte's code at shift 2q. */
@@ -133,11 +166,11 @@ static inline __m256i dot_small_codes(__m256i c, __m256i xq) {
 static inline __m256i dot_bytes(__m256i c, __m256i xq) {
 #ifdef Q8_VNNI
     return Q8_DPBUSD(_mm256_setzero_si256(), c, xq);
-#else
-    const __m256i nibble = _mm256_set1_epi8(0x0F);
-    const __m256i lo = dot_small_codes(_mm256_and_si256(c, nibble), xq);
-    const __m256i hi = dot_small_codes(_mm256_and_si256(_mm256_srli_epi16(c, 4), nibble), xq);
-    return _mm256_add_epi32(_mm256_slli_epi32(hi, 4), lo);
+#else /* even and odd bytes widened to 16 bits in place: two vpmaddwd give lane l's four */
+    const __m256i even_x = _mm256_srai_epi16(_mm256_slli_epi16(xq, 8), 8);
+    const __m256i even = _mm256_madd_epi16(_mm256_and_si256(c, _mm256_set1_epi16(0xFF)), even_x);
+    const __m256i odd = _mm256_madd_epi16(_mm256_srli_epi16(c, 8), _mm256_srai_epi16(xq, 8));
+    return _mm256_add_epi32(even, odd);
 #endif
 }
 
@@ -157,6 +190,30 @@ static inline __m256i block_lanes_avx2(const uint8_t *bytes, const int8_t *xq,
     return dot_small_codes(unpack_block(bytes, u->bits, u), x);
 }
 
+/* The 8 lanes of a pair of 4-bit blocks (32 bytes at p; xq the pair's 64 values in its order):
+ * the low nibbles times the first 32 values plus the high nibbles times the rest, summed in 16
+ * bits before one vpmaddwd (exact: each 16-bit sum is of four codes below 16 times |xq| <= 127,
+ * below 2^15). */
+static inline __m256i pair_lanes_avx2(const uint8_t *p, const int8_t *xq) {
+    const __m256i nibble = _mm256_set1_epi8(0x0F), c = _mm256_loadu_si256((const __m256i *)p);
+    const __m256i lo = _mm256_and_si256(c, nibble);
+    const __m256i hi = _mm256_and_si256(_mm256_srli_epi16(c, 4), nibble);
+    const __m256i xa = _mm256_loadu_si256((const __m256i *)xq);
+    const __m256i xb = _mm256_loadu_si256((const __m256i *)(xq + Q8_BLOCK));
+#ifdef Q8_VNNI
+    return Q8_DPBUSD(Q8_DPBUSD(_mm256_setzero_si256(), lo, xa), hi, xb);
+#else
+    const __m256i pairs = _mm256_add_epi16(_mm256_maddubs_epi16(lo, xa),
+                                           _mm256_maddubs_epi16(hi, xb));
+    return _mm256_madd_epi16(pairs, _mm256_set1_epi16(1));
+#endif
+}
+
+/* The step of each lane of a pair starting at block k: d[k] in lanes 0-3, d[k + 1] in 4-7. */
+static inline __m256 pair_steps(const float *d, int64_t k) {
+    return _mm256_set_m128(_mm_set1_ps(d[k + 1]), _mm_set1_ps(d[k]));
+}
+
 #endif
 
 
@@ -171,12 +228,17 @@ static int q8_rows_portable(const q8_job *j, const int8_t *xq, const float *d,
         for (int64_t g = 0; g < groups; g++) {
             float gacc[8] = {0};
             int32_t total = 0;
-            for (int64_t b = 0; b < blocks; b++) {
+            const int pairs = q8_pairs(j->bits, j->gs);
+            for (int64_t b = 0; b < blocks; b += 1 + pairs) {
                 const int64_t k = g * blocks + b;
                 int32_t lanes[8];
-                block_lanes_portable(row + k * block_bytes, j->bits, xq + k * Q8_BLOCK, lanes);
+                if (pairs)
+                    pair_lanes_portable(row + k * block_bytes, xq + k * Q8_BLOCK, lanes);
+                else
+                    block_lanes_portable(row + k * block_bytes, j->bits, xq + k * Q8_BLOCK,
+                                         lanes);
                 for (int l = 0; l < 8; l++) {
-                    gacc[l] += d[k] * (float)lanes[l];
+                    gacc[l] += d[k + (pairs ? l / 4 : 0)] * (float)lanes[l];
                     total += lanes[l];
                 }
             }
@@ -204,13 +266,13 @@ static inline void add_group(__m256 *acc, __m256 gacc, uint16_t scale) {
     *acc = _mm256_add_ps(*acc, _mm256_mul_ps(_mm256_set1_ps(bf16_value(scale)), gacc));
 }
 
-/* Rows r .. r + rows_n - 1 (one or two) with `bits` a constant after inlining. Two rows at a
- * time share the token's loads and give the out-of-order core two independent chains of adds;
- * each row's operations are the same as alone. `tail`: the last row of the part, whose last
- * group is read from a padded copy (the SIMD loads pass a group's end). */
+/* Rows r .. r + rows_n - 1 (one or two) with `bits` and `pairs` (q8_pairs) constants after
+ * inlining. Two rows at a time share the token's loads and give the out-of-order core two
+ * independent chains of adds; each row's operations are the same as alone. `tail`: the last row
+ * of the part, whose last group is read from a padded copy (the SIMD loads pass a group's end). */
 static inline __attribute__((always_inline)) void q8_row_pair(
     const q8_job *j, const int8_t *xq, const float *d, const float *xsum, float *y, int64_t r,
-    int two, int tail, int bits, const q8_unpacker *u, uint8_t *spare) {
+    int two, int tail, int bits, int pairs, const q8_unpacker *u, uint8_t *spare) {
     const int64_t groups = j->padded_n / j->gs, blocks = j->gs / Q8_BLOCK;
     const int64_t block_bytes = Q8_BLOCK * bits / 8, group_nbytes = j->gs * bits / 8;
     const uint8_t *row0 = (const uint8_t *)j->qweight + r * groups * group_nbytes;
@@ -227,7 +289,13 @@ static inline __attribute__((always_inline)) void q8_row_pair(
         prefetch_codes(b0);
         if (two) prefetch_codes(b1);
         __m256 g0 = _mm256_setzero_ps(), g1 = _mm256_setzero_ps();
-        for (int64_t b = 0; b < blocks; b++) {
+        for (int64_t b = 0; pairs && b < blocks; b += 2) {
+            const int64_t k = g * blocks + b;
+            const __m256 dk = pair_steps(d, k);
+            g0 = add_block(g0, pair_lanes_avx2(b0 + b * block_bytes, xq + k * Q8_BLOCK), dk);
+            if (two) g1 = add_block(g1, pair_lanes_avx2(b1 + b * block_bytes, xq + k * Q8_BLOCK), dk);
+        }
+        for (int64_t b = 0; !pairs && b < blocks; b++) {
             const int64_t k = g * blocks + b;
             const __m256i x = _mm256_loadu_si256((const __m256i *)(xq + k * Q8_BLOCK));
             const __m256 dk = _mm256_set1_ps(d[k]);
@@ -252,26 +320,31 @@ static inline __attribute__((always_inline)) void q8_row_pair(
 
 static inline __attribute__((always_inline)) void q8_rows_bits(
     const q8_job *j, const int8_t *xq, const float *d, const float *xsum, float *y, int64_t lo,
-    int64_t hi, int bits) {
+    int64_t hi, int bits, int pairs) {
     const q8_unpacker u = make_q8_unpacker(bits);
     uint8_t spare[MAX_GROUP + 32];
     int64_t r = lo;
-    for (; r + 2 < hi; r += 2) q8_row_pair(j, xq, d, xsum, y, r, 1, 0, bits, &u, spare);
+    for (; r + 2 < hi; r += 2) q8_row_pair(j, xq, d, xsum, y, r, 1, 0, bits, pairs, &u, spare);
     if (r + 2 == hi)
-        q8_row_pair(j, xq, d, xsum, y, r, 1, 1, bits, &u, spare);
+        q8_row_pair(j, xq, d, xsum, y, r, 1, 1, bits, pairs, &u, spare);
     else if (r < hi)
-        q8_row_pair(j, xq, d, xsum, y, r, 0, 1, bits, &u, spare);
+        q8_row_pair(j, xq, d, xsum, y, r, 0, 1, bits, pairs, &u, spare);
 }
 
 static void q8_rows_avx2(const q8_job *j, const int8_t *xq, const float *d, const float *xsum,
                          float *y, int64_t lo, int64_t hi) {
     switch (j->bits) { /* constant widths: shifts, loads and the 8-bit test fold away */
-    case 2: q8_rows_bits(j, xq, d, xsum, y, lo, hi, 2); break;
-    case 3: q8_rows_bits(j, xq, d, xsum, y, lo, hi, 3); break;
-    case 4: q8_rows_bits(j, xq, d, xsum, y, lo, hi, 4); break;
-    case 5: q8_rows_bits(j, xq, d, xsum, y, lo, hi, 5); break;
-    case 6: q8_rows_bits(j, xq, d, xsum, y, lo, hi, 6); break;
-    default: q8_rows_bits(j, xq, d, xsum, y, lo, hi, 8); break;
+    case 2: q8_rows_bits(j, xq, d, xsum, y, lo, hi, 2, 0); break;
+    case 3: q8_rows_bits(j, xq, d, xsum, y, lo, hi, 3, 0); break;
+    case 4:
+        if (q8_pairs(4, j->gs))
+            q8_rows_bits(j, xq, d, xsum, y, lo, hi, 4, 1);
+        else
+            q8_rows_bits(j, xq, d, xsum, y, lo, hi, 4, 0);
+        break;
+    case 5: q8_rows_bits(j, xq, d, xsum, y, lo, hi, 5, 0); break;
+    case 6: q8_rows_bits(j, xq, d, xsum, y, lo, hi, 6, 0); break;
+    default: q8_rows_bits(j, xq, d, xsum, y, lo, hi, 8, 0); break;
     }
 }
 
@@ -290,10 +363,13 @@ static void q8_dots_avx2(const q8_job *j, const int8_t *xq, int64_t lo, int64_t 
                 bytes = spare;
             }
             __m256i total = _mm256_setzero_si256();
-            for (int64_t b = 0; b < blocks; b++)
-                total = _mm256_add_epi32(total, block_lanes_avx2(bytes + b * block_bytes,
-                                                                 xq + (g * blocks + b) * Q8_BLOCK,
-                                                                 &u));
+            const int pairs = q8_pairs(j->bits, j->gs);
+            for (int64_t b = 0; b < blocks; b += 1 + pairs) {
+                const int8_t *x = xq + (g * blocks + b) * Q8_BLOCK;
+                const __m256i lanes = pairs ? pair_lanes_avx2(bytes + b * block_bytes, x)
+                                            : block_lanes_avx2(bytes + b * block_bytes, x, &u);
+                total = _mm256_add_epi32(total, lanes);
+            }
             int32_t t[8];
             _mm256_storeu_si256((__m256i *)t, total);
             j->dots[r * groups + g] = t[0] + t[1] + t[2] + t[3] + t[4] + t[5] + t[6] + t[7];
@@ -329,7 +405,7 @@ static void q8_quantize_ordered(const float *x, int64_t n, int64_t gs, int bits,
                                 float *d, float *xsum) {
     dq_q8_quantize(x, n, xq, d);
     quantized_group_sums(xq, d, n, gs, xsum);
-    if (q8_permutes(bits)) q8_permute(xq, n, bits, xq);
+    if (q8_permutes(bits)) q8_permute(xq, n, bits, gs, xq);
 }
 
 /* m tokens x [m, padded_n] quantized (q8_quantize_ordered) into one allocation, owned by the
@@ -363,7 +439,7 @@ int dq_q8_group_dots(const uint32_t *qweight, int64_t rows, int64_t padded_n, in
     int8_t *ordered = malloc((size_t)padded_n);
     int rc = -1;
     if (d && ordered) {
-        q8_permute(xq, padded_n, bits, ordered);
+        q8_permute(xq, padded_n, bits, gs, ordered);
         const q8_job j = {.qweight = qweight, .padded_n = padded_n, .gs = gs, .bits = bits,
                           .portable = portable, .x = {.xq = ordered, .d = d}, .m = 1,
                           .dots = dots};

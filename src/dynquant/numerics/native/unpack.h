@@ -41,7 +41,7 @@ static inline uint16_t bf16_round(float x) {
  * half its in-cache rate; 2 KiB ahead brings it to that rate (a shorter distance slows 8-bit
  * codes): benchmarks/packed_products.py "from memory". A prefetch never faults, so running past
  * the end is harmless. */
-#define DQ_PREFETCH_BYTES 2048
+#define DQ_PREFETCH_BYTES 4096
 static inline void prefetch_codes(const uint8_t *bytes) {
     __builtin_prefetch(bytes + DQ_PREFETCH_BYTES, 0, 3);
     __builtin_prefetch(bytes + DQ_PREFETCH_BYTES + 64, 0, 3);
