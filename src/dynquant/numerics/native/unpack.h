@@ -38,9 +38,9 @@ static inline uint16_t bf16_round(float x) {
 
 /* Software prefetch of the packed codes ahead of their use. Decode streams every weight from
  * memory once per token, and the hardware prefetcher alone keeps a narrow-code product at about
- * half its in-cache rate; 2 KiB ahead brings it to that rate (a shorter distance slows 8-bit
- * codes): benchmarks/packed_products.py "from memory". A prefetch never faults, so running past
- * the end is harmless. */
+ * half its in-cache rate; 4 KiB ahead brings it near that rate at every width (2 KiB still
+ * left 8-bit codes, which are read fastest, waiting on memory): benchmarks/memory_bandwidth.py.
+ * A prefetch never faults, so running past the end is harmless. */
 #define DQ_PREFETCH_BYTES 4096
 static inline void prefetch_codes(const uint8_t *bytes) {
     __builtin_prefetch(bytes + DQ_PREFETCH_BYTES, 0, 3);
