@@ -184,48 +184,57 @@ static void q16_rows_token(const q16_job *j, const int16_t *xq, const float *d,
 }
 
 #ifdef Q8_AVX2
-/* q16_rows_token's rows in registers (the same operations in the same order), `bits` a
- * constant after inlining; two rows at a time, as the int8 rows. */
+/* q16_rows_token's rows r (and r + 1 where `two`) in registers (the same operations in the same
+ * order), `bits`, `two` and `tail` constants after inlining, as the int8 rows' pairs: `tail`,
+ * the part's last row, whose last group is read from a padded copy. */
+static inline __attribute__((always_inline)) void q16_row_pair(
+    const q16_job *j, const int16_t *xq, const float *d, const float *xsum, float *y, int64_t r,
+    int two, int tail, int bits, const q8_unpacker *u, uint8_t *spare) {
+    const int64_t groups = j->padded_n / j->gs, blocks = j->gs / Q8_BLOCK;
+    const int64_t block_bytes = Q8_BLOCK * bits / 8, group_nbytes = j->gs * bits / 8;
+    __m256 acc0 = _mm256_setzero_ps(), acc1 = _mm256_setzero_ps();
+    float o0 = 0.0f, o1 = 0.0f;
+    for (int64_t g = 0; g < groups; g++) {
+        const uint8_t *b0 = (const uint8_t *)j->qweight + (r * groups + g) * group_nbytes;
+        const uint8_t *b1 = b0 + groups * group_nbytes;
+        if (tail && g == groups - 1) {
+            memset(spare, 0, (size_t)group_nbytes + 32);
+            memcpy(spare, two ? b1 : b0, (size_t)group_nbytes);
+            if (two) b1 = spare; else b0 = spare;
+        }
+        prefetch_codes(b0);
+        if (two) prefetch_codes(b1);
+        const int16_t *xg = xq + g * j->gs;
+        __m256i l0 = _mm256_setzero_si256(), l1 = _mm256_setzero_si256();
+        for (int64_t b = 0; b < blocks; b++) {
+            l0 = _mm256_add_epi32(l0, q16_lanes_avx2(b0 + b * block_bytes, bits, xg + b * Q8_BLOCK, u));
+            if (two)
+                l1 = _mm256_add_epi32(l1, q16_lanes_avx2(b1 + b * block_bytes, bits, xg + b * Q8_BLOCK, u));
+        }
+        const float t0 = d[g] * bf16_value(j->scales[r * groups + g]);
+        acc0 = _mm256_add_ps(acc0, _mm256_mul_ps(_mm256_set1_ps(t0), _mm256_cvtepi32_ps(l0)));
+        o0 += bf16_value(j->offsets[r * groups + g]) * xsum[g];
+        if (two) {
+            const float t1 = d[g] * bf16_value(j->scales[(r + 1) * groups + g]);
+            acc1 = _mm256_add_ps(acc1, _mm256_mul_ps(_mm256_set1_ps(t1), _mm256_cvtepi32_ps(l1)));
+            o1 += bf16_value(j->offsets[(r + 1) * groups + g]) * xsum[g];
+        }
+    }
+    y[r] = lane_sum8(acc0) + o0;
+    if (two) y[r + 1] = lane_sum8(acc1) + o1;
+}
+
 static inline __attribute__((always_inline)) void q16_rows_avx2_bits(
     const q16_job *j, const int16_t *xq, const float *d, const float *xsum, float *y,
     int64_t lo, int64_t hi, int bits) {
-    const int64_t groups = j->padded_n / j->gs, blocks = j->gs / Q8_BLOCK;
-    const int64_t block_bytes = Q8_BLOCK * bits / 8, group_nbytes = j->gs * bits / 8;
     const q8_unpacker u = make_q8_unpacker(bits);
     uint8_t spare[MAX_GROUP + 32];
-    for (int64_t r = lo; r < hi; r += 2) {
-        const int two = r + 1 < hi;
-        __m256 acc0 = _mm256_setzero_ps(), acc1 = _mm256_setzero_ps();
-        float o0 = 0.0f, o1 = 0.0f;
-        for (int64_t g = 0; g < groups; g++) {
-            const uint8_t *b0 = (const uint8_t *)j->qweight + (r * groups + g) * group_nbytes;
-            const uint8_t *b1 = b0 + groups * group_nbytes;
-            if (r + 1 + two == hi && g == groups - 1) { /* the part's last group */
-                memset(spare, 0, (size_t)group_nbytes + 32);
-                memcpy(spare, two ? b1 : b0, (size_t)group_nbytes);
-                if (two) b1 = spare; else b0 = spare;
-            }
-            prefetch_codes(b0);
-            if (two) prefetch_codes(b1);
-            const int16_t *xg = xq + g * j->gs;
-            __m256i l0 = _mm256_setzero_si256(), l1 = _mm256_setzero_si256();
-            for (int64_t b = 0; b < blocks; b++) {
-                l0 = _mm256_add_epi32(l0, q16_lanes_avx2(b0 + b * block_bytes, bits, xg + b * Q8_BLOCK, &u));
-                if (two)
-                    l1 = _mm256_add_epi32(l1, q16_lanes_avx2(b1 + b * block_bytes, bits, xg + b * Q8_BLOCK, &u));
-            }
-            const float t0 = d[g] * bf16_value(j->scales[r * groups + g]);
-            acc0 = _mm256_add_ps(acc0, _mm256_mul_ps(_mm256_set1_ps(t0), _mm256_cvtepi32_ps(l0)));
-            o0 += bf16_value(j->offsets[r * groups + g]) * xsum[g];
-            if (two) {
-                const float t1 = d[g] * bf16_value(j->scales[(r + 1) * groups + g]);
-                acc1 = _mm256_add_ps(acc1, _mm256_mul_ps(_mm256_set1_ps(t1), _mm256_cvtepi32_ps(l1)));
-                o1 += bf16_value(j->offsets[(r + 1) * groups + g]) * xsum[g];
-            }
-        }
-        y[r] = lane_sum8(acc0) + o0;
-        if (two) y[r + 1] = lane_sum8(acc1) + o1;
-    }
+    int64_t r = lo;
+    for (; r + 2 < hi; r += 2) q16_row_pair(j, xq, d, xsum, y, r, 1, 0, bits, &u, spare);
+    if (r + 2 == hi)
+        q16_row_pair(j, xq, d, xsum, y, r, 1, 1, bits, &u, spare);
+    else if (r < hi)
+        q16_row_pair(j, xq, d, xsum, y, r, 0, 1, bits, &u, spare);
 }
 
 static void q16_rows_avx2(const q16_job *j, const int16_t *xq, const float *d,
