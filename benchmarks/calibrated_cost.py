@@ -6,7 +6,8 @@ layer's shapes (one worker = the measuring machine's threads; the driver the sam
 Per decoder block, in order, as the pipeline runs it (docs/distributed.md):
 - the X^T X pass: the block's forwards and second moments, by shards of 8 windows over the
   workers (16 windows: at most 2 workers share a block);
-- the statistics pass (8 windows, one shard) and the Fisher pass's backward (on the driver);
+- the statistics pass (8 windows, one shard) and the Fisher pass's backward (the same windows,
+  ``CLUSTER_SHARD_SEQS`` a job on the workers);
 - the measure's gptq ratios: one job per Linear (an inverse factor and a few rows compensated),
   the whole model's at once once every block's moments are on disk;
 - the sequential GPTQ pass, a group at a time (q/k/v, o, gate/up, down): the group's partial
@@ -21,6 +22,8 @@ at 8,192 wide), the data-free measure's candidates, Ray's start.
 from __future__ import annotations
 
 from dataclasses import dataclass
+
+from dynquant.pipeline.calibrate.fisher import CLUSTER_SHARD_SEQS
 
 WINDOWS, MOMENT_WINDOWS, WINDOW, SHARD, STAT_WINDOWS = 48, 16, 256, 8, 8
 RATIO_ROWS = 256  # rows a gptq ratio compensates, at each of 4 widths
@@ -95,8 +98,9 @@ def project(s: Shape, workers: int, rate: dict[str, float]) -> dict[str, float]:
     per_block = {
         "X^T X pass (workers)": (measured["forward"] + measured["moments"]) / rate["pass"]
         / min(workers, MOMENT_WINDOWS // SHARD),
-        "statistics + Fisher (driver)": (small["forward"] / rate["stats"]
-                                         + small["forward"] / rate["fisher"]),
+        "statistics (one job)": small["forward"] / rate["stats"],
+        "Fisher backward (workers)": small["forward"] / rate["fisher"]
+        / min(workers, STAT_WINDOWS // CLUSTER_SHARD_SEQS),
         "GPTQ forwards + X^T X (workers)": (big["forward"] + big["partial"] + big["moments"])
         / rate["gptq"] / spread,
         "inverse factors (driver)": big["factors"] / rate["factor"],

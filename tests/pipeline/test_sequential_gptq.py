@@ -13,7 +13,6 @@ import torch
 
 from dynquant.models.sources import resolve_model
 from dynquant.models.tokenizer import load_tokenizer
-from dynquant.pipeline.calibrate import calibration_pass
 from dynquant.pipeline.calibrate.text import calibration_ids, default_calibration
 from dynquant.pipeline.codes import sequential_gptq as seq
 from dynquant.pipeline.codes.code_chooser import CodeChooser
@@ -21,6 +20,7 @@ from dynquant.pipeline.codes.sequential_gptq import SequentialCalibration
 from dynquant.pipeline.codes.write import quantize_model
 from dynquant.pipeline.execute.executor import LocalExecutor
 from shipped_models import LLAMA_REF, checkpoint_bytes
+from worker_executor import AsAWorker
 
 ROOT = Path(__file__).parents[2]
 
@@ -118,21 +118,6 @@ def test_reruns_and_resumes_are_byte_identical(tmp_path, monkeypatch):
     assert checkpoint_bytes(tmp_path / "c") == checkpoint_bytes(tmp_path / "a")
 
 
-class _AsAWorker(LocalExecutor):
-    """Runs each job as a worker process would: on a skeleton of its own, the block's weights
-    read from the files and the driver's codes put in their place (not the driver's block)."""
-
-    def map(self, fn, jobs, shared, nbytes=None, cpus=1):
-        for job in jobs:
-            kept = dict(calibration_pass._STREAMS)
-            calibration_pass._STREAMS.clear()
-            try:
-                yield fn(job, shared)
-            finally:
-                calibration_pass._STREAMS.clear()
-                calibration_pass._STREAMS.update(kept)
-
-
 def test_window_shards_run_by_a_worker_give_the_driver_s_bytes(tmp_path):
     """12 windows: two shards (8 + 4) per group's moments and per block's outputs, each folded
     in order; run as a worker runs them (weights from the files, earlier groups' codes sent
@@ -140,7 +125,7 @@ def test_window_shards_run_by_a_worker_give_the_driver_s_bytes(tmp_path):
     source = resolve_model(str(LLAMA_REF))
     widths = {**_uniform(source, 3), "model.layers.1.mlp.down_proj": 4}
     chooser = CodeChooser("gptq", sequential=_calibration(LLAMA_REF, 12, 32))
-    for run, executor in (("here", LocalExecutor()), ("worker", _AsAWorker())):
+    for run, executor in (("here", LocalExecutor()), ("worker", AsAWorker())):
         quantize_model(source, widths, tmp_path / run, progress=False, chooser=chooser,
                        executor=executor)
     assert checkpoint_bytes(tmp_path / "here") == checkpoint_bytes(tmp_path / "worker")

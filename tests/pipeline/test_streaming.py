@@ -14,6 +14,7 @@ from transformers import AutoModelForCausalLM, LlamaConfig
 from dynquant.models.sources import resolve_model
 from dynquant.models.tokenizer import load_tokenizer
 from dynquant.numerics.quantizer import quantize_tensor
+from dynquant.pipeline.calibrate import fisher as fisher_module
 from dynquant.pipeline.calibrate.block_stream import ActivationStore, BlockStream
 from dynquant.pipeline.calibrate.calibration_pass import run_calibration_pass
 from dynquant.pipeline.calibrate.fisher import fisher_kl
@@ -25,6 +26,7 @@ from dynquant.pipeline.measure.probe import KLProbe
 from dynquant.pipeline.measure.run import measure
 from dynquant.runtime.any_model import load_any
 from model_zoo import save_tiny_model, save_tiny_tokenizer
+from worker_executor import AsAWorker
 
 ROOT = Path(__file__).parents[2]
 FAMILIES = ("llama", "qwen3", "qwen3_moe", "olmoe", "lfm2", "lfm2_moe", "dynquant_hybrid")
@@ -395,3 +397,40 @@ def test_head_terms_equal_the_vocabulary_wide_products(cap, tmp_path, monkeypatc
     cal.close()
     assert fast["model.embed_tokens"] > 0
     assert math.isclose(fast["model.embed_tokens"], taps["model.embed_tokens"], rel_tol=1e-4)
+
+
+class _OnAWorker(AsAWorker):
+    """As a cluster runs the jobs: a block's sequences split into CLUSTER_SHARD_SEQS a job."""
+
+    runs_here = False
+
+
+@pytest.mark.parametrize(("family", "chunk"), [("llama", 1), ("qwen3_moe", 2)])
+def test_the_fisher_pass_in_shards_run_as_workers_is_the_same_bits(family, chunk, tmp_path,
+                                                                   monkeypatch):
+    """Each block's backward in jobs of 2 sequences (6 a block), run as workers run them
+    (weights from the files, the driver's probe codes shared by the block's jobs; expert banks
+    through their gradient hooks), gives the estimate of the one job run here, bit for bit."""
+    model_dir = save_tiny_model(family, tmp_path / family)
+    ids = torch.randint(0, 384, (12, 24), generator=torch.Generator().manual_seed(5))
+    stream, modules = _stream(model_dir, ids, chunk=chunk)
+    cal = run_calibration_pass(stream, modules)
+
+    def probe_weight(_spec, w):
+        return quantize_tensor(w, 3, 32)
+
+    jobs = []
+    original = fisher_module.fisher_block_job
+
+    def counted(job, block):
+        jobs.append(job.block)
+        return original(job, block)
+
+    monkeypatch.setattr(fisher_module, "fisher_block_job", counted)
+    sharded = fisher_kl(cal, modules, probe_weight, executor=_OnAWorker())
+    monkeypatch.undo()
+    whole = fisher_kl(cal, modules, probe_weight)
+    cal.close()
+    assert jobs.count(0) == 12 // fisher_module.CLUSTER_SHARD_SEQS
+    assert sorted(sharded) == sorted(modules)
+    assert sharded == whole and all(v > 0 for v in whole.values())

@@ -148,6 +148,20 @@ static inline q8_unpacker make_q8_unpacker(int bits) {
     return u;
 }
 
+/* A row pair's group g starting at b0 (and b1, the second row's, where `two`): on the part's last
+ * group (`last`) the row read last is pointed at a zero-padded copy in `spare` (the SIMD loads
+ * pass a group's end); then both prefetched. */
+static inline __attribute__((always_inline)) void start_group_pair(
+    const uint8_t **b0, const uint8_t **b1, int two, int last, int64_t nbytes, uint8_t *spare) {
+    if (last) {
+        memset(spare, 0, (size_t)nbytes + 32);
+        memcpy(spare, two ? *b1 : *b0, (size_t)nbytes);
+        if (two) *b1 = spare; else *b0 = spare;
+    }
+    prefetch_codes(*b0);
+    if (two) prefetch_codes(*b1);
+}
+
 /* A 4-bit block's 16 bytes in both lane halves, the upper half shifted right by a nibble: a
  * broadcast load and one variable shift (no cross-lane insert, which costs a shuffle pipe). */
 static inline __m256i nibble_halves(const uint8_t *p) {

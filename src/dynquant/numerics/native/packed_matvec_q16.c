@@ -197,13 +197,7 @@ static inline __attribute__((always_inline)) void q16_row_pair(
     for (int64_t g = 0; g < groups; g++) {
         const uint8_t *b0 = (const uint8_t *)j->qweight + (r * groups + g) * group_nbytes;
         const uint8_t *b1 = b0 + groups * group_nbytes;
-        if (tail && g == groups - 1) {
-            memset(spare, 0, (size_t)group_nbytes + 32);
-            memcpy(spare, two ? b1 : b0, (size_t)group_nbytes);
-            if (two) b1 = spare; else b0 = spare;
-        }
-        prefetch_codes(b0);
-        if (two) prefetch_codes(b1);
+        start_group_pair(&b0, &b1, two, tail && g == groups - 1, group_nbytes, spare);
         const int16_t *xg = xq + g * j->gs;
         __m256i l0 = _mm256_setzero_si256(), l1 = _mm256_setzero_si256();
         for (int64_t b = 0; b < blocks; b++) {

@@ -281,13 +281,7 @@ static inline __attribute__((always_inline)) void q8_row_pair(
     float o0 = 0.0f, o1 = 0.0f;
     for (int64_t g = 0; g < groups; g++) {
         const uint8_t *b0 = row0 + g * group_nbytes, *b1 = row1 + g * group_nbytes;
-        if (tail && g == groups - 1) {
-            memset(spare, 0, (size_t)group_nbytes + 32);
-            memcpy(spare, two ? b1 : b0, (size_t)group_nbytes);
-            if (two) b1 = spare; else b0 = spare;
-        }
-        prefetch_codes(b0);
-        if (two) prefetch_codes(b1);
+        start_group_pair(&b0, &b1, two, tail && g == groups - 1, group_nbytes, spare);
         __m256 g0 = _mm256_setzero_ps(), g1 = _mm256_setzero_ps();
         for (int64_t b = 0; pairs && b < blocks; b += 2) {
             const int64_t k = g * blocks + b;

@@ -14,14 +14,22 @@ along its own weights), and the diagonal estimate came out 1.5-4x low on the ref
 
 The backward runs block by block from the top, recomputing each block from its stored input
 (``calibration_pass.py``): one block in memory, and no gradient is kept past its dot product with
-the module's error. The probe (``measure.KLProbe``, ``--method kl-exact``) measures the same KL
-with one full forward per module; the tests and benchmarks/ hold this estimate to it.
+the module's error. A block's sequences run as jobs on the executor: all of them in one job here,
+``CLUSTER_SHARD_SEQS`` a job on Ray workers, each job with its sequences' gradients and the
+block's probe-width codes (made once, on the driver, and shared by the block's jobs). Every
+sequence's products are its own (G_s . dW, one per draw), so the estimate is the same bits however
+the sequences were split. The head's backward, whose labels are drawn in one seeded order, runs
+on the driver.
+
+The probe (``measure.KLProbe``, ``--method kl-exact``) measures the same KL with one full forward
+per module; the tests and benchmarks/ hold this estimate to it.
 """
 
 from __future__ import annotations
 
 import itertools
 from collections.abc import Callable, Iterator
+from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
@@ -36,7 +44,14 @@ from dynquant.pipeline.calibrate.block_stream import (
     first_output,
     parameter_slots,
 )
-from dynquant.pipeline.calibrate.calibration_pass import CalibrationPass
+from dynquant.pipeline.calibrate.calibration_pass import (
+    BlockWork,
+    CalibrationPass,
+    serving,
+    shard_stream,
+)
+from dynquant.pipeline.calibrate.weights import WeightsAt
+from dynquant.pipeline.execute.executor import Executor, LocalExecutor, use_threads
 from dynquant.pipeline.execute.progress import StageProgress
 
 # module's spec, its float32 weight -> the module quantized at the probe width
@@ -52,6 +67,9 @@ HEAD_LOGITS = 1 << 24  # logits computed at once (positions x vocabulary): 64 Mi
 # the head's logits recomputed in float32 match the model's within this share of their range
 # (bf16 compute rounds them), else the model does more after its head than T(x W^T + b)
 HEAD_MATCH = 0.05
+# sequences per job of a block's backward on a cluster: one sequence's backward at a 7B layer's
+# shapes is seconds of work, against a block's weights read by the worker once per job
+CLUSTER_SHARD_SEQS = 2
 
 
 class ModuleError:
@@ -134,6 +152,13 @@ class _Accumulator:
             self.products[module] = torch.zeros(self.shape, dtype=torch.float64)
         self.products[module][self.at] += float(value)
 
+    def put_rows(self, first: int, products: dict[str, torch.Tensor]) -> None:
+        """A shard's products (its sequences from ``first`` on, every draw) in place."""
+        for key, rows in products.items():
+            if key not in self.products:
+                self.products[key] = torch.zeros(self.shape, dtype=torch.float64)
+            self.products[key][first : first + rows.shape[0]] = rows
+
     def kl(self, key: str, tokens: int) -> float:
         """0.5 E[(G . dW)^2] per token of a product (0 when nothing was added)."""
         if key not in self.products:
@@ -150,7 +175,8 @@ def fisher_kl(cal: CalibrationPass, modules: set[str], probe_weight: ProbeWeight
               draws: int = 2, seed: int = 0, progress: bool = False,
               variants: Variants | None = None,
               variant_kls: dict[str, dict[str, float]] | None = None,
-              head_moments: dict[str, torch.Tensor] | None = None) -> dict[str, float]:
+              head_moments: dict[str, torch.Tensor] | None = None,
+              executor: Executor | None = None) -> dict[str, float]:
     """Predicted mean KL per token of each module in ``modules`` at its probe-width weights
     (``probe_weight``); ``draws`` label draws per sequence (the estimate's relative noise is
     about sqrt(2 / (sequences * draws))). With ``variants``, the output head and the input
@@ -159,17 +185,27 @@ def fisher_kl(cal: CalibrationPass, modules: set[str], probe_weight: ProbeWeight
     matrix) are also measured at each of their variants' codes, in the same pass (the same
     labels: differences between variants are not noise), into ``variant_kls``; a head's
     compensated variants fit ``head_moments`` (of more windows) when given, else its inputs
-    here."""
+    here. The blocks' shards run on ``executor`` (default: this process)."""
     stream = cal.stream
     acc = _Accumulator(stream.ids.shape[0], draws)
     gen = torch.Generator().manual_seed(seed)
-    with StageProgress(enabled=progress) as bar:
+    executor = executor or LocalExecutor()
+    work = BlockWork(WeightsAt.of(stream.source, False), stream.dtype, frozenset(modules),
+                     False, torch.get_num_threads())
+    with StageProgress(enabled=progress) as bar, serving(stream, work):
         grads = _head_backward(stream, cal, modules, probe_weight, acc, gen, draws, bar,
                                variants, head_moments)
         task = bar.add_task("Fisher pass", total=len(stream.blocks))
+        per = stream.ids.shape[0] if executor.runs_here else CLUSTER_SHARD_SEQS
         for i in reversed(range(len(stream.blocks))):
-            grads = _block_backward(stream, i, cal.inputs.get(i), grads, modules, probe_weight,
-                                    acc)
+            block = BlockProbes(work, _block_probes(stream, i, modules, probe_weight))
+            shards = _shards(stream, i, cal.inputs.get(i), grads, per)
+            grads, first = [], 0
+            for products, below in executor.map(fisher_block_job, shards, block,
+                                                 cpus=work.threads):
+                acc.put_rows(first, products)
+                first += len(below)
+                grads.extend(below)
             bar.advance(task)
     _embedding_backward(stream, grads, modules, probe_weight, acc, variants)
     tokens = stream.ids.numel()
@@ -484,9 +520,77 @@ def _module_of(stream: BlockStream, param: str) -> str | None:
     return None if spec is None else spec.module
 
 
+@dataclass
+class FisherShard:
+    """One job of a block's backward: some chunks of the block's input with their recorded
+    arguments, and each of their sequences' gradients at the block's output (one per draw)."""
+
+    block: int
+    inputs: list[torch.Tensor]
+    recorded: list[tuple]
+    grads: list[list[torch.Tensor]]
+
+
+@dataclass
+class BlockProbes:
+    """What a block's jobs share: where the weights are, and the probe-width codes of the
+    block's measured modules (module -> codes)."""
+
+    work: BlockWork
+    probes: dict[str, QuantizedTensor]
+
+
+def fisher_block_job(job: FisherShard, block: BlockProbes
+                     ) -> tuple[dict[str, torch.Tensor], list[list[torch.Tensor]]]:
+    """The shard's G . dW per module ([its sequences, draws]) and its sequences' gradients at
+    the block's input."""
+    use_threads(block.work.threads)
+    stream = shard_stream(block.work)
+    acc = _Accumulator(len(job.grads), len(job.grads[0]))
+    below = _block_backward(stream, job.block, job.inputs, list(job.grads),
+                            set(block.work.modules), lambda spec, _w: block.probes[spec.module],
+                            acc, job.recorded)
+    return acc.products, below
+
+
+def _block_probes(stream: BlockStream, index: int, modules: set[str],
+                  probe_weight: ProbeWeight) -> dict[str, QuantizedTensor]:
+    """The probe-width codes of block ``index``'s measured modules, from its weights as the
+    backward materializes them (the codes every shard's errors are made of)."""
+    block, prefix = stream.blocks[index], stream.block_prefix(index)
+    stream.materialize(block, prefix)
+    try:
+        probes = {}
+        for name, owner, leaf in parameter_slots(block):
+            spec = stream.specs.get(stream.tied.get(f"{prefix}.{name}", f"{prefix}.{name}"))
+            if spec is not None and spec.module in modules and spec.module not in probes:
+                probes[spec.module] = probe_weight(spec, owner._parameters[leaf].detach())
+        return probes
+    finally:
+        stream.release(block)
+
+
+def _shards(stream: BlockStream, index: int, inputs: list[torch.Tensor],
+            grads: list[list[torch.Tensor]], sequences: int) -> list[FisherShard]:
+    """Block ``index``'s jobs, in order: whole chunks of about ``sequences`` sequences each."""
+    per = max(1, sequences // stream.chunk)  # chunks per shard
+    shards, first = [], 0
+    for k in range(0, len(inputs), per):
+        chunks = inputs[k : k + per]
+        count = sum(c.shape[0] for c in chunks)
+        shards.append(FisherShard(index, chunks, stream.calls[index][k : k + per],
+                                  grads[first : first + count]))
+        first += count
+    return shards
+
+
 def _block_backward(stream: BlockStream, index: int, inputs: list[torch.Tensor],
                     grads: list[list[torch.Tensor]], modules: set[str],
-                    probe_weight: ProbeWeight, acc: _Accumulator) -> list[list[torch.Tensor]]:
+                    probe_weight: ProbeWeight, acc: _Accumulator,
+                    recorded: list[tuple] | None = None) -> list[list[torch.Tensor]]:
+    """Per sequence of ``inputs`` (its chunks; ``recorded``: their arguments when not the
+    stream's own) and draw: the products of the block's modules into ``acc``, and the
+    gradient at the block's input."""
     block, prefix = stream.blocks[index], stream.block_prefix(index)
     # Linears are measured by taps (no weight gradients); expert banks by gradient hooks
     linears = {f"{prefix}.{n}.weight": m for n, m in block.named_modules()
@@ -495,7 +599,7 @@ def _block_backward(stream: BlockStream, index: int, inputs: list[torch.Tensor],
     watched = set(_watch(stream, block, prefix, modules, probe_weight, acc,
                          tapped=frozenset(linears)))
     taps = {_module_of(stream, p): _LinearTaps(m) for p, m in linears.items()}
-    args = [a for a, chunk in zip(stream.calls[index], inputs, strict=True)
+    args = [a for a, chunk in zip(recorded or stream.calls[index], inputs, strict=True)
             for _ in range(chunk.shape[0])]
     out = []
     try:

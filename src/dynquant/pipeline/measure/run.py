@@ -257,7 +257,8 @@ def _calibrate(source: ModelSource, weights: WeightSource, quantizable: list[Ten
         if method == "fisher":
             kls = fisher_kl(cal, modules, probe_quantized, draws=opts.fisher_draws,
                             progress=progress, variants=_width_variants(chooser, opts),
-                            variant_kls=widths_kl, head_moments=head_moments)
+                            variant_kls=widths_kl, head_moments=head_moments,
+                            executor=executor)
             if partial is not None:
                 partial.write_tensors("calibration.safetensors", {
                     **stats, **{f"kl:{m}": torch.tensor(v, dtype=torch.float64)
