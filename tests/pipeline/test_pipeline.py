@@ -288,13 +288,21 @@ def test_the_forecast_check_measures_on_windows_its_codes_never_saw():
     assert split_windows(tok, [text], (len(ids) - cut) // 2 + 1) is None
 
 
-def test_the_forecast_checks_kl_stage_says_its_progress(capsys):
-    """The check's KL on held-out windows is a stage of its own in a log (no silent minute
-    after the check's quantize on a large-vocabulary model)."""
-    from dynquant.pipeline.measure.forecast_check import mean_kl
-    from dynquant.runtime.any_model import load_any
+def test_the_forecast_checks_kl_stage_says_its_progress(capsys, tmp_path):
+    """The check's KL on held-out windows is a stage of its own in a log, a step a block and
+    one for the heads (no silent minute after the check's quantize on a large model)."""
+    from dynquant.pipeline.calibrate.weights import weight_source
+    from dynquant.pipeline.measure.streamed_kl import streamed_kl
 
-    model = load_any(Path(__file__).parents[2] / "models" / "llama-ref", "float32")
+    model = Path(__file__).parents[2] / "models" / "llama-ref"
+    out = tmp_path / "q"
+    assert main(["quantize", str(model), "--uniform", "4", "--no-calib", "-o", str(out),
+                 "--quiet"]) == 0
+    source = resolve_model(str(model))
     windows = torch.arange(64).reshape(2, 32) % 200
-    assert mean_kl(model, model, windows, progress=True) == 0.0
-    assert "forecast check: KL on held-out windows: done, 2/2" in capsys.readouterr().err
+    kl = streamed_kl(source, weight_source(source, False), out, windows,
+                     "forecast check: KL on held-out windows", progress=True)
+    assert 0 < kl < 0.1
+    blocks = source.config.num_hidden_layers
+    assert (f"forecast check: KL on held-out windows: done, {blocks + 1}/{blocks + 1}"
+            in capsys.readouterr().err)

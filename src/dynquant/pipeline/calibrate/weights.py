@@ -1,4 +1,5 @@
-"""Where weights come from, one tensor at a time: a model directory's safetensors, or random init."""
+"""Where weights come from, one tensor at a time: a model directory's safetensors, random init,
+or a dynquant checkpoint's dequantized codes."""
 
 from __future__ import annotations
 
@@ -11,6 +12,7 @@ from pathlib import Path
 
 import torch
 
+from dynquant.checkpoint.reader import Checkpoint
 from dynquant.errors import ModelError
 from dynquant.format.planner import TensorSpec
 from dynquant.format.safetensors_header import TensorInfo, read_header
@@ -171,6 +173,28 @@ class SafetensorsWeights(WeightSource):
         if tuple(tensor.shape) != spec.shape:
             raise ModelError(f"shape {list(tensor.shape)} but the config gives {list(spec.shape)}",
                              file=str(self.directory), module=spec.name, field="shape")
+        return tensor
+
+
+class CheckpointWeights(WeightSource):
+    """The weights a dynquant checkpoint holds, by the model's parameter names: a quantized
+    module's dequantized from its codes, a dense tensor as stored (the model run by a block
+    stream as ``load_dequantized`` would build it, one tensor at a time)."""
+
+    def __init__(self, checkpoint: Checkpoint) -> None:
+        self.checkpoint = checkpoint
+
+    def get(self, spec: TensorSpec, dtype: torch.dtype | None = None) -> torch.Tensor:
+        ck = self.checkpoint
+        module = spec.name if spec.name in ck.layers else spec.module
+        if module in ck.layers:
+            tensor = ck.dequantize(module, dtype or torch.float32)
+        else:
+            tensor = ck.tensor(spec.name)
+            tensor = tensor if dtype is None else tensor.to(dtype)
+        if tuple(tensor.shape) != spec.shape:
+            raise ModelError(f"shape {list(tensor.shape)} but the config gives {list(spec.shape)}",
+                             file=str(ck.path), module=spec.name, field="shape")
         return tensor
 
 

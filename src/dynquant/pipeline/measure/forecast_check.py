@@ -13,8 +13,9 @@ set the check's), with the codes asked for fitted to ``CHECK_SEQS`` windows of t
 ``1 - HELD_SHARE`` of the calibration text, and measures its KL against the float model on
 windows of the rest, which the codes never saw. ``forecast_check`` in maps.json keeps each
 point's two numbers; forecasts scale their sums by the points' ratios
-(``pipeline/allocate/forecast.py``, ``calibrated_kl``). Two float copies of the model are in
-memory while a KL is measured.
+(``pipeline/allocate/forecast.py``, ``calibrated_kl``). The KL runs the float model and the
+check's checkpoint a decoder block at a time (``pipeline/measure/streamed_kl.py``): a block of
+each in memory, not the two whole models.
 
 The check's codes are gptq's by default (``MeasureOptions.check_codes``): quantize's default
 tuned codes start from them and keep what lowers each block's error, so their forecast is a
@@ -30,11 +31,9 @@ import tempfile
 from pathlib import Path
 
 import torch
-from torch import nn
 
 from dynquant.models.sources import ModelSource
 from dynquant.models.tokenizer import load_tokenizer
-from dynquant.numerics.divergence import log_probs, token_kl
 from dynquant.pipeline.allocate.allocation import (
     AllocationError,
     allocate_widths,
@@ -42,14 +41,13 @@ from dynquant.pipeline.allocate.allocation import (
 )
 from dynquant.pipeline.allocate.maps import compensates_head, maps_modules
 from dynquant.pipeline.calibrate.text import calibration_tokens, spread_windows
+from dynquant.pipeline.calibrate.weights import weight_source
 from dynquant.pipeline.codes.code_chooser import CodeChooser
 from dynquant.pipeline.codes.sequential_gptq import SequentialCalibration
 from dynquant.pipeline.codes.tuned_scales import ScaleTuning
 from dynquant.pipeline.codes.write import quantize_model
 from dynquant.pipeline.execute.executor import Executor
-from dynquant.pipeline.execute.progress import StageProgress
-from dynquant.pipeline.measure.probe import dense_model
-from dynquant.runtime.loader import load_dequantized
+from dynquant.pipeline.measure.streamed_kl import streamed_kl
 
 HELD_SHARE = 0.25  # of the calibration text's tokens: the check's held-out windows
 CHECK_SEQS = 24  # the check's sequential pass's windows (quantize's: 48, --gptq-seqs)
@@ -69,21 +67,6 @@ def split_windows(tokenizer, files: list[str], length: int, seqs: int = CHECK_SE
         return None
     return (spread_windows(ids[:cut], seqs, length),
             ids[cut : cut + held * length].reshape(held, length))
-
-
-def mean_kl(base: nn.Module, model: nn.Module, windows: torch.Tensor,
-            progress: bool = False) -> float:
-    """Mean KL(base || model) of the next-token distributions, nats per token."""
-    total, count = 0.0, 0
-    with torch.no_grad(), StageProgress(enabled=progress) as bar:
-        task = bar.add_task("forecast check: KL on held-out windows", total=len(windows))
-        for row in windows:
-            kl = token_kl(log_probs(base(row[None]).logits[0]),
-                          log_probs(model(row[None]).logits[0]))
-            total += float(kl.double().sum())
-            count += row.numel()
-            bar.advance(task)
-    return total / count
 
 
 def forecast_check(source: ModelSource, doc: dict, importance: dict[str, torch.Tensor],
@@ -136,5 +119,5 @@ def _measured_kl(source: ModelSource, doc: dict, importance: dict[str, torch.Ten
         quantize_model(source, widths, Path(tmp) / "check", group_size=group_size,
                        modules_to_not_convert=tuple(doc["modules_to_not_convert"]),
                        chooser=chooser, progress=progress, executor=executor)
-        model = load_dequantized(Path(tmp) / "check", torch.float32)
-        return mean_kl(dense_model(source, "float32"), model, held, progress)
+        return streamed_kl(source, weight_source(source, random_init=False), Path(tmp) / "check",
+                           held, "forecast check: KL on held-out windows", progress)
