@@ -7,6 +7,11 @@ checkpoints must be byte-identical. Then one worker's throughput (one thread, as
 gets) for the two per-tensor jobs, and the cost model of docs/distributed.md from it.
 
     python -m benchmarks.distributed_quantize [--repeat N] [--workers W]
+
+``--calibrated``: instead, the calibrated default on the real SmolLM2-135M-Instruct (`quantize
+--budget 3.25 --quantizer gptq` on the bundled text: Fisher measure, sequential GPTQ codes),
+local against `--ray`, the same checks (no worker rates or cost model: those are
+``calibrated_cost``'s).
 """
 
 from __future__ import annotations
@@ -14,6 +19,7 @@ from __future__ import annotations
 import argparse
 import contextlib
 import hashlib
+import os
 import subprocess
 import sys
 import tempfile
@@ -23,7 +29,7 @@ from pathlib import Path
 
 import torch
 
-from benchmarks.common import figure, machine
+from benchmarks.common import figure, machine, real_model
 from benchmarks.quantize_memory import LLAMA_885M, save_sharded
 
 DRIVER = """
@@ -38,18 +44,23 @@ sys.exit(code)
 
 
 def _tree_rss(pid: int) -> int:
-    import psutil
-
-    try:
-        root = psutil.Process(pid)
-        procs = [root, *root.children(recursive=True)]
-    except psutil.NoSuchProcess:
-        return 0
-    total = 0
-    for p in procs:
-        with contextlib.suppress(psutil.NoSuchProcess):
-            total += p.memory_info().rss
-    return total
+    """The summed RSS of ``pid`` and its descendants, read from /proc (Linux)."""
+    parent, rss = {}, {}
+    page = os.sysconf("SC_PAGE_SIZE")
+    for entry in Path("/proc").iterdir():
+        if not entry.name.isdigit():
+            continue
+        with contextlib.suppress(OSError, ValueError, IndexError):
+            stat = (entry / "stat").read_text()
+            fields = stat[stat.rindex(")") + 2 :].split()  # after the command's name
+            parent[int(entry.name)] = int(fields[1])
+            rss[int(entry.name)] = int(fields[21]) * page
+    tree, frontier = {pid}, [pid]
+    while frontier:
+        children = [c for c, p in parent.items() if p in frontier and c not in tree]
+        tree.update(children)
+        frontier = children
+    return sum(rss.get(p, 0) for p in tree)
 
 
 def run_driver(args: list[str]) -> dict:
@@ -159,34 +170,57 @@ def cost_model(rate: dict[str, float]) -> None:
                   f"~0.5 GiB + one result |")
 
 
+def compare(src: Path, tmp: Path, repeat: int, flags: list[str], dense: int = 0) -> bool:
+    """Local and Ray runs of ``quantize SRC FLAGS`` taking turns, best of ``repeat`` each, their
+    figures printed (RSS also against ``dense`` bytes, when given); whether the first two
+    checkpoints are byte-identical."""
+    runs: dict[str, list[dict]] = {"local": [], "ray": []}
+    for r in range(repeat):
+        for kind in ("local", "ray"):  # alternating: drift hits both alike
+            out = tmp / f"{kind}{r}"
+            extra = ["--ray"] if kind == "ray" else []
+            runs[kind].append(run_driver(["quantize", str(src), *flags, "-o", str(out),
+                                          "--quiet", *extra]))
+    for kind, rs in runs.items():
+        best = min(rs, key=lambda x: x["wall"])
+        figure(f"{kind}: wall (best of {len(rs)})", best["wall"], "s")
+        figure(f"{kind}: driver peak RSS", best["driver_rss"] / 2**20, "MiB")
+        if dense:
+            figure(f"{kind}: driver peak RSS / dense bf16", best["driver_rss"] / dense, "x")
+        figure(f"{kind}: process tree peak RSS (driver + Ray's processes)",
+               best["tree_rss"] / 2**20, "MiB")
+    wall = {k: min(x["wall"] for x in rs) for k, rs in runs.items()}
+    figure("ray / local wall", wall["ray"] / wall["local"], "x")
+    same = digest(tmp / "local0") == digest(tmp / "ray0")
+    print(f"byte-identical checkpoints: {same}")
+    return same
+
+
+def calibrated(repeat: int) -> None:
+    src = real_model()
+    if src is None:
+        sys.exit("real model not prepared (python scripts/prepare_real_model.py)")
+    print(f"# local vs Ray, calibrated quantize of SmolLM2-135M-Instruct, {machine()}")
+    with tempfile.TemporaryDirectory() as tmp:
+        if not compare(src, Path(tmp), repeat, ["--budget", "3.25", "--quantizer", "gptq"]):
+            sys.exit("the Ray checkpoint differs from the local one")
+
+
 def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--repeat", type=int, default=1)
     parser.add_argument("--workers", type=int, default=2)
+    parser.add_argument("--calibrated", action="store_true")
     args = parser.parse_args()
+    if args.calibrated:
+        calibrated(args.repeat)
+        return
     print(f"# local vs Ray quantize, {machine()}")
     with tempfile.TemporaryDirectory() as tmp:
         src = Path(tmp) / "src"
         dense = save_sharded(LLAMA_885M, src)
         figure("dense bf16 model", dense / 2**20, "MiB")
-        runs: dict[str, list[dict]] = {"local": [], "ray": []}
-        for r in range(args.repeat):
-            for kind in ("local", "ray"):  # alternating: drift hits both alike
-                out = Path(tmp) / f"{kind}{r}"
-                extra = ["--ray"] if kind == "ray" else []
-                runs[kind].append(run_driver(["quantize", str(src), "--budget", "3.25", "-o",
-                                              str(out), "--quiet", *extra]))
-        same = digest(Path(tmp) / "local0") == digest(Path(tmp) / "ray0")
-        for kind, rs in runs.items():
-            best = min(rs, key=lambda x: x["wall"])
-            figure(f"{kind}: wall (best of {len(rs)})", best["wall"], "s")
-            figure(f"{kind}: driver peak RSS", best["driver_rss"] / 2**20, "MiB")
-            figure(f"{kind}: driver peak RSS / dense bf16", best["driver_rss"] / dense, "x")
-            figure(f"{kind}: process tree peak RSS (driver + Ray's processes)",
-                   best["tree_rss"] / 2**20, "MiB")
-        wall = {k: min(x["wall"] for x in rs) for k, rs in runs.items()}
-        figure("ray / local wall", wall["ray"] / wall["local"], "x")
-        print(f"byte-identical checkpoints: {same}")
+        same = compare(src, Path(tmp), args.repeat, ["--budget", "3.25"], dense)
         rate = worker_throughput(src)
     for k, v in rate.items():
         figure(f"one worker (1 thread): {k}", v / 1e6, "M weights/s")

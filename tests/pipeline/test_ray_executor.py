@@ -92,6 +92,18 @@ def _kill_first_task(prefixes: tuple[str, ...], stop: threading.Event, killed: l
                 return
 
 
+def test_the_instance_it_starts_keeps_idle_workers(cluster):
+    """The Ray instance the executor starts keeps a worker idle for IDLE_WORKER_SECONDS, not
+    Ray's 1 s: a block's jobs come in bursts with the driver's factor between them, and with
+    the default Ray retired warm workers and started new ones, each paying its imports (a
+    SmolLM2 calibrated quantize 2.5x slower: BENCHMARKS.md "Past one machine")."""
+    from dynquant.pipeline.execute.ray_executor import IDLE_WORKER_SECONDS
+
+    config = ray._private.worker._global_node._ray_params._system_config
+    assert config["idle_worker_killing_time_threshold_ms"] == IDLE_WORKER_SECONDS * 1000
+    assert IDLE_WORKER_SECONDS >= 60
+
+
 def test_a_killed_worker_is_survived(cluster, tmp_path):
     """A worker killed in the middle of a task: Ray runs the task again, the checkpoint is the
     local run's, byte for byte (a data-free measure and quantize, every module's candidates and

@@ -25,6 +25,12 @@ from dynquant.pipeline.execute.executor import Executor, J, R, S
 
 MAX_RETRIES = 3  # runs of a task whose worker died, after the first
 MAX_IN_FLIGHT_BYTES = 2 << 30  # results submitted and not yet collected (one may be larger)
+# A worker idle this long exits (Ray's default: 1 s past its soft limit of one worker a CPU).
+# A block's jobs come in bursts (a shard's forwards asking 2 CPUs, then matrices asking 1) with
+# the driver's factor between them; with the default, Ray started workers for the queued jobs
+# and retired the warm ones, and each new worker paid its imports and the model's skeleton
+# (~3 s): a SmolLM2 GPTQ pass took 5x the local one.
+IDLE_WORKER_SECONDS = 300
 
 
 def _ray() -> Any:
@@ -60,7 +66,9 @@ class RayExecutor(Executor):
         if not ray.is_initialized():
             kwargs: dict[str, Any] = {"logging_level": logging.ERROR, "log_to_driver": False}
             if self.address is None:
-                kwargs.update(num_cpus=self.workers or os.cpu_count(), include_dashboard=False)
+                kwargs.update(num_cpus=self.workers or os.cpu_count(), include_dashboard=False,
+                              _system_config={"idle_worker_killing_time_threshold_ms":
+                                              IDLE_WORKER_SECONDS * 1000})
                 self._started = True
             try:
                 ray.init(address=self.address, **kwargs)
