@@ -467,4 +467,7 @@ def test_the_streamed_kl_is_the_whole_models_kl(family, tmp_path):
     assert streamed == pytest.approx(whole, rel=1e-4)
     # the checkpoint against itself: the source read as the checkpoint's own weights
     itself = CheckpointWeights(open_checkpoint(out))
+    table = next(s for s in source.tensor_specs() if "embed_tokens" in s.name)
+    rows = torch.tensor([5, 0, 383, 5])
+    assert torch.equal(itself.get_rows(table, rows), itself.get(table, torch.float32)[rows])
     assert streamed_kl(source, itself, out, windows) == pytest.approx(0.0, abs=1e-9)
