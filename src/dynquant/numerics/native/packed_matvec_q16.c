@@ -192,12 +192,13 @@ static inline __attribute__((always_inline)) void q16_row_pair(
     int two, int tail, int bits, const q8_unpacker *u, uint8_t *spare) {
     const int64_t groups = j->padded_n / j->gs, blocks = j->gs / Q8_BLOCK;
     const int64_t block_bytes = Q8_BLOCK * bits / 8, group_nbytes = j->gs * bits / 8;
+    const int64_t ahead = prefetch_ahead(groups * group_nbytes);
     __m256 acc0 = _mm256_setzero_ps(), acc1 = _mm256_setzero_ps();
     float o0 = 0.0f, o1 = 0.0f;
     for (int64_t g = 0; g < groups; g++) {
         const uint8_t *b0 = (const uint8_t *)j->qweight + (r * groups + g) * group_nbytes;
         const uint8_t *b1 = b0 + groups * group_nbytes;
-        start_group_pair(&b0, &b1, two, tail && g == groups - 1, group_nbytes, spare);
+        start_group_pair(&b0, &b1, two, tail && g == groups - 1, group_nbytes, spare, ahead);
         const int16_t *xg = xq + g * j->gs;
         __m256i l0 = _mm256_setzero_si256(), l1 = _mm256_setzero_si256();
         for (int64_t b = 0; b < blocks; b++) {

@@ -277,11 +277,12 @@ static inline __attribute__((always_inline)) void q8_row_pair(
     const int64_t block_bytes = Q8_BLOCK * bits / 8, group_nbytes = j->gs * bits / 8;
     const uint8_t *row0 = (const uint8_t *)j->qweight + r * groups * group_nbytes;
     const uint8_t *row1 = row0 + groups * group_nbytes;
+    const int64_t ahead = prefetch_ahead(groups * group_nbytes);
     __m256 acc0 = _mm256_setzero_ps(), acc1 = _mm256_setzero_ps();
     float o0 = 0.0f, o1 = 0.0f;
     for (int64_t g = 0; g < groups; g++) {
         const uint8_t *b0 = row0 + g * group_nbytes, *b1 = row1 + g * group_nbytes;
-        start_group_pair(&b0, &b1, two, tail && g == groups - 1, group_nbytes, spare);
+        start_group_pair(&b0, &b1, two, tail && g == groups - 1, group_nbytes, spare, ahead);
         __m256 g0 = _mm256_setzero_ps(), g1 = _mm256_setzero_ps();
         for (int64_t b = 0; pairs && b < blocks; b += 2) {
             const int64_t k = g * blocks + b;
