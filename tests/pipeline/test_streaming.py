@@ -424,7 +424,7 @@ def test_the_fisher_pass_in_shards_run_as_workers_is_the_same_bits(family, chunk
     original = fisher_module.fisher_block_job
 
     def counted(job, block):
-        jobs.append(job.block)
+        jobs.append(job.shard.block)
         return original(job, block)
 
     monkeypatch.setattr(fisher_module, "fisher_block_job", counted)

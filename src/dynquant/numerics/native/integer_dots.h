@@ -168,12 +168,8 @@ static inline __attribute__((always_inline)) void start_group_pair(
         memcpy(spare, two ? *b1 : *b0, (size_t)nbytes);
         if (two) *b1 = spare; else *b0 = spare;
     }
-    __builtin_prefetch(*b0 + ahead, 0, 3);
-    __builtin_prefetch(*b0 + ahead + 64, 0, 3);
-    if (two) {
-        __builtin_prefetch(*b1 + ahead, 0, 3);
-        __builtin_prefetch(*b1 + ahead + 64, 0, 3);
-    }
+    prefetch_codes_at(*b0, ahead);
+    if (two) prefetch_codes_at(*b1, ahead);
 }
 
 /* A 4-bit block's 16 bytes in both lane halves, the upper half shifted right by a nibble: a

@@ -42,9 +42,12 @@ static inline uint16_t bf16_round(float x) {
  * left 8-bit codes, which are read fastest, waiting on memory): benchmarks/memory_bandwidth.py.
  * A prefetch never faults, so running past the end is harmless. */
 #define DQ_PREFETCH_BYTES 4096
+static inline void prefetch_codes_at(const uint8_t *bytes, int64_t ahead) {
+    __builtin_prefetch(bytes + ahead, 0, 3);
+    __builtin_prefetch(bytes + ahead + 64, 0, 3);
+}
 static inline void prefetch_codes(const uint8_t *bytes) {
-    __builtin_prefetch(bytes + DQ_PREFETCH_BYTES, 0, 3);
-    __builtin_prefetch(bytes + DQ_PREFETCH_BYTES + 64, 0, 3);
+    prefetch_codes_at(bytes, DQ_PREFETCH_BYTES);
 }
 
 /* ``rows`` inputs of ``n`` values copied beside zeros to ``padded_n`` each (stride padded_n), for

@@ -132,9 +132,10 @@ def block_shard_job(job: BlockShard, work: BlockWork
 
 
 def shards_of(stream: BlockStream, index: int, hidden: list[torch.Tensor],
-              replaced: dict[str, QuantizedTensor] | None = None) -> list[BlockShard]:
-    """Block ``index``'s jobs: ``SHARD_SEQS`` sequences each, in order."""
-    per = max(1, SHARD_SEQS // stream.chunk)  # chunks per shard
+              replaced: dict[str, QuantizedTensor] | None = None,
+              sequences: int = SHARD_SEQS) -> list[BlockShard]:
+    """Block ``index``'s jobs: whole chunks of about ``sequences`` sequences each, in order."""
+    per = max(1, sequences // stream.chunk)  # chunks per shard
     return [BlockShard(index, hidden[k:k + per], stream.calls[index][k:k + per],
                        dict(replaced or {})) for k in range(0, len(hidden), per)]
 

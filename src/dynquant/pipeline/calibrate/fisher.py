@@ -45,10 +45,13 @@ from dynquant.pipeline.calibrate.block_stream import (
     parameter_slots,
 )
 from dynquant.pipeline.calibrate.calibration_pass import (
+    BlockShard,
     BlockWork,
     CalibrationPass,
+    block_as_driven,
     serving,
     shard_stream,
+    shards_of,
 )
 from dynquant.pipeline.calibrate.weights import WeightsAt
 from dynquant.pipeline.execute.executor import Executor, LocalExecutor, use_threads
@@ -522,12 +525,11 @@ def _module_of(stream: BlockStream, param: str) -> str | None:
 
 @dataclass
 class FisherShard:
-    """One job of a block's backward: some chunks of the block's input with their recorded
-    arguments, and each of their sequences' gradients at the block's output (one per draw)."""
+    """One job of a block's backward: a shard of the block's input (its chunks with their
+    recorded arguments) and each of its sequences' gradients at the block's output (one per
+    draw)."""
 
-    block: int
-    inputs: list[torch.Tensor]
-    recorded: list[tuple]
+    shard: BlockShard
     grads: list[list[torch.Tensor]]
 
 
@@ -547,9 +549,9 @@ def fisher_block_job(job: FisherShard, block: BlockProbes
     use_threads(block.work.threads)
     stream = shard_stream(block.work)
     acc = _Accumulator(len(job.grads), len(job.grads[0]))
-    below = _block_backward(stream, job.block, job.inputs, list(job.grads),
+    below = _block_backward(stream, job.shard.block, job.shard.hidden, list(job.grads),
                             set(block.work.modules), lambda spec, _w: block.probes[spec.module],
-                            acc, job.recorded)
+                            acc, job.shard.recorded)
     return acc.products, below
 
 
@@ -557,31 +559,26 @@ def _block_probes(stream: BlockStream, index: int, modules: set[str],
                   probe_weight: ProbeWeight) -> dict[str, QuantizedTensor]:
     """The probe-width codes of block ``index``'s measured modules, from its weights as the
     backward materializes them (the codes every shard's errors are made of)."""
-    block, prefix = stream.blocks[index], stream.block_prefix(index)
-    stream.materialize(block, prefix)
-    try:
-        probes = {}
+    prefix = stream.block_prefix(index)
+    probes = {}
+    with block_as_driven(stream, index, {}) as block:
         for name, owner, leaf in parameter_slots(block):
             spec = stream.specs.get(stream.tied.get(f"{prefix}.{name}", f"{prefix}.{name}"))
             if spec is not None and spec.module in modules and spec.module not in probes:
                 probes[spec.module] = probe_weight(spec, owner._parameters[leaf].detach())
-        return probes
-    finally:
-        stream.release(block)
+    return probes
 
 
 def _shards(stream: BlockStream, index: int, inputs: list[torch.Tensor],
             grads: list[list[torch.Tensor]], sequences: int) -> list[FisherShard]:
-    """Block ``index``'s jobs, in order: whole chunks of about ``sequences`` sequences each."""
-    per = max(1, sequences // stream.chunk)  # chunks per shard
-    shards, first = [], 0
-    for k in range(0, len(inputs), per):
-        chunks = inputs[k : k + per]
-        count = sum(c.shape[0] for c in chunks)
-        shards.append(FisherShard(index, chunks, stream.calls[index][k : k + per],
-                                  grads[first : first + count]))
+    """Block ``index``'s jobs, in order: the calibration pass's shards of about ``sequences``
+    sequences each, with their sequences' gradients."""
+    jobs, first = [], 0
+    for shard in shards_of(stream, index, inputs, sequences=sequences):
+        count = sum(c.shape[0] for c in shard.hidden)
+        jobs.append(FisherShard(shard, grads[first : first + count]))
         first += count
-    return shards
+    return jobs
 
 
 def _block_backward(stream: BlockStream, index: int, inputs: list[torch.Tensor],

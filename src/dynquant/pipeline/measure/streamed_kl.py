@@ -19,6 +19,7 @@ from dynquant.checkpoint.reader import open_checkpoint
 from dynquant.models.sources import ModelSource
 from dynquant.numerics.divergence import log_probs, token_kl
 from dynquant.pipeline.calibrate.block_stream import BlockStream
+from dynquant.pipeline.calibrate.calibration_pass import block_as_driven
 from dynquant.pipeline.calibrate.weights import CheckpointWeights, WeightSource
 from dynquant.pipeline.execute.progress import StageProgress
 
@@ -46,12 +47,8 @@ def streamed_kl(source: ModelSource, weights: WeightSource, checkpoint: str | Pa
 
 def _through_block(stream: BlockStream, index: int, hidden: list[torch.Tensor]
                    ) -> list[torch.Tensor]:
-    block = stream.blocks[index]
-    stream.materialize(block, stream.block_prefix(index))
-    try:
+    with block_as_driven(stream, index, {}):
         return stream.run_block(index, hidden)
-    finally:
-        stream.release(block)
 
 
 def _heads_kl(streams: tuple[BlockStream, BlockStream], finals: list[list[torch.Tensor]]
