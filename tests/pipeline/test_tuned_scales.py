@@ -15,6 +15,7 @@ from test_sequential_gptq import _calibration, _uniform
 from dynquant.format.safetensors_header import read_header
 from dynquant.format.validate import validate_checkpoint
 from dynquant.models.sources import resolve_model
+from dynquant.numerics import tuned_scales as tuned_scales_module
 from dynquant.numerics.gptq import gptq_quantize
 from dynquant.numerics.quantizer import quantize_tensor
 from dynquant.numerics.tuned_scales import TunableScales
@@ -45,6 +46,25 @@ def test_tunable_scales_decode_to_what_they_compute(shape, bits, group_size):
     assert not torch.equal(tuned.scales, start.scales)
     assert tuned.scales.dtype == tuned.offsets.dtype == torch.bfloat16
     assert torch.equal(tuned.dequantize(torch.float32), tunable().detach())
+
+
+@pytest.mark.parametrize("chunk", [1 << 20, 200, 64])
+def test_the_chunked_dequantize_is_autograd_s_broadcast(monkeypatch, chunk):
+    """The tunable's dequantize and its gradients in the scales and offsets, computed a chunk
+    of rows at a time (one row a chunk, several, one chunk), equal the plain broadcast
+    product's that autograd differentiates, bit for bit."""
+    monkeypatch.setattr(tuned_scales_module, "CHUNK_ELEMENTS", chunk)
+    gen = torch.Generator().manual_seed(1)
+    q = torch.randint(0, 16, (37, 3, 32), generator=gen, dtype=torch.uint8)
+    s = torch.rand(37, 3, generator=gen).requires_grad_()
+    o = torch.randn(37, 3, generator=gen).requires_grad_()
+    grad = torch.randn(37, 96, generator=gen)
+    fast = tuned_scales_module._GroupDequantize.apply(q, s, o)
+    fast_s, fast_o = torch.autograd.grad(fast, (s, o), grad)
+    plain = (q * s[..., None] + o[..., None]).reshape(37, 96)
+    plain_s, plain_o = torch.autograd.grad(plain, (s, o), grad)
+    assert torch.equal(fast, plain)
+    assert torch.equal(fast_s, plain_s) and torch.equal(fast_o, plain_o)
 
 
 def test_tuned_scales_lower_a_linear_s_output_error_from_gptq():

@@ -39,6 +39,47 @@ def _bf16(x: torch.Tensor) -> torch.Tensor:
     return _straight(x, x.detach().to(torch.bfloat16).float())
 
 
+CHUNK_ELEMENTS = 1 << 20  # codes a chunk of rows holds: its float temporaries stay in cache
+
+
+class _GroupDequantize(torch.autograd.Function):
+    """``q * s[..., None] + o[..., None]`` as [rows, groups * group_size] float32 (q: the codes
+    [rows, groups, group_size] as bytes), and its gradients in ``s`` and ``o`` (the group sums
+    of the output's gradient times the codes, and of the gradient), a chunk of rows at a time.
+    The same values as autograd's broadcast product and sum, without their whole-tensor
+    temporaries: at a 7B block's shapes those (a float copy of the codes, the product, the
+    gradient times the codes) cost twice the block's matrix products per tuning step."""
+
+    @staticmethod
+    def forward(ctx, q: torch.Tensor, s: torch.Tensor, o: torch.Tensor) -> torch.Tensor:
+        rows, groups, size = q.shape
+        out = torch.empty(rows, groups, size, dtype=torch.float32)
+        step = max(1, CHUNK_ELEMENTS // (groups * size))
+        for r in range(0, rows, step):
+            part = out[r : r + step]
+            torch.mul(q[r : r + step], s[r : r + step, :, None], out=part)
+            part.add_(o[r : r + step, :, None])
+        ctx.save_for_backward(q)
+        return out.view(rows, groups * size)
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor) -> tuple[None, torch.Tensor, torch.Tensor]:
+        (q,) = ctx.saved_tensors
+        rows, groups, size = q.shape
+        grad = grad.reshape(rows, groups, size)
+        grad_s = torch.empty(rows, groups, dtype=torch.float32)
+        grad_o = torch.empty(rows, groups, dtype=torch.float32)
+        step = max(1, CHUNK_ELEMENTS // (groups * size))
+        scratch = torch.empty(min(step, rows), groups, size, dtype=torch.float32)
+        for r in range(0, rows, step):
+            g = grad[r : r + step].float()
+            times = scratch[: g.shape[0]]
+            torch.mul(g, q[r : r + step], out=times)
+            torch.sum(g, dim=-1, out=grad_o[r : r + step])
+            torch.sum(times, dim=-1, out=grad_s[r : r + step])
+        return None, grad_s, grad_o
+
+
 class TunableScales(nn.Module):
     """One tensor's frozen codes with learnable group scales and offsets."""
 
@@ -61,10 +102,8 @@ class TunableScales(nn.Module):
         """The dequantized weight in its logical shape (float32; the format's arithmetic:
         multiply, then add)."""
         s, o = self._scale_offset()
-        w_hat = self.q * s[..., None] + o[..., None]
-        rows = w_hat.shape[0]
-        return w_hat.reshape(rows, -1)[:, : self.in_features].reshape(
-            self.start.logical_shape)
+        w_hat = _GroupDequantize.apply(self.q, s, o)
+        return w_hat[:, : self.in_features].reshape(self.start.logical_shape)
 
     @torch.no_grad()
     def codes(self) -> QuantizedTensor:

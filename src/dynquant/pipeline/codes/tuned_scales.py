@@ -21,6 +21,7 @@ import torch
 from torch import nn
 from torch.func import functional_call
 
+from dynquant.freed_memory import reusing_freed_memory
 from dynquant.numerics.quantizer import QuantizedTensor
 from dynquant.numerics.tuned_scales import TunableScales
 from dynquant.pipeline.calibrate.block_stream import BlockStream, first_output
@@ -57,19 +58,20 @@ def tune_block(stream: BlockStream, index: int, codes: dict[str, QuantizedTensor
                             for t in tunables.values()], lr=tuning.lr)
     gen = torch.Generator().manual_seed(tuning.seed * 1_000_003 + index)
     order = torch.randint(len(hidden), (tuning.steps,), generator=gen).tolist()
-    for step, k in enumerate(order):
-        for group in opt.param_groups:
-            group["lr"] = tuning.lr * group["width"] * (1 - step / tuning.steps)
-        weights = {name: _shaped(t(), params[name]) for name, t in tunables.items()}
-        args, kwargs = stream.calls[index][k]
-        out = first_output(functional_call(block, weights, (hidden[k].to(stream.dtype),
-                                                             *args), kwargs))
-        loss = (out.float() - targets[k]).pow(2).mean()
-        loss.backward()
-        opt.step()
-        opt.zero_grad(set_to_none=True)
-        if step % 10 == 0:
-            say(f"tuning scales, step {step}/{tuning.steps}")
+    with reusing_freed_memory():  # each step frees and makes the same large tensors
+        for step, k in enumerate(order):
+            for group in opt.param_groups:
+                group["lr"] = tuning.lr * group["width"] * (1 - step / tuning.steps)
+            weights = {name: _shaped(t(), params[name]) for name, t in tunables.items()}
+            args, kwargs = stream.calls[index][k]
+            out = first_output(functional_call(block, weights, (hidden[k].to(stream.dtype),
+                                                                 *args), kwargs))
+            loss = (out.float() - targets[k]).pow(2).mean()
+            loss.backward()
+            opt.step()
+            opt.zero_grad(set_to_none=True)
+            if step % 10 == 0:
+                say(f"tuning scales, step {step}/{tuning.steps}")
     return {name: t.codes() for name, t in tunables.items()}
 
 
