@@ -1,7 +1,8 @@
 """The calibrated default's cost model: `quantize --budget` with text (16 x 256 windows for the
-measure's X^T X, 48 for the GPTQ codes) of 8 B, 70 B and 235 B-A22B models on 1, 8 and 64
-workers, projected from the per-stage rates that ``benchmarks/scale.py`` measures at a 7 B
-layer's shapes (one worker = the measuring machine's threads; the driver the same).
+measure's X^T X, 48 for the codes: GPTQ's with each block's scales tuned) of 8 B, 70 B and
+235 B-A22B models on 1, 8 and 64 workers, projected from the per-stage rates that
+``benchmarks/scale.py`` measures at a 7 B layer's shapes (one worker = the measuring machine's
+threads; the driver the same).
 
 Per decoder block, in order, as the pipeline runs it (docs/distributed.md):
 - the X^T X pass: the block's forwards and second moments, by shards of 8 windows over the
@@ -13,7 +14,10 @@ Per decoder block, in order, as the pipeline runs it (docs/distributed.md):
 - the sequential GPTQ pass, a group at a time (q/k/v, o, gate/up, down): the group's partial
   forwards and X^T X by shards, then its inverse factor(s) on the driver (one per distinct input;
   one per expert for a bank: the Cholesky must round the same on every run), then its matrices'
-  compensation as jobs (a bank: one per expert).
+  compensation as jobs (a bank: one per expert); then (the default, tuned codes) the float
+  block's outputs on the float model's hidden states (the targets, on the driver), the block's
+  scales tuned there (``ScaleTuning().steps`` steps of one window, forward and backward: each
+  step needs the one before) and the tuned codes' outputs by shards.
 Then the output head once (its factor and its vocabulary-wide compensation). Not counted: moving
 the windows' hidden states to the workers (48 x 256 positions x hidden x 4 B per group: 400 MB
 at 8,192 wide), the data-free measure's candidates, Ray's start.
@@ -24,9 +28,11 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from dynquant.pipeline.calibrate.fisher import CLUSTER_SHARD_SEQS
+from dynquant.pipeline.codes.tuned_scales import ScaleTuning
 
 WINDOWS, MOMENT_WINDOWS, WINDOW, SHARD, STAT_WINDOWS = 48, 16, 256, 8, 8
 RATIO_ROWS = 256  # rows a gptq ratio compensates, at each of 4 widths
+TUNING = "scale tuning (driver)"
 
 
 @dataclass(frozen=True)
@@ -80,6 +86,13 @@ def block_work(s: Shape, tokens: int) -> dict[str, float]:
             "ratios": sum(ratio_jobs), "largest_ratio": max(ratio_jobs)}
 
 
+def tuning_work(s: Shape) -> float:
+    """Multiply-adds of tuning one block's scales (the default codes): ``ScaleTuning().steps``
+    steps of one window each, forward and backward (the input's and the weights' gradients:
+    3 forwards' products)."""
+    return 3 * ScaleTuning().steps * block_work(s, WINDOW)["forward"]
+
+
 def head_work(s: Shape) -> dict[str, float]:
     """The output head's factor and compensation (once), and its logits over the Fisher
     pass's windows (per position: vocabulary x hidden)."""
@@ -90,7 +103,8 @@ def head_work(s: Shape) -> dict[str, float]:
 def project(s: Shape, workers: int, rate: dict[str, float]) -> dict[str, float]:
     """Seconds of each part of the run on ``workers`` (rates in multiply-adds per second:
     ``pass``, ``stats``, ``fisher`` (forward multiply-adds of the backward's windows per s),
-    ``fisher_head`` (logits per s), ``ratios``, ``gptq``, ``factor``)."""
+    ``fisher_head`` (logits per s), ``ratios``, ``gptq``, ``factor``; ``tune``: the tuning steps',
+    for tuned codes)."""
     big, small = block_work(s, WINDOWS * WINDOW), block_work(s, STAT_WINDOWS * WINDOW)
     measured = block_work(s, MOMENT_WINDOWS * WINDOW)
     head = head_work(s)
@@ -107,6 +121,10 @@ def project(s: Shape, workers: int, rate: dict[str, float]) -> dict[str, float]:
         "compensation (workers)": max(big["compensate"] / workers, big["largest_compensate"])
         / rate["gptq"],
     }
+    if "tune" in rate:  # the float block's targets, the steps (each needs the one before), the
+        # tuned codes' outputs (by shards)
+        per_block[TUNING] = (big["forward"] / rate["pass"] + tuning_work(s) / rate["tune"]
+                             + big["forward"] / rate["gptq"] / spread)
     out = {k: v * s.layers for k, v in per_block.items()}
     # the ratios' jobs wait on no block: the whole model's spread over the workers
     out["gptq ratios (workers)"] = max(big["ratios"] * s.layers / workers,
@@ -123,14 +141,18 @@ def _duration(seconds: float) -> str:
 
 
 def print_cost_model(rate: dict[str, float]) -> None:
-    """The projection table: each part's hours and the whole, per model and worker count."""
+    """The projection table: each part's hours and the whole, per model and worker count (and,
+    for tuned codes, the whole without the tuning: ``--quantizer gptq``)."""
     parts = list(project(MODELS[0], 1, rate))
-    print("| model | workers | " + " | ".join(parts) + " | **projected wall** | on the driver |")
-    print("|---|---|" + "---|" * len(parts) + "---|---|")
+    tuned = TUNING in parts
+    print("| model | workers | " + " | ".join(parts) + " | **projected wall** | on the driver |"
+          + (" --quantizer gptq |" if tuned else ""))
+    print("|---|---|" + "---|" * len(parts) + "---|---|" + ("---|" if tuned else ""))
     for s in MODELS:
         for w in WORKERS:
             p = project(s, w, rate)
             total = sum(p.values())
             driver = sum(v for k, v in p.items() if "driver" in k)
             print(f"| {s.name} | {w} | " + " | ".join(_duration(p[k]) for k in parts)
-                  + f" | **{_duration(total)}** | {driver / total:.0%} |")
+                  + f" | **{_duration(total)}** | {driver / total:.0%} |"
+                  + (f" {_duration(total - p[TUNING])} |" if tuned else ""))

@@ -1,12 +1,14 @@
 """The calibrated default at a 7 B model's layer shapes: `dynquant quantize --budget 4.25` (the
-bundled text, GPTQ codes) of the scale model (``benchmarks/scale_model.py``, N decoder layers),
-each stage's seconds and the work it does against this machine's float32 GEMM peak, and the
-whole run's wall time and peak RSS.
+bundled text, the default codes: GPTQ's with each block's scales tuned) of the scale model
+(``benchmarks/scale_model.py``, N decoder layers), each stage's seconds and the work it does
+against this machine's float32 GEMM peak, and the whole run's wall time and peak RSS.
 
     python -m benchmarks scale [--layers N] [--budget B] [--dense-head] [--no-llama-cpp]
 
-Stage seconds come from the progress lines (a stage's "done" line); the arithmetic per stage
-is counted from the model's shapes (multiply-adds; X^T X as symmetric updates counts half).
+Stage seconds come from the progress lines (a stage's "done" line; the tuning's share of the
+gptq stage from the first block's "tuning scales, step N" lines, which a log says every 10 s);
+the arithmetic per stage is counted from the model's shapes (multiply-adds; X^T X as symmetric
+updates counts half).
 Beside it, llama.cpp on the same weights as its users run it: ``convert_hf_to_gguf.py`` to f16,
 ``llama-imatrix`` on the same text (4 chunks of 512 tokens, its usual short run) and
 ``llama-quantize Q4_K_M`` with that matrix, on the same threads (its programs built from source
@@ -24,16 +26,24 @@ import sys
 import tempfile
 import threading
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
 
-from benchmarks.calibrated_cost import SEVEN_B, block_work, head_work, print_cost_model
+from benchmarks.calibrated_cost import (
+    SEVEN_B,
+    WINDOW,
+    block_work,
+    head_work,
+    print_cost_model,
+    tuning_work,
+)
 from benchmarks.common import figure, machine
 from benchmarks.scale_model import save_scale_model
 from dynquant.numerics.gptq import ordered_factor
 from dynquant.pipeline.calibrate.text import default_calibration
+from dynquant.pipeline.codes.tuned_scales import ScaleTuning
 from scripts.install_llama_cpp import install_tools
 from scripts.prepare_real_model import real_model
 
@@ -50,6 +60,8 @@ KEYS = {("calibration pass", 1): "pass", ("calibration pass", 2): "stats",
         ("measuring", 1): "ratios", ("gptq, block by block", 1): "gptq"}
 STARTED = re.compile(r"^dynquant: (?P<stage>.+): started, ")
 DONE = re.compile(r"^dynquant: (?P<stage>.+): done, [^,]*, (?P<s>\d+) s")
+TUNING = re.compile(r"^dynquant: (?P<stage>.+): running, [^,]*, (?P<s>\d+) s \(block 1: "
+                    r"tuning scales, step (?P<step>\d+)/")
 
 
 def factor_rate(n: int = 6144) -> float:
@@ -80,6 +92,15 @@ class Stage:
     name: str
     seconds: int = 0
     peak_rss: int = 0  # bytes, the process's resident set while the stage ran
+    # (seconds into the stage, tuning step) from its lines while a block's scales were tuned
+    tuning: list[tuple[int, int]] = field(default_factory=list)
+
+    def tuning_step_seconds(self) -> float | None:
+        """Seconds per tuning step, between the first block's first and last lines of it."""
+        if len(self.tuning) < 2 or self.tuning[-1][1] <= self.tuning[0][1]:
+            return None
+        (s0, k0), (s1, k1) = self.tuning[0], self.tuning[-1]
+        return (s1 - s0) / (k1 - k0)
 
 
 def _rss(pid: int) -> int:
@@ -87,7 +108,8 @@ def _rss(pid: int) -> int:
         status = Path(f"/proc/{pid}/status").read_text()
     except OSError:
         return 0
-    return int(next(ln for ln in status.splitlines() if ln.startswith("VmRSS:")).split()[1]) << 10
+    rss = [ln for ln in status.splitlines() if ln.startswith("VmRSS:")]
+    return int(rss[0].split()[1]) << 10 if rss else 0  # none once the process has exited
 
 
 class PeakRss:
@@ -129,6 +151,10 @@ def run(model: Path, out: Path, budget: float, extra: list[str]
         if (m := STARTED.match(line)) is not None:
             current.append(Stage(m["stage"]))
             stages.append(current[-1])
+        elif (m := TUNING.match(line)) is not None:
+            at = next((st for st in current if st.name == m["stage"]), None)
+            if at is not None:
+                at.tuning.append((int(m["s"]), int(m["step"])))
         elif (m := DONE.match(line)) is not None:
             done = next((st for st in current if st.name == m["stage"]), None)
             if done is not None:
@@ -217,10 +243,15 @@ def main() -> None:
     measured = block_work(SEVEN_B, 16 * 256)  # the measure's X^T X windows
     factor = factor_rate()
     figure("inverse factor (n = 6,144)", factor / 1e9, "GMAC/s")
+    gptq_stage = next((st for st in stages if st.name == "gptq, block by block"), None)
+    step_s = None if gptq_stage is None else gptq_stage.tuning_step_seconds()
+    tune_s = 0.0 if step_s is None else args.layers * ScaleTuning().steps * step_s
     work = {"pass": measured["forward"] + measured["moments"], "stats": small["forward"],
             "fisher": small["forward"], "ratios": big["ratios"],
+            # with tuned codes, the block's outputs twice more (the float block's targets, the
+            # tuned codes' outputs)
             "gptq": sum(big[k] for k in ("forward", "partial", "moments", "factors",
-                                         "compensate"))}
+                                         "compensate")) + (2 * big["forward"] if tune_s else 0)}
     print("| stage | seconds | work (GMAC) | rate (GMAC/s) | of the GEMM peak | peak RSS GiB |")
     print("|---|---|---|---|---|---|")
     seen: dict[str, int] = {}
@@ -232,14 +263,21 @@ def main() -> None:
         label = LABELS.get((stage.name, seen[stage.name]), stage.name)
         if stage.seconds == 0:  # a stage with nothing to do (no head variants)
             continue
-        if key is not None:
-            took[key] = took.get(key, 0) + stage.seconds
         held = f"{stage.peak_rss / 2**30:.1f}"
+        seconds = stage.seconds - (tune_s if key == "gptq" else 0)
+        if key is not None:
+            took[key] = took.get(key, 0) + seconds
+        if key == "gptq" and tune_s:
+            mac_t = args.layers * tuning_work(SEVEN_B)
+            print(f"| tuning the block's scales ({ScaleTuning().steps} steps of "
+                  f"{WINDOW} tokens, forward + backward) | {tune_s:.0f} | {mac_t / 1e9:,.0f} | "
+                  f"{mac_t / tune_s / 1e9:.0f} | {mac_t / tune_s / peak:.0%} | {held} |")
+            label += ": the rest (GPTQ, and the tuned codes' outputs)"
         if mac is None:
-            print(f"| {label} | {stage.seconds} | | | | {held} |")
+            print(f"| {label} | {seconds:.0f} | | | | {held} |")
         else:
-            rate = mac / max(stage.seconds, 1)
-            print(f"| {label} | {stage.seconds} | {mac / 1e9:,.0f} | {rate / 1e9:.0f} | "
+            rate = mac / max(seconds, 1)
+            print(f"| {label} | {seconds:.0f} | {mac / 1e9:,.0f} | {rate / 1e9:.0f} | "
                   f"{rate / peak:.0%} | {held} |")
     figure("whole quantize", wall, "s")
     figure("peak RSS", rss / 2**30, "GiB")
@@ -259,6 +297,8 @@ def main() -> None:
                      / max(took["gptq"] - factor_s, 1))
     rates["fisher_head"] = head_work(SEVEN_B)["logits"] / max(took.get("fisher_head", 0), 1)
     rates["factor"] = factor
+    if tune_s:
+        rates["tune"] = args.layers * tuning_work(SEVEN_B) / tune_s
     print("\nper-worker rates (GMAC/s): " + ", ".join(f"{k} {v / 1e9:.1f}"
                                                    for k, v in rates.items()))
     print_cost_model(rates)
