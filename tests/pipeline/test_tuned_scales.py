@@ -50,18 +50,21 @@ def test_tunable_scales_decode_to_what_they_compute(shape, bits, group_size):
 
 @pytest.mark.parametrize("chunk", [1 << 20, 200, 64])
 def test_the_chunked_dequantize_is_autograd_s_broadcast(monkeypatch, chunk):
-    """The tunable's dequantize and its gradients in the scales and offsets, computed a chunk
-    of rows at a time (one row a chunk, several, one chunk), equal the plain broadcast
-    product's that autograd differentiates, bit for bit."""
+    """The tunable's dequantize (the format's kernel) and its gradients in the scales and
+    offsets, computed a chunk of rows at a time (one row a chunk, several, one chunk), equal the
+    plain broadcast product's that autograd differentiates, bit for bit, a padded last group
+    included."""
     monkeypatch.setattr(tuned_scales_module, "CHUNK_ELEMENTS", chunk)
     gen = torch.Generator().manual_seed(1)
-    q = torch.randint(0, 16, (37, 3, 32), generator=gen, dtype=torch.uint8)
-    s = torch.rand(37, 3, generator=gen).requires_grad_()
-    o = torch.randn(37, 3, generator=gen).requires_grad_()
-    grad = torch.randn(37, 96, generator=gen)
-    fast = tuned_scales_module._GroupDequantize.apply(q, s, o)
+    start = quantize_tensor(torch.randn(37, 90, generator=gen), 4, 32)
+    q = TunableScales(start).q  # [37, 3, 32]
+    bf16 = lambda x: x.to(torch.bfloat16).float()  # noqa: E731 (what TunableScales passes)
+    s = bf16(torch.rand(37, 3, generator=gen)).requires_grad_()
+    o = bf16(torch.randn(37, 3, generator=gen)).requires_grad_()
+    grad = torch.randn(37, 90, generator=gen)
+    fast = tuned_scales_module._GroupDequantize.apply(start, q, s, o)
     fast_s, fast_o = torch.autograd.grad(fast, (s, o), grad)
-    plain = (q * s[..., None] + o[..., None]).reshape(37, 96)
+    plain = (q * s[..., None] + o[..., None]).reshape(37, 96)[:, :90]
     plain_s, plain_o = torch.autograd.grad(plain, (s, o), grad)
     assert torch.equal(fast, plain)
     assert torch.equal(fast_s, plain_s) and torch.equal(fast_o, plain_o)

@@ -24,9 +24,10 @@ from dataclasses import replace
 
 import torch
 from torch import nn
+from torch.nn import functional as F
 
 from dynquant.format.packing import unpack_codes
-from dynquant.numerics.quantizer import QuantizedTensor
+from dynquant.numerics.quantizer import QuantizedTensor, dequantize_rows
 
 
 def _straight(x: torch.Tensor, rounded: torch.Tensor) -> torch.Tensor:
@@ -43,41 +44,39 @@ CHUNK_ELEMENTS = 1 << 20  # codes a chunk of rows holds: its float temporaries s
 
 
 class _GroupDequantize(torch.autograd.Function):
-    """``q * s[..., None] + o[..., None]`` as [rows, groups * group_size] float32 (q: the codes
-    [rows, groups, group_size] as bytes), and its gradients in ``s`` and ``o`` (the group sums
-    of the output's gradient times the codes, and of the gradient), a chunk of rows at a time.
-    The same values as autograd's broadcast product and sum, without their whole-tensor
-    temporaries: at a 7B block's shapes those (a float copy of the codes, the product, the
+    """``start``'s codes q with scales ``s`` and offsets ``o`` (bf16 values in float32) as the
+    format dequantizes them (``dequantize_rows``: [rows, in_features] float32, the native kernel
+    where it runs), and the gradients in ``s`` and ``o`` (the group sums of the output's gradient
+    times the codes q [rows, groups, group_size], and of the gradient) a chunk of rows at a time:
+    the same values as autograd's broadcast product and sum, without their whole-tensor
+    temporaries, which at a 7B block's shapes (a float copy of the codes, the product, the
     gradient times the codes) cost twice the block's matrix products per tuning step."""
 
     @staticmethod
-    def forward(ctx, q: torch.Tensor, s: torch.Tensor, o: torch.Tensor) -> torch.Tensor:
-        rows, groups, size = q.shape
-        out = torch.empty(rows, groups, size, dtype=torch.float32)
-        step = max(1, CHUNK_ELEMENTS // (groups * size))
-        for r in range(0, rows, step):
-            part = out[r : r + step]
-            torch.mul(q[r : r + step], s[r : r + step, :, None], out=part)
-            part.add_(o[r : r + step, :, None])
+    def forward(ctx, start: QuantizedTensor, q: torch.Tensor, s: torch.Tensor, o: torch.Tensor
+                ) -> torch.Tensor:
+        lay = start.layout
         ctx.save_for_backward(q)
-        return out.view(rows, groups * size)
+        return dequantize_rows(start.qweight, s.to(torch.bfloat16), o.to(torch.bfloat16),
+                               lay.bits, lay.group_size, lay.in_features, torch.float32)
 
     @staticmethod
-    def backward(ctx, grad: torch.Tensor) -> tuple[None, torch.Tensor, torch.Tensor]:
+    def backward(ctx, grad: torch.Tensor) -> tuple[None, None, torch.Tensor, torch.Tensor]:
         (q,) = ctx.saved_tensors
         rows, groups, size = q.shape
-        grad = grad.reshape(rows, groups, size)
+        if grad.shape[1] != groups * size:  # a padded last group: its pad had no gradient
+            grad = F.pad(grad, (0, groups * size - grad.shape[1]))
+        grad = grad.float().reshape(rows, groups, size)
         grad_s = torch.empty(rows, groups, dtype=torch.float32)
         grad_o = torch.empty(rows, groups, dtype=torch.float32)
         step = max(1, CHUNK_ELEMENTS // (groups * size))
-        scratch = torch.empty(min(step, rows), groups, size, dtype=torch.float32)
+        times = torch.empty(min(step, rows), groups, size, dtype=torch.float32)
         for r in range(0, rows, step):
-            g = grad[r : r + step].float()
-            times = scratch[: g.shape[0]]
-            torch.mul(g, q[r : r + step], out=times)
+            g = grad[r : r + step]
+            torch.mul(g, q[r : r + step], out=times[: g.shape[0]])
             torch.sum(g, dim=-1, out=grad_o[r : r + step])
-            torch.sum(times, dim=-1, out=grad_s[r : r + step])
-        return None, grad_s, grad_o
+            torch.sum(times[: g.shape[0]], dim=-1, out=grad_s[r : r + step])
+        return None, None, grad_s, grad_o
 
 
 class TunableScales(nn.Module):
@@ -102,8 +101,7 @@ class TunableScales(nn.Module):
         """The dequantized weight in its logical shape (float32; the format's arithmetic:
         multiply, then add)."""
         s, o = self._scale_offset()
-        w_hat = _GroupDequantize.apply(self.q, s, o)
-        return w_hat[:, : self.in_features].reshape(self.start.logical_shape)
+        return _GroupDequantize.apply(self.start, self.q, s, o).reshape(self.start.logical_shape)
 
     @torch.no_grad()
     def codes(self) -> QuantizedTensor:
