@@ -15,9 +15,14 @@ Per decoder block, in order, as the pipeline runs it (docs/distributed.md):
   forwards and X^T X by shards, then its inverse factor(s) on the driver (one per distinct input;
   one per expert for a bank: the Cholesky must round the same on every run), then its matrices'
   compensation as jobs (a bank: one per expert); then (the default, tuned codes) the float
-  block's outputs on the float model's hidden states (the targets, on the driver), the block's
+  block's outputs on the float model's hidden states (the targets, by shards), the block's
   scales tuned there (``ScaleTuning().steps`` steps of one window, forward and backward: each
-  step needs the one before) and the tuned codes' outputs by shards.
+  step needs the one before) and the tuned codes' outputs by shards. With ``--tune-on float``
+  the pass computes only the targets (by shards); each block's tuning is a job on a worker
+  beside the pass (its steps and its two checking forwards), and the run ends when the pass
+  has ended and the last block's tuning is back (or when the workers have done every block's,
+  if that is later: counted as if the pass's own jobs left them idle, which at 64 workers they
+  mostly do).
 Then the output head once (its factor and its vocabulary-wide compensation). Not counted: moving
 the windows' hidden states to the workers (48 x 256 positions x hidden x 4 B per group: 400 MB
 at 8,192 wide), the data-free measure's candidates, Ray's start.
@@ -25,6 +30,7 @@ at 8,192 wide), the data-free measure's candidates, Ray's start.
 
 from __future__ import annotations
 
+import argparse
 from dataclasses import dataclass
 
 from dynquant.pipeline.calibrate.fisher import CLUSTER_SHARD_SEQS
@@ -33,6 +39,8 @@ from dynquant.pipeline.codes.tuned_scales import ScaleTuning
 WINDOWS, MOMENT_WINDOWS, WINDOW, SHARD, STAT_WINDOWS = 48, 16, 256, 8, 8
 RATIO_ROWS = 256  # rows a gptq ratio compensates, at each of 4 widths
 TUNING = "scale tuning (driver)"
+TARGETS = "tuning targets (workers)"
+BESIDE = "scale tuning (workers) after the pass"
 
 
 @dataclass(frozen=True)
@@ -100,11 +108,12 @@ def head_work(s: Shape) -> dict[str, float]:
             "logits": STAT_WINDOWS * WINDOW * s.vocab * s.hidden}
 
 
-def project(s: Shape, workers: int, rate: dict[str, float]) -> dict[str, float]:
+def project(s: Shape, workers: int, rate: dict[str, float], tune_on: str = "quantized"
+            ) -> dict[str, float]:
     """Seconds of each part of the run on ``workers`` (rates in multiply-adds per second:
     ``pass``, ``stats``, ``fisher`` (forward multiply-adds of the backward's windows per s),
     ``fisher_head`` (logits per s), ``ratios``, ``gptq``, ``factor``; ``tune``: the tuning steps',
-    for tuned codes)."""
+    for tuned codes, fitted on the ``tune_on`` model's hidden states)."""
     big, small = block_work(s, WINDOWS * WINDOW), block_work(s, STAT_WINDOWS * WINDOW)
     measured = block_work(s, MOMENT_WINDOWS * WINDOW)
     head = head_work(s)
@@ -121,11 +130,17 @@ def project(s: Shape, workers: int, rate: dict[str, float]) -> dict[str, float]:
         "compensation (workers)": max(big["compensate"] / workers, big["largest_compensate"])
         / rate["gptq"],
     }
-    if "tune" in rate:  # the float block's targets, the steps (each needs the one before), the
-        # tuned codes' outputs (by shards)
-        per_block[TUNING] = (big["forward"] / rate["pass"] + tuning_work(s) / rate["tune"]
-                             + big["forward"] / rate["gptq"] / spread)
+    beside = 0.0
+    if "tune" in rate and tune_on == "quantized":  # the float block's targets, the steps (each
+        # needs the one before), the tuned codes' outputs (by shards)
+        per_block[TUNING] = (2 * big["forward"] / rate["gptq"] / spread
+                             + tuning_work(s) / rate["tune"])
+    elif "tune" in rate:  # only the targets on the pass; a job per block beside it
+        per_block[TARGETS] = big["forward"] / rate["gptq"] / spread
+        beside = tuning_work(s) / rate["tune"] + 2 * big["forward"] / rate["gptq"]
     out = {k: v * s.layers for k, v in per_block.items()}
+    if beside:  # what the last block's job, or all the jobs, add after the pass
+        out[BESIDE] = max(0.0, beside * s.layers / workers - sum(out.values())) + beside
     # the ratios' jobs wait on no block: the whole model's spread over the workers
     out["gptq ratios (workers)"] = max(big["ratios"] * s.layers / workers,
                                        big["largest_ratio"]) / rate["ratios"]
@@ -142,17 +157,36 @@ def _duration(seconds: float) -> str:
 
 def print_cost_model(rate: dict[str, float]) -> None:
     """The projection table: each part's hours and the whole, per model and worker count (and,
-    for tuned codes, the whole without the tuning: ``--quantizer gptq``)."""
+    for tuned codes, the whole with ``--tune-on float`` and without the tuning: ``--quantizer
+    gptq``)."""
     parts = list(project(MODELS[0], 1, rate))
     tuned = TUNING in parts
+    extra = " --tune-on float | --quantizer gptq |" if tuned else ""
     print("| model | workers | " + " | ".join(parts) + " | **projected wall** | on the driver |"
-          + (" --quantizer gptq |" if tuned else ""))
-    print("|---|---|" + "---|" * len(parts) + "---|---|" + ("---|" if tuned else ""))
+          + extra)
+    print("|---|---|" + "---|" * len(parts) + "---|---|" + ("---|---|" if tuned else ""))
     for s in MODELS:
         for w in WORKERS:
             p = project(s, w, rate)
             total = sum(p.values())
             driver = sum(v for k, v in p.items() if "driver" in k)
+            beside = sum(project(s, w, rate, "float").values())
             print(f"| {s.name} | {w} | " + " | ".join(_duration(p[k]) for k in parts)
                   + f" | **{_duration(total)}** | {driver / total:.0%} |"
-                  + (f" {_duration(total - p[TUNING])} |" if tuned else ""))
+                  + (f" {_duration(beside)} | {_duration(total - p[TUNING])} |"
+                     if tuned else ""))
+
+
+def main() -> None:
+    """The table from per-worker rates as the scale benchmark prints them."""
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("rates", help="GMAC/s, e.g. 'pass 68.0, stats 95.5, ...' (the scale "
+                        "benchmark's 'per-worker rates' line)")
+    args = parser.parse_args()
+    rate = {k: float(v) * 1e9 for k, v in
+            (item.split() for item in args.rates.split(",") if item.strip())}
+    print_cost_model(rate)
+
+
+if __name__ == "__main__":
+    main()

@@ -292,11 +292,20 @@ def _calibration_options(p: argparse.ArgumentParser) -> None:
                    help="tuned codes (the default with text): scale-tuning steps per block, one "
                    "calibration window each (default 100); measure: those its forecast check "
                    "writes")
+    p.add_argument("--tune-on", choices=("quantized", "float"),
+                   help="tuned codes: the hidden states each block is fitted on: quantized (the "
+                   "default: the model being quantized, each block correcting the ones before "
+                   "it, one block after the other) or float (the float model's: every block's "
+                   "tuning a job of its own beside the GPTQ pass, for a cluster; a little less "
+                   "accurate)")
 
 
 def _tuning(args: argparse.Namespace):
-    """The tuned codes' settings asked for (None: the API's, unless --tune-steps)."""
-    return None if args.tune_steps is None else _api().ScaleTuning(steps=args.tune_steps)
+    """The tuned codes' settings asked for (None: the API's, unless --tune-steps / --tune-on)."""
+    if args.tune_steps is None and args.tune_on is None:
+        return None
+    given = {"steps": args.tune_steps, "inputs": args.tune_on}
+    return _api().ScaleTuning(**{k: v for k, v in given.items() if v is not None})
 
 
 def _end_to_end(args: argparse.Namespace):

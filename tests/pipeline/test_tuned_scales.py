@@ -12,6 +12,7 @@ import torch
 from safetensors import safe_open
 from test_sequential_gptq import _calibration, _uniform
 
+from dynquant.errors import DynquantError
 from dynquant.format.safetensors_header import read_header
 from dynquant.format.validate import validate_checkpoint
 from dynquant.models.sources import resolve_model
@@ -19,9 +20,12 @@ from dynquant.numerics import tuned_scales as tuned_scales_module
 from dynquant.numerics.gptq import gptq_quantize
 from dynquant.numerics.quantizer import quantize_tensor
 from dynquant.numerics.tuned_scales import TunableScales
+from dynquant.pipeline.calibrate.block_stream import BlockStream
+from dynquant.pipeline.calibrate.weights import weight_source
 from dynquant.pipeline.codes import sequential_gptq as seq
+from dynquant.pipeline.codes import tuned_scales as tuned_module
 from dynquant.pipeline.codes.code_chooser import CodeChooser
-from dynquant.pipeline.codes.tuned_scales import ScaleTuning
+from dynquant.pipeline.codes.tuned_scales import ScaleTuning, TuneJob
 from dynquant.pipeline.codes.write import quantize_model
 from shipped_models import LLAMA_REF, checkpoint_bytes
 
@@ -162,3 +166,79 @@ def test_tuned_checkpoints_are_gptq_s_format_and_rerun_and_resume_to_the_same_by
     quantize_model(source, widths, tmp_path / "c", progress=False, chooser=_tuned(cal, 8))
     assert calls == [0, 1, 1, 2, 3]  # block 1 stored, never tuned again
     assert checkpoint_bytes(tmp_path / "c") == checkpoint_bytes(tmp_path / "a")
+
+
+def _tensors(path: Path, suffix: str) -> dict[str, torch.Tensor]:
+    with safe_open(str(path / "model.safetensors"), "pt") as fh:
+        return {n: fh.get_tensor(n) for n in fh.keys() if n.endswith(suffix)}  # noqa: SIM118
+
+
+def test_tuning_on_float_inputs_leaves_the_gptq_pass_as_it_is_and_resumes(tmp_path, monkeypatch):
+    """``inputs="float"``: every block's tuning job gets the float model's hidden states (the
+    calibration pass's, run through the float blocks) and the float block's outputs on them,
+    and the GPTQ pass goes on with the untuned codes, so every code is the GPTQ run's own (only
+    scales and offsets differ); each kept tuning lowers its block's error on those inputs; two
+    runs give the same bytes; a run killed in block 2's tuning resumes there, its GPTQ pass
+    from the codes it kept, to the same bytes."""
+    source = resolve_model(str(LLAMA_REF))
+    widths = _uniform(source, 3)
+    cal = _calibration(LLAMA_REF, 2, 64)
+    floats = replace(cal, tuning=ScaleTuning(steps=8, inputs="float"))
+    chooser = CodeChooser("tuned", sequential=floats)
+    jobs: list[TuneJob] = []
+    errors: list[float] = []
+    real_job, real_error = tuned_module.tune_block_job, tuned_module.block_error
+    monkeypatch.setattr(seq, "tune_block_job", lambda job, work: jobs.append(job) or real_job(
+        job, work))
+    monkeypatch.setattr(tuned_module, "block_error",
+                        lambda o, t: errors.append(real_error(o, t)) or errors[-1])
+    quantize_model(source, widths, tmp_path / "a", progress=False, chooser=chooser)
+    quantize_model(source, widths, tmp_path / "gptq", progress=False,
+                   chooser=CodeChooser("gptq", sequential=cal))
+    assert [j.block for j in jobs] == [0, 1, 2, 3]
+    stream = BlockStream(source, weight_source(source, False), cal.ids, chunk=1)
+    hidden = stream.record()
+    for job in jobs:  # the float model's hidden states, block after block
+        assert all(torch.equal(h, j) for h, j in zip(hidden, job.hidden, strict=True))
+        block = stream.blocks[job.block]
+        stream.materialize(block, stream.block_prefix(job.block))
+        hidden = stream.run_block(job.block, hidden)
+        stream.release(block)
+        assert all(torch.equal(h, t) for h, t in zip(hidden, job.targets, strict=True))
+    after, before = errors[0::2], errors[1::2]
+    assert all(a < b for a, b in zip(after, before, strict=True)), (after, before)
+    tuned, gptq = _tensors(tmp_path / "a", ".qweight"), _tensors(tmp_path / "gptq", ".qweight")
+    assert tuned.keys() == gptq.keys() and all(torch.equal(tuned[n], gptq[n]) for n in tuned)
+    tuned, gptq = _tensors(tmp_path / "a", ".scales"), _tensors(tmp_path / "gptq", ".scales")
+    assert sum(not torch.equal(tuned[n], gptq[n]) for n in tuned) >= len(tuned) // 2
+
+    quantize_model(source, widths, tmp_path / "b", progress=False, chooser=chooser)
+    assert checkpoint_bytes(tmp_path / "b") == checkpoint_bytes(tmp_path / "a")
+
+    jobs.clear()
+    compensated: list[int] = []
+    real_compensate = seq.compensate_job
+    monkeypatch.setattr(seq, "compensate_job", lambda job, shared=None: compensated.append(1)
+                        or real_compensate(job, shared))
+
+    def dies_in_block_two(job, work):
+        jobs.append(job)
+        if job.block == 1 and len(jobs) == 2:
+            raise KeyboardInterrupt
+        return real_job(job, work)
+
+    monkeypatch.setattr(seq, "tune_block_job", dies_in_block_two)
+    with pytest.raises(KeyboardInterrupt):
+        quantize_model(source, widths, tmp_path / "c", progress=False, chooser=chooser)
+    assert not (tmp_path / "c" / "dynquant.json").exists()
+    first = len(compensated)
+    quantize_model(source, widths, tmp_path / "c", progress=False, chooser=chooser)
+    assert [j.block for j in jobs] == [0, 1, 1, 2, 3]
+    assert len(compensated) == 2 * first  # blocks 1 and 2 ran from their kept GPTQ codes
+    assert checkpoint_bytes(tmp_path / "c") == checkpoint_bytes(tmp_path / "a")
+    assert not (tmp_path / ".c.partial").exists()
+
+
+def test_tuning_inputs_other_than_quantized_or_float_are_a_typed_error():
+    with pytest.raises(DynquantError, match="tuning inputs must be one of quantized, float"):
+        ScaleTuning(inputs="floats")

@@ -33,6 +33,7 @@ class PartialDir:
     def __init__(self, out: str | Path, job: dict) -> None:
         out = Path(out)
         self.dir = out.parent / f".{out.name}.partial"
+        self.job = job
         digest = hashlib.sha256(json.dumps(job, sort_keys=True, default=str).encode()).hexdigest()
         job_file = self.dir / "job.json"
         if self.dir.exists() and (not job_file.is_file()
@@ -70,6 +71,11 @@ class ResumeStore(PartialDir):
 
     def _path(self, index: int) -> Path:
         return self.dir / f"{index:06d}.safetensors"
+
+    def inner(self, name: str) -> ResumeStore:
+        """A store of its own inside this one (the same job; discarded with it): tensors a
+        later step replaces, kept for a resumed run."""
+        return ResumeStore(self.dir / name, self.job)
 
     def has(self, index: int) -> bool:
         return self._path(index).is_file()

@@ -33,8 +33,9 @@ from __future__ import annotations
 
 import contextlib
 import hashlib
+from collections import deque
 from collections.abc import Callable, Iterator
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from functools import cached_property
 
 import torch
@@ -65,8 +66,20 @@ from dynquant.pipeline.calibrate.calibration_pass import (
 from dynquant.pipeline.calibrate.statistics import InputStatistics
 from dynquant.pipeline.calibrate.weights import WeightsAt
 from dynquant.pipeline.codes.end_to_end import EndToEndTuning
-from dynquant.pipeline.codes.tuned_scales import ScaleTuning, block_error, tune_block
-from dynquant.pipeline.execute.executor import Executor, LocalExecutor, use_threads
+from dynquant.pipeline.codes.tuned_scales import (
+    ScaleTuning,
+    TuneJob,
+    block_error,
+    notes_here,
+    tune_block,
+    tune_block_job,
+)
+from dynquant.pipeline.execute.executor import (
+    Executor,
+    LocalExecutor,
+    Submitted,
+    use_threads,
+)
 from dynquant.pipeline.execute.progress import StageProgress
 
 Choice = Callable[[str], tuple[int, int]]  # module -> (bits, group size)
@@ -126,6 +139,11 @@ def sequential_gptq(stream: BlockStream, specs: list[TensorSpec], quantized: set
     floats = list(hidden) if tuning is not None else []  # the float model's hidden states
     work = BlockWork(WeightsAt.of(stream.source, False), stream.dtype, frozenset(), False,
                      torch.get_num_threads())
+    # tuning on the float model's inputs: the pass goes on with the GPTQ codes (kept apart, so
+    # that a resumed pass runs on them), each block's tuning a job collected later
+    beside = tuning is not None and tuning.inputs == "float"
+    chain = store.inner("gptq") if beside else store
+    pending: deque[_PendingTuning] = deque()
     with StageProgress(enabled=progress) as bar, serving(stream, work):
         task = bar.add_task("gptq, block by block", total=len(stream.blocks))
         for b, block in enumerate(stream.blocks):
@@ -134,10 +152,12 @@ def sequential_gptq(stream: BlockStream, specs: list[TensorSpec], quantized: set
             stream.materialize(block, state.prefix[:-1])
             try:
                 tuned = tuning is not None and not all(store.has(index[s.module]) for s in mine)
+                floats_in = floats
                 if tuning is not None:  # before any codes are in place
-                    floats = stream.run_block(b, floats)
+                    floats = _outputs(replace(state, hidden=floats, replaced={}),
+                                      _noter(bar, task, f"block {b + 1}: the float outputs"))
                 say = _noter(bar, task, f"block {b + 1}")
-                block_store = _HeldCodes() if tuned else store
+                block_store = chain if beside else _HeldCodes() if tuned else store
                 targets = _targets(block, state.prefix, mine)
                 groups = _groups(stream, b, hidden[0], targets)
                 reached = {m for g in groups for m in g}
@@ -153,13 +173,44 @@ def sequential_gptq(stream: BlockStream, specs: list[TensorSpec], quantized: set
                     _quantize_group(state, group, targets, specs, index, choice, block_store,
                                     _noter(bar, task, where))
                 hidden = _outputs(state, _noter(bar, task, f"block {b + 1}: its output"))
-                if tuned:
+                if tuned and beside:
+                    job = TuneJob(b, floats_in, floats, stream.calls[b], dict(state.replaced),
+                                  tuning)
+                    with notes_here(_noter(bar, task, f"block {b + 1}: tuning (float inputs)")):
+                        pending.append(_PendingTuning(
+                            [(index[s.module], s.module, state.relative(s)) for s in mine],
+                            executor.submit(tune_block_job, job, work, cpus=work.threads)))
+                elif tuned:
                     hidden = _tuned(state, mine, index, hidden, floats, tuning, store, say)
             finally:
                 stream.release(block)
+            last = b == len(stream.blocks) - 1
+            while pending and (pending[0].job.done() or last or len(pending) > TUNING_IN_FLIGHT):
+                bar.note(task, f"waiting for the tuning of {len(pending)} blocks")
+                pending.popleft().store(store)
             bar.advance(task)
         _head(stream, hidden, index, choice, store,
               None if compensate_head else (specs, rounder), bar)
+
+
+# blocks whose tuning (on the float model's inputs) is submitted and not yet collected: each
+# holds its windows' float inputs and targets in the cluster's object store
+TUNING_IN_FLIGHT = 8
+
+
+@dataclass
+class _PendingTuning:
+    """A block's tuning job, submitted: where its tensors go (store index, module, parameter
+    path inside the block) and the job's result when it is ready."""
+
+    tensors: list[tuple[int, str, str]]
+    job: Submitted[dict[str, QuantizedTensor]]
+
+    def store(self, store: ResumeStore) -> None:
+        """Wait for the block's tuned codes and keep them."""
+        codes = self.job.result()
+        for i, module, name in self.tensors:
+            store.save_quantized(i, module, codes[name])
 
 
 class _HeldCodes:

@@ -10,21 +10,37 @@ seeded order, the step size falling linearly to zero; every quantized tensor of 
 once (a bank's every expert: each sees the tokens routed to it). The tuned scales are kept only
 where they lower the block's error over all windows (at 8 bits a bf16 scale's step can be
 larger than the error it tunes).
+
+With ``ScaleTuning(inputs="float")`` the block is fitted on the *float* model's hidden states
+instead: no block's tuning then needs another's, the GPTQ pass goes on with the untuned codes,
+and each block's tuning is a job (``tune_block_job``) that a worker runs while the pass goes on
+(BENCHMARKS.md "Tuned scales" measures what that costs in KL).
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass
 
 import torch
 from torch import nn
 from torch.func import functional_call
 
+from dynquant.errors import DynquantError
 from dynquant.freed_memory import reusing_freed_memory
 from dynquant.numerics.quantizer import QuantizedTensor
 from dynquant.numerics.tuned_scales import TunableScales
 from dynquant.pipeline.calibrate.block_stream import BlockStream, first_output
+from dynquant.pipeline.calibrate.calibration_pass import (
+    BlockWork,
+    block_as_driven,
+    put_codes,
+    shard_stream,
+)
+from dynquant.pipeline.execute.executor import use_threads
+
+TUNING_INPUTS = ("quantized", "float")
 
 
 @dataclass(frozen=True)
@@ -37,6 +53,15 @@ class ScaleTuning:
     # quantization steps at every width
     lr: float = 3e-3
     seed: int = 0
+    # the hidden states the block is fitted on: "quantized" (the model being quantized: each
+    # block corrects its predecessors, and waits for them) or "float" (the float model's:
+    # every block's tuning independent, a job beside the GPTQ pass)
+    inputs: str = "quantized"
+
+    def __post_init__(self) -> None:
+        if self.inputs not in TUNING_INPUTS:
+            raise DynquantError(f"tuning inputs must be one of {', '.join(TUNING_INPUTS)}, "
+                                f"not {self.inputs!r}", field="tuning.inputs")
 
 
 def block_error(outputs: list[torch.Tensor], targets: list[torch.Tensor]) -> float:
@@ -48,9 +73,12 @@ def block_error(outputs: list[torch.Tensor], targets: list[torch.Tensor]) -> flo
 
 def tune_block(stream: BlockStream, index: int, codes: dict[str, QuantizedTensor],
                hidden: list[torch.Tensor], targets: list[torch.Tensor], tuning: ScaleTuning,
-               say: Callable[[str], None] = lambda _: None) -> dict[str, QuantizedTensor]:
+               say: Callable[[str], None] = lambda _: None, calls: list[tuple] | None = None
+               ) -> dict[str, QuantizedTensor]:
     """Block ``index``'s ``codes`` (parameter path inside the block -> codes) with scales and
-    offsets fitted so that the block on ``hidden`` gives ``targets``."""
+    offsets fitted so that the block on ``hidden`` gives ``targets`` (``calls``: the windows'
+    recorded block arguments, the stream's by default)."""
+    calls = stream.calls[index] if calls is None else calls
     block = stream.blocks[index]
     params = {name: block.get_parameter(name) for name in codes}
     tunables = {name: TunableScales(qt) for name, qt in codes.items()}
@@ -63,7 +91,7 @@ def tune_block(stream: BlockStream, index: int, codes: dict[str, QuantizedTensor
             for group in opt.param_groups:
                 group["lr"] = tuning.lr * group["width"] * (1 - step / tuning.steps)
             weights = {name: _shaped(t(), params[name]) for name, t in tunables.items()}
-            args, kwargs = stream.calls[index][k]
+            args, kwargs = calls[k]
             out = first_output(functional_call(block, weights, (hidden[k].to(stream.dtype),
                                                                  *args), kwargs))
             loss = (out.float() - targets[k]).pow(2).mean()
@@ -73,6 +101,54 @@ def tune_block(stream: BlockStream, index: int, codes: dict[str, QuantizedTensor
             if step % 10 == 0:
                 say(f"tuning scales, step {step}/{tuning.steps}")
     return {name: t.codes() for name, t in tunables.items()}
+
+
+@dataclass
+class TuneJob:
+    """One block's tuning on the float model's hidden states (``inputs="float"``): the block's
+    windows' float inputs and the float block's outputs on them, their recorded arguments, and
+    the block's codes (GPTQ's)."""
+
+    block: int
+    hidden: list[torch.Tensor]
+    targets: list[torch.Tensor]
+    recorded: list[tuple]
+    codes: dict[str, QuantizedTensor]
+    tuning: ScaleTuning
+
+
+# what a tuning job run in this process says on the driver's progress line (a worker's says
+# nothing: its steps are the driver's wait)
+_NOTES: list[Callable[[str], None]] = []
+
+
+def tune_block_job(job: TuneJob, work: BlockWork) -> dict[str, QuantizedTensor]:
+    """The block's codes with tuned scales where they lower its error over every window, else
+    the codes as they came; on any executor the same bits (the driver's thread count)."""
+    use_threads(work.threads)
+    stream = shard_stream(work)
+    say = _NOTES[-1] if _NOTES else (lambda _: None)
+    with block_as_driven(stream, job.block, job.codes) as block:
+        before = stream.run_block(job.block, job.hidden, job.recorded)
+        tuned = tune_block(stream, job.block, job.codes, job.hidden, job.targets, job.tuning,
+                           say, job.recorded)
+        for name, qt in tuned.items():
+            put_codes(block.get_parameter(name), qt)
+        after = stream.run_block(job.block, job.hidden, job.recorded)
+        for name, qt in job.codes.items():  # the block as it came (the driver's goes on)
+            put_codes(block.get_parameter(name), qt)
+    return tuned if block_error(after, job.targets) < block_error(before, job.targets) \
+        else job.codes
+
+
+@contextmanager
+def notes_here(say: Callable[[str], None]) -> Iterator[None]:
+    """Tuning jobs run in this process report their steps to ``say``."""
+    _NOTES.append(say)
+    try:
+        yield
+    finally:
+        _NOTES.pop()
 
 
 def _shaped(w_hat: torch.Tensor, param: nn.Parameter) -> torch.Tensor:

@@ -11,11 +11,21 @@ executor ran them. ``LocalExecutor`` is the plain loop (the default); ``RayExecu
 from __future__ import annotations
 
 from collections.abc import Callable, Iterable, Iterator
-from typing import TypeVar
+from dataclasses import dataclass
+from typing import Generic, TypeVar
 
 J = TypeVar("J")
 R = TypeVar("R")
 S = TypeVar("S")
+
+
+@dataclass(frozen=True)
+class Submitted(Generic[R]):
+    """A job started by ``Executor.submit``: whether its result is back, and the result
+    (waiting for it)."""
+
+    done: Callable[[], bool]
+    result: Callable[[], R]
 
 
 class Executor:
@@ -32,6 +42,13 @@ class Executor:
         for executors that bound the bytes of results not yet collected; ``cpus``: the threads
         one job uses (a cluster reserves them)."""
         raise NotImplementedError
+
+    def submit(self, fn: Callable[[J, S], R], job: J, shared: S, cpus: int = 1
+               ) -> Submitted[R]:
+        """``fn(job, shared)`` started now. The driver goes on with other work meanwhile where
+        the job runs elsewhere; here it runs at once (this process's threads are the driver's)."""
+        result = fn(job, shared)
+        return Submitted(lambda: True, lambda: result)
 
     def idle(self) -> None:
         """No more jobs for a while: release what can be started again by the next ``map``."""

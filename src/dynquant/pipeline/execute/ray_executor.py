@@ -21,7 +21,7 @@ from collections.abc import Callable, Iterable, Iterator
 from typing import Any
 
 from dynquant.errors import DynquantError
-from dynquant.pipeline.execute.executor import Executor, J, R, S
+from dynquant.pipeline.execute.executor import Executor, J, R, S, Submitted
 
 MAX_RETRIES = 3  # runs of a task whose worker died, after the first
 MAX_IN_FLIGHT_BYTES = 2 << 30  # results submitted and not yet collected (one may be larger)
@@ -85,11 +85,7 @@ class RayExecutor(Executor):
     def map(self, fn: Callable[[J, S], R], jobs: Iterable[J], shared: S,
             nbytes: Callable[[J], int] | None = None, cpus: int = 1) -> Iterator[R]:
         ray = self._connect()
-        # no more than the largest node has: a task asking for more would never be scheduled
-        widest = max((n["Resources"].get("CPU", 1) for n in ray.nodes() if n["Alive"]),
-                     default=1)
-        task = ray.remote(num_cpus=min(cpus, widest), max_retries=self.max_retries,
-                          retry_exceptions=False)(fn)
+        task = self._task(ray, fn, cpus)
         shared_ref = ray.put(shared)  # sent to the object store once, not with every job
         limit = self._limit(ray)
         pending: deque = deque()  # (ref, bytes of its result), oldest first
@@ -106,6 +102,20 @@ class RayExecutor(Executor):
         finally:
             for ref, _ in pending:  # a failed or abandoned run: stop what is still queued
                 ray.cancel(ref, force=True)
+
+    def submit(self, fn: Callable[[J, S], R], job: J, shared: S, cpus: int = 1
+               ) -> Submitted[R]:
+        ray = self._connect()
+        ref = self._task(ray, fn, cpus).remote(job, shared)
+        return Submitted(lambda: bool(ray.wait([ref], timeout=0)[0]),
+                         lambda: self._collect(ray, ref))
+
+    def _task(self, ray: Any, fn: Callable, cpus: int) -> Any:
+        # no more than the largest node has: a task asking for more would never be scheduled
+        widest = max((n["Resources"].get("CPU", 1) for n in ray.nodes() if n["Alive"]),
+                     default=1)
+        return ray.remote(num_cpus=min(cpus, widest), max_retries=self.max_retries,
+                          retry_exceptions=False)(fn)
 
     def _collect(self, ray: Any, ref: Any) -> Any:
         try:
