@@ -137,8 +137,8 @@ def tune_block_job(job: TuneJob, work: BlockWork) -> dict[str, QuantizedTensor]:
         after = stream.run_block(job.block, job.hidden, job.recorded)
         for name, qt in job.codes.items():  # the block as it came (the driver's goes on)
             put_codes(block.get_parameter(name), qt)
-    return tuned if block_error(after, job.targets) < block_error(before, job.targets) \
-        else job.codes
+    better = block_error(after, job.targets) < block_error(before, job.targets)
+    return tuned if better else job.codes
 
 
 @contextmanager
