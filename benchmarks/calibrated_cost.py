@@ -22,7 +22,9 @@ Per decoder block, in order, as the pipeline runs it (docs/distributed.md):
   beside the pass (its steps and its two checking forwards), and the run ends when the pass
   has ended and the last block's tuning is back (or when the workers have done every block's,
   if that is later: counted as if the pass's own jobs left them idle, which at 64 workers they
-  mostly do).
+  mostly do; on one worker one after the other). With ``--independent-blocks`` the pass is only
+  the float model's outputs (by shards) and each block's GPTQ and tuning a job of its own,
+  counted the same way.
 Then the output head once (its factor and its vocabulary-wide compensation). Not counted: moving
 the windows' hidden states to the workers (48 x 256 positions x hidden x 4 B per group: 400 MB
 at 8,192 wide), the data-free measure's candidates, Ray's start.
@@ -39,8 +41,8 @@ from dynquant.pipeline.codes.tuned_scales import ScaleTuning
 WINDOWS, MOMENT_WINDOWS, WINDOW, SHARD, STAT_WINDOWS = 48, 16, 256, 8, 8
 RATIO_ROWS = 256  # rows a gptq ratio compensates, at each of 4 widths
 TUNING = "scale tuning (driver)"
-TARGETS = "tuning targets (workers)"
-BESIDE = "scale tuning (workers) after the pass"
+TARGETS = "the float model's outputs (workers)"
+JOBS = "jobs beside the pass, after it (workers)"
 
 
 @dataclass(frozen=True)
@@ -108,39 +110,50 @@ def head_work(s: Shape) -> dict[str, float]:
             "logits": STAT_WINDOWS * WINDOW * s.vocab * s.hidden}
 
 
-def project(s: Shape, workers: int, rate: dict[str, float], tune_on: str = "quantized"
+def project(s: Shape, workers: int, rate: dict[str, float], mode: str = "quantized"
             ) -> dict[str, float]:
     """Seconds of each part of the run on ``workers`` (rates in multiply-adds per second:
     ``pass``, ``stats``, ``fisher`` (forward multiply-adds of the backward's windows per s),
     ``fisher_head`` (logits per s), ``ratios``, ``gptq``, ``factor``; ``tune``: the tuning steps',
-    for tuned codes, fitted on the ``tune_on`` model's hidden states)."""
+    for tuned codes). ``mode``: the default ("quantized"), ``--tune-on float`` ("float") or
+    ``--independent-blocks`` ("independent")."""
     big, small = block_work(s, WINDOWS * WINDOW), block_work(s, STAT_WINDOWS * WINDOW)
     measured = block_work(s, MOMENT_WINDOWS * WINDOW)
     head = head_work(s)
     spread = min(workers, WINDOWS // SHARD)
-    per_block = {
+    measure = {
         "X^T X pass (workers)": (measured["forward"] + measured["moments"]) / rate["pass"]
         / min(workers, MOMENT_WINDOWS // SHARD),
         "statistics (one job)": small["forward"] / rate["stats"],
         "Fisher backward (workers)": small["forward"] / rate["fisher"]
         / min(workers, STAT_WINDOWS // CLUSTER_SHARD_SEQS),
+    }
+    gptq = {  # the sequential pass, one block after the other
         "GPTQ forwards + X^T X (workers)": (big["forward"] + big["partial"] + big["moments"])
         / rate["gptq"] / spread,
         "inverse factors (driver)": big["factors"] / rate["factor"],
         "compensation (workers)": max(big["compensate"] / workers, big["largest_compensate"])
         / rate["gptq"],
     }
-    beside = 0.0
-    if "tune" in rate and tune_on == "quantized":  # the float block's targets, the steps (each
-        # needs the one before), the tuned codes' outputs (by shards)
-        per_block[TUNING] = (2 * big["forward"] / rate["gptq"] / spread
-                             + tuning_work(s) / rate["tune"])
-    elif "tune" in rate:  # only the targets on the pass; a job per block beside it
-        per_block[TARGETS] = big["forward"] / rate["gptq"] / spread
-        beside = tuning_work(s) / rate["tune"] + 2 * big["forward"] / rate["gptq"]
-    out = {k: v * s.layers for k, v in per_block.items()}
-    if beside:  # what the last block's job, or all the jobs, add after the pass
-        out[BESIDE] = max(0.0, beside * s.layers / workers - sum(out.values())) + beside
+    tune = tuning_work(s) / rate["tune"] + 2 * big["forward"] / rate["gptq"] \
+        if "tune" in rate else 0.0  # one block's tuning job: the steps, its two forwards
+    targets = {TARGETS: big["forward"] / rate["gptq"] / spread}  # the float model's, by shards
+    if mode == "independent":  # on the pass only the float model's outputs; a job per block
+        chain = targets
+        job = sum(gptq.values()) - big["forward"] / rate["gptq"] / spread + tune
+    elif mode == "float":  # the pass and the targets; the tuning a job per block beside it
+        chain, job = {**gptq, **targets}, tune
+    else:  # the targets, the steps (each needs the one before), the tuned outputs by shards
+        chain = {**gptq, TUNING: 2 * big["forward"] / rate["gptq"] / spread
+                 + tuning_work(s) / rate["tune"]} if tune else gptq
+        job = 0.0
+    out = {k: v * s.layers for k, v in {**measure, **chain}.items()}
+    if job == 0.0:
+        pass
+    elif workers == 1:  # the one worker runs the pass's jobs too: one after the other
+        out[JOBS] = job * s.layers
+    else:  # what the last block's job, or all the jobs, add after the pass
+        out[JOBS] = max(0.0, job * s.layers / workers - sum(chain.values()) * s.layers) + job
     # the ratios' jobs wait on no block: the whole model's spread over the workers
     out["gptq ratios (workers)"] = max(big["ratios"] * s.layers / workers,
                                        big["largest_ratio"]) / rate["ratios"]
@@ -157,24 +170,24 @@ def _duration(seconds: float) -> str:
 
 def print_cost_model(rate: dict[str, float]) -> None:
     """The projection table: each part's hours and the whole, per model and worker count (and,
-    for tuned codes, the whole with ``--tune-on float`` and without the tuning: ``--quantizer
-    gptq``)."""
+    for tuned codes, the whole with ``--tune-on float``, with ``--independent-blocks`` and
+    without the tuning: ``--quantizer gptq``)."""
     parts = list(project(MODELS[0], 1, rate))
     tuned = TUNING in parts
-    extra = " --tune-on float | --quantizer gptq |" if tuned else ""
+    extra = " --tune-on float | --independent-blocks | --quantizer gptq |" if tuned else ""
     print("| model | workers | " + " | ".join(parts) + " | **projected wall** | on the driver |"
           + extra)
-    print("|---|---|" + "---|" * len(parts) + "---|---|" + ("---|---|" if tuned else ""))
+    print("|---|---|" + "---|" * len(parts) + "---|---|" + ("---|" * 3 if tuned else ""))
     for s in MODELS:
         for w in WORKERS:
             p = project(s, w, rate)
             total = sum(p.values())
             driver = sum(v for k, v in p.items() if "driver" in k)
-            beside = sum(project(s, w, rate, "float").values())
+            others = [sum(project(s, w, rate, m).values()) for m in ("float", "independent")]
             print(f"| {s.name} | {w} | " + " | ".join(_duration(p[k]) for k in parts)
                   + f" | **{_duration(total)}** | {driver / total:.0%} |"
-                  + (f" {_duration(beside)} | {_duration(total - p[TUNING])} |"
-                     if tuned else ""))
+                  + ("".join(f" {_duration(t)} |" for t in others)
+                     + f" {_duration(total - p[TUNING])} |" if tuned else ""))
 
 
 def main() -> None:

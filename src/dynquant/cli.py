@@ -92,7 +92,7 @@ def quantize_options(args: argparse.Namespace, report=None) -> dict:
             pins=args.pin or None, min_bits=args.min_bits, max_bits=args.max_bits)),
         "codes": api.CodeOptions(**_given(
             quantizer=args.quantizer, gptq_seqs=args.gptq_seqs, tuning=_tuning(args),
-            end_to_end=_end_to_end(args))),
+            end_to_end=_end_to_end(args), independent_blocks=args.independent_blocks or None)),
         "run": api.RunOptions(**_executor(args), progress=not (args.quiet or args.json),
                               report=report),
         **_given(random_init=args.random_init or None, seed=args.seed,
@@ -412,6 +412,11 @@ def _add_quantize(sub) -> None:
     p.add_argument("--gptq-seqs", type=int,
                    help="calibration windows the gptq pass streams (default 48 x --calib-len "
                    "tokens; cost: about one forward per Linear group over them)")
+    p.add_argument("--independent-blocks", action="store_true",
+                   help="gptq and tuned codes: every block's from the float model's hidden states "
+                   "instead of the quantized model's (its scales tuned on them too), so that no "
+                   "block waits for another: with --ray each block is a job of its own (a much "
+                   "shorter run on a cluster for a little more KL: docs/distributed.md)")
     p.add_argument("--e2e-steps", type=int,
                    help="gptq / tuned codes: then every group scale and offset tuned against "
                    "the float model's next-token distributions, one calibration window a step "

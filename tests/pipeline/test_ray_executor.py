@@ -60,26 +60,27 @@ def test_results_come_back_in_order_with_bounded_tasks_in_flight(cluster):
     assert by_bytes.peak_in_flight == 2
 
 
-@pytest.mark.parametrize(("family", "tune_on"), [("qwen3_moe", "quantized"),
-                                               ("dynquant_hybrid", "quantized"),
-                                               ("qwen3_moe", "float")])
-def test_ray_run_is_byte_identical_to_a_local_run(cluster, tmp_path, family, tune_on):
+@pytest.mark.parametrize(("family", "mode"), [
+    ("qwen3_moe", ()), ("dynquant_hybrid", ()), ("qwen3_moe", ("--tune-on", "float")),
+    ("dynquant_hybrid", ("--independent-blocks",))])
+def test_ray_run_is_byte_identical_to_a_local_run(cluster, tmp_path, family, mode):
     """measure (calibration shards and candidates on the workers) -> allocate -> quantize (the
     gptq pass's windows in two shards, 8 + 4, each group's X^T X and each block's outputs, each
     matrix's compensation and the other tensors on the workers; each block's scales then tuned
-    on the driver, the default codes, expert banks included, or with ``--tune-on float`` each
-    block's tuning a job on a worker beside the pass): the same files, byte for byte; the
+    on the driver, the default codes, expert banks included; with ``--tune-on float`` each
+    block's tuning a job on a worker beside the pass; with ``--independent-blocks`` each block
+    a job, its GPTQ codes and their tuning): the same files, byte for byte; the
     moments folded from the shards are the local run's bits, or the codes would differ.
     (The data-free path: test_a_killed_worker_is_survived.)"""
     model = save_tiny_model(family, tmp_path / "src")
     save_tiny_tokenizer(model, vocab_size=512 if family == "dynquant_hybrid" else 384)
     (tmp_path / "calib.txt").write_text(TOKENIZER_TEXT * 3)
     extra = ["--budget", "5.0", "--calib", str(tmp_path / "calib.txt"), "--calib-seqs", "2",
-             "--calib-len", "32", "--gptq-seqs", "12", "--tune-on", tune_on]
+             "--calib-len", "32", "--gptq-seqs", "12", *mode]
     _quantize(model, tmp_path / "local", *extra)
     _quantize(model, tmp_path / "ray", *extra, "--ray")
     assert _digest(tmp_path / "local") == _digest(tmp_path / "ray")
-    if tune_on == "float":  # tuned on the worker: not the GPTQ codes they started from
+    if mode:  # tuned on the worker: not the GPTQ codes they started from
         _quantize(model, tmp_path / "gptq", *extra, "--quantizer", "gptq")
         assert (_digest(tmp_path / "gptq")["model.safetensors"]
                 != _digest(tmp_path / "ray")["model.safetensors"])

@@ -242,3 +242,74 @@ def test_tuning_on_float_inputs_leaves_the_gptq_pass_as_it_is_and_resumes(tmp_pa
 def test_tuning_inputs_other_than_quantized_or_float_are_a_typed_error():
     with pytest.raises(DynquantError, match="tuning inputs must be one of quantized, float"):
         ScaleTuning(inputs="floats")
+
+
+def _block_tensors(path: Path, block: int) -> dict[str, torch.Tensor]:
+    prefix = f"model.layers.{block}."
+    with safe_open(str(path / "model.safetensors"), "pt") as fh:
+        return {n: fh.get_tensor(n) for n in fh.keys() if n.startswith(prefix)}  # noqa: SIM118
+
+
+def _same(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> bool:
+    return a.keys() == b.keys() and all(torch.equal(a[n], b[n]) for n in a)
+
+
+def test_independent_blocks_depend_on_no_other_block(tmp_path):
+    """``independent``: a block's codes come from the float model's hidden states, so other
+    blocks' widths do not change them (block 1's are the same bytes whatever block 0's width),
+    and block 0, whose inputs are the float model's in any pass, gets the sequential pass's own
+    codes; from block 1 on they differ from the sequential pass's."""
+    source = resolve_model(str(LLAMA_REF))
+    cal = _calibration(LLAMA_REF, 2, 64)
+    three = _uniform(source, 3)
+    wider = {m: 4 if m.startswith("model.layers.0.") else b for m, b in three.items()}
+    for name, widths, sequential in (("a", three, replace(cal, independent=True)),
+                                     ("b", wider, replace(cal, independent=True)),
+                                     ("seq", three, cal)):
+        quantize_model(source, widths, tmp_path / name, progress=False,
+                       chooser=CodeChooser("gptq", sequential=sequential))
+    a, b, seq_ = (tmp_path / n for n in ("a", "b", "seq"))
+    assert not _same(_block_tensors(a, 0), _block_tensors(b, 0))
+    assert all(_same(_block_tensors(a, k), _block_tensors(b, k)) for k in (1, 2, 3))
+    assert _same(_block_tensors(a, 0), _block_tensors(seq_, 0))
+    assert not _same(_block_tensors(a, 1), _block_tensors(seq_, 1))
+
+
+def test_independent_blocks_tuned_rerun_and_resume_to_the_same_bytes(tmp_path, monkeypatch):
+    """Tuned codes with ``independent``: each block a job (its GPTQ codes and their tuning on
+    the float model's hidden states, which it is given); the scales differ from GPTQ's; two runs
+    give the same bytes; a run killed in block 2's job resumes there, blocks already stored
+    not run again, to the same bytes."""
+    source = resolve_model(str(LLAMA_REF))
+    widths = _uniform(source, 3)
+    cal = replace(_calibration(LLAMA_REF, 2, 64), independent=True)
+    chooser = CodeChooser("tuned", sequential=replace(cal, tuning=ScaleTuning(steps=8)))
+    jobs: list[seq.BlockJob] = []
+    real_job = seq.block_job
+    monkeypatch.setattr(seq, "block_job", lambda job, shared: jobs.append(job) or real_job(
+        job, shared))
+    quantize_model(source, widths, tmp_path / "a", progress=False, chooser=chooser)
+    quantize_model(source, widths, tmp_path / "gptq", progress=False,
+                   chooser=CodeChooser("gptq", sequential=cal))
+    assert [j.block for j in jobs] == [0, 1, 2, 3] * 2  # tuned, then gptq
+    assert all(torch.equal(h, t) for h, t in zip(jobs[1].hidden, jobs[0].targets, strict=True))
+    tuned, gptq = _tensors(tmp_path / "a", ".qweight"), _tensors(tmp_path / "gptq", ".qweight")
+    assert all(torch.equal(tuned[n], gptq[n]) for n in tuned)
+    assert checkpoint_bytes(tmp_path / "a") != checkpoint_bytes(tmp_path / "gptq")
+    quantize_model(source, widths, tmp_path / "b", progress=False, chooser=chooser)
+    assert checkpoint_bytes(tmp_path / "b") == checkpoint_bytes(tmp_path / "a")
+
+    jobs.clear()
+
+    def dies_in_block_two(job, shared):
+        jobs.append(job)
+        if job.block == 1 and len(jobs) == 2:
+            raise KeyboardInterrupt
+        return real_job(job, shared)
+
+    monkeypatch.setattr(seq, "block_job", dies_in_block_two)
+    with pytest.raises(KeyboardInterrupt):
+        quantize_model(source, widths, tmp_path / "c", progress=False, chooser=chooser)
+    quantize_model(source, widths, tmp_path / "c", progress=False, chooser=chooser)
+    assert [j.block for j in jobs] == [0, 1, 1, 2, 3]
+    assert checkpoint_bytes(tmp_path / "c") == checkpoint_bytes(tmp_path / "a")

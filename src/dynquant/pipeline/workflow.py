@@ -178,7 +178,7 @@ def _run(source: ModelSource, req: QuantizeRequest, workdir: Path, executor: Exe
     sequential = (gptq_calibration(source, texts, w.calibration, codes.gptq_seqs,
                                    req.measure.calibration.length, w.compensate_head,
                                    codes.tuning if quantizer == "tuned" else None,
-                                   codes.end_to_end)
+                                   codes.end_to_end, codes.independent_blocks)
                   if quantizer in SEQUENTIAL else None)
     chooser = CodeChooser(quantizer, w.importance or {}, sequential=sequential)
     if not w.forecast_for_codes and w.allocator == "sensitivity" and progress:

@@ -70,7 +70,6 @@ from dynquant.pipeline.codes.tuned_scales import (
     ScaleTuning,
     TuneJob,
     block_error,
-    notes_here,
     tune_block,
     tune_block_job,
 )
@@ -80,7 +79,7 @@ from dynquant.pipeline.execute.executor import (
     Submitted,
     use_threads,
 )
-from dynquant.pipeline.execute.progress import StageProgress
+from dynquant.pipeline.execute.progress import StageProgress, job_note, job_notes
 
 Choice = Callable[[str], tuple[int, int]]  # module -> (bits, group size)
 Rounder = Callable[[TensorSpec, torch.Tensor, int, int], QuantizedTensor]
@@ -100,10 +99,15 @@ class SequentialCalibration:
     # then every quantized tensor's scales tuned against the float model's outputs
     # (``end_to_end.py``; written after the pass, ``write.py``)
     end_to_end: EndToEndTuning | None = None
+    # every block's codes from the float model's hidden states (``sequential_gptq``'s
+    # ``independent``)
+    independent: bool = False
 
     def digest(self) -> str:
         h = hashlib.sha256(self.ids.numpy().tobytes())
         h.update(repr(self.compensate_head).encode())
+        if self.independent:
+            h.update(b"independent blocks")
         if self.tuning is not None:
             h.update(repr(self.tuning).encode())
         if self.end_to_end is not None and self.end_to_end.steps > 0:
@@ -127,23 +131,28 @@ class _Target:
 def sequential_gptq(stream: BlockStream, specs: list[TensorSpec], quantized: set[str],
                     choice: Choice, rounder: Rounder, store: ResumeStore,
                     progress: bool = False, executor: Executor | None = None,
-                    compensate_head: bool = True, tuning: ScaleTuning | None = None) -> None:
+                    compensate_head: bool = True, tuning: ScaleTuning | None = None,
+                    independent: bool = False) -> None:
     """Quantize the ``quantized`` modules inside the decoder blocks, then the output head, into
     ``store`` (index = the tensor's position in ``specs``). Each group's matrices (a Linear,
     an expert of a bank) are compensated as jobs on ``executor`` (default: here); the head
     rounds to nearest unless ``compensate_head``. With ``tuning``, each block's scales are then
-    tuned here, and its codes stored only once tuned (a killed run redoes that block)."""
+    tuned here, and its codes stored only once tuned (a killed run redoes that block).
+    ``independent``: every block from the float model's hidden states (its scales tuned on
+    them too), each block a job (``block_job``) submitted as the float model's outputs reach it
+    and collected later."""
     executor = executor or LocalExecutor()
     index = {s.module: i for i, s in enumerate(specs) if s.module in quantized}
     hidden = stream.record()
-    floats = list(hidden) if tuning is not None else []  # the float model's hidden states
+    # the float model's hidden states
+    floats = list(hidden) if tuning is not None or independent else []
     work = BlockWork(WeightsAt.of(stream.source, False), stream.dtype, frozenset(), False,
                      torch.get_num_threads())
     # tuning on the float model's inputs: the pass goes on with the GPTQ codes (kept apart, so
     # that a resumed pass runs on them), each block's tuning a job collected later
-    beside = tuning is not None and tuning.inputs == "float"
+    beside = tuning is not None and tuning.inputs == "float" and not independent
     chain = store.inner("gptq") if beside else store
-    pending: deque[_PendingTuning] = deque()
+    pending: deque[_Pending] = deque()
     with StageProgress(enabled=progress) as bar, serving(stream, work):
         task = bar.add_task("gptq, block by block", total=len(stream.blocks))
         for b, block in enumerate(stream.blocks):
@@ -151,63 +160,138 @@ def sequential_gptq(stream: BlockStream, specs: list[TensorSpec], quantized: set
             mine = [s for s in specs if s.module in index and s.module.startswith(state.prefix)]
             stream.materialize(block, state.prefix[:-1])
             try:
-                tuned = tuning is not None and not all(store.has(index[s.module]) for s in mine)
+                done = all(store.has(index[s.module]) for s in mine)
+                tuned = tuning is not None and not done
                 floats_in = floats
-                if tuning is not None:  # before any codes are in place
+                if floats:  # before any codes are in place
                     floats = _outputs(replace(state, hidden=floats, replaced={}),
                                       _noter(bar, task, f"block {b + 1}: the float outputs"))
                 say = _noter(bar, task, f"block {b + 1}")
-                block_store = chain if beside else _HeldCodes() if tuned else store
-                targets = _targets(block, state.prefix, mine)
-                groups = _groups(stream, b, hidden[0], targets)
-                reached = {m for g in groups for m in g}
-                for s in mine:  # the rest first, to nearest: their errors feed the groups
-                    if s.module not in reached:
-                        param = block.get_parameter(state.relative(s))
-                        qt = block_store.quantized(index[s.module]) or rounder(
-                            s, param.data, *choice(s.module))
-                        _keep(block_store, index[s.module], s, qt, param, state)
-                for g, group in enumerate(groups):
-                    where = (f"block {b + 1}, group {g + 1}/{len(groups)} "
-                             f"({group[0].removeprefix(state.prefix)})")
-                    _quantize_group(state, group, targets, specs, index, choice, block_store,
-                                    _noter(bar, task, where))
-                hidden = _outputs(state, _noter(bar, task, f"block {b + 1}: its output"))
+                if independent:
+                    if not done:
+                        job = BlockJob(b, floats_in, floats, stream.calls[b],
+                                       {index[s.module]: s for s in mine},
+                                       {s.module: choice(s.module) for s in mine}, tuning)
+                        with job_notes(say):
+                            pending.append(_Pending(_placed(state, mine, index), executor.submit(
+                                block_job, job, (work, rounder), cpus=work.threads)))
+                    hidden = floats
+                else:
+                    block_store = chain if beside else _HeldCodes() if tuned else store
+                    _compensate_block(state, specs, index, choice, rounder, block_store,
+                                      lambda where, b=b: _noter(bar, task, f"block {b + 1}{where}"))
+                    hidden = _outputs(state, _noter(bar, task, f"block {b + 1}: its output"))
                 if tuned and beside:
                     job = TuneJob(b, floats_in, floats, stream.calls[b], dict(state.replaced),
                                   tuning)
-                    with notes_here(_noter(bar, task, f"block {b + 1}: tuning (float inputs)")):
-                        pending.append(_PendingTuning(
-                            [(index[s.module], s.module, state.relative(s)) for s in mine],
-                            executor.submit(tune_block_job, job, work, cpus=work.threads)))
-                elif tuned:
+                    with job_notes(_noter(bar, task, f"block {b + 1}: tuning (float inputs)")):
+                        pending.append(_Pending(_placed(state, mine, index), executor.submit(
+                            tune_block_job, job, work, cpus=work.threads)))
+                elif tuned and not independent:
                     hidden = _tuned(state, mine, index, hidden, floats, tuning, store, say)
             finally:
                 stream.release(block)
             last = b == len(stream.blocks) - 1
-            while pending and (pending[0].job.done() or last or len(pending) > TUNING_IN_FLIGHT):
-                bar.note(task, f"waiting for the tuning of {len(pending)} blocks")
+            while pending and (pending[0].job.done() or last or len(pending) > IN_FLIGHT):
+                bar.note(task, f"waiting for {len(pending)} blocks' jobs")
                 pending.popleft().store(store)
             bar.advance(task)
         _head(stream, hidden, index, choice, store,
               None if compensate_head else (specs, rounder), bar)
 
 
-# blocks whose tuning (on the float model's inputs) is submitted and not yet collected: each
-# holds its windows' float inputs and targets in the cluster's object store
-TUNING_IN_FLIGHT = 8
+def _placed(state: _Block, mine: list[TensorSpec], index: dict) -> list[tuple[int, str, str]]:
+    """Where a block's tensors go: store index, module, parameter path inside the block."""
+    return [(index[s.module], s.module, state.relative(s)) for s in mine]
+
+
+def _compensate_block(state: _Block, specs: list[TensorSpec] | dict[int, TensorSpec],
+                      index: dict, choice: Choice, rounder: Rounder, store: ResumeStore,
+                      say_at: Callable[[str], Callable[[str], None]]) -> None:
+    """Every quantized tensor of the block (``index``'s modules in it) given codes, kept in
+    ``store`` and put in place: those the forward does not reach to nearest first (their
+    errors feed the groups), then the groups in the forward's order. ``say_at(where)``: what
+    a group's steps say."""
+    block = state.stream.blocks[state.index]
+    mine = [specs[i] for m, i in index.items() if m.startswith(state.prefix)]
+    targets = _targets(block, state.prefix, mine)
+    groups = _groups(state.stream, state.index, state.hidden[0], targets)
+    reached = {m for g in groups for m in g}
+    for s in mine:
+        if s.module not in reached:
+            param = block.get_parameter(state.relative(s))
+            qt = store.quantized(index[s.module]) or rounder(s, param.data, *choice(s.module))
+            _keep(store, index[s.module], s, qt, param, state)
+    for g, group in enumerate(groups):
+        where = f", group {g + 1}/{len(groups)} ({group[0].removeprefix(state.prefix)})"
+        _quantize_group(state, group, targets, specs, index, choice, store, say_at(where))
 
 
 @dataclass
-class _PendingTuning:
-    """A block's tuning job, submitted: where its tensors go (store index, module, parameter
-    path inside the block) and the job's result when it is ready."""
+class BlockJob:
+    """One block quantized on the float model's hidden states (``independent``): its windows'
+    inputs and (for the tuning) the float block's outputs, their recorded arguments, its
+    tensors (store index -> spec) and their widths (module -> (bits, group size))."""
+
+    block: int
+    hidden: list[torch.Tensor]
+    targets: list[torch.Tensor]
+    recorded: list[tuple]
+    specs: dict[int, TensorSpec]
+    widths: dict[str, tuple[int, int]]
+    tuning: ScaleTuning | None
+
+
+def block_job(job: BlockJob, shared: tuple[BlockWork, Rounder]) -> dict[str, QuantizedTensor]:
+    """The block's codes (parameter path inside the block -> codes): compensated group by group
+    as the sequential pass does, its jobs run in this process, then its scales tuned where
+    ``job.tuning``; on any executor the same bits (the driver's thread count)."""
+    work, rounder = shared
+    use_threads(work.threads)
+    stream = shard_stream(work)
+    say = job_note()
+    with _calls_of(stream, job.block, job.recorded), block_as_driven(stream, job.block, {}):
+        state = _Block(stream, job.block, job.hidden, work, LocalExecutor())
+        index = {s.module: i for i, s in job.specs.items()}
+        _compensate_block(state, job.specs, index, job.widths.__getitem__, rounder, _HeldCodes(),
+                          lambda where: (lambda what: say(f"{where.lstrip(', ')}: {what}")))
+        codes = dict(state.replaced)
+        if job.tuning is None:
+            return codes
+        return tune_block_job(TuneJob(job.block, job.hidden, job.targets, job.recorded, codes,
+                                      job.tuning), work)
+
+
+@contextlib.contextmanager
+def _calls_of(stream: BlockStream, index: int, recorded: list[tuple]) -> Iterator[None]:
+    """Block ``index``'s recorded arguments on a worker's skeleton (which recorded none) while
+    a job runs; the driver's own stream has them."""
+    if getattr(stream, "calls", None):
+        yield
+        return
+    stream.calls = [[] for _ in stream.blocks]
+    stream.calls[index] = recorded
+    try:
+        yield
+    finally:
+        del stream.calls
+
+
+# blocks whose job (tuning on the float model's inputs, or the whole block) is submitted and not
+# yet collected: each holds its windows' float inputs and targets in the cluster's object store
+IN_FLIGHT = 8
+
+
+@dataclass
+class _Pending:
+    """A block's job, submitted: where its tensors go (store index, module, parameter path
+    inside the block) and the job's result when it is ready."""
 
     tensors: list[tuple[int, str, str]]
     job: Submitted[dict[str, QuantizedTensor]]
 
     def store(self, store: ResumeStore) -> None:
-        """Wait for the block's tuned codes and keep them."""
+        """Wait for the block's codes and keep them."""
         codes = self.job.result()
         for i, module, name in self.tensors:
             store.save_quantized(i, module, codes[name])

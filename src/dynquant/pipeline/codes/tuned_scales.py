@@ -19,8 +19,7 @@ and each block's tuning is a job (``tune_block_job``) that a worker runs while t
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterator
-from contextlib import contextmanager
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
@@ -39,6 +38,7 @@ from dynquant.pipeline.calibrate.calibration_pass import (
     shard_stream,
 )
 from dynquant.pipeline.execute.executor import use_threads
+from dynquant.pipeline.execute.progress import job_note
 
 TUNING_INPUTS = ("quantized", "float")
 
@@ -117,17 +117,12 @@ class TuneJob:
     tuning: ScaleTuning
 
 
-# what a tuning job run in this process says on the driver's progress line (a worker's says
-# nothing: its steps are the driver's wait)
-_NOTES: list[Callable[[str], None]] = []
-
-
 def tune_block_job(job: TuneJob, work: BlockWork) -> dict[str, QuantizedTensor]:
     """The block's codes with tuned scales where they lower its error over every window, else
     the codes as they came; on any executor the same bits (the driver's thread count)."""
     use_threads(work.threads)
     stream = shard_stream(work)
-    say = _NOTES[-1] if _NOTES else (lambda _: None)
+    say = job_note()
     with block_as_driven(stream, job.block, job.codes) as block:
         before = stream.run_block(job.block, job.hidden, job.recorded)
         tuned = tune_block(stream, job.block, job.codes, job.hidden, job.targets, job.tuning,
@@ -139,16 +134,6 @@ def tune_block_job(job: TuneJob, work: BlockWork) -> dict[str, QuantizedTensor]:
             put_codes(block.get_parameter(name), qt)
     better = block_error(after, job.targets) < block_error(before, job.targets)
     return tuned if better else job.codes
-
-
-@contextmanager
-def notes_here(say: Callable[[str], None]) -> Iterator[None]:
-    """Tuning jobs run in this process report their steps to ``say``."""
-    _NOTES.append(say)
-    try:
-        yield
-    finally:
-        _NOTES.pop()
 
 
 def _shaped(w_hat: torch.Tensor, param: nn.Parameter) -> torch.Tensor:

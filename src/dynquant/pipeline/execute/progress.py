@@ -12,6 +12,8 @@ from __future__ import annotations
 import sys
 import threading
 import time
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 
 from rich import get_console
@@ -126,3 +128,23 @@ class StageProgress:
         note = f" ({stage.note})" if stage.note else ""
         print(f"dynquant: {stage.description}: {state}, {count}, "
               f"{stage.said - stage.start:.0f} s{note}", file=sys.stderr, flush=True)
+
+
+# what a job run in this process (an executor's job, here) says on the driver's progress line; a
+# worker's job says nothing (its steps are the driver's wait)
+_JOB_NOTES: list[Callable[[str], None]] = []
+
+
+@contextmanager
+def job_notes(say: Callable[[str], None]) -> Iterator[None]:
+    """Jobs run in this process while the context lasts report to ``say`` (``job_note``)."""
+    _JOB_NOTES.append(say)
+    try:
+        yield
+    finally:
+        _JOB_NOTES.pop()
+
+
+def job_note() -> Callable[[str], None]:
+    """Where a job says what it is doing: the driver's line when it runs here, else nowhere."""
+    return _JOB_NOTES[-1] if _JOB_NOTES else (lambda _: None)
