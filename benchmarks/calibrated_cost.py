@@ -36,6 +36,7 @@ import argparse
 from dataclasses import dataclass
 
 from dynquant.pipeline.calibrate.fisher import CLUSTER_SHARD_SEQS
+from dynquant.pipeline.codes.sequential_gptq import OUTPUT_SHARD_SEQS
 from dynquant.pipeline.codes.tuned_scales import ScaleTuning
 
 WINDOWS, MOMENT_WINDOWS, WINDOW, SHARD, STAT_WINDOWS = 48, 16, 256, 8, 8
@@ -120,7 +121,9 @@ def project(s: Shape, workers: int, rate: dict[str, float], mode: str = "quantiz
     big, small = block_work(s, WINDOWS * WINDOW), block_work(s, STAT_WINDOWS * WINDOW)
     measured = block_work(s, MOMENT_WINDOWS * WINDOW)
     head = head_work(s)
-    spread = min(workers, WINDOWS // SHARD)
+    spread = min(workers, WINDOWS // SHARD)  # X^T X jobs a block
+    wide = min(workers, WINDOWS // OUTPUT_SHARD_SEQS)  # output jobs a block (nothing folded)
+    outputs = big["forward"] / rate["gptq"] / wide
     measure = {
         "X^T X pass (workers)": (measured["forward"] + measured["moments"]) / rate["pass"]
         / min(workers, MOMENT_WINDOWS // SHARD),
@@ -129,23 +132,23 @@ def project(s: Shape, workers: int, rate: dict[str, float], mode: str = "quantiz
         / min(workers, STAT_WINDOWS // CLUSTER_SHARD_SEQS),
     }
     gptq = {  # the sequential pass, one block after the other
-        "GPTQ forwards + X^T X (workers)": (big["forward"] + big["partial"] + big["moments"])
-        / rate["gptq"] / spread,
+        "GPTQ forwards + X^T X (workers)": (big["partial"] + big["moments"]) / rate["gptq"]
+        / spread + outputs,
         "inverse factors (driver)": big["factors"] / rate["factor"],
         "compensation (workers)": max(big["compensate"] / workers, big["largest_compensate"])
         / rate["gptq"],
     }
     tune = tuning_work(s) / rate["tune"] + 2 * big["forward"] / rate["gptq"] \
         if "tune" in rate else 0.0  # one block's tuning job: the steps, its two forwards
-    targets = {TARGETS: big["forward"] / rate["gptq"] / spread}  # the float model's, by shards
+    targets = {TARGETS: outputs}  # the float model's, by shards
     if mode == "independent":  # on the pass only the float model's outputs; a job per block
-        chain = targets
-        job = sum(gptq.values()) - big["forward"] / rate["gptq"] / spread + tune
+        chain = targets  # (its GPTQ on one worker, its output not needed)
+        job = ((big["partial"] + big["moments"] + big["compensate"]) / rate["gptq"]
+               + big["factors"] / rate["factor"] + tune)
     elif mode == "float":  # the pass and the targets; the tuning a job per block beside it
         chain, job = {**gptq, **targets}, tune
     else:  # the targets, the steps (each needs the one before), the tuned outputs by shards
-        chain = {**gptq, TUNING: 2 * big["forward"] / rate["gptq"] / spread
-                 + tuning_work(s) / rate["tune"]} if tune else gptq
+        chain = {**gptq, TUNING: 2 * outputs + tuning_work(s) / rate["tune"]} if tune else gptq
         job = 0.0
     out = {k: v * s.layers for k, v in {**measure, **chain}.items()}
     if job == 0.0:

@@ -71,8 +71,9 @@ HEAD_LOGITS = 1 << 24  # logits computed at once (positions x vocabulary): 64 Mi
 # (bf16 compute rounds them), else the model does more after its head than T(x W^T + b)
 HEAD_MATCH = 0.05
 # sequences per job of a block's backward on a cluster: one sequence's backward at a 7B layer's
-# shapes is seconds of work, against a block's weights read by the worker once per job
-CLUSTER_SHARD_SEQS = 2
+# shapes is seconds of work (at 70B's ~30 s on 2 cores), against a block's weights read by the
+# worker once per job (1.7 GB at 70B: a second or two); one a job spreads a block the widest
+CLUSTER_SHARD_SEQS = 1
 
 
 class ModuleError:

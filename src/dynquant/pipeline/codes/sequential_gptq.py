@@ -54,6 +54,7 @@ from dynquant.numerics.quantizer import QuantizedTensor
 from dynquant.pipeline.calibrate.bank_products import BankProducts
 from dynquant.pipeline.calibrate.block_stream import BlockStream, InputMoments, InputSeen
 from dynquant.pipeline.calibrate.calibration_pass import (
+    SHARD_SEQS,
     BlockShard,
     BlockWork,
     block_as_driven,
@@ -84,6 +85,7 @@ from dynquant.pipeline.execute.progress import StageProgress, job_note, job_note
 Choice = Callable[[str], tuple[int, int]]  # module -> (bits, group size)
 Rounder = Callable[[TensorSpec, torch.Tensor, int, int], QuantizedTensor]
 MIN_EXPERT_TOKENS = 16  # fewer routed calibration tokens: the expert rounds to nearest
+OUTPUT_SHARD_SEQS = 1  # windows a job of a block's outputs (X^T X jobs: SHARD_SEQS)
 
 
 @dataclass(frozen=True)
@@ -354,19 +356,21 @@ class _Block:
     def relative(self, spec: TensorSpec) -> str:
         return spec.name[len(self.prefix):]
 
-    def shards(self) -> list[BlockShard]:
-        """The block's windows in shards of ``SHARD_SEQS``, each a job (on any executor the
+    def shards(self, sequences: int = SHARD_SEQS) -> list[BlockShard]:
+        """The block's windows in shards of ``sequences``, each a job (on any executor the
         same shards, folded in the same order: the same bits)."""
-        return shards_of(self.stream, self.index, self.hidden, self.replaced)
+        return shards_of(self.stream, self.index, self.hidden, self.replaced, sequences)
 
     def map(self, fn, jobs: list) -> Iterator:
         return self.executor.map(fn, jobs, self.work, cpus=self.work.threads)
 
 
 def _outputs(state: _Block, say: Callable[[str], None]) -> list[torch.Tensor]:
-    """The block's outputs for every window (its quantized weights in place)."""
+    """The block's outputs for every window (its quantized weights in place), a window a job:
+    each window's outputs are its own (nothing is folded), so they are the same bits however
+    the windows are split, and a cluster spreads the block the widest."""
     out: list[torch.Tensor] = []
-    shards = state.shards()
+    shards = state.shards(OUTPUT_SHARD_SEQS)
     say(f"0/{len(shards)} shards of the windows")
     for k, (part, _) in enumerate(state.map(block_shard_job, shards)):
         out.extend(part)
