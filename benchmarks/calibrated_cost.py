@@ -5,10 +5,11 @@ measure's X^T X, 48 for the codes: GPTQ's with each block's scales tuned) of 8 B
 threads; the driver the same).
 
 Per decoder block, in order, as the pipeline runs it (docs/distributed.md):
-- the X^T X pass: the block's forwards and second moments, by shards of 8 windows over the
-  workers (16 windows: at most 2 workers share a block);
-- the statistics pass (8 windows, one shard) and the Fisher pass's backward (the same windows,
-  ``CLUSTER_SHARD_SEQS`` a job on the workers);
+- the X^T X pass: the block's forwards and second moments, by shards of 8 windows (16
+  windows: 2 jobs a block); on a cluster they are submitted without waiting and the next
+  block's inputs come from forward jobs of one window, so only the forward is a chain;
+- the statistics pass (8 windows, a window a job) and the Fisher pass's backward (the same
+  windows, ``CLUSTER_SHARD_SEQS`` a job on the workers);
 - the measure's gptq ratios: one job per Linear (an inverse factor and a few rows compensated),
   the whole model's at once once every block's moments are on disk;
 - the sequential GPTQ pass, a group at a time (q/k/v, o, gate/up, down): the group's partial
@@ -124,10 +125,15 @@ def project(s: Shape, workers: int, rate: dict[str, float], mode: str = "quantiz
     spread = min(workers, WINDOWS // SHARD)  # X^T X jobs a block
     wide = min(workers, WINDOWS // OUTPUT_SHARD_SEQS)  # output jobs a block (nothing folded)
     outputs = big["forward"] / rate["gptq"] / wide
-    measure = {
-        "X^T X pass (workers)": (measured["forward"] + measured["moments"]) / rate["pass"]
-        / min(workers, MOMENT_WINDOWS // SHARD),
-        "statistics (one job)": small["forward"] / rate["stats"],
+    # the X^T X pass: here its shards one after the other; on a cluster only its forward (a
+    # window a job) is a chain over the blocks, the X^T X jobs (forward and moments) wait on
+    # nothing after it: the blocks' spread over the workers, the last block's one shard after
+    moments = (measured["forward"] + measured["moments"]) / rate["pass"]  # a block's work
+    xtx = moments * s.layers if workers == 1 else (
+        max(measured["forward"] / rate["pass"] / min(workers, MOMENT_WINDOWS) * s.layers,
+            moments * s.layers / workers) + moments / (MOMENT_WINDOWS // SHARD))
+    measure = {  # per block, but the X^T X pass's whole
+        "statistics (workers)": small["forward"] / rate["stats"] / min(workers, STAT_WINDOWS),
         "Fisher backward (workers)": small["forward"] / rate["fisher"]
         / min(workers, STAT_WINDOWS // CLUSTER_SHARD_SEQS),
     }
@@ -150,7 +156,8 @@ def project(s: Shape, workers: int, rate: dict[str, float], mode: str = "quantiz
     else:  # the targets, the steps (each needs the one before), the tuned outputs by shards
         chain = {**gptq, TUNING: 2 * outputs + tuning_work(s) / rate["tune"]} if tune else gptq
         job = 0.0
-    out = {k: v * s.layers for k, v in {**measure, **chain}.items()}
+    out = {"X^T X pass (workers)": xtx,
+           **{k: v * s.layers for k, v in {**measure, **chain}.items()}}
     if job == 0.0:
         pass
     elif workers == 1:  # the one worker runs the pass's jobs too: one after the other

@@ -53,6 +53,7 @@ def test_results_come_back_in_order_with_bounded_tasks_in_flight(cluster):
     bounded = RayExecutor(max_in_flight=3)
     assert list(bounded.map(_shifted, range(25), 100)) == list(range(100, 125))
     assert bounded.peak_in_flight == 3  # never more submitted and not yet collected
+    assert cluster.slots(1) == 1  # one worker CPU
     submitted = [cluster.submit(_shifted, job, 1) for job in range(3)]  # all started at once
     assert [s.result() for s in submitted] == [1, 2, 3] and all(s.done() for s in submitted)
     by_bytes = RayExecutor(max_in_flight_bytes=10)  # results of 4 bytes: 2 fit, a third not

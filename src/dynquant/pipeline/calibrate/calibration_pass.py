@@ -13,9 +13,10 @@ product's rounding depends on it).
 from __future__ import annotations
 
 import contextlib
+from collections import deque
 from collections.abc import Iterator
 from contextlib import contextmanager
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 
 import torch
@@ -26,7 +27,7 @@ from dynquant.numerics.quantizer import QuantizedTensor
 from dynquant.pipeline.calibrate.block_stream import ActivationStore, BlockStream
 from dynquant.pipeline.calibrate.statistics import InputStatistics
 from dynquant.pipeline.calibrate.weights import WeightsAt
-from dynquant.pipeline.execute.executor import Executor, LocalExecutor, use_threads
+from dynquant.pipeline.execute.executor import Executor, LocalExecutor, Submitted, use_threads
 from dynquant.pipeline.execute.progress import StageProgress
 
 SHARD_SEQS = 8  # calibration sequences per job (the default --calib-seqs: one job per block)
@@ -145,31 +146,47 @@ def run_calibration_pass(stream: BlockStream, modules: set[str],
                          activation_limit: int = 8 << 20,
                          executor: Executor | None = None) -> CalibrationPass:
     """Stream the calibration ``ids`` through every block once. ``moments_dir``: write each
-    block's X^T X / tokens there (``block_NNN.safetensors``, module -> [in, in])."""
+    block's X^T X / tokens there (``block_NNN.safetensors``, module -> [in, in]).
+
+    Jobs: without moments, a window each (small sums: the same folds on any executor); with
+    them, ``SHARD_SEQS`` windows each (a window's X^T X is as large as a shard's), and on a
+    cluster they are submitted without waiting while the next block's inputs come from forward
+    jobs of a window each (the same outputs, bit for bit), so that only the forward is a chain
+    over the blocks; their sums are folded in the same order as here."""
     stats = InputStatistics(stream.model, set(), second_moments=moments_dir is not None)
     work = BlockWork(WeightsAt.of(stream.source, False), stream.dtype, frozenset(modules),
                      moments_dir is not None, torch.get_num_threads())
+    forward = replace(work, modules=frozenset(), second_moments=False)
     executor = executor or LocalExecutor()
+    beside = moments_dir is not None and not executor.runs_here
     store = ActivationStore(activation_limit)
     hidden = stream.record()
+    pending: deque[tuple[int, list[Submitted]]] = deque()
     try:
         with StageProgress(enabled=progress) as bar, serving(stream, work):
             task = bar.add_task("calibration pass", total=len(stream.blocks))
             for i in range(len(stream.blocks)):
                 store.put(i, hidden)
-                shards = shards_of(stream, i, hidden)
-                hidden = []
-                # the block read once for all its shards when they run here (each job
-                # would read it again)
-                with (block_as_driven(stream, i, {}) if executor.runs_here
-                      else contextlib.nullcontext()):
-                    for out, part in executor.map(block_shard_job, shards, work,
-                                                  cpus=work.threads):
-                        hidden.extend(out)
-                        stats.add(part)
-                        bar.note(task, f"block {i + 1}: {len(hidden)}/{len(stream.calls[i])} "
-                                       "chunks of windows")
-                if moments_dir is not None:
+                shards = shards_of(stream, i, hidden, sequences=SHARD_SEQS if moments_dir
+                                   else 1)
+                if beside:
+                    pending.append((i, [executor.submit(block_shard_job, sh, work, work.threads)
+                                        for sh in shards]))
+                    hidden = [h for out, _ in executor.map(
+                        block_shard_job, shards_of(stream, i, hidden, sequences=1), forward,
+                        cpus=work.threads) for h in out]
+                else:
+                    hidden = _run_block_shards(stream, i, shards, stats, work, executor, bar,
+                                               task)
+                last = i == len(stream.blocks) - 1
+                while pending and (last or len(pending) > MOMENTS_IN_FLIGHT
+                                   or all(s.done() for s in pending[0][1])):
+                    b, parts = pending.popleft()
+                    bar.note(task, f"block {b + 1}'s moments")
+                    for part in parts:
+                        stats.add(part.result()[1])
+                    _save_moments(stats, moments_dir / f"block_{b:03d}.safetensors")
+                if moments_dir is not None and not beside:
                     _save_moments(stats, moments_dir / f"block_{i:03d}.safetensors")
                 bar.advance(task)
         store.put(len(stream.blocks), hidden)
@@ -178,6 +195,27 @@ def run_calibration_pass(stream: BlockStream, modules: set[str],
         store.close()
         raise
     return CalibrationPass(stream, stats.result(), store)
+
+
+# blocks whose X^T X jobs are submitted and not yet folded (on a cluster): each holds its
+# windows' inputs in the object store
+MOMENTS_IN_FLIGHT = 8
+
+
+def _run_block_shards(stream: BlockStream, i: int, shards: list[BlockShard],
+                      stats: InputStatistics, work: BlockWork, executor: Executor,
+                      bar: StageProgress, task: int) -> list[torch.Tensor]:
+    """Block ``i``'s shards run and folded in order; returns the block's outputs."""
+    hidden: list[torch.Tensor] = []
+    # the block read once for all its shards when they run here (each job would read it again)
+    with (block_as_driven(stream, i, {}) if executor.runs_here
+          else contextlib.nullcontext()):
+        for out, part in executor.map(block_shard_job, shards, work, cpus=work.threads):
+            hidden.extend(out)
+            stats.add(part)
+            bar.note(task, f"block {i + 1}: {len(hidden)}/{len(stream.calls[i])} "
+                           "chunks of windows")
+    return hidden
 
 
 def _head_statistics(stream: BlockStream, modules: set[str], stats: InputStatistics,

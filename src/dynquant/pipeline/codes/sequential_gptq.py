@@ -155,6 +155,7 @@ def sequential_gptq(stream: BlockStream, specs: list[TensorSpec], quantized: set
     beside = tuning is not None and tuning.inputs == "float" and not independent
     chain = store.inner("gptq") if beside else store
     pending: deque[_Pending] = deque()
+    in_flight = max(IN_FLIGHT, executor.slots(work.threads)) if beside or independent else 0
     with StageProgress(enabled=progress) as bar, serving(stream, work):
         task = bar.add_task("gptq, block by block", total=len(stream.blocks))
         for b, block in enumerate(stream.blocks):
@@ -194,7 +195,7 @@ def sequential_gptq(stream: BlockStream, specs: list[TensorSpec], quantized: set
             finally:
                 stream.release(block)
             last = b == len(stream.blocks) - 1
-            while pending and (pending[0].job.done() or last or len(pending) > IN_FLIGHT):
+            while pending and (pending[0].job.done() or last or len(pending) > in_flight):
                 bar.note(task, f"waiting for {len(pending)} blocks' jobs")
                 pending.popleft().store(store)
             bar.advance(task)
@@ -280,7 +281,8 @@ def _calls_of(stream: BlockStream, index: int, recorded: list[tuple]) -> Iterato
 
 
 # blocks whose job (tuning on the float model's inputs, or the whole block) is submitted and not
-# yet collected: each holds its windows' float inputs and targets in the cluster's object store
+# yet collected, at least (or as many as the cluster runs at once): each holds its windows'
+# float inputs and targets in the cluster's object store
 IN_FLIGHT = 8
 
 

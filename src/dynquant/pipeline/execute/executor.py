@@ -50,6 +50,10 @@ class Executor:
         result = fn(job, shared)
         return Submitted(lambda: True, lambda: result)
 
+    def slots(self, cpus: int = 1) -> int:
+        """How many jobs of ``cpus`` threads run at once (here: one)."""
+        return 1
+
     def idle(self) -> None:
         """No more jobs for a while: release what can be started again by the next ``map``."""
 

@@ -110,6 +110,10 @@ class RayExecutor(Executor):
         return Submitted(lambda: bool(ray.wait([ref], timeout=0)[0]),
                          lambda: self._collect(ray, ref))
 
+    def slots(self, cpus: int = 1) -> int:
+        ray = self._connect()
+        return max(1, int(ray.cluster_resources().get("CPU", 1)) // max(cpus, 1))
+
     def _task(self, ray: Any, fn: Callable, cpus: int) -> Any:
         # no more than the largest node has: a task asking for more would never be scheduled
         widest = max((n["Resources"].get("CPU", 1) for n in ray.nodes() if n["Alive"]),
