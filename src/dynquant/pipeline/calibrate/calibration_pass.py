@@ -2,9 +2,10 @@
 tokens per expert, optionally X^T X per Linear, and each block's input hidden states (kept for
 the Fisher pass) in one streamed forward over the calibration sequences.
 
-Each block's sequences run in shards of ``SHARD_SEQS`` (fixed, whatever runs them), each shard
-a job on the executor (``pipeline/execute/executor.py``): here, or on a Ray worker that reads the
-block's weights itself and returns the shard's outputs and raw sums. The driver folds the
+Each block's sequences run in shards (``SHARD_SEQS`` where the pass sums X^T X, else one;
+fixed, whatever runs them), each shard a job on the executor (``pipeline/execute/executor.py``):
+here, or on a Ray worker that reads the block's weights itself and returns the shard's outputs
+and raw sums. The driver folds the
 shards' sums in shard order, so the statistics are the same bits on either executor; the
 block's forward runs on the driver's number of threads everywhere (a worker takes it on; a
 product's rounding depends on it).

@@ -23,10 +23,11 @@ reads; a killed run resumes at the first unfinished group (finished blocks run o
 their stored codes, to give the next block its input). Cost per block: one forward per group,
 stopped at the group's last module, and one whole forward for the block's output.
 
-Those forwards run by shards of the windows (``SHARD_SEQS``, the calibration pass's jobs), each
-a job on the executor: here on the driver's block, or on a worker that reads the block and puts
-the codes the driver has written for it so far in place. The shards' X^T X and outputs are
-folded in shard order, so the codes are the same bytes on any executor.
+Those forwards run by shards of the windows (``SHARD_SEQS`` for X^T X, ``OUTPUT_SHARD_SEQS``
+for outputs), each a job on the executor: here on the driver's block, or on a worker that reads
+the block and puts the codes the driver has written for it so far in place. The shards' X^T X
+are folded in shard order and the outputs are each window's own, so the codes are the same bytes
+on any executor.
 """
 
 from __future__ import annotations
