@@ -81,10 +81,6 @@ def test_ray_run_is_byte_identical_to_a_local_run(cluster, tmp_path, family, mod
     _quantize(model, tmp_path / "local", *extra)
     _quantize(model, tmp_path / "ray", *extra, "--ray")
     assert _digest(tmp_path / "local") == _digest(tmp_path / "ray")
-    if mode:  # tuned on the worker: not the GPTQ codes they started from
-        _quantize(model, tmp_path / "gptq", *extra, "--quantizer", "gptq")
-        assert (_digest(tmp_path / "gptq")["model.safetensors"]
-                != _digest(tmp_path / "ray")["model.safetensors"])
     doc = json.loads((tmp_path / "ray" / "dynquant.json").read_text())
     assert doc["provenance"]["allocator"] == "sensitivity"
 
