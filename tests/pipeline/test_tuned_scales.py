@@ -173,6 +173,27 @@ def _tensors(path: Path, suffix: str) -> dict[str, torch.Tensor]:
         return {n: fh.get_tensor(n) for n in fh.keys() if n.endswith(suffix)}  # noqa: SIM118
 
 
+def _killed_in_block_two_and_resumed(monkeypatch, name: str, real, jobs: list, run, out: Path,
+                                     between=lambda: None):
+    """``run`` (writing ``out``) killed in block 2's job (``seq.<name>``): nothing written;
+    then run again: each job's block is in ``jobs``, and the resumed run starts at block 2.
+    Returns ``between()`` after the kill."""
+    def dies_in_block_two(job, shared):
+        jobs.append(job)
+        if job.block == 1 and len(jobs) == 2:
+            raise KeyboardInterrupt
+        return real(job, shared)
+
+    monkeypatch.setattr(seq, name, dies_in_block_two)
+    with pytest.raises(KeyboardInterrupt):
+        run()
+    assert not (out / "dynquant.json").exists()
+    seen = between()
+    run()
+    assert [j.block for j in jobs] == [0, 1, 1, 2, 3]
+    return seen
+
+
 def test_tuning_on_float_inputs_leaves_the_gptq_pass_as_it_is_and_resumes(tmp_path, monkeypatch):
     """``inputs="float"``: every block's tuning job gets the float model's hidden states (the
     calibration pass's, run through the float blocks) and the float block's outputs on them,
@@ -221,19 +242,11 @@ def test_tuning_on_float_inputs_leaves_the_gptq_pass_as_it_is_and_resumes(tmp_pa
     monkeypatch.setattr(seq, "compensate_job", lambda job, shared=None: compensated.append(1)
                         or real_compensate(job, shared))
 
-    def dies_in_block_two(job, work):
-        jobs.append(job)
-        if job.block == 1 and len(jobs) == 2:
-            raise KeyboardInterrupt
-        return real_job(job, work)
-
-    monkeypatch.setattr(seq, "tune_block_job", dies_in_block_two)
-    with pytest.raises(KeyboardInterrupt):
-        quantize_model(source, widths, tmp_path / "c", progress=False, chooser=chooser)
-    assert not (tmp_path / "c" / "dynquant.json").exists()
-    first = len(compensated)
-    quantize_model(source, widths, tmp_path / "c", progress=False, chooser=chooser)
-    assert [j.block for j in jobs] == [0, 1, 1, 2, 3]
+    first = _killed_in_block_two_and_resumed(monkeypatch, "tune_block_job", real_job, jobs,
+                                             lambda: quantize_model(
+                                                 source, widths, tmp_path / "c",
+                                                 progress=False, chooser=chooser),
+                                             tmp_path / "c", lambda: len(compensated))
     assert len(compensated) == 2 * first  # blocks 1 and 2 ran from their kept GPTQ codes
     assert checkpoint_bytes(tmp_path / "c") == checkpoint_bytes(tmp_path / "a")
     assert not (tmp_path / ".c.partial").exists()
@@ -301,15 +314,7 @@ def test_independent_blocks_tuned_rerun_and_resume_to_the_same_bytes(tmp_path, m
 
     jobs.clear()
 
-    def dies_in_block_two(job, shared):
-        jobs.append(job)
-        if job.block == 1 and len(jobs) == 2:
-            raise KeyboardInterrupt
-        return real_job(job, shared)
-
-    monkeypatch.setattr(seq, "block_job", dies_in_block_two)
-    with pytest.raises(KeyboardInterrupt):
-        quantize_model(source, widths, tmp_path / "c", progress=False, chooser=chooser)
-    quantize_model(source, widths, tmp_path / "c", progress=False, chooser=chooser)
-    assert [j.block for j in jobs] == [0, 1, 1, 2, 3]
+    _killed_in_block_two_and_resumed(monkeypatch, "block_job", real_job, jobs, lambda: (
+        quantize_model(source, widths, tmp_path / "c", progress=False, chooser=chooser)),
+        tmp_path / "c")
     assert checkpoint_bytes(tmp_path / "c") == checkpoint_bytes(tmp_path / "a")
