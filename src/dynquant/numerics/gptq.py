@@ -27,6 +27,7 @@ import torch
 from dynquant.errors import QuantizationError
 from dynquant.format.layout import LayerLayout
 from dynquant.format.packing import pack_codes
+from dynquant.numerics.lapack_threads import lapack_threads
 from dynquant.numerics.quantizer import QuantizedTensor, quantize_tensor
 
 # Of the mean diagonal: keeps H invertible where inputs are (near) collinear, and keeps the
@@ -68,11 +69,13 @@ def inverse_factor(hessian: torch.Tensor, damp: float = DAMP,
     # The symmetric H read in Fortran order is itself, and an upper factor U (U^T U = H) stored
     # in Fortran order is K read in C order: LAPACK factors and inverts in the gather's own
     # memory, which then holds K^-1 (read in C order), and U's reversal of it.
-    upper, info = potrf(h.numpy().T, lower=0, overwrite_a=1)
-    if info == 0:
-        inv_t, info = trtri(upper, lower=0, overwrite_c=1)
-        if info == 0 and np.isfinite(inv_t.sum(dtype=np.float64)):
-            return torch.from_numpy(_reversed_in_place(inv_t.T))
+    # on torch's thread count (a job takes the driver's): the factor rounds by thread count
+    with lapack_threads(torch.get_num_threads()):
+        upper, info = potrf(h.numpy().T, lower=0, overwrite_a=1)
+        if info == 0:
+            inv_t, info = trtri(upper, lower=0, overwrite_c=1)
+    if info == 0 and np.isfinite(inv_t.sum(dtype=np.float64)):
+        return torch.from_numpy(_reversed_in_place(inv_t.T))
     if dtype != torch.float64:
         return inverse_factor(hessian, damp, torch.float64, order).to(dtype)
     raise QuantizationError("second moments are not positive definite", field="hessian")
