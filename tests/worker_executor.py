@@ -6,16 +6,24 @@ block. What a worker computes, checked without a cluster."""
 from __future__ import annotations
 
 from dynquant.pipeline.calibrate import calibration_pass
-from dynquant.pipeline.execute.executor import LocalExecutor
+from dynquant.pipeline.execute.executor import LocalExecutor, Submitted
 
 
 class AsAWorker(LocalExecutor):
     def map(self, fn, jobs, shared, nbytes=None, cpus=1):
         for job in jobs:
-            kept = dict(calibration_pass._STREAMS)
-            calibration_pass._STREAMS.clear()
-            try:
-                yield fn(job, shared)
-            finally:
-                calibration_pass._STREAMS.clear()
-                calibration_pass._STREAMS.update(kept)
+            yield _as_a_worker(fn, job, shared)
+
+    def submit(self, fn, job, shared, cpus=1):
+        result = _as_a_worker(fn, job, shared)
+        return Submitted(lambda: True, lambda: result)
+
+
+def _as_a_worker(fn, job, shared):
+    kept = dict(calibration_pass._STREAMS)
+    calibration_pass._STREAMS.clear()
+    try:
+        return fn(job, shared)
+    finally:
+        calibration_pass._STREAMS.clear()
+        calibration_pass._STREAMS.update(kept)

@@ -27,7 +27,9 @@ from dynquant.pipeline.codes import tuned_scales as tuned_module
 from dynquant.pipeline.codes.code_chooser import CodeChooser
 from dynquant.pipeline.codes.tuned_scales import ScaleTuning, TuneJob
 from dynquant.pipeline.codes.write import quantize_model
+from dynquant.pipeline.execute.executor import LocalExecutor
 from shipped_models import LLAMA_REF, checkpoint_bytes
+from worker_executor import AsAWorker
 
 
 @pytest.mark.parametrize(("shape", "bits", "group_size"), [
@@ -318,3 +320,22 @@ def test_independent_blocks_tuned_rerun_and_resume_to_the_same_bytes(tmp_path, m
         quantize_model(source, widths, tmp_path / "c", progress=False, chooser=chooser)),
         tmp_path / "c")
     assert checkpoint_bytes(tmp_path / "c") == checkpoint_bytes(tmp_path / "a")
+
+
+def test_an_independent_block_run_as_a_worker_runs_it_is_the_same_bits(tmp_path, monkeypatch):
+    """A block job on a worker's own skeleton (not the driver's stream) groups the windows into
+    the driver's shards (the driver's chunk travels with the job: a skeleton's own would fold
+    other shards, and SmolLM2's moments came out other bits), so the checkpoint is the same
+    bytes as the one computed here."""
+    source = resolve_model(str(LLAMA_REF))
+    widths = _uniform(source, 3)
+    cal = replace(_calibration(LLAMA_REF, 12, 32), independent=True)
+    sizes: dict[str, list[int]] = {"here": [], "worker": []}
+    real = seq.group_input_job
+    for run, executor in (("here", LocalExecutor()), ("worker", AsAWorker())):
+        monkeypatch.setattr(seq, "group_input_job", lambda job, work, run=run: sizes[run].append(
+            len(job.shard.hidden)) or real(job, work))
+        quantize_model(source, widths, tmp_path / run, progress=False, executor=executor,
+                       chooser=CodeChooser("gptq", sequential=cal))
+    assert sizes["here"][:2] == [8, 4] and sizes["worker"] == sizes["here"]
+    assert checkpoint_bytes(tmp_path / "worker") == checkpoint_bytes(tmp_path / "here")

@@ -173,7 +173,7 @@ def sequential_gptq(stream: BlockStream, specs: list[TensorSpec], quantized: set
                 say = _noter(bar, task, f"block {b + 1}")
                 if independent:
                     if not done:
-                        job = BlockJob(b, floats_in, floats, stream.calls[b],
+                        job = BlockJob(b, floats_in, floats, stream.calls[b], stream.chunk,
                                        {index[s.module]: s for s in mine},
                                        {s.module: choice(s.module) for s in mine}, tuning)
                         with job_notes(say):
@@ -234,13 +234,15 @@ def _compensate_block(state: _Block, specs: list[TensorSpec] | dict[int, TensorS
 @dataclass
 class BlockJob:
     """One block quantized on the float model's hidden states (``independent``): its windows'
-    inputs and (for the tuning) the float block's outputs, their recorded arguments, its
+    inputs and (for the tuning) the float block's outputs, their recorded arguments and how many
+    sequences a chunk of them holds (the driver's stream's: shards group whole chunks), its
     tensors (store index -> spec) and their widths (module -> (bits, group size))."""
 
     block: int
     hidden: list[torch.Tensor]
     targets: list[torch.Tensor]
     recorded: list[tuple]
+    chunk: int
     specs: dict[int, TensorSpec]
     widths: dict[str, tuple[int, int]]
     tuning: ScaleTuning | None
@@ -254,7 +256,8 @@ def block_job(job: BlockJob, shared: tuple[BlockWork, Rounder]) -> dict[str, Qua
     use_threads(work.threads)
     stream = shard_stream(work)
     say = job_note()
-    with _calls_of(stream, job.block, job.recorded), block_as_driven(stream, job.block, {}):
+    with (_as_recorded(stream, job.block, job.recorded, job.chunk),
+          block_as_driven(stream, job.block, {})):
         state = _Block(stream, job.block, job.hidden, work, LocalExecutor())
         index = {s.module: i for i, s in job.specs.items()}
         _compensate_block(state, job.specs, index, job.widths.__getitem__, rounder, _HeldCodes(),
@@ -267,18 +270,23 @@ def block_job(job: BlockJob, shared: tuple[BlockWork, Rounder]) -> dict[str, Qua
 
 
 @contextlib.contextmanager
-def _calls_of(stream: BlockStream, index: int, recorded: list[tuple]) -> Iterator[None]:
-    """Block ``index``'s recorded arguments on a worker's skeleton (which recorded none) while
-    a job runs; the driver's own stream has them."""
+def _as_recorded(stream: BlockStream, index: int, recorded: list[tuple], chunk: int
+                 ) -> Iterator[None]:
+    """A worker's skeleton (which recorded nothing) as the driver's stream while a job runs:
+    block ``index``'s recorded arguments, and the driver's chunk (a shard of the windows is
+    whole chunks: another chunk would fold other shards, other bits). The driver's own stream
+    is left as it is."""
     if getattr(stream, "calls", None):
         yield
         return
     stream.calls = [[] for _ in stream.blocks]
     stream.calls[index] = recorded
+    stream.chunk, kept = chunk, stream.chunk
     try:
         yield
     finally:
         del stream.calls
+        stream.chunk = kept
 
 
 # blocks whose job (tuning on the float model's inputs, or the whole block) is submitted and not
