@@ -28,6 +28,11 @@ for outputs), each a job on the executor: here on the driver's block, or on a wo
 the block and puts the codes the driver has written for it so far in place. The shards' X^T X
 are folded in shard order and the outputs are each window's own, so the codes are the same bytes
 on any executor.
+
+With ``independent`` (``--independent-blocks``) every block's input is the float model's hidden
+states instead, so no block waits for another: the pass runs only the float model's forward, and
+each block's whole work (the same groups, then its tuning) is one job (``block_job``) that the
+executor runs while the forward goes on.
 """
 
 from __future__ import annotations
