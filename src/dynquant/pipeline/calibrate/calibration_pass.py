@@ -14,7 +14,6 @@ product's rounding depends on it).
 from __future__ import annotations
 
 import contextlib
-from collections import deque
 from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass, field, replace
@@ -28,7 +27,7 @@ from dynquant.numerics.quantizer import QuantizedTensor
 from dynquant.pipeline.calibrate.block_stream import ActivationStore, BlockStream
 from dynquant.pipeline.calibrate.statistics import InputStatistics
 from dynquant.pipeline.calibrate.weights import WeightsAt
-from dynquant.pipeline.execute.executor import Executor, LocalExecutor, Submitted, use_threads
+from dynquant.pipeline.execute.executor import Executor, InOrder, LocalExecutor, use_threads
 from dynquant.pipeline.execute.progress import StageProgress
 
 SHARD_SEQS = 8  # calibration sequences per job (the default --calib-seqs: one job per block)
@@ -162,7 +161,8 @@ def run_calibration_pass(stream: BlockStream, modules: set[str],
     beside = moments_dir is not None and not executor.runs_here
     store = ActivationStore(activation_limit)
     hidden = stream.record()
-    pending: deque[tuple[int, list[Submitted]]] = deque()
+    # on a cluster, each block's X^T X jobs (block index, its shards' jobs)
+    pending: InOrder[int, tuple] = InOrder(executor, work.threads)
     try:
         with StageProgress(enabled=progress) as bar, serving(stream, work):
             task = bar.add_task("calibration pass", total=len(stream.blocks))
@@ -171,21 +171,18 @@ def run_calibration_pass(stream: BlockStream, modules: set[str],
                 shards = shards_of(stream, i, hidden, sequences=SHARD_SEQS if moments_dir
                                    else 1)
                 if beside:
-                    pending.append((i, [executor.submit(block_shard_job, sh, work, work.threads)
-                                        for sh in shards]))
+                    pending.add(i, [executor.submit(block_shard_job, sh, work, work.threads)
+                                    for sh in shards])
                     hidden = [h for out, _ in executor.map(
                         block_shard_job, shards_of(stream, i, hidden, sequences=1), forward,
                         cpus=work.threads) for h in out]
                 else:
                     hidden = _run_block_shards(stream, i, shards, stats, work, executor, bar,
                                                task)
-                last = i == len(stream.blocks) - 1
-                while pending and (last or len(pending) > MOMENTS_IN_FLIGHT
-                                   or all(s.done() for s in pending[0][1])):
-                    b, parts = pending.popleft()
+                for b, parts in pending.ready(end=i == len(stream.blocks) - 1):
                     bar.note(task, f"block {b + 1}'s moments")
-                    for part in parts:
-                        stats.add(part.result()[1])
+                    for _, part in parts:
+                        stats.add(part)
                     _save_moments(stats, moments_dir / f"block_{b:03d}.safetensors")
                 if moments_dir is not None and not beside:
                     _save_moments(stats, moments_dir / f"block_{i:03d}.safetensors")
@@ -196,11 +193,6 @@ def run_calibration_pass(stream: BlockStream, modules: set[str],
         store.close()
         raise
     return CalibrationPass(stream, stats.result(), store)
-
-
-# blocks whose X^T X jobs are submitted and not yet folded (on a cluster): each holds its
-# windows' inputs in the object store
-MOMENTS_IN_FLIGHT = 8
 
 
 def _run_block_shards(stream: BlockStream, i: int, shards: list[BlockShard],

@@ -39,7 +39,6 @@ from __future__ import annotations
 
 import contextlib
 import hashlib
-from collections import deque
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field, replace
 from functools import cached_property
@@ -80,12 +79,7 @@ from dynquant.pipeline.codes.tuned_scales import (
     tune_block,
     tune_block_job,
 )
-from dynquant.pipeline.execute.executor import (
-    Executor,
-    LocalExecutor,
-    Submitted,
-    use_threads,
-)
+from dynquant.pipeline.execute.executor import Executor, InOrder, LocalExecutor, use_threads
 from dynquant.pipeline.execute.progress import StageProgress, job_note, job_notes
 
 Choice = Callable[[str], tuple[int, int]]  # module -> (bits, group size)
@@ -160,8 +154,8 @@ def sequential_gptq(stream: BlockStream, specs: list[TensorSpec], quantized: set
     # that a resumed pass runs on them), each block's tuning a job collected later
     beside = tuning is not None and tuning.inputs == "float" and not independent
     chain = store.inner("gptq") if beside else store
-    pending: deque[_Pending] = deque()
-    in_flight = max(IN_FLIGHT, executor.slots(work.threads)) if beside or independent else 0
+    # blocks' jobs beside the pass (where their codes go: ``_placed``)
+    pending: InOrder[list[tuple[int, str, str]], dict] = InOrder(executor, work.threads)
     with StageProgress(enabled=progress) as bar, serving(stream, work):
         task = bar.add_task("gptq, block by block", total=len(stream.blocks))
         for b, block in enumerate(stream.blocks):
@@ -182,28 +176,29 @@ def sequential_gptq(stream: BlockStream, specs: list[TensorSpec], quantized: set
                                        {index[s.module]: s for s in mine},
                                        {s.module: choice(s.module) for s in mine}, tuning)
                         with job_notes(say):
-                            pending.append(_Pending(_placed(state, mine, index), executor.submit(
-                                block_job, job, (work, rounder), cpus=work.threads)))
+                            pending.add(_placed(state, mine, index), [executor.submit(
+                                block_job, job, (work, rounder), cpus=work.threads)])
                     hidden = floats
                 else:
                     block_store = chain if beside else _HeldCodes() if tuned else store
                     _compensate_block(state, specs, index, choice, rounder, block_store,
-                                      lambda where, b=b: _noter(bar, task, f"block {b + 1}{where}"))
+                                      lambda where, b=b: _noter(bar, task, f"block {b + 1}, {where}"))
                     hidden = _outputs(state, _noter(bar, task, f"block {b + 1}: its output"))
                 if tuned and beside:
                     job = TuneJob(b, floats_in, floats, stream.calls[b], dict(state.replaced),
                                   tuning)
                     with job_notes(_noter(bar, task, f"block {b + 1}: tuning (float inputs)")):
-                        pending.append(_Pending(_placed(state, mine, index), executor.submit(
-                            tune_block_job, job, work, cpus=work.threads)))
+                        pending.add(_placed(state, mine, index), [executor.submit(
+                            tune_block_job, job, work, cpus=work.threads)])
                 elif tuned and not independent:
                     hidden = _tuned(state, mine, index, hidden, floats, tuning, store, say)
             finally:
                 stream.release(block)
-            last = b == len(stream.blocks) - 1
-            while pending and (pending[0].job.done() or last or len(pending) > in_flight):
-                bar.note(task, f"waiting for {len(pending)} blocks' jobs")
-                pending.popleft().store(store)
+            if pending.waiting:
+                bar.note(task, f"{len(pending.waiting)} blocks' jobs not back")
+            for placed, (codes,) in pending.ready(end=b == len(stream.blocks) - 1):
+                for i, module, name in placed:
+                    store.save_quantized(i, module, codes[name])
             bar.advance(task)
         _head(stream, hidden, index, choice, store,
               None if compensate_head else (specs, rounder), bar)
@@ -232,7 +227,7 @@ def _compensate_block(state: _Block, specs: list[TensorSpec] | dict[int, TensorS
             qt = store.quantized(index[s.module]) or rounder(s, param.data, *choice(s.module))
             _keep(store, index[s.module], s, qt, param, state)
     for g, group in enumerate(groups):
-        where = f", group {g + 1}/{len(groups)} ({group[0].removeprefix(state.prefix)})"
+        where = f"group {g + 1}/{len(groups)} ({group[0].removeprefix(state.prefix)})"
         _quantize_group(state, group, targets, specs, index, choice, store, say_at(where))
 
 
@@ -266,7 +261,7 @@ def block_job(job: BlockJob, shared: tuple[BlockWork, Rounder]) -> dict[str, Qua
         state = _Block(stream, job.block, job.hidden, work, LocalExecutor())
         index = {s.module: i for i, s in job.specs.items()}
         _compensate_block(state, job.specs, index, job.widths.__getitem__, rounder, _HeldCodes(),
-                          lambda where: (lambda what: say(f"{where.lstrip(', ')}: {what}")))
+                          lambda where: (lambda what: say(f"{where}: {what}")))
         codes = dict(state.replaced)
         if job.tuning is None:
             return codes
@@ -292,27 +287,6 @@ def _as_recorded(stream: BlockStream, index: int, recorded: list[tuple], chunk: 
     finally:
         del stream.calls
         stream.chunk = kept
-
-
-# blocks whose job (tuning on the float model's inputs, or the whole block) is submitted and not
-# yet collected, at least (or as many as the cluster runs at once): each holds its windows'
-# float inputs and targets in the cluster's object store
-IN_FLIGHT = 8
-
-
-@dataclass
-class _Pending:
-    """A block's job, submitted: where its tensors go (store index, module, parameter path
-    inside the block) and the job's result when it is ready."""
-
-    tensors: list[tuple[int, str, str]]
-    job: Submitted[dict[str, QuantizedTensor]]
-
-    def store(self, store: ResumeStore) -> None:
-        """Wait for the block's codes and keep them."""
-        codes = self.job.result()
-        for i, module, name in self.tensors:
-            store.save_quantized(i, module, codes[name])
 
 
 class _HeldCodes:

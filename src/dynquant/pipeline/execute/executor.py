@@ -10,6 +10,7 @@ executor ran them. ``LocalExecutor`` is the plain loop (the default); ``RayExecu
 
 from __future__ import annotations
 
+from collections import deque
 from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass
 from typing import Generic, TypeVar
@@ -17,6 +18,10 @@ from typing import Generic, TypeVar
 J = TypeVar("J")
 R = TypeVar("R")
 S = TypeVar("S")
+K = TypeVar("K")
+# blocks whose submitted jobs are not yet taken back, at least (or as many as the cluster runs
+# at once): each holds its windows' hidden states in the cluster's object store
+IN_FLIGHT = 8
 
 
 @dataclass(frozen=True)
@@ -78,3 +83,23 @@ def use_threads(threads: int) -> None:
 
     if torch.get_num_threads() != threads:
         torch.set_num_threads(threads)
+
+
+class InOrder(Generic[K, R]):
+    """Jobs submitted a block at a time (``add``: the block's key and its jobs) and taken back
+    in the order they were added, so the driver folds and writes the same bytes on any
+    executor. ``ready`` gives the oldest block's results while its jobs are back, or while more
+    than ``max(IN_FLIGHT, executor.slots(cpus))`` blocks wait, and every block's at ``end``."""
+
+    def __init__(self, executor: Executor, cpus: int) -> None:
+        self.limit = max(IN_FLIGHT, executor.slots(cpus))
+        self.waiting: deque[tuple[K, list[Submitted[R]]]] = deque()
+
+    def add(self, key: K, jobs: list[Submitted[R]]) -> None:
+        self.waiting.append((key, jobs))
+
+    def ready(self, end: bool = False) -> Iterator[tuple[K, list[R]]]:
+        while self.waiting and (end or len(self.waiting) > self.limit
+                                or all(job.done() for job in self.waiting[0][1])):
+            key, jobs = self.waiting.popleft()
+            yield key, [job.result() for job in jobs]
