@@ -144,8 +144,9 @@ def project(s: Shape, workers: int, rate: dict[str, float], mode: str = "quantiz
         "compensation (workers)": max(big["compensate"] / workers, big["largest_compensate"])
         / rate["gptq"],
     }
-    tune = tuning_work(s) / rate["tune"] + 2 * big["forward"] / rate["gptq"] \
-        if "tune" in rate else 0.0  # one block's tuning job: the steps, its two forwards
+    # one block's tuning job: the steps, its two forwards
+    tune = (tuning_work(s) / rate["tune"] + 2 * big["forward"] / rate["gptq"]
+            if "tune" in rate else 0.0)
     targets = {TARGETS: outputs}  # the float model's, by shards
     if mode == "independent":  # on the pass only the float model's outputs; a job per block
         chain = targets  # (its GPTQ on one worker, its output not needed)
@@ -158,11 +159,9 @@ def project(s: Shape, workers: int, rate: dict[str, float], mode: str = "quantiz
         job = 0.0
     out = {"X^T X pass (workers)": xtx,
            **{k: v * s.layers for k, v in {**measure, **chain}.items()}}
-    if job == 0.0:
-        pass
-    elif workers == 1:  # the one worker runs the pass's jobs too: one after the other
+    if job and workers == 1:  # the one worker runs the pass's jobs too: one after the other
         out[JOBS] = job * s.layers
-    else:  # what the last block's job, or all the jobs, add after the pass
+    elif job:  # what the last block's job, or all the jobs, add after the pass
         out[JOBS] = max(0.0, job * s.layers / workers - sum(chain.values()) * s.layers) + job
     # the ratios' jobs wait on no block: the whole model's spread over the workers
     out["gptq ratios (workers)"] = max(big["ratios"] * s.layers / workers,

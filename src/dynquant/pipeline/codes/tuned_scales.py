@@ -119,7 +119,8 @@ class TuneJob:
 
 def tune_block_job(job: TuneJob, work: BlockWork) -> dict[str, QuantizedTensor]:
     """The block's codes with tuned scales where they lower its error over every window, else
-    the codes as they came; on any executor the same bits (the driver's thread count)."""
+    the codes as they came; on any executor the same bits (the driver's thread count). The
+    block is left with the tuned codes in place: its caller releases it next."""
     use_threads(work.threads)
     stream = shard_stream(work)
     say = job_note()
@@ -130,8 +131,6 @@ def tune_block_job(job: TuneJob, work: BlockWork) -> dict[str, QuantizedTensor]:
         for name, qt in tuned.items():
             put_codes(block.get_parameter(name), qt)
         after = stream.run_block(job.block, job.hidden, job.recorded)
-        for name, qt in job.codes.items():  # the block as it came (the driver's goes on)
-            put_codes(block.get_parameter(name), qt)
     better = block_error(after, job.targets) < block_error(before, job.targets)
     return tuned if better else job.codes
 
