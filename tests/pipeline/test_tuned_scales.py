@@ -4,6 +4,7 @@ a resume."""
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import replace
 from pathlib import Path
 
@@ -170,9 +171,11 @@ def test_tuned_checkpoints_are_gptq_s_format_and_rerun_and_resume_to_the_same_by
     assert checkpoint_bytes(tmp_path / "c") == checkpoint_bytes(tmp_path / "a")
 
 
-def _tensors(path: Path, suffix: str) -> dict[str, torch.Tensor]:
+def _tensors(path: Path, keep: str | Callable[[str], bool]) -> dict[str, torch.Tensor]:
+    """The checkpoint's tensors whose names end in ``keep`` (or that ``keep`` keeps)."""
+    kept = keep if callable(keep) else (lambda n: n.endswith(keep))
     with safe_open(str(path / "model.safetensors"), "pt") as fh:
-        return {n: fh.get_tensor(n) for n in fh.keys() if n.endswith(suffix)}  # noqa: SIM118
+        return {n: fh.get_tensor(n) for n in fh.keys() if kept(n)}  # noqa: SIM118
 
 
 def _killed_in_block_two_and_resumed(monkeypatch, name: str, real, jobs: list, run, out: Path,
@@ -260,9 +263,7 @@ def test_tuning_inputs_other_than_quantized_or_float_are_a_typed_error():
 
 
 def _block_tensors(path: Path, block: int) -> dict[str, torch.Tensor]:
-    prefix = f"model.layers.{block}."
-    with safe_open(str(path / "model.safetensors"), "pt") as fh:
-        return {n: fh.get_tensor(n) for n in fh.keys() if n.startswith(prefix)}  # noqa: SIM118
+    return _tensors(path, lambda n: n.startswith(f"model.layers.{block}."))
 
 
 def _same(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> bool:
