@@ -119,8 +119,8 @@ def test_reruns_and_resumes_are_byte_identical(tmp_path, monkeypatch):
 
 
 def test_window_shards_run_by_a_worker_give_the_driver_s_bytes(tmp_path):
-    """12 windows: two shards (8 + 4) per group's moments and per block's outputs, each folded
-    in order; run as a worker runs them (weights from the files, earlier groups' codes sent
+    """12 windows: two shards (8 + 4) per group's moments, folded in order, and a window a job
+    for each block's outputs; run as a worker runs them (weights from the files, earlier groups' codes sent
     with the job), the checkpoint is the one-process checkpoint, byte for byte."""
     source = resolve_model(str(LLAMA_REF))
     widths = {**_uniform(source, 3), "model.layers.1.mlp.down_proj": 4}
