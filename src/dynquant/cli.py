@@ -292,6 +292,10 @@ def _calibration_options(p: argparse.ArgumentParser) -> None:
                    help="tuned codes (the default with text): scale-tuning steps per block, one "
                    "calibration window each (default 100); measure: those its forecast check "
                    "writes")
+    p.add_argument("--tune-rounding", type=float, metavar="STEP",
+                   help="tuned codes: Adam's step on each weight's rounding offset, in codes "
+                   "(default 3e-3: a code moves by one where the block's error says so; 0: "
+                   "GPTQ's codes kept, only the scales and offsets tuned)")
     p.add_argument("--tune-on", choices=("quantized", "float"),
                    help="tuned codes: the hidden states each block is fitted on: quantized (the "
                    "default: the model being quantized, each block correcting the ones before "
@@ -301,10 +305,11 @@ def _calibration_options(p: argparse.ArgumentParser) -> None:
 
 
 def _tuning(args: argparse.Namespace):
-    """The tuned codes' settings asked for (None: the API's, unless --tune-steps / --tune-on)."""
-    if args.tune_steps is None and args.tune_on is None:
+    """The tuned codes' settings asked for (None: the API's, unless --tune-steps / --tune-on /
+    --tune-rounding)."""
+    given = {"steps": args.tune_steps, "inputs": args.tune_on, "rounding": args.tune_rounding}
+    if all(v is None for v in given.values()):
         return None
-    given = {"steps": args.tune_steps, "inputs": args.tune_on}
     return _api().ScaleTuning(**{k: v for k, v in given.items() if v is not None})
 
 
@@ -405,7 +410,7 @@ def _add_quantize(sub) -> None:
                    help="how codes are chosen: gptq (error-compensating, block by block over "
                    "the quantized model's own activations on --gptq-seqs calibration windows; "
                    "Linears, expert banks and the output head; an untied input embedding rtn), "
-                   "tuned (gptq's codes, then each block's group scales and offsets tuned "
+                   "tuned (gptq's codes, then each block's rounding, group scales and offsets tuned "
                    "against the float block: lower KL for a longer quantize, BENCHMARKS.md "
                    "'Tuned scales'), rtn (round-to-nearest with a clip search), auto (default: "
                    "tuned when calibrating on text, rtn data-free)")

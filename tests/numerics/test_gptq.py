@@ -263,3 +263,39 @@ def test_a_factor_is_reversed_in_its_own_memory():
         want = a[::-1, ::-1].copy()
         got = _reversed_in_place(a, step)
         assert got is a and np.array_equal(got, want)
+
+
+@pytest.mark.parametrize("rows", [False, True])
+def test_the_residual_is_what_each_code_was_rounded_from(rows):
+    """``gptq_residual``: the same codes, scales and offsets as ``gptq_quantize`` (the rows
+    variant likewise), and a residual that rounds back to every code. With uncorrelated inputs
+    no error reaches another column, so the value each weight was rounded from is the weight
+    itself: the residual is ``(w - offset) / scale - code`` (float16, clamped to [-1, 1])."""
+    from dynquant.numerics.gptq import (
+        gptq_quantize_rows,
+        gptq_residual,
+        gptq_residual_rows,
+    )
+
+    # 72 columns: two groups of 32 and a padded one (the rows variant: 72 rows of 24)
+    w, h = _problem(72, 24, seed=11) if rows else _problem(24, 72, seed=11)
+    plain, with_residual = ((gptq_quantize_rows, gptq_residual_rows) if rows
+                            else (gptq_quantize, gptq_residual))
+    if rows:
+        w = w.T.contiguous()  # [24 (in), 72 (out)], h [24, 24]
+    qt, r = with_residual(w, h, 3, 32)
+    same = plain(w, h, 3, 32)
+    assert torch.equal(qt.qweight, same.qweight) and torch.equal(qt.scales, same.scales)
+    assert torch.equal(qt.offsets, same.offsets)
+    cols = qt.layout.in_features
+    codes = unpack_codes(qt.qweight, 3)[:, :cols].float()
+    assert r.dtype == torch.float16 and tuple(r.shape) == tuple(codes.shape)
+    assert torch.equal(torch.round(codes + r.float()).clamp(0, 7), codes)
+    assert float(r.abs().max()) <= 1
+
+    diagonal = torch.diag(torch.linspace(0.5, 2.0, h.shape[0]))
+    qt, r = with_residual(w, diagonal, 3, 32)
+    codes = unpack_codes(qt.qweight, 3)[:, :cols].float()
+    expand = lambda t: t.float().repeat_interleave(32, dim=1)[:, :cols]  # noqa: E731
+    want = ((w - expand(qt.offsets)) / expand(qt.scales) - codes).clamp(-1, 1)
+    assert torch.allclose(r.float(), want, atol=1e-3, rtol=0)

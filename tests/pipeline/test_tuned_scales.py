@@ -14,11 +14,12 @@ from safetensors import safe_open
 from test_sequential_gptq import _calibration, _uniform
 
 from dynquant.errors import DynquantError
+from dynquant.format.packing import unpack_codes
 from dynquant.format.safetensors_header import read_header
 from dynquant.format.validate import validate_checkpoint
 from dynquant.models.sources import resolve_model
 from dynquant.numerics import tuned_scales as tuned_scales_module
-from dynquant.numerics.gptq import gptq_quantize
+from dynquant.numerics.gptq import gptq_quantize, gptq_residual
 from dynquant.numerics.quantizer import quantize_tensor
 from dynquant.numerics.tuned_scales import TunableScales
 from dynquant.pipeline.calibrate.block_stream import BlockStream
@@ -77,6 +78,64 @@ def test_the_chunked_dequantize_is_autograd_s_broadcast(monkeypatch, chunk):
     assert torch.equal(fast_s, plain_s) and torch.equal(fast_o, plain_o)
 
 
+@pytest.mark.parametrize("chunk", [1 << 20, 200, 64])
+def test_the_chunked_rounded_dequantize_and_its_adam_step_are_the_plain_ones(monkeypatch, chunk):
+    """With the rounding tuned: codes ``clamp(round(q + u))`` dequantized and the gradients in
+    the scales and offsets, a chunk of rows at a time, equal the plain expression's that
+    autograd differentiates, bit for bit; and the Adam step the backward takes on ``u`` is
+    Adam's (bias-corrected; the moments kept in bf16) on the gradient straight through the rounding,
+    ``u`` then kept within [-1, 1]."""
+    monkeypatch.setattr(tuned_scales_module, "CHUNK_ELEMENTS", chunk)
+    gen = torch.Generator().manual_seed(2)
+    start = quantize_tensor(torch.randn(37, 90, generator=gen), 3, 32)
+    q = TunableScales(start).q  # [37, 3, 32]
+    r = (torch.rand(37, 3, 32, generator=gen) * 2 - 1).half()
+    rounding = tuned_scales_module.RoundingOffsets(q, r, 7)
+    bf16 = lambda x: x.to(torch.bfloat16).float()  # noqa: E731
+    s = bf16(torch.rand(37, 3, generator=gen)).requires_grad_()
+    o = bf16(torch.randn(37, 3, generator=gen)).requires_grad_()
+    u, m, s2 = r.float(), torch.zeros(37, 3, 32), torch.zeros(37, 3, 32)
+    for t in (1, 2):
+        grad = torch.randn(37, 96, generator=gen)
+        rounding.next_step(0.3)  # large enough that some codes move
+        fast = tuned_scales_module._RoundedGroupDequantize.apply(rounding, s, o)
+        codes = torch.round(q.float() + u).clamp(0, 7)
+        plain = (codes * s[..., None] + o[..., None]).reshape(37, 96)
+        assert torch.equal(fast, plain)
+        fast_grads = torch.autograd.grad(fast, (s, o), grad)
+        plain_grads = torch.autograd.grad(plain, (s, o), grad)
+        assert all(torch.equal(a, b) for a, b in zip(fast_grads, plain_grads, strict=True))
+        g = grad.reshape(37, 3, 32) * s.detach()[..., None]
+        m, s2 = 0.9 * m + 0.1 * g, 0.999 * s2 + 0.001 * g * g
+        step = 0.3 / (1 - 0.9 ** t) * m / ((s2.sqrt() / (1 - 0.999 ** t) ** 0.5) + 1e-8)
+        u = (u - step).clamp(-1, 1)
+        m, s2 = bf16(m), bf16(s2)  # kept in bf16 for the next step
+        assert torch.allclose(rounding.u, u, atol=1e-6, rtol=0)
+    assert not torch.equal(torch.round(q.float() + rounding.u), torch.round(q.float() + r.float()))
+
+
+def test_tuned_rounding_starts_at_gptq_s_codes_and_decodes_to_what_it_computes():
+    """Given GPTQ's residuals the tunable starts at GPTQ's codes exactly; after steps its codes
+    (some moved by one, none by more) dequantize to exactly what it computed."""
+    gen = torch.Generator().manual_seed(3)
+    w = torch.randn(24, 100, generator=gen)
+    x = torch.randn(256, 100, generator=gen)
+    start, residual = gptq_residual(w, x.T @ x / 256, 2, 32)
+    tunable = TunableScales(start, residual)
+    assert torch.equal(tunable().detach(), start.dequantize(torch.float32))
+    assert torch.equal(tunable.codes().qweight, start.qweight)
+    opt = torch.optim.Adam(tunable.scale_parameters(), lr=0.05)
+    for _ in range(5):
+        tunable.next_rounding_step(0.05)
+        (x @ (tunable() - w).T).pow(2).sum().backward()
+        opt.step()
+        opt.zero_grad()
+    tuned = tunable.codes()
+    moved = unpack_codes(tuned.qweight, 2).int() - unpack_codes(start.qweight, 2).int()
+    assert int((moved != 0).sum()) > 0 and int(moved.abs().max()) == 1
+    assert torch.equal(tuned.dequantize(torch.float32), tunable().detach())
+
+
 def test_tuned_scales_lower_a_linear_s_output_error_from_gptq():
     """The plainest case of the block's fit: one Linear's output error over its inputs, from
     GPTQ's codes (scales fitted to what compensation left)."""
@@ -104,26 +163,52 @@ def _tuned(cal, steps: int):
     return CodeChooser("tuned", sequential=replace(cal, tuning=ScaleTuning(steps=steps)))
 
 
-def test_tuned_scales_lower_every_block_s_error_at_every_width(tmp_path, monkeypatch):
-    """On the trained reference model, each block's output error against the float block
-    (over the calibration windows, from the quantized model's inputs) is below its GPTQ codes'
-    at 2, 3 and 4 bits. At 8 bits a step of a bf16 scale moves the top code by about one
-    quantization step: the tuning's moves round away, and the codes stay GPTQ's."""
+def test_tuned_codes_lower_every_block_s_error_at_every_width(tmp_path, monkeypatch):
+    """On the trained reference model, each block's kept codes have an output error against
+    the float block (over the calibration windows, from the quantized model's inputs) below its
+    GPTQ codes' at 2, 3 and 4 bits, and most blocks keep the first attempt (rounding and scales
+    tuned), the scales alone being tried only where it did not lower the error. At 8 bits a
+    step of a bf16 scale moves the top code by about one quantization step: no block is made
+    worse."""
     source = resolve_model(str(LLAMA_REF))
     cal = _calibration(LLAMA_REF, 4, 64)
-    real = seq.block_error
-    errors: list[float] = []
-    monkeypatch.setattr(seq, "block_error", lambda o, t: errors.append(real(o, t)) or errors[-1])
+    events: list[tuple[str, float]] = []
+    real_error, real_tune = seq.block_error, seq.tune_block
+    monkeypatch.setattr(seq, "block_error", lambda o, t: events.append(
+        ("error", real_error(o, t))) or events[-1][1])
+    monkeypatch.setattr(seq, "tune_block", lambda *a, **k: events.append(
+        ("tune", a[5].rounding)) or real_tune(*a, **k))
     for bits in (2, 3, 4, 8):
-        errors.clear()
+        events.clear()
         quantize_model(source, _uniform(source, bits), tmp_path / f"t{bits}", progress=False,
                        chooser=_tuned(cal, 20))
-        tuned, gptq = errors[0::2], errors[1::2]  # per block: tuned, then GPTQ's
-        assert len(tuned) == 4
-        if bits == 8:
-            assert tuned == gptq
-        else:
-            assert all(t < g for t, g in zip(tuned, gptq, strict=True)), (bits, tuned, gptq)
+        blocks = _per_block(events)
+        assert len(blocks) == 4
+        for gptq, attempts in blocks:
+            assert min(attempts) <= gptq if bits == 8 else min(attempts) < gptq, (bits, blocks)
+        if bits != 8:
+            assert sum(len(attempts) == 1 for _, attempts in blocks) >= 3, (bits, blocks)
+
+
+def _codes_moved_by_one_at_most(tuned_path: Path, gptq_path: Path, bits: int) -> None:
+    """Every tensor's tuned codes within one of its GPTQ codes, some moved, a few."""
+    tuned, gptq = _tensors(tuned_path, ".qweight"), _tensors(gptq_path, ".qweight")
+    assert tuned.keys() == gptq.keys()
+    moved = torch.cat([(unpack_codes(tuned[n], bits).int() - unpack_codes(gptq[n], bits).int())
+                       .flatten() for n in tuned])
+    assert int(moved.abs().max()) == 1 and 0 < int((moved != 0).sum()) < moved.numel() // 10
+
+
+def _per_block(events: list[tuple[str, float]]) -> list[tuple[float, list[float]]]:
+    """``_tuned``'s calls per block: GPTQ's error, then each attempt's tuning and error (an
+    error right after a tuning is that attempt's; any other starts a block)."""
+    blocks: list[tuple[float, list[float]]] = []
+    for i, (kind, value) in enumerate(events):
+        if kind == "error" and i > 0 and events[i - 1][0] == "tune":
+            blocks[-1][1].append(value)
+        elif kind == "error":
+            blocks.append((value, []))
+    return blocks
 
 
 def _headers(path: Path) -> dict:
@@ -134,7 +219,8 @@ def _headers(path: Path) -> dict:
 def test_tuned_checkpoints_are_gptq_s_format_and_rerun_and_resume_to_the_same_bytes(
         tmp_path, monkeypatch):
     """Same layout as the GPTQ checkpoint of the same widths (tensor names, dtypes, shapes,
-    offsets; valid), the first block's codes GPTQ's own with other scales; two runs the same
+    offsets; valid), the first block's codes GPTQ's but a few moved by one, with other scales;
+    two runs the same
     bytes; a run killed while tuning block 2 resumes from block 2 to the same bytes."""
     source = resolve_model(str(LLAMA_REF))
     widths = {**_uniform(source, 3), "model.layers.1.mlp.down_proj": 4}
@@ -149,7 +235,9 @@ def test_tuned_checkpoints_are_gptq_s_format_and_rerun_and_resume_to_the_same_by
     with (safe_open(str(tmp_path / "a" / "model.safetensors"), "pt") as tuned,
           safe_open(str(tmp_path / "gptq" / "model.safetensors"), "pt") as gptq):
         name = "model.layers.0.mlp.up_proj"
-        assert torch.equal(tuned.get_tensor(f"{name}.qweight"), gptq.get_tensor(f"{name}.qweight"))
+        moved = (unpack_codes(tuned.get_tensor(f"{name}.qweight"), 3).int()
+                 - unpack_codes(gptq.get_tensor(f"{name}.qweight"), 3).int())
+        assert int(moved.abs().max()) == 1 and int((moved != 0).sum()) < moved.numel() // 10
         assert not torch.equal(tuned.get_tensor(f"{name}.scales"),
                                gptq.get_tensor(f"{name}.scales"))
 
@@ -158,7 +246,7 @@ def test_tuned_checkpoints_are_gptq_s_format_and_rerun_and_resume_to_the_same_by
 
     def dies_in_block_two(stream, index, *args, **kwargs):
         calls.append(index)
-        if index == 1 and len(calls) == 2:
+        if calls.count(1) == 1 and index == 1:
             raise KeyboardInterrupt
         return real(stream, index, *args, **kwargs)
 
@@ -167,7 +255,8 @@ def test_tuned_checkpoints_are_gptq_s_format_and_rerun_and_resume_to_the_same_by
         quantize_model(source, widths, tmp_path / "c", progress=False, chooser=_tuned(cal, 8))
     assert not (tmp_path / "c" / "dynquant.json").exists()
     quantize_model(source, widths, tmp_path / "c", progress=False, chooser=_tuned(cal, 8))
-    assert calls == [0, 1, 1, 2, 3]  # block 1 stored, never tuned again
+    resumed = calls[calls.index(1) + 1:]  # a block's tunings: one, or two (then scales alone)
+    assert resumed[0] == 1 and list(dict.fromkeys(resumed)) == [1, 2, 3]  # block 0 kept
     assert checkpoint_bytes(tmp_path / "c") == checkpoint_bytes(tmp_path / "a")
 
 
@@ -202,8 +291,9 @@ def _killed_in_block_two_and_resumed(monkeypatch, name: str, real, jobs: list, r
 def test_tuning_on_float_inputs_leaves_the_gptq_pass_as_it_is_and_resumes(tmp_path, monkeypatch):
     """``inputs="float"``: every block's tuning job gets the float model's hidden states (the
     calibration pass's, run through the float blocks) and the float block's outputs on them,
-    and the GPTQ pass goes on with the untuned codes, so every code is the GPTQ run's own (only
-    scales and offsets differ); each kept tuning lowers its block's error on those inputs; two
+    and the GPTQ pass goes on with the untuned codes (each job's codes are the GPTQ run's own,
+    with their residuals; tuned, a code moves by one at most); each kept tuning lowers its
+    block's error on those inputs; two
     runs give the same bytes; a run killed in block 2's tuning resumes there, its GPTQ pass
     from the codes it kept, to the same bytes."""
     source = resolve_model(str(LLAMA_REF))
@@ -213,9 +303,10 @@ def test_tuning_on_float_inputs_leaves_the_gptq_pass_as_it_is_and_resumes(tmp_pa
     chooser = CodeChooser("tuned", sequential=floats)
     jobs: list[TuneJob] = []
     errors: list[float] = []
+    starts: list[int] = []  # where each job's errors start
     real_job, real_error = tuned_module.tune_block_job, tuned_module.block_error
-    monkeypatch.setattr(seq, "tune_block_job", lambda job, work: jobs.append(job) or real_job(
-        job, work))
+    monkeypatch.setattr(seq, "tune_block_job", lambda job, work: jobs.append(job) or starts.append(
+        len(errors)) or real_job(job, work))
     monkeypatch.setattr(tuned_module, "block_error",
                         lambda o, t: errors.append(real_error(o, t)) or errors[-1])
     quantize_model(source, widths, tmp_path / "a", progress=False, chooser=chooser)
@@ -231,10 +322,16 @@ def test_tuning_on_float_inputs_leaves_the_gptq_pass_as_it_is_and_resumes(tmp_pa
         hidden = stream.run_block(job.block, hidden)
         stream.release(block)
         assert all(torch.equal(h, t) for h, t in zip(hidden, job.targets, strict=True))
-    after, before = errors[0::2], errors[1::2]
-    assert all(a < b for a, b in zip(after, before, strict=True)), (after, before)
-    tuned, gptq = _tensors(tmp_path / "a", ".qweight"), _tensors(tmp_path / "gptq", ".qweight")
-    assert tuned.keys() == gptq.keys() and all(torch.equal(tuned[n], gptq[n]) for n in tuned)
+    for i, start in enumerate(starts):  # GPTQ's error, then each attempt's: one kept below
+        errs = errors[start : starts[i + 1] if i + 1 < len(starts) else len(errors)]
+        assert min(errs[1:]) < errs[0], errs
+    gptq = _tensors(tmp_path / "gptq", ".qweight")
+    for job in jobs:  # the GPTQ pass's own codes, with the residuals they were rounded from
+        assert job.residuals.keys() == job.codes.keys()
+        for name, qt in job.codes.items():
+            path = f"{stream.block_prefix(job.block)}.{name.removesuffix('.weight')}.qweight"
+            assert torch.equal(qt.qweight, gptq[path])
+    _codes_moved_by_one_at_most(tmp_path / "a", tmp_path / "gptq", 3)
     tuned, gptq = _tensors(tmp_path / "a", ".scales"), _tensors(tmp_path / "gptq", ".scales")
     assert sum(not torch.equal(tuned[n], gptq[n]) for n in tuned) >= len(tuned) // 2
 
@@ -293,7 +390,7 @@ def test_independent_blocks_depend_on_no_other_block(tmp_path):
 
 def test_independent_blocks_tuned_rerun_and_resume_to_the_same_bytes(tmp_path, monkeypatch):
     """Tuned codes with ``independent``: each block a job (its GPTQ codes and their tuning on
-    the float model's hidden states, which it is given); the scales differ from GPTQ's; two runs
+    the float model's hidden states, which it is given); the codes within one of GPTQ's; two runs
     give the same bytes; a run killed in block 2's job resumes there, blocks already stored
     not run again, to the same bytes."""
     source = resolve_model(str(LLAMA_REF))
@@ -309,8 +406,7 @@ def test_independent_blocks_tuned_rerun_and_resume_to_the_same_bytes(tmp_path, m
                    chooser=CodeChooser("gptq", sequential=cal))
     assert [j.block for j in jobs] == [0, 1, 2, 3] * 2  # tuned, then gptq
     assert all(torch.equal(h, t) for h, t in zip(jobs[1].hidden, jobs[0].targets, strict=True))
-    tuned, gptq = _tensors(tmp_path / "a", ".qweight"), _tensors(tmp_path / "gptq", ".qweight")
-    assert all(torch.equal(tuned[n], gptq[n]) for n in tuned)
+    _codes_moved_by_one_at_most(tmp_path / "a", tmp_path / "gptq", 3)
     assert checkpoint_bytes(tmp_path / "a") != checkpoint_bytes(tmp_path / "gptq")
     quantize_model(source, widths, tmp_path / "b", progress=False, chooser=chooser)
     assert checkpoint_bytes(tmp_path / "b") == checkpoint_bytes(tmp_path / "a")

@@ -23,10 +23,11 @@ from __future__ import annotations
 
 import numpy as np
 import torch
+from torch.nn import functional as F
 
 from dynquant.errors import QuantizationError
 from dynquant.format.layout import LayerLayout
-from dynquant.format.packing import pack_codes
+from dynquant.format.packing import pack_codes, unpack_codes
 from dynquant.numerics.lapack_threads import lapack_threads
 from dynquant.numerics.quantizer import QuantizedTensor, quantize_tensor
 
@@ -114,6 +115,24 @@ def gptq_quantize(weight: torch.Tensor, hessian: torch.Tensor, bits: int, group_
     block, where every step touches one column and torch's per-call and threading overheads
     would dominate; the block's updates to later columns are one matrix product. ``factor``:
     the ``ordered_factor(hessian, damp)`` when the caller has it already (several widths)."""
+    return _gptq(weight, hessian, bits, group_size, damp, block, dtype, factor, False)[0]
+
+
+def gptq_residual(weight: torch.Tensor, hessian: torch.Tensor, bits: int, group_size: int = 128,
+                  factor: torch.Tensor | None = None
+                  ) -> tuple[QuantizedTensor, torch.Tensor]:
+    """``gptq_quantize``'s codes (the same bits) and each weight's rounding residual in codes,
+    float16 [out, in], clamped to [-1, 1] (a clipped weight's is larger; past one code it
+    says nothing more)."""
+    qt, residual = _gptq(weight, hessian, bits, group_size, DAMP, 128, torch.float32, factor,
+                         True)
+    assert residual is not None
+    return qt, residual
+
+
+def _gptq(weight: torch.Tensor, hessian: torch.Tensor, bits: int, group_size: int, damp: float,
+          block: int, dtype: torch.dtype, factor: torch.Tensor | None, keep_residual: bool
+          ) -> tuple[QuantizedTensor, torch.Tensor | None]:
     if weight.ndim != 2 or tuple(hessian.shape) != (weight.shape[1],) * 2:
         raise QuantizationError(f"gptq needs a 2-D weight and an [in, in] second-moment matrix, "
                                 f"got {list(weight.shape)} and {list(hessian.shape)}",
@@ -168,7 +187,7 @@ def gptq_quantize(weight: torch.Tensor, hessian: torch.Tensor, bits: int, group_
                                        alpha=-1)
         if end < cols:  # the block's errors reach every later column in one product
             wt[end:].addmm_(u[start:end, end:].T, torch.from_numpy(errors), alpha=-1)
-    return QuantizedTensor(
+    qt = QuantizedTensor(
         # torch's transposing copy: numpy's takes 1.8 s on a 49,152 x 3,584 head's codes
         qweight=pack_codes(torch.from_numpy(codes).T.contiguous(), bits),
         scales=torch.from_numpy(scales).T.contiguous().to(torch.bfloat16),
@@ -176,6 +195,8 @@ def gptq_quantize(weight: torch.Tensor, hessian: torch.Tensor, bits: int, group_
         logical_shape=layout.logical_shape, bits=bits, group_size=group_size,
         clipped_fraction=clipped / (rows * layout.num_groups),
         clip_improvement=sum(improvements) / len(improvements))
+    # each column's weights as it was rounded: no update reaches a column once it is rounded
+    return qt, _residual(qt, wt[torch.from_numpy(position)].T) if keep_residual else None
 
 
 def _current(w: np.ndarray, un: np.ndarray, errors: np.ndarray, at: np.ndarray,
@@ -282,6 +303,21 @@ def gptq_quantize_rows(weight: torch.Tensor, hessian: torch.Tensor, bits: int,
     ``hessian`` [in, in] (same update as ``gptq_quantize`` on the transpose). Rows are taken in
     ``act_order``; ``factor``: the ``ordered_factor(hessian, damp)`` when the caller has it
     already."""
+    return _gptq_rows(weight, hessian, bits, group_size, damp, factor, False)[0]
+
+
+def gptq_residual_rows(weight: torch.Tensor, hessian: torch.Tensor, bits: int,
+                       group_size: int = 128, factor: torch.Tensor | None = None
+                       ) -> tuple[QuantizedTensor, torch.Tensor]:
+    """``gptq_quantize_rows``'s codes and their rounding residual [in, out] (``gptq_residual``)."""
+    qt, residual = _gptq_rows(weight, hessian, bits, group_size, DAMP, factor, True)
+    assert residual is not None
+    return qt, residual
+
+
+def _gptq_rows(weight: torch.Tensor, hessian: torch.Tensor, bits: int, group_size: int,
+               damp: float, factor: torch.Tensor | None, keep_residual: bool
+               ) -> tuple[QuantizedTensor, torch.Tensor | None]:
     rows, cols = weight.shape
     if tuple(hessian.shape) != (rows, rows):
         raise QuantizationError(f"gptq needs an [in, in] second-moment matrix for a weight "
@@ -296,7 +332,26 @@ def gptq_quantize_rows(weight: torch.Tensor, hessian: torch.Tensor, bits: int,
         err = (w[j] - qt.dequantize(torch.float32)[0]) / u[j, j]
         w[j + 1:] -= u[j, j + 1:, None] * err[None, :]
         parts[int(order[j])] = qt
-    return concat_rows(parts, (rows, cols))
+    qt = concat_rows(parts, (rows, cols))
+    # each row as it was rounded: no update reaches a row once it is rounded
+    return qt, _residual(qt, w[torch.argsort(order)]) if keep_residual else None
+
+
+def _residual(qt: QuantizedTensor, rounded: torch.Tensor) -> torch.Tensor:
+    """``(rounded - offset) / scale - code`` [rows, in_features] in float16, clamped to [-1, 1]
+    (0 in a group of scale 0, whose weights are all its offset)."""
+    lay = qt.layout
+    shape = (lay.num_rows, lay.num_groups, lay.group_size)
+    codes = unpack_codes(qt.qweight, lay.bits).view(shape).float()
+    pad = lay.num_groups * lay.group_size - lay.in_features
+    x = F.pad(rounded.float().reshape(lay.num_rows, -1), (0, pad)).view(shape)
+    s, o = qt.scales.float()[..., None], qt.offsets.float()[..., None]
+    r = torch.where(s == 0, 0.0, (x - o) / s - codes).clamp_(-1, 1).to(torch.float16)
+    # a residual a hair under 0.5 is 0.5 in float16, which rounds away from the code half the
+    # time: one step towards 0 keeps every code where it is until it is tuned
+    off = torch.round(codes + r.float()).clamp_(0, (1 << lay.bits) - 1) != codes
+    r[off] = torch.nextafter(r[off], torch.zeros((), dtype=r.dtype))
+    return r.reshape(lay.num_rows, -1)[:, : lay.in_features].contiguous()
 
 
 def concat_rows(parts: list[QuantizedTensor], logical_shape: tuple[int, ...]) -> QuantizedTensor:

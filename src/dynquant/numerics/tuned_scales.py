@@ -1,5 +1,6 @@
-"""Group scales and offsets tuned by gradient descent on an output error, the codes frozen
-(EfficientQAT's E2E-QP and OmniQuant's learnable clipping, in the format's own terms).
+"""Group scales and offsets tuned by gradient descent on an output error (EfficientQAT's E2E-QP
+and OmniQuant's learnable clipping, in the format's own terms), and the codes' rounding with
+them where their rounding residual is known.
 
 Codes ``q`` with bf16 scale ``s0`` and offset ``o0`` per group (GPTQ's, say) stay as they are;
 per group two factors ``a``, ``b`` (zero at the start) give
@@ -12,10 +13,16 @@ the same ``q`` beside the new ``s`` and ``o`` as an ordinary :class:`QuantizedTe
 reader can tell from any other. The caller chooses the error (``pipeline/codes/tuned_scales.py``:
 a decoder block's output against the float block's).
 
-Freezing the codes is a measured choice: learning per-weight rounding offsets as well (SignRound
-/ AutoRound, signed gradient steps through a straight-through rounding) made a SmolLM2 block's
-output error larger than GPTQ's codes it started from, at 1e-3 and 5e-3 step sizes, while the
-scales alone lower it (BENCHMARKS.md "Tuned scales").
+Given the rounding residual each code was rounded from (``gptq_residual``: GPTQ rounded
+``q + r`` to ``q``), the codes are tuned too (SignRound / AutoRound): a rounding offset ``v`` per
+weight in [-0.5, 0.5] (zero at the start) gives
+
+    q' = clamp(round(q + r + v), 0, max_code),  w_hat = q' * s + o
+
+the rounding passing its gradient straight through to ``v``, which Adam steps (in the backward
+pass: :class:`RoundingOffsets`): a weight whose rounding was a near tie flips when the block's
+error says so. On SmolLM2 blocks this halves again what the scales alone
+take off a block's error on held-out windows (BENCHMARKS.md "Tuned scales").
 """
 
 from __future__ import annotations
@@ -26,7 +33,7 @@ import torch
 from torch import nn
 from torch.nn import functional as F
 
-from dynquant.format.packing import unpack_codes
+from dynquant.format.packing import pack_codes, unpack_codes
 from dynquant.numerics.quantizer import QuantizedTensor, dequantize_rows
 
 
@@ -79,20 +86,110 @@ class _GroupDequantize(torch.autograd.Function):
         return None, None, grad_s, grad_o
 
 
-class TunableScales(nn.Module):
-    """One tensor's frozen codes with learnable group scales and offsets."""
+class RoundingOffsets:
+    """Each weight's rounding, tuned: codes ``clamp(round(q + u))`` with ``u`` starting at the
+    residual GPTQ rounded away (so at GPTQ's codes) and kept within [-1, 1] (a code moves by at
+    most one), stepped by Adam on the gradient that passes straight through the rounding.
 
-    def __init__(self, start: QuantizedTensor) -> None:
+    The step is taken inside the backward pass, a chunk of rows at a time as each chunk's
+    gradient is made (``_RoundedGroupDequantize``): a whole block's gradient would be 4 more
+    bytes a weight (a 7B block: 0.9 GB), and Adam's moments are kept in bf16 for the same
+    reason (u itself in float32: late steps are smaller than a float16 ulp)."""
+
+    BETAS = (0.9, 0.999)
+    EPS = 1e-8
+
+    def __init__(self, q: torch.Tensor, residual: torch.Tensor, max_code: int) -> None:
+        self.q, self.max_code = q, max_code  # q: uint8 [rows, groups, group_size]
+        self.u = residual.float()
+        self.m = torch.zeros_like(q, dtype=torch.bfloat16)
+        self.s2 = torch.zeros_like(q, dtype=torch.bfloat16)
+        self.t, self.lr = 0, 0.0
+
+    def next_step(self, lr: float) -> None:
+        """The step the next backward pass takes (0: none)."""
+        self.lr = lr
+        self.t += lr > 0
+
+    def codes(self, rs: slice) -> torch.Tensor:
+        """Rows ``rs``'s codes as float32 (torch rounds half to even)."""
+        return torch.round(self.q[rs].float() + self.u[rs]).clamp_(0, self.max_code)
+
+    def step(self, rs: slice, grad: torch.Tensor) -> None:
+        """Adam's step on rows ``rs`` given their gradient in ``u``."""
+        if self.lr <= 0:
+            return
+        (b1, b2), t = self.BETAS, self.t
+        m = self.m[rs].float().mul_(b1).add_(grad, alpha=1 - b1)
+        s2 = self.s2[rs].float().mul_(b2).addcmul_(grad, grad, value=1 - b2)
+        self.m[rs], self.s2[rs] = m, s2
+        denominator = s2.sqrt_().div_((1 - b2 ** t) ** 0.5).add_(self.EPS)
+        self.u[rs].addcdiv_(m, denominator, value=-self.lr / (1 - b1 ** t)).clamp_(-1, 1)
+
+
+class _RoundedGroupDequantize(torch.autograd.Function):
+    """``rounding``'s codes with scales ``s`` and offsets ``o`` [rows, groups] dequantized
+    (float32 [rows, groups * group_size]) a chunk of rows at a time; in the backward the
+    gradients in ``s`` and ``o`` as in ``_GroupDequantize`` (with the codes as they were in the
+    forward), then the rounding's step on each chunk's gradient in ``u`` (``grad * s``: straight
+    through the rounding)."""
+
+    @staticmethod
+    def forward(ctx, rounding: RoundingOffsets, s: torch.Tensor, o: torch.Tensor
+                ) -> torch.Tensor:
+        ctx.save_for_backward(s)
+        ctx.rounding = rounding
+        rows, groups, size = rounding.q.shape
+        out = torch.empty(rows, groups, size, dtype=torch.float32)
+        for rs in _row_chunks(rounding.q):
+            torch.addcmul(o[rs, :, None], rounding.codes(rs), s[rs, :, None], out=out[rs])
+        return out.view(rows, groups * size)
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor) -> tuple[None, torch.Tensor, torch.Tensor]:
+        (s,) = ctx.saved_tensors
+        rounding: RoundingOffsets = ctx.rounding
+        rows, groups, size = rounding.q.shape
+        grad = grad.float().reshape(rows, groups, size)
+        grad_s = torch.empty(rows, groups, dtype=torch.float32)
+        grad_o = torch.empty(rows, groups, dtype=torch.float32)
+        for rs in _row_chunks(rounding.q):
+            g = grad[rs]
+            torch.sum(g, dim=-1, out=grad_o[rs])
+            torch.sum(g * rounding.codes(rs), dim=-1, out=grad_s[rs])
+            rounding.step(rs, g * s[rs, :, None])
+        return None, grad_s, grad_o
+
+
+def _row_chunks(q: torch.Tensor) -> list[slice]:
+    rows, groups, size = q.shape
+    step = max(1, CHUNK_ELEMENTS // (groups * size))
+    return [slice(i, i + step) for i in range(0, rows, step)]
+
+
+class TunableScales(nn.Module):
+    """One tensor's codes with learnable group scales and offsets, and with learnable rounding
+    where ``residual`` (float16 [rows, in_features]: ``gptq_residual``'s) is given."""
+
+    def __init__(self, start: QuantizedTensor, residual: torch.Tensor | None = None) -> None:
         super().__init__()
         lay = start.layout
         self.start, self.in_features = start, lay.in_features
         self.max_code = (1 << lay.bits) - 1
+        shape = (lay.num_rows, lay.num_groups, lay.group_size)
         # the codes as bytes (a float copy would be 4 bytes a weight for the whole model)
-        self.q = unpack_codes(start.qweight, lay.bits).view(
-            lay.num_rows, lay.num_groups, lay.group_size)
+        self.q = unpack_codes(start.qweight, lay.bits).view(shape)
         self.s0, self.o0 = start.scales.float(), start.offsets.float()
         self.a = nn.Parameter(torch.zeros_like(self.s0))
         self.b = nn.Parameter(torch.zeros_like(self.s0))
+        self.rounding: RoundingOffsets | None = None
+        if residual is not None:  # a padded group's pad: code 0, residual 0, no gradient: 0
+            pad = lay.num_groups * lay.group_size - lay.in_features
+            r = F.pad(residual.reshape(lay.num_rows, -1), (0, pad)).view(shape)
+            self.rounding = RoundingOffsets(self.q, r, self.max_code)
+
+    def scale_parameters(self) -> list[nn.Parameter]:
+        return [self.a, self.b]
 
     def _scale_offset(self) -> tuple[torch.Tensor, torch.Tensor]:
         return _bf16(self.s0 * (1 + self.a)), _bf16(self.o0 + self.s0 * self.b)
@@ -101,10 +198,23 @@ class TunableScales(nn.Module):
         """The dequantized weight in its logical shape (float32; the format's arithmetic:
         multiply, then add)."""
         s, o = self._scale_offset()
-        return _GroupDequantize.apply(self.start, self.q, s, o).reshape(self.start.logical_shape)
+        if self.rounding is None:
+            w = _GroupDequantize.apply(self.start, self.q, s, o)
+        else:
+            w = _RoundedGroupDequantize.apply(self.rounding, s, o)[:, : self.in_features]
+        return w.reshape(self.start.logical_shape)
+
+    def next_rounding_step(self, lr: float) -> None:
+        """Adam's step size on the rounding in the next backward pass (none without it)."""
+        if self.rounding is not None:
+            self.rounding.next_step(lr)
 
     @torch.no_grad()
     def codes(self) -> QuantizedTensor:
         """The codes with the current scales and offsets (dequantizing to ``forward()``)."""
         s, o = self._scale_offset()
-        return replace(self.start, scales=s.to(torch.bfloat16), offsets=o.to(torch.bfloat16))
+        tuned = replace(self.start, scales=s.to(torch.bfloat16), offsets=o.to(torch.bfloat16))
+        if self.rounding is None:
+            return tuned
+        q = torch.cat([self.rounding.codes(rs) for rs in _row_chunks(self.q)]).to(torch.uint8)
+        return replace(tuned, qweight=pack_codes(q.reshape(q.shape[0], -1), self.start.bits))

@@ -52,6 +52,8 @@ from dynquant.numerics.gptq import (
     concat_rows,
     gptq_quantize,
     gptq_quantize_rows,
+    gptq_residual,
+    gptq_residual_rows,
     ordered_factor,
 )
 from dynquant.numerics.gram import GramAccumulator
@@ -78,6 +80,7 @@ from dynquant.pipeline.codes.tuned_scales import (
     block_error,
     tune_block,
     tune_block_job,
+    tuning_attempts,
 )
 from dynquant.pipeline.execute.executor import Executor, InOrder, LocalExecutor, use_threads
 from dynquant.pipeline.execute.progress import StageProgress, job_note, job_notes
@@ -165,6 +168,8 @@ def sequential_gptq(stream: BlockStream, specs: list[TensorSpec], quantized: set
             try:
                 done = all(store.has(index[s.module]) for s in mine)
                 tuned = tuning is not None and not done
+                if tuned and tuning.rounding:
+                    state.residuals = {}
                 floats_in = floats
                 if floats:  # before any codes are in place
                     floats = _outputs(replace(state, hidden=floats, replaced={}),
@@ -186,7 +191,7 @@ def sequential_gptq(stream: BlockStream, specs: list[TensorSpec], quantized: set
                     hidden = _outputs(state, _noter(bar, task, f"block {b + 1}: its output"))
                 if tuned and beside:
                     job = TuneJob(b, floats_in, floats, stream.calls[b], dict(state.replaced),
-                                  tuning)
+                                  tuning, state.residuals or {})
                     with job_notes(_noter(bar, task, f"block {b + 1}: tuning (float inputs)")):
                         pending.add(_placed(state, mine, index), [executor.submit(
                             tune_block_job, job, work, cpus=work.threads)])
@@ -258,7 +263,9 @@ def block_job(job: BlockJob, shared: tuple[BlockWork, Rounder]) -> dict[str, Qua
     say = job_note()
     with (_as_recorded(stream, job.block, job.recorded, job.chunk),
           block_as_driven(stream, job.block, {})):
-        state = _Block(stream, job.block, job.hidden, work, LocalExecutor())
+        rounds = job.tuning is not None and job.tuning.rounding > 0
+        state = _Block(stream, job.block, job.hidden, work, LocalExecutor(),
+                       residuals={} if rounds else None)
         index = {s.module: i for i, s in job.specs.items()}
         _compensate_block(state, job.specs, index, job.widths.__getitem__, rounder, _HeldCodes(),
                           lambda where: (lambda what: say(f"{where}: {what}")))
@@ -266,7 +273,7 @@ def block_job(job: BlockJob, shared: tuple[BlockWork, Rounder]) -> dict[str, Qua
         if job.tuning is None:
             return codes
         return tune_block_job(TuneJob(job.block, job.hidden, job.targets, job.recorded, codes,
-                                      job.tuning), work)
+                                      job.tuning, state.residuals or {}), work)
 
 
 @contextlib.contextmanager
@@ -303,25 +310,35 @@ class _HeldCodes:
     def save_quantized(self, _index: int, _module: str, _qt: QuantizedTensor) -> None:
         pass
 
+    def read_tensors(self, _name: str) -> None:
+        return None
+
+    def write_tensors(self, _name: str, _tensors: dict[str, torch.Tensor]) -> None:
+        pass
+
 
 def _tuned(state: _Block, mine: list[TensorSpec], index: dict, hidden: list[torch.Tensor],
            targets: list[torch.Tensor], tuning: ScaleTuning, store: ResumeStore,
            say: Callable[[str], None]) -> list[torch.Tensor]:
-    """The block's codes (in ``state.replaced``) with tuned scales where they lower the block's
-    error over every window, stored, put in place; returns the block's outputs with them
-    (``hidden``: its outputs with the GPTQ codes)."""
+    """The block's codes (in ``state.replaced``) tuned (``tuning_attempts``: the first whose
+    block error over every window is below GPTQ's codes', else GPTQ's), stored, put in place;
+    returns the block's outputs with them (``hidden``: its outputs with the GPTQ codes)."""
     codes = dict(state.replaced)
-    tuned = tune_block(state.stream, state.index, codes, state.hidden, targets, tuning, say)
     block = state.stream.blocks[state.index]
-    for name, qt in tuned.items():
-        put_codes(block.get_parameter(name), qt)
-    state.replaced.update(tuned)
-    outputs = _outputs(state, lambda what: say(f"tuned output: {what}"))
-    if block_error(outputs, targets) >= block_error(hidden, targets):
-        for name, qt in codes.items():
+    kept, outputs, best = codes, hidden, block_error(hidden, targets)
+    for attempt in tuning_attempts(tuning):
+        tuned = tune_block(state.stream, state.index, codes, state.hidden, targets, attempt,
+                           say, residuals=state.residuals)
+        for name, qt in tuned.items():
             put_codes(block.get_parameter(name), qt)
-        state.replaced.update(codes)
-        outputs = hidden
+        state.replaced.update(tuned)
+        tried = _outputs(state, lambda what: say(f"tuned output: {what}"))
+        if block_error(tried, targets) < best:
+            kept, outputs = tuned, tried
+            break
+    for name, qt in kept.items():
+        put_codes(block.get_parameter(name), qt)
+    state.replaced.update(kept)
     for s in mine:
         store.save_quantized(index[s.module], s.module, state.replaced[state.relative(s)])
     return outputs
@@ -338,6 +355,9 @@ class _Block:
     work: BlockWork
     executor: Executor
     replaced: dict[str, QuantizedTensor] = field(default_factory=dict)
+    # GPTQ's rounding residuals of the codes in ``replaced`` (None: not kept; the tuning's
+    # rounding needs them)
+    residuals: dict[str, torch.Tensor] | None = None
 
     @cached_property
     def prefix(self) -> str:  # a search of the model's modules: once per block
@@ -436,14 +456,18 @@ class CompensateJob:
     bits: int
     group_size: int
     rows: bool = False
+    residual: bool = False  # also the rounding residual (``gptq_residual``)
 
 
-def compensate_job(job: CompensateJob, _shared: None = None) -> QuantizedTensor:
-    """The pure per-matrix work (run by an executor, here or on a worker). Given the factor,
-    its products round the same on any number of threads (the factor's Cholesky does not: the
-    driver computes it)."""
-    quantize = gptq_quantize_rows if job.rows else gptq_quantize
-    return quantize(job.weight, job.hessian, job.bits, job.group_size, factor=job.factor)
+def compensate_job(job: CompensateJob, _shared: None = None
+                   ) -> tuple[QuantizedTensor, torch.Tensor | None]:
+    """The pure per-matrix work (run by an executor, here or on a worker): the codes and, where
+    asked, their rounding residual. Given the factor, its products round the same on any number
+    of threads (the factor's Cholesky does not: the driver computes it)."""
+    args = (job.weight, job.hessian, job.bits, job.group_size)
+    if job.residual:
+        return (gptq_residual_rows if job.rows else gptq_residual)(*args, factor=job.factor)
+    return (gptq_quantize_rows if job.rows else gptq_quantize)(*args, factor=job.factor), None
 
 
 def _quantize_group(state: _Block, group: list[str], targets: dict[str, _Target],
@@ -456,14 +480,35 @@ def _quantize_group(state: _Block, group: list[str], targets: dict[str, _Target]
     # the group shares its input, so its moments and their factor (one per expert for banks);
     # its matrices are compensated independently
     factors = _Factors()
-    jobs = {m: _jobs(targets[m], moments, *choice(m), factors) for m in todo}
+    residual = state.residuals is not None
+    jobs = {m: _jobs(targets[m], moments, *choice(m), factors, residual) for m in todo}
     results = state.executor.map(compensate_job, [j for m in todo for j in jobs[m]], None)
     for m in group:  # each kept (in the store) as soon as its matrices are back
         t = targets[m]
         if done[m] is None:
-            parts = [next(results) for _ in jobs[m]]
-            done[m] = parts[0] if not t.bank else concat_rows(parts, tuple(t.param.shape))
+            parts, residuals = zip(*[next(results) for _ in jobs[m]], strict=True)
+            done[m] = parts[0] if not t.bank else concat_rows(list(parts),
+                                                               tuple(t.param.shape))
+            if residual:
+                _keep_residual(store, index[m], torch.cat(residuals), state, specs[index[m]])
+        elif residual:
+            _keep_residual(store, index[m], store.read_tensors(_residual_file(index[m]))["r"],
+                           state, specs[index[m]])
         _keep(store, index[m], specs[index[m]], done[m], t.param, state)
+
+
+def _residual_file(i: int) -> str:
+    return f"{i:06d}.residual"  # not a *.safetensors: the store counts those as its tensors
+
+
+def _keep_residual(store: ResumeStore, i: int, residual: torch.Tensor, state: _Block,
+                   spec: TensorSpec) -> None:
+    """Keep a tensor's rounding residual for its tuning: in the block, and in the store before
+    its codes (a resumed pass finds both or neither; ``_HeldCodes`` keeps nothing)."""
+    assert state.residuals is not None
+    state.residuals[state.relative(spec)] = residual
+    if store.read_tensors(_residual_file(i)) is None:
+        store.write_tensors(_residual_file(i), {"r": residual})
 
 
 class _Factors:
@@ -481,19 +526,20 @@ class _Factors:
         return self.known[id(hessian)][1]
 
 
-def _jobs(t: _Target, moments, bits: int, group_size: int, factors: _Factors
+def _jobs(t: _Target, moments, bits: int, group_size: int, factors: _Factors, residual: bool
           ) -> list[CompensateJob]:
     """A Linear's one job, or a bank's one per expert (with that expert's moments; an expert
     with too few routed tokens rounds to nearest: identity moments)."""
     w = t.param.data.float()
     if not t.bank:
-        return [CompensateJob(w, moments, factors.of(moments), bits, group_size)]
+        return [CompensateJob(w, moments, factors.of(moments), bits, group_size,
+                              residual=residual)]
     jobs = []
     for e, h in enumerate(moments):
         if h is None:
             h = torch.eye(w.shape[1] if t.rows else w.shape[2])
         jobs.append(CompensateJob(w[e].contiguous(), h, factors.of(h), bits,
-                                  group_size, t.rows))
+                                  group_size, t.rows, residual))
     return jobs
 
 

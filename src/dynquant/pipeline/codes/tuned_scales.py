@@ -1,5 +1,6 @@
-"""A decoder block's group scales and offsets tuned against the float block (``--quantizer
-tuned``): GPTQ's codes, then their scales and offsets moved to lower the block's output error.
+"""A decoder block's codes tuned against the float block (``--quantizer tuned``): GPTQ's
+codes, then their rounding (from the residual GPTQ rounded away), scales and offsets moved to
+lower the block's output error.
 
 Within the sequential pass (``sequential_gptq.py``), once a block's tensors have their GPTQ
 codes: every calibration window's output of the *float* block on the *float* model's hidden
@@ -7,9 +8,9 @@ states is the target, and the block with its codes, run on the quantized model's
 (what it will see), is fitted to it. So each block also absorbs what the blocks before it got
 wrong (AutoRound's and EfficientQAT's block-wise reconstruction). Adam, one window a step in a
 seeded order, the step size falling linearly to zero; every quantized tensor of the block at
-once (a bank's every expert: each sees the tokens routed to it). The tuned scales are kept only
-where they lower the block's error over all windows (at 8 bits a bf16 scale's step can be
-larger than the error it tunes).
+once (a bank's every expert: each sees the tokens routed to it). A tuning is kept only where it
+lowers the block's error over all windows (``tuning_attempts``: with the rounding, then the
+scales alone; at 8 bits a bf16 scale's step can be larger than the error it tunes).
 
 With ``ScaleTuning(inputs="float")`` the block is fitted on the *float* model's hidden states
 instead: no block's tuning then needs another's, the GPTQ pass goes on with the untuned codes,
@@ -20,7 +21,7 @@ and each block's tuning is a job (``tune_block_job``) that a worker runs while t
 from __future__ import annotations
 
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import torch
 from torch import nn
@@ -57,11 +58,17 @@ class ScaleTuning:
     # block corrects its predecessors, and waits for them) or "float" (the float model's:
     # every block's tuning independent, a job beside the GPTQ pass)
     inputs: str = "quantized"
+    # Adam's step on each weight's rounding offset (in codes, at every width), where GPTQ's
+    # rounding residual is known; 0: GPTQ's codes kept
+    rounding: float = 3e-3
 
     def __post_init__(self) -> None:
         if self.inputs not in TUNING_INPUTS:
             raise DynquantError(f"tuning inputs must be one of {', '.join(TUNING_INPUTS)}, "
                                 f"not {self.inputs!r}", field="tuning.inputs")
+        if not 0 <= self.rounding <= 0.5:
+            raise DynquantError(f"the rounding step must be in [0, 0.5] codes, not "
+                                f"{self.rounding}", field="tuning.rounding")
 
 
 def block_error(outputs: list[torch.Tensor], targets: list[torch.Tensor]) -> float:
@@ -73,16 +80,18 @@ def block_error(outputs: list[torch.Tensor], targets: list[torch.Tensor]) -> flo
 
 def tune_block(stream: BlockStream, index: int, codes: dict[str, QuantizedTensor],
                hidden: list[torch.Tensor], targets: list[torch.Tensor], tuning: ScaleTuning,
-               say: Callable[[str], None] = lambda _: None, calls: list[tuple] | None = None
-               ) -> dict[str, QuantizedTensor]:
+               say: Callable[[str], None] = lambda _: None, calls: list[tuple] | None = None,
+               residuals: dict[str, torch.Tensor] | None = None) -> dict[str, QuantizedTensor]:
     """Block ``index``'s ``codes`` (parameter path inside the block -> codes) with scales and
     offsets fitted so that the block on ``hidden`` gives ``targets`` (``calls``: the windows'
-    recorded block arguments, the stream's by default)."""
+    recorded block arguments, the stream's by default), and the rounding of those whose
+    ``residuals`` are given (with ``tuning.rounding``)."""
     calls = stream.calls[index] if calls is None else calls
     block = stream.blocks[index]
     params = {name: block.get_parameter(name) for name in codes}
-    tunables = {name: TunableScales(qt) for name, qt in codes.items()}
-    opt = torch.optim.Adam([{"params": list(t.parameters()), "width": 7 / t.max_code}
+    residuals = (residuals or {}) if tuning.rounding else {}
+    tunables = {name: TunableScales(qt, residuals.get(name)) for name, qt in codes.items()}
+    opt = torch.optim.Adam([{"params": t.scale_parameters(), "width": 7 / t.max_code}
                             for t in tunables.values()], lr=tuning.lr)
     gen = torch.Generator().manual_seed(tuning.seed * 1_000_003 + index)
     order = torch.randint(len(hidden), (tuning.steps,), generator=gen).tolist()
@@ -90,6 +99,8 @@ def tune_block(stream: BlockStream, index: int, codes: dict[str, QuantizedTensor
         for step, k in enumerate(order):
             for group in opt.param_groups:
                 group["lr"] = tuning.lr * group["width"] * (1 - step / tuning.steps)
+            for t in tunables.values():  # in codes: the same step at every width
+                t.next_rounding_step(tuning.rounding * (1 - step / tuning.steps))
             weights = {name: _shaped(t(), params[name]) for name, t in tunables.items()}
             args, kwargs = calls[k]
             out = first_output(functional_call(block, weights, (hidden[k].to(stream.dtype),
@@ -107,7 +118,7 @@ def tune_block(stream: BlockStream, index: int, codes: dict[str, QuantizedTensor
 class TuneJob:
     """One block's tuning on the float model's hidden states (``inputs="float"``): the block's
     windows' float inputs and the float block's outputs on them, their recorded arguments, and
-    the block's codes (GPTQ's)."""
+    the block's codes (GPTQ's) and their rounding residuals."""
 
     block: int
     hidden: list[torch.Tensor]
@@ -115,24 +126,36 @@ class TuneJob:
     recorded: list[tuple]
     codes: dict[str, QuantizedTensor]
     tuning: ScaleTuning
+    residuals: dict[str, torch.Tensor]  # GPTQ's rounding residuals (the rounding's start)
 
 
 def tune_block_job(job: TuneJob, work: BlockWork) -> dict[str, QuantizedTensor]:
-    """The block's codes with tuned scales where they lower its error over every window, else
-    the codes as they came; on any executor the same bits (the driver's thread count). The
-    block is left with the tuned codes in place: its caller releases it next."""
+    """The block's codes tuned (``tuning_attempts``: the first that lowers its error over
+    every window), else the codes as they came; on any executor the same bits (the driver's
+    thread count). The block is left with the last tried codes in place: its caller releases
+    it next."""
     use_threads(work.threads)
     stream = shard_stream(work)
     say = job_note()
     with block_as_driven(stream, job.block, job.codes) as block:
-        before = stream.run_block(job.block, job.hidden, job.recorded)
-        tuned = tune_block(stream, job.block, job.codes, job.hidden, job.targets, job.tuning,
-                           say, job.recorded)
-        for name, qt in tuned.items():
-            put_codes(block.get_parameter(name), qt)
-        after = stream.run_block(job.block, job.hidden, job.recorded)
-    better = block_error(after, job.targets) < block_error(before, job.targets)
-    return tuned if better else job.codes
+        before = block_error(stream.run_block(job.block, job.hidden, job.recorded), job.targets)
+        for attempt in tuning_attempts(job.tuning):
+            tuned = tune_block(stream, job.block, job.codes, job.hidden, job.targets, attempt,
+                               say, job.recorded, job.residuals)
+            for name, qt in tuned.items():
+                put_codes(block.get_parameter(name), qt)
+            after = stream.run_block(job.block, job.hidden, job.recorded)
+            if block_error(after, job.targets) < before:
+                return tuned
+    return job.codes
+
+
+def tuning_attempts(tuning: ScaleTuning) -> list[ScaleTuning]:
+    """The tunings a block tries in turn, keeping the first that lowers its error: with the
+    rounding, then (where that did not) the scales alone. The rounding follows a gradient
+    through a rounding step, which a block can mislead: a tiny trained model's first block at
+    2 bits ended above its GPTQ codes' error with it, below without it."""
+    return [tuning, replace(tuning, rounding=0.0)] if tuning.rounding else [tuning]
 
 
 def _shaped(w_hat: torch.Tensor, param: nn.Parameter) -> torch.Tensor:
