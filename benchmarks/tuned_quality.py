@@ -1,6 +1,7 @@
 """Codes against codes in the same format and bytes: round-to-nearest, sequential GPTQ, GPTQ
-with each block's scales and offsets tuned against the float block (``--quantizer tuned``), and
-those then tuned end to end against the float model's distributions (``--e2e-steps``).
+with each block's scales and offsets tuned against the float block (``--quantizer tuned``), the
+same with each weight's rounding tuned too (``--tune-rounding``), and scales then tuned end to
+end against the float model's distributions (``--e2e-steps``).
 
 One calibrated measure on the bundled text (``quantize --budget``'s own, rtn-priced with each
 Linear's gptq ratio) gives the widths, uniform and allocated; every code kind writes the same
@@ -8,7 +9,7 @@ widths (equal bytes). Each row: the codes' write time (the measure, the same for
 shown once), and mean KL against the float model on 16,384 held-out tokens.
 
     python -m benchmarks tuned_quality [--model smollm2|gemma3-270m] [--settings u3 a3.25 ...]
-        [--steps 100] [--e2e-steps 100]
+        [--steps 100] [--rounding 3e-3] [--e2e-steps 100]
 
 Targets: tuned <= 0.6x GPTQ's KL at 3.25 and 4.25 bits (SmolLM2; Gemma-3-270M at 4.25), no
 budget worse at 5.5; tuned's quantize (measure + codes) <= 3x GPTQ's.
@@ -56,12 +57,15 @@ def main() -> None:
     parser.add_argument("--settings", nargs="+", default=["u3", "a3.25", "a4.25", "a5.5"])
     parser.add_argument("--steps", type=int, default=ScaleTuning.steps)
     parser.add_argument("--e2e-steps", type=int, default=100, help="0: no end-to-end row")
+    parser.add_argument("--rounding", type=float, default=3e-3,
+                        help="the rounding's step of the tuned + rounding row (0: no such row)")
     args = parser.parse_args()
     model_dir = real_model(args.model)
     if model_dir is None:
         raise SystemExit(f"the real model is not prepared: python scripts/prepare_real_model.py "
                          f"{args.model}")
-    print(f"# {args.model}: RTN / GPTQ / tuned scales ({args.steps} steps a block), same widths; "
+    print(f"# {args.model}: RTN / GPTQ / tuned scales ({args.steps} steps a block) / tuned "
+          f"scales and rounding (step {args.rounding}), same widths; "
           f"{GPTQ_SEQS} x 256 calibration tokens of the bundled text, KL on {EVAL_TOKENS} "
           f"held-out tokens; {machine()}")
     source = resolve_model(str(model_dir))
@@ -82,6 +86,9 @@ def main() -> None:
                         "gptq": CodeChooser("gptq", importance, sequential=cal),
                         "tuned": CodeChooser("tuned", importance, sequential=replace(
                             cal, tuning=ScaleTuning(steps=args.steps)))}
+            if args.rounding:
+                choosers["rounding"] = CodeChooser("tuned", importance, sequential=replace(
+                    cal, tuning=ScaleTuning(steps=args.steps, rounding=args.rounding)))
             if args.e2e_steps:
                 choosers["e2e"] = CodeChooser("tuned", importance, sequential=replace(
                     cal, tuning=ScaleTuning(steps=args.steps),
@@ -98,7 +105,8 @@ def main() -> None:
                 names.append(tag)
         results = evaluate_checkpoints(model_dir, out, names, HELDOUT, 512, EVAL_TOKENS, None)
     by = {(r["setting"], r["codes"]): r | {"kl": results[r["tag"]].kl_mean} for r in rows}
-    kinds = ["rtn", "gptq", "tuned", *(["e2e"] if args.e2e_steps else [])]
+    kinds = ["rtn", "gptq", "tuned", *(["rounding"] if args.rounding else []),
+             *(["e2e"] if args.e2e_steps else [])]
     for setting in args.settings:
         for kind in kinds[2:]:
             figure(f"{args.model} {setting}: KL {kind} / gptq",

@@ -159,8 +159,12 @@ def test_tuned_scales_lower_a_linear_s_output_error_from_gptq():
         assert after < 0.97 * before, (bits, after / before)
 
 
-def _tuned(cal, steps: int):
-    return CodeChooser("tuned", sequential=replace(cal, tuning=ScaleTuning(steps=steps)))
+ROUNDING = 3e-3  # the rounding's step the tests tune with (off by default)
+
+
+def _tuned(cal, steps: int, rounding: float = ROUNDING):
+    return CodeChooser("tuned", sequential=replace(cal, tuning=ScaleTuning(
+        steps=steps, rounding=rounding)))
 
 
 def test_tuned_codes_lower_every_block_s_error_at_every_width(tmp_path, monkeypatch):
@@ -299,7 +303,7 @@ def test_tuning_on_float_inputs_leaves_the_gptq_pass_as_it_is_and_resumes(tmp_pa
     source = resolve_model(str(LLAMA_REF))
     widths = _uniform(source, 3)
     cal = _calibration(LLAMA_REF, 2, 64)
-    floats = replace(cal, tuning=ScaleTuning(steps=8, inputs="float"))
+    floats = replace(cal, tuning=ScaleTuning(steps=8, inputs="float", rounding=ROUNDING))
     chooser = CodeChooser("tuned", sequential=floats)
     jobs: list[TuneJob] = []
     errors: list[float] = []
@@ -396,7 +400,8 @@ def test_independent_blocks_tuned_rerun_and_resume_to_the_same_bytes(tmp_path, m
     source = resolve_model(str(LLAMA_REF))
     widths = _uniform(source, 3)
     cal = replace(_calibration(LLAMA_REF, 2, 64), independent=True)
-    chooser = CodeChooser("tuned", sequential=replace(cal, tuning=ScaleTuning(steps=8)))
+    chooser = CodeChooser("tuned", sequential=replace(cal, tuning=ScaleTuning(
+        steps=8, rounding=ROUNDING)))
     jobs: list[seq.BlockJob] = []
     real_job = seq.block_job
     monkeypatch.setattr(seq, "block_job", lambda job, shared: jobs.append(job) or real_job(

@@ -14,15 +14,14 @@ reader can tell from any other. The caller chooses the error (``pipeline/codes/t
 a decoder block's output against the float block's).
 
 Given the rounding residual each code was rounded from (``gptq_residual``: GPTQ rounded
-``q + r`` to ``q``), the codes are tuned too (SignRound / AutoRound): a rounding offset ``v`` per
-weight in [-0.5, 0.5] (zero at the start) gives
+``q + r`` to ``q``), the codes are tuned too (SignRound / AutoRound, from GPTQ's codes): per
+weight a ``u`` starting at ``r`` and kept within [-1, 1] gives
 
-    q' = clamp(round(q + r + v), 0, max_code),  w_hat = q' * s + o
+    q' = clamp(round(q + u), 0, max_code),  w_hat = q' * s + o
 
-the rounding passing its gradient straight through to ``v``, which Adam steps (in the backward
-pass: :class:`RoundingOffsets`): a weight whose rounding was a near tie flips when the block's
-error says so. On SmolLM2 blocks this halves again what the scales alone
-take off a block's error on held-out windows (BENCHMARKS.md "Tuned scales").
+so a code moves by one at most; the rounding passes its gradient straight through to ``u``,
+which Adam steps inside the backward pass (:class:`RoundingOffsets`): a weight whose rounding
+was a near tie flips where the caller's error says so (BENCHMARKS.md "Tuned scales").
 """
 
 from __future__ import annotations

@@ -298,8 +298,9 @@ def _as_recorded(stream: BlockStream, index: int, recorded: list[tuple], chunk: 
 
 class _HeldCodes:
     """Where a block's codes go until they are tuned, in the resume store's place (its ``load``,
-    ``quantized`` and ``save_quantized``): nothing is loaded or kept, the codes live in the block's
-    ``replaced``, and the resume store sees only tuned codes."""
+    ``quantized``, ``save_quantized`` and ``write_tensors``): nothing is loaded or kept, the codes
+    live in the block's ``replaced`` (their residuals in its ``residuals``), and the resume store
+    sees only tuned codes."""
 
     def load(self, _index: int) -> None:
         return None
@@ -309,9 +310,6 @@ class _HeldCodes:
 
     def save_quantized(self, _index: int, _module: str, _qt: QuantizedTensor) -> None:
         pass
-
-    def read_tensors(self, _name: str) -> None:
-        return None
 
     def write_tensors(self, _name: str, _tensors: dict[str, torch.Tensor]) -> None:
         pass
@@ -480,35 +478,25 @@ def _quantize_group(state: _Block, group: list[str], targets: dict[str, _Target]
     # the group shares its input, so its moments and their factor (one per expert for banks);
     # its matrices are compensated independently
     factors = _Factors()
-    residual = state.residuals is not None
-    jobs = {m: _jobs(targets[m], moments, *choice(m), factors, residual) for m in todo}
+    kept = state.residuals  # the residuals too, where the tuning rounds
+    jobs = {m: _jobs(targets[m], moments, *choice(m), factors, kept is not None) for m in todo}
     results = state.executor.map(compensate_job, [j for m in todo for j in jobs[m]], None)
     for m in group:  # each kept (in the store) as soon as its matrices are back
-        t = targets[m]
+        t, name, i = targets[m], state.relative(specs[index[m]]), index[m]
         if done[m] is None:
             parts, residuals = zip(*[next(results) for _ in jobs[m]], strict=True)
             done[m] = parts[0] if not t.bank else concat_rows(list(parts),
                                                                tuple(t.param.shape))
-            if residual:
-                _keep_residual(store, index[m], torch.cat(residuals), state, specs[index[m]])
-        elif residual:
-            _keep_residual(store, index[m], store.read_tensors(_residual_file(index[m]))["r"],
-                           state, specs[index[m]])
-        _keep(store, index[m], specs[index[m]], done[m], t.param, state)
+            if kept is not None:  # stored before its codes: a resumed pass finds both
+                kept[name] = torch.cat(residuals)
+                store.write_tensors(_residual_file(i), {"r": kept[name]})
+        elif kept is not None:
+            kept[name] = store.read_tensors(_residual_file(i))["r"]
+        _keep(store, i, specs[i], done[m], t.param, state)
 
 
 def _residual_file(i: int) -> str:
     return f"{i:06d}.residual"  # not a *.safetensors: the store counts those as its tensors
-
-
-def _keep_residual(store: ResumeStore, i: int, residual: torch.Tensor, state: _Block,
-                   spec: TensorSpec) -> None:
-    """Keep a tensor's rounding residual for its tuning: in the block, and in the store before
-    its codes (a resumed pass finds both or neither; ``_HeldCodes`` keeps nothing)."""
-    assert state.residuals is not None
-    state.residuals[state.relative(spec)] = residual
-    if store.read_tensors(_residual_file(i)) is None:
-        store.write_tensors(_residual_file(i), {"r": residual})
 
 
 class _Factors:

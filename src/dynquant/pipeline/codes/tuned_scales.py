@@ -58,9 +58,12 @@ class ScaleTuning:
     # block corrects its predecessors, and waits for them) or "float" (the float model's:
     # every block's tuning independent, a job beside the GPTQ pass)
     inputs: str = "quantized"
-    # Adam's step on each weight's rounding offset (in codes, at every width), where GPTQ's
-    # rounding residual is known; 0: GPTQ's codes kept
-    rounding: float = 3e-3
+    # Adam's step on each weight's rounding (in codes, at every width; 3e-3 measured best), where
+    # GPTQ's rounding residual is known; 0 (the default): GPTQ's codes kept. Off by default for
+    # its cost at large shapes: its state is 10 bytes a weight of the block (a 7B block: +2.2 GB,
+    # over the 6 GiB the scale benchmark holds to) and its elementwise steps ~1.8x the tuning's
+    # time there (BENCHMARKS.md "Tuned scales")
+    rounding: float = 0.0
 
     def __post_init__(self) -> None:
         if self.inputs not in TUNING_INPUTS:
