@@ -363,6 +363,13 @@ def test_tuning_inputs_other_than_quantized_or_float_are_a_typed_error():
         ScaleTuning(inputs="floats")
 
 
+@pytest.mark.parametrize("step", [-1e-3, 0.6])
+def test_a_rounding_step_outside_half_a_code_is_a_typed_error(step):
+    with pytest.raises(DynquantError, match="rounding step must be in") as err:
+        ScaleTuning(rounding=step)
+    assert err.value.field == "tuning.rounding"
+
+
 def _block_tensors(path: Path, block: int) -> dict[str, torch.Tensor]:
     return _tensors(path, lambda n: n.startswith(f"model.layers.{block}."))
 
