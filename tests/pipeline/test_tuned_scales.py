@@ -178,8 +178,9 @@ def test_tuned_codes_lower_every_block_s_error_at_every_width(tmp_path, monkeypa
     cal = _calibration(LLAMA_REF, 4, 64)
     events: list[tuple[str, float]] = []
     real_error, real_tune = seq.block_error, seq.tune_block
-    monkeypatch.setattr(seq, "block_error", lambda o, t: events.append(
-        ("error", real_error(o, t))) or events[-1][1])
+    recorded = lambda o, t: events.append(("error", real_error(o, t))) or events[-1][1]  # noqa: E731
+    monkeypatch.setattr(seq, "block_error", recorded)  # GPTQ's codes'
+    monkeypatch.setattr(tuned_module, "block_error", recorded)  # each attempt's
     monkeypatch.setattr(seq, "tune_block", lambda *a, **k: events.append(
         ("tune", a[5].rounding)) or real_tune(*a, **k))
     for bits in (2, 3, 4, 8):

@@ -78,9 +78,9 @@ from dynquant.pipeline.codes.tuned_scales import (
     ScaleTuning,
     TuneJob,
     block_error,
+    first_lowering,
     tune_block,
     tune_block_job,
-    tuning_attempts,
 )
 from dynquant.pipeline.execute.executor import Executor, InOrder, LocalExecutor, use_threads
 from dynquant.pipeline.execute.progress import StageProgress, job_note, job_notes
@@ -318,25 +318,29 @@ class _HeldCodes:
 def _tuned(state: _Block, mine: list[TensorSpec], index: dict, hidden: list[torch.Tensor],
            targets: list[torch.Tensor], tuning: ScaleTuning, store: ResumeStore,
            say: Callable[[str], None]) -> list[torch.Tensor]:
-    """The block's codes (in ``state.replaced``) tuned (``tuning_attempts``: the first whose
+    """The block's codes (in ``state.replaced``) tuned (``first_lowering``: the first whose
     block error over every window is below GPTQ's codes', else GPTQ's), stored, put in place;
     returns the block's outputs with them (``hidden``: its outputs with the GPTQ codes)."""
     codes = dict(state.replaced)
     block = state.stream.blocks[state.index]
-    kept, outputs, best = codes, hidden, block_error(hidden, targets)
-    for attempt in tuning_attempts(tuning):
-        tuned = tune_block(state.stream, state.index, codes, state.hidden, targets, attempt,
-                           say, residuals=state.residuals)
-        for name, qt in tuned.items():
+
+    def run(tried: dict[str, QuantizedTensor]) -> list[torch.Tensor]:
+        for name, qt in tried.items():
             put_codes(block.get_parameter(name), qt)
-        state.replaced.update(tuned)
-        tried = _outputs(state, lambda what: say(f"tuned output: {what}"))
-        if block_error(tried, targets) < best:
-            kept, outputs = tuned, tried
-            break
-    for name, qt in kept.items():
-        put_codes(block.get_parameter(name), qt)
-    state.replaced.update(kept)
+        state.replaced.update(tried)
+        return _outputs(state, lambda what: say(f"tuned output: {what}"))
+
+    kept = first_lowering(tuning, block_error(hidden, targets), targets,
+                          lambda attempt: tune_block(state.stream, state.index, codes,
+                                                     state.hidden, targets, attempt, say,
+                                                     residuals=state.residuals), run)
+    if kept is None:  # the GPTQ codes back in place
+        outputs = hidden
+        for name, qt in codes.items():
+            put_codes(block.get_parameter(name), qt)
+        state.replaced.update(codes)
+    else:  # in place already
+        outputs = kept[1]
     for s in mine:
         store.save_quantized(index[s.module], s.module, state.replaced[state.relative(s)])
     return outputs

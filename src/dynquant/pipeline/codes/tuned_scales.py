@@ -9,7 +9,7 @@ states is the target, and the block with its codes, run on the quantized model's
 wrong (AutoRound's and EfficientQAT's block-wise reconstruction). Adam, one window a step in a
 seeded order, the step size falling linearly to zero; every quantized tensor of the block at
 once (a bank's every expert: each sees the tokens routed to it). A tuning is kept only where it
-lowers the block's error over all windows (``tuning_attempts``: with the rounding, then the
+lowers the block's error over all windows (``first_lowering``: with the rounding, then the
 scales alone; at 8 bits a bf16 scale's step can be larger than the error it tunes).
 
 With ``ScaleTuning(inputs="float")`` the block is fitted on the *float* model's hidden states
@@ -133,7 +133,7 @@ class TuneJob:
 
 
 def tune_block_job(job: TuneJob, work: BlockWork) -> dict[str, QuantizedTensor]:
-    """The block's codes tuned (``tuning_attempts``: the first that lowers its error over
+    """The block's codes tuned (``first_lowering``: the first that lowers its error over
     every window), else the codes as they came; on any executor the same bits (the driver's
     thread count). The block is left with the last tried codes in place: its caller releases
     it next."""
@@ -141,24 +141,36 @@ def tune_block_job(job: TuneJob, work: BlockWork) -> dict[str, QuantizedTensor]:
     stream = shard_stream(work)
     say = job_note()
     with block_as_driven(stream, job.block, job.codes) as block:
-        before = block_error(stream.run_block(job.block, job.hidden, job.recorded), job.targets)
-        for attempt in tuning_attempts(job.tuning):
-            tuned = tune_block(stream, job.block, job.codes, job.hidden, job.targets, attempt,
-                               say, job.recorded, job.residuals)
-            for name, qt in tuned.items():
+        def run(codes: dict[str, QuantizedTensor]) -> list[torch.Tensor]:
+            for name, qt in codes.items():
                 put_codes(block.get_parameter(name), qt)
-            after = stream.run_block(job.block, job.hidden, job.recorded)
-            if block_error(after, job.targets) < before:
-                return tuned
-    return job.codes
+            return stream.run_block(job.block, job.hidden, job.recorded)
+
+        before = stream.run_block(job.block, job.hidden, job.recorded)  # codes in place
+        kept = first_lowering(job.tuning, block_error(before, job.targets), job.targets,
+                              lambda attempt: tune_block(stream, job.block, job.codes, job.hidden,
+                                                         job.targets, attempt, say, job.recorded,
+                                                         job.residuals), run)
+    return job.codes if kept is None else kept[0]
 
 
-def tuning_attempts(tuning: ScaleTuning) -> list[ScaleTuning]:
-    """The tunings a block tries in turn, keeping the first that lowers its error: with the
-    rounding, then (where that did not) the scales alone. The rounding follows a gradient
-    through a rounding step, which a block can mislead: a tiny trained model's first block at
-    2 bits ended above its GPTQ codes' error with it, below without it."""
-    return [tuning, replace(tuning, rounding=0.0)] if tuning.rounding else [tuning]
+def first_lowering(tuning: ScaleTuning, before: float, targets: list[torch.Tensor],
+                   tune: Callable[[ScaleTuning], dict[str, QuantizedTensor]],
+                   run: Callable[[dict[str, QuantizedTensor]], list[torch.Tensor]]
+                   ) -> tuple[dict[str, QuantizedTensor], list[torch.Tensor]] | None:
+    """The first tuning whose codes (``tune(attempt)``) give the block (``run(codes)``: its
+    outputs with those codes in place) an error below ``before``, with those outputs; None
+    where none does. The tunings tried in turn: with the rounding, then (where that did not
+    lower the error) the scales alone. The rounding follows a gradient through a rounding step,
+    which a block can mislead: a tiny trained model's first block at 2 bits ended above its
+    GPTQ codes' error with it, below without it."""
+    attempts = [tuning, replace(tuning, rounding=0.0)] if tuning.rounding else [tuning]
+    for attempt in attempts:
+        codes = tune(attempt)
+        outputs = run(codes)
+        if block_error(outputs, targets) < before:
+            return codes, outputs
+    return None
 
 
 def _shaped(w_hat: torch.Tensor, param: nn.Parameter) -> torch.Tensor:
