@@ -1,7 +1,8 @@
 """Codes against codes in the same format and bytes: round-to-nearest, sequential GPTQ, GPTQ
-with each block's scales and offsets tuned against the float block (``--quantizer tuned``), the
-same with each weight's rounding tuned too (``--tune-rounding``), and scales then tuned end to
-end against the float model's distributions (``--e2e-steps``).
+with each block's scales and offsets tuned against the float block (``--tune-rounding 0``), the
+same with each weight's rounding tuned too (``--quantizer tuned``, the default codes), and those
+with their scales then tuned end to end against the float model's distributions
+(``--e2e-steps``).
 
 One calibrated measure on the bundled text (``quantize --budget``'s own, rtn-priced with each
 Linear's gptq ratio) gives the widths, uniform and allocated; every code kind writes the same
@@ -57,15 +58,16 @@ def main() -> None:
     parser.add_argument("--settings", nargs="+", default=["u3", "a3.25", "a4.25", "a5.5"])
     parser.add_argument("--steps", type=int, default=ScaleTuning.steps)
     parser.add_argument("--e2e-steps", type=int, default=100, help="0: no end-to-end row")
-    parser.add_argument("--rounding", type=float, default=3e-3,
-                        help="the rounding's step of the tuned + rounding row (0: no such row)")
+    parser.add_argument("--rounding", type=float, default=ScaleTuning.rounding,
+                        help="the rounding's step of the tuned rows (0: the scales alone, and "
+                        "no scales-alone row)")
     args = parser.parse_args()
     model_dir = real_model(args.model)
     if model_dir is None:
         raise SystemExit(f"the real model is not prepared: python scripts/prepare_real_model.py "
                          f"{args.model}")
-    print(f"# {args.model}: RTN / GPTQ / tuned scales ({args.steps} steps a block) / tuned "
-          f"scales and rounding (step {args.rounding}), same widths; "
+    print(f"# {args.model}: RTN / GPTQ / tuned scales alone ({args.steps} steps a block) / "
+          f"tuned scales and rounding (step {args.rounding}), same widths; "
           f"{GPTQ_SEQS} x 256 calibration tokens of the bundled text, KL on {EVAL_TOKENS} "
           f"held-out tokens; {machine()}")
     source = resolve_model(str(model_dir))
@@ -82,17 +84,17 @@ def main() -> None:
         for setting in args.settings:
             widths = _widths(maps, setting)
             cal = SequentialCalibration(ids, compensates_head(maps, widths))
+            tuning = ScaleTuning(steps=args.steps, rounding=args.rounding)
             choosers = {"rtn": CodeChooser("rtn", importance),
-                        "gptq": CodeChooser("gptq", importance, sequential=cal),
-                        "tuned": CodeChooser("tuned", importance, sequential=replace(
-                            cal, tuning=ScaleTuning(steps=args.steps)))}
+                        "gptq": CodeChooser("gptq", importance, sequential=cal)}
             if args.rounding:
-                choosers["rounding"] = CodeChooser("tuned", importance, sequential=replace(
-                    cal, tuning=ScaleTuning(steps=args.steps, rounding=args.rounding)))
+                choosers["scales"] = CodeChooser("tuned", importance, sequential=replace(
+                    cal, tuning=replace(tuning, rounding=0.0)))
+            choosers["tuned"] = CodeChooser("tuned", importance,
+                                            sequential=replace(cal, tuning=tuning))
             if args.e2e_steps:
                 choosers["e2e"] = CodeChooser("tuned", importance, sequential=replace(
-                    cal, tuning=ScaleTuning(steps=args.steps),
-                    end_to_end=EndToEndTuning(steps=args.e2e_steps)))
+                    cal, tuning=tuning, end_to_end=EndToEndTuning(steps=args.e2e_steps)))
             for codes, chooser in choosers.items():
                 tag = f"{codes}-{setting}"
                 start = time.perf_counter()
@@ -105,8 +107,7 @@ def main() -> None:
                 names.append(tag)
         results = evaluate_checkpoints(model_dir, out, names, HELDOUT, 512, EVAL_TOKENS, None)
     by = {(r["setting"], r["codes"]): r | {"kl": results[r["tag"]].kl_mean} for r in rows}
-    kinds = ["rtn", "gptq", "tuned", *(["rounding"] if args.rounding else []),
-             *(["e2e"] if args.e2e_steps else [])]
+    kinds = list(choosers)
     for setting in args.settings:
         for kind in kinds[2:]:
             figure(f"{args.model} {setting}: KL {kind} / gptq",

@@ -293,11 +293,11 @@ def _calibration_options(p: argparse.ArgumentParser) -> None:
                    "calibration window each (default 100); measure: those its forecast check "
                    "writes")
     p.add_argument("--tune-rounding", type=float, metavar="STEP",
-                   help="tuned codes: also tune each weight's rounding (a code moves by one at "
-                   "most from GPTQ's), Adam's step in codes (3e-3 measured best: lower KL, "
-                   "e.g. SmolLM2 at 3.25 bits 0.65 -> 0.57, for ~10 more bytes a weight of a "
-                   "block while it is tuned and ~1.8x the tuning's time at 7B shapes); default "
-                   "0: GPTQ's codes, only the scales and offsets tuned")
+                   help="tuned codes: Adam's step in codes on each weight's rounding, tuned "
+                   "with the scales (a code moves by one at most from GPTQ's; default 3e-3, "
+                   "measured best: e.g. SmolLM2 at 3.25 bits KL 0.65 -> 0.58 against the "
+                   "scales alone); 0: GPTQ's codes, only the scales and offsets tuned (less "
+                   "time and memory while a block is tuned)")
     p.add_argument("--tune-on", choices=("quantized", "float"),
                    help="tuned codes: the hidden states each block is fitted on: quantized (the "
                    "default: the model being quantized, each block correcting the ones before "

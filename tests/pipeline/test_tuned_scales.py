@@ -82,36 +82,45 @@ def test_the_chunked_dequantize_is_autograd_s_broadcast(monkeypatch, chunk):
 def test_the_chunked_rounded_dequantize_and_its_adam_step_are_the_plain_ones(monkeypatch, chunk):
     """With the rounding tuned: codes ``clamp(round(q + u))`` dequantized and the gradients in
     the scales and offsets, a chunk of rows at a time, equal the plain expression's that
-    autograd differentiates, bit for bit; and the Adam step the backward takes on ``u`` is
-    Adam's (bias-corrected; the moments kept in bf16) on the gradient straight through the rounding,
-    ``u`` then kept within [-1, 1]."""
+    autograd differentiates, bit for bit; the step the backward takes on ``u`` is Adam's
+    (bias-corrected; the moments kept in bf16) on the weight's gradient, clipped to the step
+    size, ``u`` then kept within [-1, 1]; and only the weights whose residual is within the
+    steps' sum of a tie have a ``u``: every other code stays as the every-weight form leaves
+    it."""
     monkeypatch.setattr(tuned_scales_module, "CHUNK_ELEMENTS", chunk)
     gen = torch.Generator().manual_seed(2)
     start = quantize_tensor(torch.randn(37, 90, generator=gen), 3, 32)
     q = TunableScales(start).q  # [37, 3, 32]
-    r = (torch.rand(37, 3, 32, generator=gen) * 2 - 1).half()
-    rounding = tuned_scales_module.RoundingOffsets(q, r, 7)
+    q0 = q.clone()
+    r = (torch.rand(37, 3, 32, generator=gen) * 0.998 - 0.499).half()  # GPTQ's: rounds to q
+    lr, steps = 0.15, 2
+    rounding = tuned_scales_module.RoundingOffsets(q, r, 7, reach=lr * steps)
+    tunable = r.float().abs() >= 0.499 - lr * steps
+    assert sum(len(i) for i in rounding.index) == int(tunable.sum()) < r.numel()
     bf16 = lambda x: x.to(torch.bfloat16).float()  # noqa: E731
     s = bf16(torch.rand(37, 3, generator=gen)).requires_grad_()
     o = bf16(torch.randn(37, 3, generator=gen)).requires_grad_()
     u, m, s2 = r.float(), torch.zeros(37, 3, 32), torch.zeros(37, 3, 32)
-    for t in (1, 2):
+    for t in range(1, steps + 1):
         grad = torch.randn(37, 96, generator=gen)
-        rounding.next_step(0.3)  # large enough that some codes move
+        rounding.next_step(lr)
         fast = tuned_scales_module._RoundedGroupDequantize.apply(rounding, s, o)
-        codes = torch.round(q.float() + u).clamp(0, 7)
+        codes = torch.round(q0.float() + u).clamp(0, 7)
         plain = (codes * s[..., None] + o[..., None]).reshape(37, 96)
         assert torch.equal(fast, plain)
         fast_grads = torch.autograd.grad(fast, (s, o), grad)
         plain_grads = torch.autograd.grad(plain, (s, o), grad)
         assert all(torch.equal(a, b) for a, b in zip(fast_grads, plain_grads, strict=True))
-        g = grad.reshape(37, 3, 32) * s.detach()[..., None]
+        g = grad.reshape(37, 3, 32)
         m, s2 = 0.9 * m + 0.1 * g, 0.999 * s2 + 0.001 * g * g
-        step = 0.3 / (1 - 0.9 ** t) * m / ((s2.sqrt() / (1 - 0.999 ** t) ** 0.5) + 1e-8)
-        u = (u - step).clamp(-1, 1)
+        step = m / (1 - 0.9 ** t) / ((s2.sqrt() / (1 - 0.999 ** t) ** 0.5) + 1e-8)
+        u = (u - lr * step.clamp(-1, 1)).clamp(-1, 1)
         m, s2 = bf16(m), bf16(s2)  # kept in bf16 for the next step
-        assert torch.allclose(rounding.u, u, atol=1e-6, rtol=0)
-    assert not torch.equal(torch.round(q.float() + rounding.u), torch.round(q.float() + r.float()))
+        kept = torch.cat([u[c].reshape(-1)[i.long()]
+                          for c, i in zip(rounding.chunks, rounding.index, strict=True)])
+        assert torch.allclose(torch.cat(rounding.u), kept, atol=1e-6, rtol=0)
+        assert torch.equal(q.float(), torch.round(q0.float() + u).clamp(0, 7))
+    assert not torch.equal(q, q0)
 
 
 def test_tuned_rounding_starts_at_gptq_s_codes_and_decodes_to_what_it_computes():
@@ -121,7 +130,7 @@ def test_tuned_rounding_starts_at_gptq_s_codes_and_decodes_to_what_it_computes()
     w = torch.randn(24, 100, generator=gen)
     x = torch.randn(256, 100, generator=gen)
     start, residual = gptq_residual(w, x.T @ x / 256, 2, 32)
-    tunable = TunableScales(start, residual)
+    tunable = TunableScales(start, residual, reach=5 * 0.05)
     assert torch.equal(tunable().detach(), start.dequantize(torch.float32))
     assert torch.equal(tunable.codes().qweight, start.qweight)
     opt = torch.optim.Adam(tunable.scale_parameters(), lr=0.05)
@@ -310,8 +319,8 @@ def test_tuning_on_float_inputs_leaves_the_gptq_pass_as_it_is_and_resumes(tmp_pa
     errors: list[float] = []
     starts: list[int] = []  # where each job's errors start
     real_job, real_error = tuned_module.tune_block_job, tuned_module.block_error
-    monkeypatch.setattr(seq, "tune_block_job", lambda job, work: jobs.append(job) or starts.append(
-        len(errors)) or real_job(job, work))
+    monkeypatch.setattr(seq, "tune_block_job", lambda job, work: jobs.append(replace(
+        job, residuals=dict(job.residuals))) or starts.append(len(errors)) or real_job(job, work))
     monkeypatch.setattr(tuned_module, "block_error",
                         lambda o, t: errors.append(real_error(o, t)) or errors[-1])
     quantize_model(source, widths, tmp_path / "a", progress=False, chooser=chooser)

@@ -21,7 +21,9 @@ weight a ``u`` starting at ``r`` and kept within [-1, 1] gives
 
 so a code moves by one at most; the rounding passes its gradient straight through to ``u``,
 which Adam steps inside the backward pass (:class:`RoundingOffsets`): a weight whose rounding
-was a near tie flips where the caller's error says so (BENCHMARKS.md "Tuned scales").
+was a near tie flips where the caller's error says so (BENCHMARKS.md "Tuned scales"). Each
+step is clipped to its size, so only the weights within the steps' sum of a tie can flip, and
+only those carry a ``u``.
 """
 
 from __future__ import annotations
@@ -52,11 +54,7 @@ CHUNK_ELEMENTS = 1 << 20  # codes a chunk of rows holds: its float temporaries s
 class _GroupDequantize(torch.autograd.Function):
     """``start``'s codes q with scales ``s`` and offsets ``o`` (bf16 values in float32) as the
     format dequantizes them (``dequantize_rows``: [rows, in_features] float32, the native kernel
-    where it runs), and the gradients in ``s`` and ``o`` (the group sums of the output's gradient
-    times the codes q [rows, groups, group_size], and of the gradient) a chunk of rows at a time:
-    the same values as autograd's broadcast product and sum, without their whole-tensor
-    temporaries, which at a 7B block's shapes (a float copy of the codes, the product, the
-    gradient times the codes) cost twice the block's matrix products per tuning step."""
+    where it runs), and the gradients in ``s`` and ``o`` (``_group_gradients``)."""
 
     @staticmethod
     def forward(ctx, start: QuantizedTensor, q: torch.Tensor, s: torch.Tensor, o: torch.Tensor
@@ -69,40 +67,79 @@ class _GroupDequantize(torch.autograd.Function):
     @staticmethod
     def backward(ctx, grad: torch.Tensor) -> tuple[None, None, torch.Tensor, torch.Tensor]:
         (q,) = ctx.saved_tensors
-        rows, groups, size = q.shape
-        if grad.shape[1] != groups * size:  # a padded last group: its pad had no gradient
-            grad = F.pad(grad, (0, groups * size - grad.shape[1]))
-        grad = grad.float().reshape(rows, groups, size)
-        grad_s = torch.empty(rows, groups, dtype=torch.float32)
-        grad_o = torch.empty(rows, groups, dtype=torch.float32)
-        step = max(1, CHUNK_ELEMENTS // (groups * size))
-        times = torch.empty(min(step, rows), groups, size, dtype=torch.float32)
-        for r in range(0, rows, step):
-            g = grad[r : r + step]
-            torch.mul(g, q[r : r + step], out=times[: g.shape[0]])
-            torch.sum(g, dim=-1, out=grad_o[r : r + step])
-            torch.sum(times[: g.shape[0]], dim=-1, out=grad_s[r : r + step])
-        return None, None, grad_s, grad_o
+        return None, None, *_group_gradients(grad, q)
+
+
+def _group_gradients(grad: torch.Tensor, q: torch.Tensor,
+                     rounding: RoundingOffsets | None = None
+                     ) -> tuple[torch.Tensor, torch.Tensor]:
+    """The gradients in the scales and offsets [rows, groups] of codes ``q`` [rows, groups,
+    group_size] given the dequantized weight's ``grad`` [rows, in_features]: the group sums of
+    the gradient times the codes, and of the gradient; then ``rounding``'s step on each chunk's
+    gradient (after its codes' sums: the codes the forward used). A chunk of rows at a time: the
+    same values as autograd's broadcast product and sum, without their whole-tensor temporaries,
+    which at a 7B block's shapes (a float copy of the codes, the product, the gradient times the
+    codes) cost twice the block's matrix products per tuning step."""
+    rows, groups, size = q.shape
+    if grad.shape[1] != groups * size:  # a padded last group: its pad had no gradient
+        grad = F.pad(grad, (0, groups * size - grad.shape[1]))
+    grad = grad.float().reshape(rows, groups, size)
+    grad_s = torch.empty(rows, groups, dtype=torch.float32)
+    grad_o = torch.empty(rows, groups, dtype=torch.float32)
+    chunks = _row_chunks(q)
+    times = torch.empty(min(chunks[0].stop, rows), groups, size, dtype=torch.float32)
+    for i, rs in enumerate(chunks):
+        g = grad[rs]
+        torch.mul(g, q[rs], out=times[: g.shape[0]])
+        torch.sum(g, dim=-1, out=grad_o[rs])
+        torch.sum(times[: g.shape[0]], dim=-1, out=grad_s[rs])
+        if rounding is not None:
+            rounding.step(i, g)
+    return grad_s, grad_o
 
 
 class RoundingOffsets:
-    """Each weight's rounding, tuned: codes ``clamp(round(q + u))`` with ``u`` starting at the
-    residual GPTQ rounded away (so at GPTQ's codes) and kept within [-1, 1] (a code moves by at
-    most one), stepped by Adam on the gradient that passes straight through the rounding.
+    """Each weight's rounding, tuned: code ``clamp(round(q0 + u))`` for GPTQ's code ``q0``, with
+    ``u`` starting at the residual GPTQ rounded away (so at GPTQ's codes) and kept within
+    [-1, 1] (a code moves by one at most), stepped by Adam on the weight's gradient, which
+    passes straight through the rounding. (That gradient times the group's scale is ``u``'s own;
+    Adam's step does not change with a constant factor on a weight's gradient, and the scale
+    moves by a few per cent over a tuning.)
+
+    Each step is clipped to the step size, so that ``u`` moves by at most ``reach`` (the step
+    sizes' sum) over the tuning: only a weight whose residual lies within ``reach`` of a tie
+    (|r| >= 0.5 - reach) can change its code, and only those have a ``u`` and Adam's moments
+    (bf16: a moment in float32 would double them), with their place in their chunk of rows,
+    GPTQ's code and the code now. About a third of the weights at 100 steps of 3e-3: 14 bytes
+    each, ~4 bytes a weight, where every weight's state would be 8. The codes ``q`` (uint8
+    [rows, groups, group_size]) are moved in place where they change, so the forward is a plain
+    dequantize.
 
     The step is taken inside the backward pass, a chunk of rows at a time as each chunk's
-    gradient is made (``_RoundedGroupDequantize``): a whole block's gradient would be 4 more
-    bytes a weight (a 7B block: 0.9 GB), and Adam's moments are kept in bf16 for the same
-    reason (u itself in float32: late steps are smaller than a float16 ulp)."""
+    gradient is made (``_group_gradients``): a whole block's gradient would be 4 more bytes a
+    weight (a 7B block: 0.9 GB)."""
 
     BETAS = (0.9, 0.999)
     EPS = 1e-8
 
-    def __init__(self, q: torch.Tensor, residual: torch.Tensor, max_code: int) -> None:
-        self.q, self.max_code = q, max_code  # q: uint8 [rows, groups, group_size]
-        self.u = residual.float()
-        self.m = torch.zeros_like(q, dtype=torch.bfloat16)
-        self.s2 = torch.zeros_like(q, dtype=torch.bfloat16)
+    def __init__(self, q: torch.Tensor, residual: torch.Tensor, max_code: int, reach: float
+                 ) -> None:
+        self.q, self.max_code = q, max_code
+        self.chunks = _row_chunks(q)
+        self.index: list[torch.Tensor] = []  # int32 places in the chunk's flattened codes
+        self.q0: list[torch.Tensor] = []  # their GPTQ codes
+        self.now: list[torch.Tensor] = []  # their codes now (only the moved ones are written)
+        self.u: list[torch.Tensor] = []
+        for rs in self.chunks:
+            r = residual[rs].reshape(-1)
+            # (a thousandth of a code more: u's float32 sums round)
+            index = torch.nonzero(r.float().abs() >= 0.499 - reach).squeeze(1)
+            self.index.append(index.to(torch.int32))
+            self.q0.append(q[rs].reshape(-1)[index])
+            self.now.append(self.q0[-1].clone())
+            self.u.append(r[index].float())
+        self.m = [torch.zeros_like(u, dtype=torch.bfloat16) for u in self.u]
+        self.s2 = [torch.zeros_like(u, dtype=torch.bfloat16) for u in self.u]
         self.t, self.lr = 0, 0.0
 
     def next_step(self, lr: float) -> None:
@@ -110,54 +147,46 @@ class RoundingOffsets:
         self.lr = lr
         self.t += lr > 0
 
-    def codes(self, rs: slice) -> torch.Tensor:
-        """Rows ``rs``'s codes as float32 (torch rounds half to even)."""
-        return torch.round(self.q[rs].float() + self.u[rs]).clamp_(0, self.max_code)
-
-    def step(self, rs: slice, grad: torch.Tensor) -> None:
-        """Adam's step on rows ``rs`` given their gradient in ``u``."""
+    def step(self, i: int, grad: torch.Tensor) -> None:
+        """Adam's step, clipped to the step size, on chunk ``i``'s weights that can change their
+        code, given the chunk's gradient [rows, groups, group_size]; their codes then moved."""
         if self.lr <= 0:
             return
-        (b1, b2), t = self.BETAS, self.t
-        m = self.m[rs].float().mul_(b1).add_(grad, alpha=1 - b1)
-        s2 = self.s2[rs].float().mul_(b2).addcmul_(grad, grad, value=1 - b2)
-        self.m[rs], self.s2[rs] = m, s2
+        (b1, b2), t, index = self.BETAS, self.t, self.index[i]
+        g = torch.index_select(grad.reshape(-1), 0, index)
+        m = self.m[i].float().mul_(b1).add_(g, alpha=1 - b1)
+        s2 = self.s2[i].float().mul_(b2).addcmul_(g, g, value=1 - b2)
+        self.m[i].copy_(m)
+        self.s2[i].copy_(s2)
         denominator = s2.sqrt_().div_((1 - b2 ** t) ** 0.5).add_(self.EPS)
-        self.u[rs].addcdiv_(m, denominator, value=-self.lr / (1 - b1 ** t)).clamp_(-1, 1)
+        step = m.div_(denominator).mul_(1 / (1 - b1 ** t)).clamp_(-1, 1)
+        u = self.u[i].sub_(step, alpha=self.lr).clamp_(-1, 1)
+        codes = torch.round(self.q0[i].float() + u).clamp_(0, self.max_code).to(torch.uint8)
+        moved = torch.nonzero(codes != self.now[i]).squeeze(1)  # a few: each step is small
+        self.now[i][moved] = codes[moved]
+        self.q[self.chunks[i]].reshape(-1)[index[moved]] = codes[moved]
 
 
 class _RoundedGroupDequantize(torch.autograd.Function):
-    """``rounding``'s codes with scales ``s`` and offsets ``o`` [rows, groups] dequantized
-    (float32 [rows, groups * group_size]) a chunk of rows at a time; in the backward the
-    gradients in ``s`` and ``o`` as in ``_GroupDequantize`` (with the codes as they were in the
-    forward), then the rounding's step on each chunk's gradient in ``u`` (``grad * s``: straight
-    through the rounding)."""
+    """``rounding``'s codes (as they are) with scales ``s`` and offsets ``o`` [rows, groups]
+    dequantized (float32 [rows, groups * group_size]) a chunk of rows at a time; in the backward
+    the gradients in ``s`` and ``o`` and the rounding's step (``_group_gradients``)."""
 
     @staticmethod
     def forward(ctx, rounding: RoundingOffsets, s: torch.Tensor, o: torch.Tensor
                 ) -> torch.Tensor:
-        ctx.save_for_backward(s)
         ctx.rounding = rounding
-        rows, groups, size = rounding.q.shape
+        q = rounding.q
+        rows, groups, size = q.shape
         out = torch.empty(rows, groups, size, dtype=torch.float32)
-        for rs in _row_chunks(rounding.q):
-            torch.addcmul(o[rs, :, None], rounding.codes(rs), s[rs, :, None], out=out[rs])
+        for rs in rounding.chunks:
+            torch.addcmul(o[rs, :, None], q[rs], s[rs, :, None], out=out[rs])
         return out.view(rows, groups * size)
 
     @staticmethod
     def backward(ctx, grad: torch.Tensor) -> tuple[None, torch.Tensor, torch.Tensor]:
-        (s,) = ctx.saved_tensors
         rounding: RoundingOffsets = ctx.rounding
-        rows, groups, size = rounding.q.shape
-        grad = grad.float().reshape(rows, groups, size)
-        grad_s = torch.empty(rows, groups, dtype=torch.float32)
-        grad_o = torch.empty(rows, groups, dtype=torch.float32)
-        for rs in _row_chunks(rounding.q):
-            g = grad[rs]
-            torch.sum(g, dim=-1, out=grad_o[rs])
-            torch.sum(g * rounding.codes(rs), dim=-1, out=grad_s[rs])
-            rounding.step(rs, g * s[rs, :, None])
-        return None, grad_s, grad_o
+        return None, *_group_gradients(grad, rounding.q, rounding)
 
 
 def _row_chunks(q: torch.Tensor) -> list[slice]:
@@ -168,15 +197,18 @@ def _row_chunks(q: torch.Tensor) -> list[slice]:
 
 class TunableScales(nn.Module):
     """One tensor's codes with learnable group scales and offsets, and with learnable rounding
-    where ``residual`` (float16 [rows, in_features]: ``gptq_residual``'s) is given."""
+    where ``residual`` (float16 [rows, in_features]: ``gptq_residual``'s) is given, over steps
+    whose sizes sum to ``reach`` (``RoundingOffsets``)."""
 
-    def __init__(self, start: QuantizedTensor, residual: torch.Tensor | None = None) -> None:
+    def __init__(self, start: QuantizedTensor, residual: torch.Tensor | None = None,
+                 reach: float = 0.0) -> None:
         super().__init__()
         lay = start.layout
         self.start, self.in_features = start, lay.in_features
         self.max_code = (1 << lay.bits) - 1
         shape = (lay.num_rows, lay.num_groups, lay.group_size)
-        # the codes as bytes (a float copy would be 4 bytes a weight for the whole model)
+        # the codes as bytes (a float copy would be 4 bytes a weight for the whole model); the
+        # rounding moves them
         self.q = unpack_codes(start.qweight, lay.bits).view(shape)
         self.s0, self.o0 = start.scales.float(), start.offsets.float()
         self.a = nn.Parameter(torch.zeros_like(self.s0))
@@ -185,7 +217,7 @@ class TunableScales(nn.Module):
         if residual is not None:  # a padded group's pad: code 0, residual 0, no gradient: 0
             pad = lay.num_groups * lay.group_size - lay.in_features
             r = F.pad(residual.reshape(lay.num_rows, -1), (0, pad)).view(shape)
-            self.rounding = RoundingOffsets(self.q, r, self.max_code)
+            self.rounding = RoundingOffsets(self.q, r, self.max_code, reach)
 
     def scale_parameters(self) -> list[nn.Parameter]:
         return [self.a, self.b]
@@ -215,5 +247,5 @@ class TunableScales(nn.Module):
         tuned = replace(self.start, scales=s.to(torch.bfloat16), offsets=o.to(torch.bfloat16))
         if self.rounding is None:
             return tuned
-        q = torch.cat([self.rounding.codes(rs) for rs in _row_chunks(self.q)]).to(torch.uint8)
-        return replace(tuned, qweight=pack_codes(q.reshape(q.shape[0], -1), self.start.bits))
+        return replace(tuned, qweight=pack_codes(self.q.reshape(self.q.shape[0], -1),
+                                                 self.start.bits))

@@ -24,7 +24,6 @@ from collections.abc import Callable
 from dataclasses import dataclass, replace
 
 import torch
-from torch import nn
 from torch.func import functional_call
 
 from dynquant.errors import DynquantError
@@ -58,12 +57,9 @@ class ScaleTuning:
     # block corrects its predecessors, and waits for them) or "float" (the float model's:
     # every block's tuning independent, a job beside the GPTQ pass)
     inputs: str = "quantized"
-    # Adam's step on each weight's rounding (in codes, at every width; 3e-3 measured best), where
-    # GPTQ's rounding residual is known; 0 (the default): GPTQ's codes kept. Off by default for
-    # its cost at large shapes: its state is 10 bytes a weight of the block (a 7B block: +2.2 GB,
-    # over the 6 GiB the scale benchmark holds to) and its elementwise steps ~1.8x the tuning's
-    # time there (BENCHMARKS.md "Tuned scales")
-    rounding: float = 0.0
+    # Adam's step on each weight's rounding (in codes, at every width; 3e-3 measured best),
+    # where GPTQ's rounding residual is known; 0: GPTQ's codes kept, only the scales tuned
+    rounding: float = 3e-3
 
     def __post_init__(self) -> None:
         if self.inputs not in TUNING_INPUTS:
@@ -72,6 +68,15 @@ class ScaleTuning:
         if not 0 <= self.rounding <= 0.5:
             raise DynquantError(f"the rounding step must be in [0, 0.5] codes, not "
                                 f"{self.rounding}", field="tuning.rounding")
+
+    @property
+    def rounding_reach(self) -> float:
+        """How far (in codes) the rounding's offsets can move over the tuning: the sum of its
+        step sizes, each step being clipped to its size (``RoundingOffsets``)."""
+        return sum(self.rounding_step(step) for step in range(self.steps))
+
+    def rounding_step(self, step: int) -> float:
+        return self.rounding * (1 - step / self.steps)
 
 
 def block_error(outputs: list[torch.Tensor], targets: list[torch.Tensor]) -> float:
@@ -88,12 +93,22 @@ def tune_block(stream: BlockStream, index: int, codes: dict[str, QuantizedTensor
     """Block ``index``'s ``codes`` (parameter path inside the block -> codes) with scales and
     offsets fitted so that the block on ``hidden`` gives ``targets`` (``calls``: the windows'
     recorded block arguments, the stream's by default), and the rounding of those whose
-    ``residuals`` are given (with ``tuning.rounding``)."""
+    ``residuals`` are given (with ``tuning.rounding``; taken out of the dict as they are
+    used). The block runs on the tunables' weights (``functional_call``), so its own copies of
+    them are emptied while it tunes (a float32 copy is 4 bytes a weight of the block): the
+    caller puts codes in place before the block runs again (``first_lowering``'s ``run``)."""
     calls = stream.calls[index] if calls is None else calls
     block = stream.blocks[index]
-    params = {name: block.get_parameter(name) for name in codes}
-    residuals = (residuals or {}) if tuning.rounding else {}
-    tunables = {name: TunableScales(qt, residuals.get(name)) for name, qt in codes.items()}
+    shapes = {}
+    for name in codes:  # (one element, broadcast: the parameter's shape with no storage)
+        param = block.get_parameter(name)
+        shapes[name] = (param.shape, param.dtype)
+        param.data = torch.zeros((), dtype=param.dtype).expand(param.shape)
+    # each residual released once its rounding holds what it needs (a block's are 2 bytes a
+    # weight; the scales-alone attempt after this one does not need them)
+    residuals = residuals if residuals is not None and tuning.rounding else {}
+    tunables = {name: TunableScales(qt, residuals.pop(name, None), tuning.rounding_reach)
+                for name, qt in codes.items()}
     opt = torch.optim.Adam([{"params": t.scale_parameters(), "width": 7 / t.max_code}
                             for t in tunables.values()], lr=tuning.lr)
     gen = torch.Generator().manual_seed(tuning.seed * 1_000_003 + index)
@@ -103,8 +118,9 @@ def tune_block(stream: BlockStream, index: int, codes: dict[str, QuantizedTensor
             for group in opt.param_groups:
                 group["lr"] = tuning.lr * group["width"] * (1 - step / tuning.steps)
             for t in tunables.values():  # in codes: the same step at every width
-                t.next_rounding_step(tuning.rounding * (1 - step / tuning.steps))
-            weights = {name: _shaped(t(), params[name]) for name, t in tunables.items()}
+                t.next_rounding_step(tuning.rounding_step(step))
+            weights = {name: t().reshape(shapes[name][0]).to(shapes[name][1])
+                       for name, t in tunables.items()}
             args, kwargs = calls[k]
             out = first_output(functional_call(block, weights, (hidden[k].to(stream.dtype),
                                                                  *args), kwargs))
@@ -172,6 +188,3 @@ def first_lowering(tuning: ScaleTuning, before: float, targets: list[torch.Tenso
             return codes, outputs
     return None
 
-
-def _shaped(w_hat: torch.Tensor, param: nn.Parameter) -> torch.Tensor:
-    return w_hat.reshape(param.shape).to(param.dtype)
