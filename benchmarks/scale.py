@@ -273,7 +273,9 @@ def main() -> None:
             took[key] = took.get(key, 0) + seconds
         if key == "gptq" and tune_s:
             mac_t = args.layers * tuning_work(SEVEN_B)
-            print(f"| tuning the block's scales ({ScaleTuning().steps} steps of "
+            what = ("scales" if args.tune_rounding is not None and not float(args.tune_rounding)
+                    else "scales and rounding")
+            print(f"| tuning the block's {what} ({ScaleTuning().steps} steps of "
                   f"{WINDOW} tokens, forward + backward) | {tune_s:.0f} | {mac_t / 1e9:,.0f} | "
                   f"{mac_t / tune_s / 1e9:.0f} | {mac_t / tune_s / peak:.0%} | {held} |")
             label += ": the rest (GPTQ, and the tuned codes' outputs)"

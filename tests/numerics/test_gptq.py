@@ -265,17 +265,22 @@ def test_a_factor_is_reversed_in_its_own_memory():
         assert got is a and np.array_equal(got, want)
 
 
+@pytest.mark.parametrize("chunk", [1 << 20, 40])
 @pytest.mark.parametrize("rows", [False, True])
-def test_the_residual_is_what_each_code_was_rounded_from(rows):
+def test_the_residual_is_what_each_code_was_rounded_from(monkeypatch, rows, chunk):
     """``gptq_residual``: the same codes, scales and offsets as ``gptq_quantize`` (the rows
     variant likewise), and a residual that rounds back to every code. With uncorrelated inputs
     no error reaches another column, so the value each weight was rounded from is the weight
-    itself: the residual is ``(w - offset) / scale - code`` (float16, clamped to [-1, 1])."""
+    itself: the residual is ``(w - offset) / scale - code`` (float16, clamped to [-1, 1]).
+    Computed in one chunk of rows or in several (40 weights: a row of 96 padded codes a chunk)."""
+    from dynquant.numerics import gptq as gptq_module
     from dynquant.numerics.gptq import (
         gptq_quantize_rows,
         gptq_residual,
         gptq_residual_rows,
     )
+
+    monkeypatch.setattr(gptq_module, "RESIDUAL_CHUNK", chunk)
 
     # 72 columns: two groups of 32 and a padded one (the rows variant: 72 rows of 24)
     w, h = _problem(72, 24, seed=11) if rows else _problem(24, 72, seed=11)

@@ -18,6 +18,7 @@ from dynquant.format.packing import unpack_codes
 from dynquant.format.safetensors_header import read_header
 from dynquant.format.validate import validate_checkpoint
 from dynquant.models.sources import resolve_model
+from dynquant.numerics import native
 from dynquant.numerics import tuned_scales as tuned_scales_module
 from dynquant.numerics.gptq import gptq_quantize, gptq_residual
 from dynquant.numerics.quantizer import quantize_tensor
@@ -78,16 +79,20 @@ def test_the_chunked_dequantize_is_autograd_s_broadcast(monkeypatch, chunk):
     assert torch.equal(fast_s, plain_s) and torch.equal(fast_o, plain_o)
 
 
+@pytest.mark.parametrize("native_step", [True, False])
 @pytest.mark.parametrize("chunk", [1 << 20, 200, 64])
-def test_the_chunked_rounded_dequantize_and_its_adam_step_are_the_plain_ones(monkeypatch, chunk):
+def test_the_chunked_rounded_dequantize_and_its_adam_step_are_the_plain_ones(monkeypatch, chunk,
+                                                                              native_step):
     """With the rounding tuned: codes ``clamp(round(q + u))`` dequantized and the gradients in
     the scales and offsets, a chunk of rows at a time, equal the plain expression's that
     autograd differentiates, bit for bit; the step the backward takes on ``u`` is Adam's
     (bias-corrected; the moments kept in bf16) on the weight's gradient, clipped to the step
     size, ``u`` then kept within [-1, 1]; and only the weights whose residual is within the
     steps' sum of a tie have a ``u``: every other code stays as the every-weight form leaves
-    it."""
+    it. (The step in the native kernel and in torch.)"""
     monkeypatch.setattr(tuned_scales_module, "CHUNK_ELEMENTS", chunk)
+    if not native_step:
+        monkeypatch.setenv("DYNQUANT_NATIVE", "0")
     gen = torch.Generator().manual_seed(2)
     start = quantize_tensor(torch.randn(37, 90, generator=gen), 3, 32)
     q = TunableScales(start).q  # [37, 3, 32]
@@ -121,6 +126,27 @@ def test_the_chunked_rounded_dequantize_and_its_adam_step_are_the_plain_ones(mon
         assert torch.allclose(torch.cat(rounding.u), kept, atol=1e-6, rtol=0)
         assert torch.equal(q.float(), torch.round(q0.float() + u).clamp(0, 7))
     assert not torch.equal(q, q0)
+
+
+def test_the_native_rounding_step_is_the_torch_one(monkeypatch):
+    """The rounding's step in the native kernel and in torch (its reference): the same offsets,
+    moments, codes and moved codes after every step, bit for bit."""
+    gen = torch.Generator().manual_seed(4)
+    start = quantize_tensor(torch.randn(40, 256, generator=gen), 3, 64)
+    r = (torch.rand(40, 4, 64, generator=gen) * 0.998 - 0.499).half()
+    fast = tuned_scales_module.RoundingOffsets(TunableScales(start).q, r, 7, reach=0.4)
+    plain = tuned_scales_module.RoundingOffsets(TunableScales(start).q, r, 7, reach=0.4)
+    assert native.available()
+    for _ in range(6):
+        grad = torch.randn(40, 4, 64, generator=gen)
+        for rounding in (fast, plain):
+            rounding.next_step(0.1)
+        fast.step(0, grad)
+        plain.step_torch(0, grad)
+        for name in ("u", "m", "s2", "now"):
+            assert torch.equal(getattr(fast, name)[0], getattr(plain, name)[0]), name
+        assert torch.equal(fast.q, plain.q)
+    assert not torch.equal(fast.q, TunableScales(start).q)
 
 
 def test_tuned_rounding_starts_at_gptq_s_codes_and_decodes_to_what_it_computes():
@@ -168,7 +194,7 @@ def test_tuned_scales_lower_a_linear_s_output_error_from_gptq():
         assert after < 0.97 * before, (bits, after / before)
 
 
-ROUNDING = 3e-3  # the rounding's step the tests tune with (off by default)
+ROUNDING = ScaleTuning.rounding  # the rounding's step the tests tune with (the default's)
 
 
 def _tuned(cal, steps: int, rounding: float = ROUNDING):

@@ -21,6 +21,8 @@ plain statement, column by column in float64 (numpy).
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import numpy as np
 import torch
 from torch.nn import functional as F
@@ -40,6 +42,7 @@ DAMP = 0.1
 # the block: a rank-1 update per column moves the block's rows through memory each time (on a
 # 49,152-row head, 8 of gptq's 14 s), a product moves them once per sub-block.
 SUB_BLOCK = 16
+RESIDUAL_CHUNK = 1 << 20  # weights a chunk of the residual's rows holds
 
 
 def inverse_factor(hessian: torch.Tensor, damp: float = DAMP,
@@ -196,7 +199,8 @@ def _gptq(weight: torch.Tensor, hessian: torch.Tensor, bits: int, group_size: in
         clipped_fraction=clipped / (rows * layout.num_groups),
         clip_improvement=sum(improvements) / len(improvements))
     # each column's weights as it was rounded: no update reaches a column once it is rounded
-    return qt, _residual(qt, wt[torch.from_numpy(position)].T) if keep_residual else None
+    at = torch.from_numpy(position)
+    return qt, (_residual(qt, lambda a, b: wt[:, a:b][at].T) if keep_residual else None)
 
 
 def _current(w: np.ndarray, un: np.ndarray, errors: np.ndarray, at: np.ndarray,
@@ -334,24 +338,39 @@ def _gptq_rows(weight: torch.Tensor, hessian: torch.Tensor, bits: int, group_siz
         parts[int(order[j])] = qt
     qt = concat_rows(parts, (rows, cols))
     # each row as it was rounded: no update reaches a row once it is rounded
-    return qt, _residual(qt, w[torch.argsort(order)]) if keep_residual else None
+    at = torch.argsort(order)
+    return qt, (_residual(qt, lambda a, b: w[at[a:b]]) if keep_residual else None)
 
 
-def _residual(qt: QuantizedTensor, rounded: torch.Tensor) -> torch.Tensor:
+def _residual(qt: QuantizedTensor, rounded_rows: Callable[[int, int], torch.Tensor]
+              ) -> torch.Tensor:
     """``(rounded - offset) / scale - code`` [rows, in_features] in float16, clamped to [-1, 1]
-    (0 in a group of scale 0, whose weights are all its offset)."""
+    (0 in a group of scale 0, whose weights are all its offset), given ``rounded_rows(a, b)``:
+    rows a..b of the values the codes were rounded from. A chunk of rows at a time: whole,
+    its float32 temporaries would be ~20 bytes a weight (a 7B down projection: 1.4 GB)."""
     lay = qt.layout
-    shape = (lay.num_rows, lay.num_groups, lay.group_size)
-    codes = unpack_codes(qt.qweight, lay.bits).view(shape).float()
+    out = torch.empty(lay.num_rows, lay.in_features, dtype=torch.float16)
+    step = max(1, RESIDUAL_CHUNK // (lay.num_groups * lay.group_size))
+    for a in range(0, lay.num_rows, step):
+        b = min(a + step, lay.num_rows)
+        out[a:b] = _residual_chunk(qt, a, b, rounded_rows(a, b))
+    return out
+
+
+def _residual_chunk(qt: QuantizedTensor, a: int, b: int, rounded: torch.Tensor
+                    ) -> torch.Tensor:
+    lay = qt.layout
+    shape = (b - a, lay.num_groups, lay.group_size)
+    codes = unpack_codes(qt.qweight[a:b], lay.bits).view(shape).float()
     pad = lay.num_groups * lay.group_size - lay.in_features
-    x = F.pad(rounded.float().reshape(lay.num_rows, -1), (0, pad)).view(shape)
-    s, o = qt.scales.float()[..., None], qt.offsets.float()[..., None]
+    x = F.pad(rounded.float().reshape(b - a, -1), (0, pad)).view(shape)
+    s, o = qt.scales[a:b].float()[..., None], qt.offsets[a:b].float()[..., None]
     r = torch.where(s == 0, 0.0, (x - o) / s - codes).clamp_(-1, 1).to(torch.float16)
     # a residual a hair under 0.5 is 0.5 in float16, which rounds away from the code half the
     # time: one step towards 0 keeps every code where it is until it is tuned
     off = torch.round(codes + r.float()).clamp_(0, (1 << lay.bits) - 1) != codes
     r[off] = torch.nextafter(r[off], torch.zeros((), dtype=r.dtype))
-    return r.reshape(lay.num_rows, -1)[:, : lay.in_features].contiguous()
+    return r.reshape(b - a, -1)[:, : lay.in_features]
 
 
 def concat_rows(parts: list[QuantizedTensor], logical_shape: tuple[int, ...]) -> QuantizedTensor:

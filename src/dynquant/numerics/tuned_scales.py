@@ -35,6 +35,7 @@ from torch import nn
 from torch.nn import functional as F
 
 from dynquant.format.packing import pack_codes, unpack_codes
+from dynquant.numerics import native
 from dynquant.numerics.quantizer import QuantizedTensor, dequantize_rows
 
 
@@ -124,6 +125,8 @@ class RoundingOffsets:
 
     def __init__(self, q: torch.Tensor, residual: torch.Tensor, max_code: int, reach: float
                  ) -> None:
+        if not q.is_contiguous():  # its chunks' codes are written in place, by offset
+            raise ValueError("the codes must be contiguous")
         self.q, self.max_code = q, max_code
         self.chunks = _row_chunks(q)
         self.index: list[torch.Tensor] = []  # int32 places in the chunk's flattened codes
@@ -149,18 +152,36 @@ class RoundingOffsets:
 
     def step(self, i: int, grad: torch.Tensor) -> None:
         """Adam's step, clipped to the step size, on chunk ``i``'s weights that can change their
-        code, given the chunk's gradient [rows, groups, group_size]; their codes then moved."""
+        code, given the chunk's gradient [rows, groups, group_size]; their codes then moved. The
+        native kernel where it runs (``native/tuned_rounding.c``, one pass), else
+        ``step_torch``."""
         if self.lr <= 0:
             return
+        lib = native.library()
+        if lib is None:
+            self.step_torch(i, grad)
+            return
+        grad = grad.contiguous()
+        (b1, b2), t = self.BETAS, self.t
+        k = torch.tensor([b1, 1 - b1, b2, 1 - b2, (1 - b2 ** t) ** 0.5, self.EPS,
+                          1 / (1 - b1 ** t), self.lr], dtype=torch.float32)
+        tensors = (grad, self.index[i], None, self.u[i], self.m[i], self.s2[i], self.q0[i],
+                   self.now[i], self.q[self.chunks[i]], k)
+        lib.dq_rounding_step(*(len(self.index[i]) if x is None else x.data_ptr()
+                               for x in tensors), self.max_code)
+
+    def step_torch(self, i: int, grad: torch.Tensor) -> None:
+        """``step``'s torch path, the native kernel's reference (the same float32 operations)."""
         (b1, b2), t, index = self.BETAS, self.t, self.index[i]
         g = torch.index_select(grad.reshape(-1), 0, index)
-        m = self.m[i].float().mul_(b1).add_(g, alpha=1 - b1)
-        s2 = self.s2[i].float().mul_(b2).addcmul_(g, g, value=1 - b2)
+        m = self.m[i].float().mul_(b1).add_(g * (1 - b1))
+        s2 = self.s2[i].float().mul_(b2).add_(g.mul(g).mul_(1 - b2))
         self.m[i].copy_(m)
         self.s2[i].copy_(s2)
-        denominator = s2.sqrt_().div_((1 - b2 ** t) ** 0.5).add_(self.EPS)
+        # (torch's float32 square root is not always the nearest float; in float64 it is)
+        denominator = s2.double().sqrt_().float().div_((1 - b2 ** t) ** 0.5).add_(self.EPS)
         step = m.div_(denominator).mul_(1 / (1 - b1 ** t)).clamp_(-1, 1)
-        u = self.u[i].sub_(step, alpha=self.lr).clamp_(-1, 1)
+        u = self.u[i].sub_(step.mul_(self.lr)).clamp_(-1, 1)
         codes = torch.round(self.q0[i].float() + u).clamp_(0, self.max_code).to(torch.uint8)
         moved = torch.nonzero(codes != self.now[i]).squeeze(1)  # a few: each step is small
         self.now[i][moved] = codes[moved]
@@ -179,8 +200,8 @@ class _RoundedGroupDequantize(torch.autograd.Function):
         q = rounding.q
         rows, groups, size = q.shape
         out = torch.empty(rows, groups, size, dtype=torch.float32)
-        for rs in rounding.chunks:
-            torch.addcmul(o[rs, :, None], q[rs], s[rs, :, None], out=out[rs])
+        for rs in rounding.chunks:  # multiply, then add: the format's dequantize, bit for bit
+            torch.mul(q[rs], s[rs, :, None], out=out[rs]).add_(o[rs, :, None])
         return out.view(rows, groups * size)
 
     @staticmethod

@@ -62,8 +62,12 @@ from dynquant.numerics.native import interface
 SOURCES = tuple(sorted(Path(__file__).parent.glob("*.c")))
 HEADERS = tuple(sorted(Path(__file__).parent.glob("*.h")))
 LIBRARY_NAME = "libdynquant_native.so"
-# IEEE semantics are part of the contract: never -ffast-math; no contraction into FMA.
-BASE_FLAGS = ("-O3", "-std=c11", "-ffp-contract=off", "-fPIC", "-shared", "-pthread")
+# IEEE semantics are part of the contract: never -ffast-math; no contraction into FMA. Neither
+# errno from math functions (no kernel reads it) nor floating-point traps (none is enabled)
+# change a value; without them a loop with a square root or a float comparison does not
+# vectorize (tuned_rounding.c).
+BASE_FLAGS = ("-O3", "-std=c11", "-ffp-contract=off", "-fno-math-errno", "-fno-trapping-math",
+              "-fPIC", "-shared", "-pthread")
 # Tried in order: the first set the compiler accepts is used.
 ARCH_FLAGS: tuple[tuple[str, ...], ...] = (
     ("-march=native", "-mno-amx-tile", "-mno-amx-int8", "-mno-amx-bf16"),

@@ -293,6 +293,13 @@ int dq_dense_matvec_bf16_mt(const uint16_t *w, int64_t rows, int64_t cols, const
  * of memory or a product failed, -2 if pos is past the cache's capacity. */
 int dq_decode_step(const dq_decode_program *program, float *h, int64_t pos, float *logits);
 
+/* tuned_rounding.c: Adam's step (clipped to lr) on n tunable roundings, index[i] being weight
+ * i's place in grad and codes; k: b1, 1 - b1, b2, 1 - b2, sqrt(1 - b2^t), eps, 1 / (1 - b1^t),
+ * lr. Codes that change are written to now and codes. Returns how many changed. */
+int64_t dq_rounding_step(const float *grad, const int32_t *index, int64_t n, float *u,
+                         uint16_t *m, uint16_t *s2, const uint8_t *q0, uint8_t *now,
+                         uint8_t *codes, const float *k, int max_code);
+
 /* pool.c: 1 while calls follow each other closely (the workers' waits spin longer), then 0. */
 void dq_pool_hold(int on);
 #endif

@@ -1,0 +1,68 @@
+/* dynquant's native step of the tuned rounding (numerics/tuned_scales.py, RoundingOffsets.step):
+ * for each weight that can change its code, Adam's step on its offset u (moments kept in bf16),
+ * clipped to the step size, then its code clamp(round(q0 + u)) written where it changed. The
+ * same float32 operations in the same order as the torch path (IEEE, no fused multiply-adds;
+ * the square root correctly rounded, as the torch path takes it in float64), in one pass over
+ * the weights instead of one per operation: a block of them at a time through the vector units,
+ * then the few codes that changed written one by one.
+ */
+#include <math.h>
+#include <string.h>
+
+#include "kernels.h"
+
+#define BLOCK 256
+
+static inline float bf16_value(uint16_t h) {
+    const uint32_t u = (uint32_t)h << 16;
+    float f;
+    memcpy(&f, &u, sizeof f);
+    return f;
+}
+
+/* nearest, ties to even, as torch's conversion (a NaN stays a NaN); no branch, so it vectorizes */
+static inline uint16_t bf16_round(float f) {
+    uint32_t u;
+    memcpy(&u, &f, sizeof u);
+    const uint32_t rounded = (u + 0x7FFFu + ((u >> 16) & 1u)) >> 16;
+    const uint32_t nan = 0u - (uint32_t)((u & 0x7FFFFFFFu) > 0x7F800000u); /* all ones or 0 */
+    return (uint16_t)((((u >> 16) | 0x40u) & nan) | (rounded & ~nan));
+}
+
+static inline float clamp(float x, float lo, float hi) {
+    x = x < lo ? lo : x; /* two selects: they vectorize, where a nested one does not */
+    return x > hi ? hi : x;
+}
+
+int64_t dq_rounding_step(const float *restrict grad, const int32_t *restrict index, int64_t n,
+                         float *restrict u, uint16_t *restrict m, uint16_t *restrict s2,
+                         const uint8_t *restrict q0, uint8_t *restrict now,
+                         uint8_t *restrict codes, const float *restrict k, int max_code) {
+    const float b1 = k[0], a1 = k[1], b2 = k[2], a2 = k[3], root = k[4], eps = k[5];
+    const float unbias = k[6], lr = k[7], top = (float)max_code;
+    int64_t moved = 0;
+    uint8_t code[BLOCK];
+    for (int64_t b = 0; b < n; b += BLOCK) {
+        const int64_t e = n - b < BLOCK ? n - b : BLOCK;
+        for (int64_t j = 0; j < e; j++) {
+            const int64_t i = b + j;
+            const float g = grad[index[i]];
+            const float mi = bf16_value(m[i]) * b1 + a1 * g;
+            const float si = bf16_value(s2[i]) * b2 + a2 * (g * g);
+            m[i] = bf16_round(mi);
+            s2[i] = bf16_round(si);
+            const float step = clamp(mi / (sqrtf(si) / root + eps) * unbias, -1.0f, 1.0f);
+            const float ui = clamp(u[i] - lr * step, -1.0f, 1.0f);
+            u[i] = ui;
+            code[j] = (uint8_t)clamp(rintf((float)q0[i] + ui), 0.0f, top);
+        }
+        for (int64_t j = 0; j < e; j++) {
+            if (code[j] != now[b + j]) {
+                now[b + j] = code[j];
+                codes[index[b + j]] = code[j];
+                moved++;
+            }
+        }
+    }
+    return moved;
+}
