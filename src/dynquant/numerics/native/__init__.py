@@ -23,6 +23,8 @@ The kernels (``*.c`` beside this file) and their Python sides:
 - ``decode_step.c`` (``runtime/native_decode.py``): a whole decode step of a Llama-style model;
 - ``packed_experts.c`` (``packed_matvec.py``): a few (token, expert) pairs of a bank in one call
   (MoE decode), each pair by the one-token kernels;
+- ``tuned_rounding.c`` (``tuned_scales.py``): the tuned rounding's Adam step, bit-identical to
+  its torch path;
 - ``kernels.h``: every exported function and the descriptor structs (mirrored by
   ``interface.py``; ``layout.c`` reports their compiled layout to the tests);
 - ``unpack.h``: reading packed codes, with AVX-512 VBMI where the CPU has it;

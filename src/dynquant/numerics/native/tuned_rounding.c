@@ -7,27 +7,11 @@
  * then the few codes that changed written one by one.
  */
 #include <math.h>
-#include <string.h>
 
 #include "kernels.h"
+#include "unpack.h" /* bf16_value, bf16_round */
 
 #define BLOCK 256
-
-static inline float bf16_value(uint16_t h) {
-    const uint32_t u = (uint32_t)h << 16;
-    float f;
-    memcpy(&f, &u, sizeof f);
-    return f;
-}
-
-/* nearest, ties to even, as torch's conversion (a NaN stays a NaN); no branch, so it vectorizes */
-static inline uint16_t bf16_round(float f) {
-    uint32_t u;
-    memcpy(&u, &f, sizeof u);
-    const uint32_t rounded = (u + 0x7FFFu + ((u >> 16) & 1u)) >> 16;
-    const uint32_t nan = 0u - (uint32_t)((u & 0x7FFFFFFFu) > 0x7F800000u); /* all ones or 0 */
-    return (uint16_t)((((u >> 16) | 0x40u) & nan) | (rounded & ~nan));
-}
 
 static inline float clamp(float x, float lo, float hi) {
     x = x < lo ? lo : x; /* two selects: they vectorize, where a nested one does not */

@@ -28,12 +28,14 @@ static inline float bf16_value(uint16_t h) {
     return f;
 }
 
-/* float -> bfloat16 bits, nearest, ties to even (as torch converts); NaN stays a (quiet) NaN. */
+/* float -> bfloat16 bits, nearest, ties to even (as torch converts); NaN stays a (quiet) NaN.
+ * Without a branch, so that a loop calling it vectorizes (tuned_rounding.c). */
 static inline uint16_t bf16_round(float x) {
     uint32_t u;
     memcpy(&u, &x, sizeof u);
-    if ((u & 0x7FFFFFFFu) > 0x7F800000u) return (uint16_t)((u >> 16) | 0x40u);
-    return (uint16_t)((u + 0x7FFFu + ((u >> 16) & 1u)) >> 16);
+    const uint32_t rounded = (u + 0x7FFFu + ((u >> 16) & 1u)) >> 16;
+    const uint32_t nan = 0u - (uint32_t)((u & 0x7FFFFFFFu) > 0x7F800000u); /* all ones or 0 */
+    return (uint16_t)((((u >> 16) | 0x40u) & nan) | (rounded & ~nan));
 }
 
 /* Software prefetch of the packed codes ahead of their use. Decode streams every weight from
