@@ -76,6 +76,7 @@ class ScaleTuning:
         return sum(self.rounding_step(step) for step in range(self.steps))
 
     def rounding_step(self, step: int) -> float:
+        """The rounding's step size at ``step`` (falling linearly to zero, as the scales')."""
         return self.rounding * (1 - step / self.steps)
 
 
