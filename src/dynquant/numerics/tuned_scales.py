@@ -146,9 +146,13 @@ class RoundingOffsets:
         self.t, self.lr = 0, 0.0
 
     def next_step(self, lr: float) -> None:
-        """The step the next backward pass takes (0: none)."""
+        """The step the next backward pass takes (0: none), and the native kernel's constants
+        for it (the same for every chunk)."""
         self.lr = lr
         self.t += lr > 0
+        (b1, b2), t = self.BETAS, max(self.t, 1)
+        self.constants = torch.tensor([b1, 1 - b1, b2, 1 - b2, (1 - b2 ** t) ** 0.5, self.EPS,
+                                       1 / (1 - b1 ** t), lr], dtype=torch.float32)
 
     def step(self, i: int, grad: torch.Tensor) -> None:
         """Adam's step, clipped to the step size, on chunk ``i``'s weights that can change their
@@ -162,11 +166,8 @@ class RoundingOffsets:
             self.step_torch(i, grad)
             return
         grad = grad.contiguous()
-        (b1, b2), t = self.BETAS, self.t
-        k = torch.tensor([b1, 1 - b1, b2, 1 - b2, (1 - b2 ** t) ** 0.5, self.EPS,
-                          1 / (1 - b1 ** t), self.lr], dtype=torch.float32)
         tensors = (grad, self.index[i], None, self.u[i], self.m[i], self.s2[i], self.q0[i],
-                   self.now[i], self.q[self.chunks[i]], k)
+                   self.now[i], self.q[self.chunks[i]], self.constants)
         lib.dq_rounding_step(*(len(self.index[i]) if x is None else x.data_ptr()
                                for x in tensors), self.max_code)
 
