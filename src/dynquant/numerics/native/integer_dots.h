@@ -122,6 +122,7 @@ static inline void block_codes(const uint8_t *bytes, int bits, uint8_t *c) {
  * register holds the block's bytes from 2 * bits * h. */
 typedef struct {
     __m256i shuffle_lo, shuffle_hi, shift_lo, shift_hi;
+    __m256i mask_lo, mask_hi; /* each half's code mask shifted to its code's bit (shift_*) */
     int bits;
 } q8_unpacker;
 
@@ -144,7 +145,12 @@ static inline q8_unpacker make_q8_unpacker(int bits) {
     q8_unpacker u = {_mm256_loadu_si256((const __m256i *)shuf[0]),
                      _mm256_loadu_si256((const __m256i *)shuf[1]),
                      _mm256_loadu_si256((const __m256i *)shift[0]),
-                     _mm256_loadu_si256((const __m256i *)shift[1]), bits};
+                     _mm256_loadu_si256((const __m256i *)shift[1]),
+                     _mm256_setzero_si256(), _mm256_setzero_si256(), bits};
+    /* shifts are below 8, so a half's mask shifted stays in its half */
+    const __m256i masks = _mm256_set1_epi32((int32_t)(0x10001u * ((1u << bits) - 1)));
+    u.mask_lo = _mm256_sllv_epi32(masks, u.shift_lo);
+    u.mask_hi = _mm256_sllv_epi32(masks, u.shift_hi);
     return u;
 }
 

@@ -88,22 +88,14 @@ static inline void q16_lanes_portable(const uint8_t *bytes, int bits, const int1
 }
 
 #ifdef Q8_AVX2
-/* A block's 32 codes in two registers of 16-bit lanes (q16_code's order): 2 and 4 bits by masks
- * and shifts of the bytes in place (2 bits: the 8 bytes broadcast, one shift a qword; 4 bits:
- * the 16 bytes, and shifted by a nibble), other widths by unpack32_words. */
+/* A block's 32 codes of 4-6 bits in two registers of 16-bit lanes (q16_code's order): 4 bits by
+ * masks and shifts of the 16 bytes in place (shifted by a nibble), 5 and 6 by unpack32_words
+ * (2 and 3 bits: q16_group_avx2). */
 static inline __attribute__((always_inline)) void q16_unpack(const uint8_t *p, int bits,
                                                              const q8_unpacker *u, __m256i *lo,
                                                              __m256i *hi) {
-    if (bits == 2 || bits == 4) {
-        __m256i v;
-        if (bits == 2) {
-            int64_t w;
-            memcpy(&w, p, sizeof w);
-            v = _mm256_srlv_epi64(_mm256_set1_epi64x(w), _mm256_setr_epi64x(0, 2, 4, 6));
-        } else {
-            v = nibble_halves(p);
-        }
-        const __m256i mask = _mm256_set1_epi16((int16_t)((1 << bits) - 1));
+    if (bits == 4) {
+        const __m256i v = nibble_halves(p), mask = _mm256_set1_epi16(15);
         *lo = _mm256_and_si256(v, mask);
         *hi = _mm256_and_si256(_mm256_srli_epi16(v, 8), mask);
         return;
@@ -119,6 +111,76 @@ static inline __attribute__((always_inline)) __m256i q16_lanes_avx2(const uint8_
     return _mm256_add_epi32(_mm256_madd_epi16(lo, _mm256_loadu_si256((const __m256i *)x)),
                             _mm256_madd_epi16(hi, _mm256_loadu_si256((const __m256i *)(x + 16))));
 }
+
+/* A block's 3-bit codes masked where the shuffle leaves them (code << shift: the shift is the
+ * same for a 32-bit lane's two halves) times the token's 32 values, added to the lanes a, b. */
+static inline __attribute__((always_inline)) void q16_masked3(const uint8_t *p, const int16_t *x,
+                                                              const q8_unpacker *u, __m256i *a,
+                                                              __m256i *b) {
+    const __m256i v = q8_window(p, 3);
+    *a = _mm256_add_epi32(*a, _mm256_madd_epi16(
+        _mm256_and_si256(_mm256_shuffle_epi8(v, u->shuffle_lo), u->mask_lo),
+        _mm256_loadu_si256((const __m256i *)x)));
+    *b = _mm256_add_epi32(*b, _mm256_madd_epi16(
+        _mm256_and_si256(_mm256_shuffle_epi8(v, u->shuffle_hi), u->mask_hi),
+        _mm256_loadu_si256((const __m256i *)(x + 16))));
+}
+
+/* A 2-bit block's 8 bytes broadcast to every qword, its codes masked in place (q16_code's 2-bit
+ * order: qword q's codes at bit 2q of each 16-bit half, the upper byte's after a shift by 8;
+ * `mask` 3 << 2q) times the token's 32 values, added to the lanes a, b. */
+static inline __attribute__((always_inline)) void q16_masked2(const uint8_t *p, const int16_t *x,
+                                                              __m256i mask, __m256i *a,
+                                                              __m256i *b) {
+    int64_t w;
+    memcpy(&w, p, sizeof w);
+    const __m256i v = _mm256_set1_epi64x(w);
+    *a = _mm256_add_epi32(*a, _mm256_madd_epi16(_mm256_and_si256(v, mask),
+                                                _mm256_loadu_si256((const __m256i *)x)));
+    *b = _mm256_add_epi32(*b, _mm256_madd_epi16(_mm256_and_si256(_mm256_srli_epi16(v, 8), mask),
+                                                _mm256_loadu_si256((const __m256i *)(x + 16))));
+}
+
+/* The 8 integer lanes of a group's `blocks` blocks at p0 (and at p1 where `two`, into *l1).
+ * 2 and 3 bits: q16_masked2/3's sums, each code left where the unpacking finds it (code <<
+ * shift, the shift the same for a 32-bit lane's two halves), then the shifts once a group on the
+ * sums, exact multiples of 2^shift: the same integers as shifting every block, one (2 bits) or
+ * two (3 bits) vector shifts fewer a block. Exact for groups up to MAX_GROUP: a block adds at
+ * most 2 * (7 << 7) * 32767 < 2^26 to a lane, 32 blocks < 2^31. */
+static inline __attribute__((always_inline)) __m256i q16_group_avx2(
+    const uint8_t *p0, const uint8_t *p1, int two, int bits, const int16_t *x, int64_t blocks,
+    const q8_unpacker *u, __m256i *l1) {
+    const int64_t block_bytes = Q8_BLOCK * bits / 8;
+    __m256i t0 = _mm256_setzero_si256(), t1 = _mm256_setzero_si256();
+    if (bits == 2 || bits == 3) {
+        const __m256i shift2 = _mm256_setr_epi32(0, 0, 2, 2, 4, 4, 6, 6);
+        const __m256i mask2 = _mm256_sllv_epi32(_mm256_set1_epi32(0x30003), shift2);
+        const __m256i shift_a = bits == 2 ? shift2 : u->shift_lo;
+        const __m256i shift_b = bits == 2 ? shift2 : u->shift_hi;
+        __m256i a0 = t0, b0 = t0, a1 = t0, b1 = t0;
+        for (int64_t k = 0; k < blocks; k++) {
+            const uint8_t *q0 = p0 + k * block_bytes, *q1 = p1 + k * block_bytes;
+            const int16_t *xk = x + k * Q8_BLOCK;
+            if (bits == 2) {
+                q16_masked2(q0, xk, mask2, &a0, &b0);
+                if (two) q16_masked2(q1, xk, mask2, &a1, &b1);
+            } else {
+                q16_masked3(q0, xk, u, &a0, &b0);
+                if (two) q16_masked3(q1, xk, u, &a1, &b1);
+            }
+        }
+        t0 = _mm256_add_epi32(_mm256_srav_epi32(a0, shift_a), _mm256_srav_epi32(b0, shift_b));
+        t1 = _mm256_add_epi32(_mm256_srav_epi32(a1, shift_a), _mm256_srav_epi32(b1, shift_b));
+    } else {
+        for (int64_t k = 0; k < blocks; k++) {
+            const int16_t *xk = x + k * Q8_BLOCK;
+            t0 = _mm256_add_epi32(t0, q16_lanes_avx2(p0 + k * block_bytes, bits, xk, u));
+            if (two) t1 = _mm256_add_epi32(t1, q16_lanes_avx2(p1 + k * block_bytes, bits, xk, u));
+        }
+    }
+    *l1 = t1;
+    return t0;
+}
 #endif
 
 /* A group's 8 integer lanes summed over its blocks: AVX2 or portable (the same integers). */
@@ -127,12 +189,9 @@ static inline void q16_group_lanes(const q16_job *j, const uint8_t *bytes, const
     const int64_t blocks = j->gs / Q8_BLOCK, block_bytes = Q8_BLOCK * j->bits / 8;
 #ifdef Q8_AVX2
     if (!j->portable) {
-        __m256i total = _mm256_setzero_si256();
-        for (int64_t b = 0; b < blocks; b++)
-            total = _mm256_add_epi32(total, q16_lanes_avx2(bytes + b * block_bytes,
-                                                           j->bits, x + b * Q8_BLOCK,
-                                                           (const q8_unpacker *)u));
-        _mm256_storeu_si256((__m256i *)lanes, total);
+        __m256i unused;
+        _mm256_storeu_si256((__m256i *)lanes, q16_group_avx2(bytes, bytes, 0, j->bits, x, blocks,
+                                                             (const q8_unpacker *)u, &unused));
         return;
     }
 #endif
@@ -185,13 +244,15 @@ static void q16_rows_token(const q16_job *j, const int16_t *xq, const float *d,
 
 #ifdef Q8_AVX2
 /* q16_rows_token's rows r (and r + 1 where `two`) in registers (the same operations in the same
- * order), `bits`, `two` and `tail` constants after inlining, as the int8 rows' pairs: `tail`,
- * the part's last row, whose last group is read from a padded copy. */
+ * order), `bits`, `two`, `tail` and `blocks` (a group's blocks, 0: j->gs's) constants after
+ * inlining, as the int8 rows' pairs: `tail`, the part's last row, whose last group is read from
+ * a padded copy. */
 static inline __attribute__((always_inline)) void q16_row_pair(
     const q16_job *j, const int16_t *xq, const float *d, const float *xsum, float *y, int64_t r,
-    int two, int tail, int bits, const q8_unpacker *u, uint8_t *spare) {
-    const int64_t groups = j->padded_n / j->gs, blocks = j->gs / Q8_BLOCK;
-    const int64_t block_bytes = Q8_BLOCK * bits / 8, group_nbytes = j->gs * bits / 8;
+    int two, int tail, int bits, int64_t blocks, const q8_unpacker *u, uint8_t *spare) {
+    const int64_t groups = j->padded_n / j->gs;
+    if (!blocks) blocks = j->gs / Q8_BLOCK;
+    const int64_t group_nbytes = j->gs * bits / 8;
     const int64_t ahead = prefetch_ahead(groups * group_nbytes);
     __m256 acc0 = _mm256_setzero_ps(), acc1 = _mm256_setzero_ps();
     float o0 = 0.0f, o1 = 0.0f;
@@ -200,12 +261,8 @@ static inline __attribute__((always_inline)) void q16_row_pair(
         const uint8_t *b1 = b0 + groups * group_nbytes;
         start_group_pair(&b0, &b1, two, tail && g == groups - 1, group_nbytes, spare, ahead);
         const int16_t *xg = xq + g * j->gs;
-        __m256i l0 = _mm256_setzero_si256(), l1 = _mm256_setzero_si256();
-        for (int64_t b = 0; b < blocks; b++) {
-            l0 = _mm256_add_epi32(l0, q16_lanes_avx2(b0 + b * block_bytes, bits, xg + b * Q8_BLOCK, u));
-            if (two)
-                l1 = _mm256_add_epi32(l1, q16_lanes_avx2(b1 + b * block_bytes, bits, xg + b * Q8_BLOCK, u));
-        }
+        __m256i l1;
+        const __m256i l0 = q16_group_avx2(b0, b1, two, bits, xg, blocks, u, &l1);
         const float t0 = d[g] * bf16_value(j->scales[r * groups + g]);
         acc0 = _mm256_add_ps(acc0, _mm256_mul_ps(_mm256_set1_ps(t0), _mm256_cvtepi32_ps(l0)));
         o0 += bf16_value(j->offsets[r * groups + g]) * xsum[g];
@@ -221,25 +278,38 @@ static inline __attribute__((always_inline)) void q16_row_pair(
 
 static inline __attribute__((always_inline)) void q16_rows_avx2_bits(
     const q16_job *j, const int16_t *xq, const float *d, const float *xsum, float *y,
-    int64_t lo, int64_t hi, int bits) {
+    int64_t lo, int64_t hi, int bits, int64_t blocks) {
     const q8_unpacker u = make_q8_unpacker(bits);
     uint8_t spare[MAX_GROUP + 32];
     int64_t r = lo;
-    for (; r + 2 < hi; r += 2) q16_row_pair(j, xq, d, xsum, y, r, 1, 0, bits, &u, spare);
+    for (; r + 2 < hi; r += 2) q16_row_pair(j, xq, d, xsum, y, r, 1, 0, bits, blocks, &u, spare);
     if (r + 2 == hi)
-        q16_row_pair(j, xq, d, xsum, y, r, 1, 1, bits, &u, spare);
+        q16_row_pair(j, xq, d, xsum, y, r, 1, 1, bits, blocks, &u, spare);
     else if (r < hi)
-        q16_row_pair(j, xq, d, xsum, y, r, 0, 1, bits, &u, spare);
+        q16_row_pair(j, xq, d, xsum, y, r, 0, 1, bits, blocks, &u, spare);
+}
+
+/* The widths `auto` gives int16 tokens (2 and 3 bits) with the format's group sizes as constants:
+ * a group's blocks unrolled (3 bits, groups of 128: 1.1x, SPR). */
+static inline __attribute__((always_inline)) void q16_rows_avx2_groups(
+    const q16_job *j, const int16_t *xq, const float *d, const float *xsum, float *y,
+    int64_t lo, int64_t hi, int bits) {
+    switch (j->gs) {
+    case 32: q16_rows_avx2_bits(j, xq, d, xsum, y, lo, hi, bits, 1); break;
+    case 64: q16_rows_avx2_bits(j, xq, d, xsum, y, lo, hi, bits, 2); break;
+    case 128: q16_rows_avx2_bits(j, xq, d, xsum, y, lo, hi, bits, 4); break;
+    default: q16_rows_avx2_bits(j, xq, d, xsum, y, lo, hi, bits, 0); break;
+    }
 }
 
 static void q16_rows_avx2(const q16_job *j, const int16_t *xq, const float *d,
                           const float *xsum, float *y, int64_t lo, int64_t hi) {
     switch (j->bits) {
-    case 2: q16_rows_avx2_bits(j, xq, d, xsum, y, lo, hi, 2); break;
-    case 3: q16_rows_avx2_bits(j, xq, d, xsum, y, lo, hi, 3); break;
-    case 4: q16_rows_avx2_bits(j, xq, d, xsum, y, lo, hi, 4); break;
-    case 5: q16_rows_avx2_bits(j, xq, d, xsum, y, lo, hi, 5); break;
-    default: q16_rows_avx2_bits(j, xq, d, xsum, y, lo, hi, 6); break;
+    case 2: q16_rows_avx2_groups(j, xq, d, xsum, y, lo, hi, 2); break;
+    case 3: q16_rows_avx2_groups(j, xq, d, xsum, y, lo, hi, 3); break;
+    case 4: q16_rows_avx2_bits(j, xq, d, xsum, y, lo, hi, 4, 0); break;
+    case 5: q16_rows_avx2_bits(j, xq, d, xsum, y, lo, hi, 5, 0); break;
+    default: q16_rows_avx2_bits(j, xq, d, xsum, y, lo, hi, 6, 0); break;
     }
 }
 #endif
