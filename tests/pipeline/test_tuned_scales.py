@@ -57,13 +57,61 @@ def test_tunable_scales_decode_to_what_they_compute(shape, bits, group_size):
     assert torch.equal(tuned.dequantize(torch.float32), tunable().detach())
 
 
+def _group_gradients_ref(grad: torch.Tensor, codes: torch.Tensor) -> list[torch.Tensor]:
+    """The gradients in the scales and offsets: the group sums of grad * codes and of grad in
+    the fixed order of ``group_sums_torch`` (a padded group's pad: no gradient)."""
+    rows, groups, size = codes.shape
+    g = torch.nn.functional.pad(grad, (0, groups * size - grad.shape[1]))
+    return list(tuned_scales_module.group_sums_torch(g.view(rows, groups, size), codes))
+
+
+def _assert_group_gradients(fast: list[torch.Tensor], plain: list[torch.Tensor],
+                            grad: torch.Tensor, codes: torch.Tensor) -> None:
+    """``fast`` equals the fixed order's sums bit for bit, and autograd's ``plain`` sums (their
+    own order) to float32's rounding."""
+    ref = _group_gradients_ref(grad, codes)
+    assert all(torch.equal(a, b) for a, b in zip(fast, ref, strict=True))
+    assert all(torch.allclose(a, b, rtol=1e-5, atol=1e-4) for a, b in zip(fast, plain, strict=True))
+
+
+def test_the_group_sums_are_their_fixed_order_s():
+    """The native group sums (one pass) equal ``group_sums_torch``'s bit for bit at every group
+    size, with values of every magnitude, a group of signed zeros (its sums +0: the lanes start
+    at +0) and codes 0 and 255; both are within float32's rounding of the exact sums, and exact
+    where every partial sum is an integer below 2^24."""
+    gen = torch.Generator().manual_seed(7)
+    assert native.available()
+    for size in (32, 64, 128):
+        grads = (torch.randn(50, 3, size, generator=gen) * torch.logspace(-6, 6, size),
+                 torch.randint(-999, 1000, (50, 3, size), generator=gen).float())
+        q = torch.randint(0, 256, (50, 3, size), generator=gen, dtype=torch.uint8)
+        q[1], q[2] = 0, 255
+        for exact_sums, grad in enumerate(grads):
+            grad[0, 0] = -0.0
+            times, plain = torch.empty(50, 3), torch.empty(50, 3)
+            tuned_scales_module.group_sums(grad, q, times, plain)
+            ref = tuned_scales_module.group_sums_torch(grad, q)
+            assert torch.equal(times, ref[0]) and torch.equal(plain, ref[1])
+            assert torch.equal(torch.stack([times[0, 0], plain[0, 0]]), torch.zeros(2))
+            assert not torch.signbit(times[0, 0]) and not torch.signbit(plain[0, 0])
+            exact = (grad.double() * q.double()).sum(-1)
+            assert torch.allclose(times.double(), exact, rtol=1e-5, atol=1e-6 * exact.abs().max())
+            if exact_sums:
+                assert torch.equal(times.double(), exact)
+                assert torch.equal(plain.double(), grad.double().sum(-1))
+
+
+@pytest.mark.parametrize("native_kernels", [True, False])
 @pytest.mark.parametrize("chunk", [1 << 20, 200, 64])
-def test_the_chunked_dequantize_is_autograd_s_broadcast(monkeypatch, chunk):
-    """The tunable's dequantize (the format's kernel) and its gradients in the scales and
-    offsets, computed a chunk of rows at a time (one row a chunk, several, one chunk), equal the
-    plain broadcast product's that autograd differentiates, bit for bit, a padded last group
-    included."""
+def test_the_chunked_dequantize_is_autograd_s_broadcast(monkeypatch, chunk, native_kernels):
+    """The tunable's dequantize (the format's kernel) equals the plain broadcast product's that
+    autograd differentiates, bit for bit, and its gradients in the scales and offsets, computed
+    a chunk of rows at a time (one row a chunk, several, one chunk), equal the fixed order's
+    group sums bit for bit and autograd's to float32's rounding, a padded last group included
+    (native kernels and torch)."""
     monkeypatch.setattr(tuned_scales_module, "CHUNK_ELEMENTS", chunk)
+    if not native_kernels:
+        monkeypatch.setenv("DYNQUANT_NATIVE", "0")
     gen = torch.Generator().manual_seed(1)
     start = quantize_tensor(torch.randn(37, 90, generator=gen), 4, 32)
     q = TunableScales(start).q  # [37, 3, 32]
@@ -76,7 +124,7 @@ def test_the_chunked_dequantize_is_autograd_s_broadcast(monkeypatch, chunk):
     plain = (q * s[..., None] + o[..., None]).reshape(37, 96)[:, :90]
     plain_s, plain_o = torch.autograd.grad(plain, (s, o), grad)
     assert torch.equal(fast, plain)
-    assert torch.equal(fast_s, plain_s) and torch.equal(fast_o, plain_o)
+    _assert_group_gradients([fast_s, fast_o], [plain_s, plain_o], grad, q)
 
 
 @pytest.mark.parametrize("native_step", [True, False])
@@ -115,7 +163,8 @@ def test_the_chunked_rounded_dequantize_and_its_adam_step_are_the_plain_ones(mon
         assert torch.equal(fast, plain)
         fast_grads = torch.autograd.grad(fast, (s, o), grad)
         plain_grads = torch.autograd.grad(plain, (s, o), grad)
-        assert all(torch.equal(a, b) for a, b in zip(fast_grads, plain_grads, strict=True))
+        _assert_group_gradients(list(fast_grads), list(plain_grads), grad,
+                                codes.to(torch.uint8))
         g = grad.reshape(37, 3, 32)
         m, s2 = 0.9 * m + 0.1 * g, 0.999 * s2 + 0.001 * g * g
         step = m / (1 - 0.9 ** t) / ((s2.sqrt() / (1 - 0.999 ** t) ** 0.5) + 1e-8)

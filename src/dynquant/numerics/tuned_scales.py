@@ -50,6 +50,7 @@ def _bf16(x: torch.Tensor) -> torch.Tensor:
 
 
 CHUNK_ELEMENTS = 1 << 20  # codes a chunk of rows holds: its float temporaries stay in cache
+GROUP_LANES = 16  # the group sums' lanes (group_sums_torch)
 
 
 class _GroupDequantize(torch.autograd.Function):
@@ -76,27 +77,59 @@ def _group_gradients(grad: torch.Tensor, q: torch.Tensor,
                      ) -> tuple[torch.Tensor, torch.Tensor]:
     """The gradients in the scales and offsets [rows, groups] of codes ``q`` [rows, groups,
     group_size] given the dequantized weight's ``grad`` [rows, in_features]: the group sums of
-    the gradient times the codes, and of the gradient; then ``rounding``'s step on each chunk's
-    gradient (after its codes' sums: the codes the forward used). A chunk of rows at a time: the
-    same values as autograd's broadcast product and sum, without their whole-tensor temporaries,
-    which at a 7B block's shapes (a float copy of the codes, the product, the gradient times the
-    codes) cost twice the block's matrix products per tuning step."""
+    the gradient times the codes, and of the gradient (``group_sums``); then ``rounding``'s step
+    on each chunk's gradient (after its codes' sums: the codes the forward used). A chunk of rows
+    at a time: the torch path's temporaries (a float copy of the codes, the product) stay a
+    chunk's, not the block's."""
     rows, groups, size = q.shape
     if grad.shape[1] != groups * size:  # a padded last group: its pad had no gradient
         grad = F.pad(grad, (0, groups * size - grad.shape[1]))
-    grad = grad.float().reshape(rows, groups, size)
+    grad = grad.float().contiguous().view(rows, groups, size)
     grad_s = torch.empty(rows, groups, dtype=torch.float32)
     grad_o = torch.empty(rows, groups, dtype=torch.float32)
-    chunks = _row_chunks(q)
-    times = torch.empty(min(chunks[0].stop, rows), groups, size, dtype=torch.float32)
-    for i, rs in enumerate(chunks):
+    for i, rs in enumerate(_row_chunks(q)):
         g = grad[rs]
-        torch.mul(g, q[rs], out=times[: g.shape[0]])
-        torch.sum(g, dim=-1, out=grad_o[rs])
-        torch.sum(times[: g.shape[0]], dim=-1, out=grad_s[rs])
+        group_sums(g, q[rs], grad_s[rs], grad_o[rs])
         if rounding is not None:
             rounding.step(i, g)
     return grad_s, grad_o
+
+
+def group_sums(grad: torch.Tensor, q: torch.Tensor, times_out: torch.Tensor,
+               plain_out: torch.Tensor) -> None:
+    """Into ``times_out`` and ``plain_out`` [rows, groups]: the sums over each group of
+    ``grad`` * ``q`` and of ``grad`` (float32 and uint8 [rows, groups, group_size], contiguous),
+    in ``group_sums_torch``'s order: the native kernel where it runs
+    (``native/tunable_dequantize.c``, one pass), else that."""
+    lib = native.library()
+    rows, groups, size = q.shape
+    if lib is None or size % GROUP_LANES or lib.dq_tunable_backward(
+            grad.data_ptr(), q.data_ptr(), rows, groups, size, times_out.data_ptr(),
+            plain_out.data_ptr(), native.kernel_threads()) != 0:
+        times, plain = group_sums_torch(grad, q)
+        times_out.copy_(times)
+        plain_out.copy_(plain)
+
+
+
+def group_sums_torch(grad: torch.Tensor, q: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """``group_sums``' torch path and the native kernel's reference, bit for bit: each sum in 16
+    lanes from +0, lane l adding values l, l + 16, ... in order, then lane l + 8 added to lane l,
+    l + 4 to l, l + 2 to l, l + 1 to l (a fixed order: torch's own sum's depends on its vector
+    width)."""
+    rows, groups, size = q.shape
+    g = grad.view(rows, groups, size // GROUP_LANES, GROUP_LANES)
+    c = q.view(rows, groups, size // GROUP_LANES, GROUP_LANES)
+    times = torch.zeros(rows, groups, GROUP_LANES)
+    plain = torch.zeros(rows, groups, GROUP_LANES)
+    for k in range(size // GROUP_LANES):
+        times.add_(g[:, :, k] * c[:, :, k])
+        plain.add_(g[:, :, k])
+    h = GROUP_LANES // 2
+    while h:
+        times, plain = times[..., :h] + times[..., h:2 * h], plain[..., :h] + plain[..., h:2 * h]
+        h //= 2
+    return times[..., 0], plain[..., 0]
 
 
 class RoundingOffsets:
@@ -201,8 +234,13 @@ class _RoundedGroupDequantize(torch.autograd.Function):
         q = rounding.q
         rows, groups, size = q.shape
         out = torch.empty(rows, groups, size, dtype=torch.float32)
-        for rs in rounding.chunks:  # multiply, then add: the format's dequantize, bit for bit
-            torch.mul(q[rs], s[rs, :, None], out=out[rs]).add_(o[rs, :, None])
+        s, o, lib = s.contiguous(), o.contiguous(), native.library()
+        # multiply, then add: the format's dequantize, bit for bit (native: one pass)
+        if lib is None or size % GROUP_LANES or lib.dq_tunable_forward(
+                q.data_ptr(), s.data_ptr(), o.data_ptr(), rows, groups, size, out.data_ptr(),
+                native.kernel_threads()) != 0:
+            for rs in rounding.chunks:
+                torch.mul(q[rs], s[rs, :, None], out=out[rs]).add_(o[rs, :, None])
         return out.view(rows, groups * size)
 
     @staticmethod

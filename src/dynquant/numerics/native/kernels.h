@@ -300,6 +300,14 @@ int64_t dq_rounding_step(const float *grad, const int32_t *index, int64_t n, flo
                          uint16_t *m, uint16_t *s2, const uint8_t *q0, uint8_t *now,
                          uint8_t *codes, const float *k, int max_code);
 
+/* tunable_dequantize.c: codes q (uint8 [rows, groups, gs]) with float32 scales s and offsets o
+ * [rows, groups]: forward w = q * s + o (float32 [rows, groups * gs]); backward the group sums of
+ * grad * q and of grad (its fixed order there). gs a multiple of 16, else -1. */
+int dq_tunable_forward(const uint8_t *q, const float *s, const float *o, int64_t rows,
+                       int64_t groups, int64_t gs, float *w, int threads);
+int dq_tunable_backward(const float *grad, const uint8_t *q, int64_t rows, int64_t groups,
+                        int64_t gs, float *grad_s, float *grad_o, int threads);
+
 /* pool.c: 1 while calls follow each other closely (the workers' waits spin longer), then 0. */
 void dq_pool_hold(int on);
 #endif

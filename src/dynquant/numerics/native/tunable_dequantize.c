@@ -1,0 +1,101 @@
+/* dynquant's native tunable dequantize (numerics/tuned_scales.py): a tensor's codes as bytes q
+ * (uint8 [rows, groups, gs]) with float32 group scales s and offsets o [rows, groups], each step
+ * of a block's tuning:
+ *   forward   w[r, g, j] = q * s[r, g] + o[r, g]          (multiply, then add: the format's);
+ *   backward  gs[r, g] = sum_j grad[r, g, j] * q[r, g, j],  go[r, g] = sum_j grad[r, g, j],
+ * each sum in a fixed order: 16 lanes from +0, lane l adding values l, l + 16, l + 32, ... in
+ * order, then lane l + 8 added to lane l, l + 4 to l, l + 2 to l, l + 1 to l (gs a multiple of
+ * 16). The torch path (tuned_scales.group_sums_torch) takes the same float32 operations in the
+ * same order, bit for bit; here each is one pass over the codes and the gradient where torch
+ * takes several (the codes widened to float, the product, two sums), their rows split over the
+ * threads. */
+#include "kernels.h"
+#include "pool.h"
+
+#define LANES 16
+
+typedef struct {
+    const uint8_t *q;
+    const float *s, *o, *grad;
+    float *w, *grad_s, *grad_o;
+    int64_t groups, gs;
+} tunable_job;
+
+static int forward_part(const void *ctx, int64_t lo, int64_t hi) {
+    const tunable_job *j = ctx;
+    for (int64_t k = lo * j->groups; k < hi * j->groups; k++) {
+        const uint8_t *restrict q = j->q + k * j->gs;
+        float *restrict w = j->w + k * j->gs;
+        const float s = j->s[k], o = j->o[k];
+        for (int64_t i = 0; i < j->gs; i++) w[i] = (float)q[i] * s + o;
+    }
+    return 0;
+}
+
+#if defined(__AVX2__)
+#include <immintrin.h>
+#endif
+
+static inline float fold_lanes(float *a) {
+    for (int h = LANES / 2; h >= 1; h /= 2)
+        for (int l = 0; l < h; l++) a[l] = a[l] + a[l + h];
+    return a[0];
+}
+
+/* One group's two sums into a[LANES] (times) and b[LANES] (plain), lanes not yet folded. AVX2:
+ * the 16 lanes in two registers each (GCC 12 turns a vector-extension byte-to-float conversion
+ * into scalar code); the same adds in the same order as the plain loop. */
+static inline void group_lanes(const float *g, const uint8_t *q, int64_t gs, float *a,
+                               float *b) {
+#if defined(__AVX2__)
+    __m256 t0 = _mm256_setzero_ps(), t1 = t0, p0 = t0, p1 = t0;
+    for (int64_t k = 0; k < gs; k += LANES) {
+        const __m256 x0 = _mm256_loadu_ps(g + k), x1 = _mm256_loadu_ps(g + k + 8);
+        const __m256 c0 = _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(
+            _mm_loadl_epi64((const __m128i *)(q + k))));
+        const __m256 c1 = _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(
+            _mm_loadl_epi64((const __m128i *)(q + k + 8))));
+        t0 = _mm256_add_ps(t0, _mm256_mul_ps(x0, c0));
+        t1 = _mm256_add_ps(t1, _mm256_mul_ps(x1, c1));
+        p0 = _mm256_add_ps(p0, x0);
+        p1 = _mm256_add_ps(p1, x1);
+    }
+    _mm256_storeu_ps(a, t0);
+    _mm256_storeu_ps(a + 8, t1);
+    _mm256_storeu_ps(b, p0);
+    _mm256_storeu_ps(b + 8, p1);
+#else
+    for (int l = 0; l < LANES; l++) a[l] = b[l] = 0.0f;
+    for (int64_t k = 0; k < gs; k += LANES)
+        for (int l = 0; l < LANES; l++) {
+            a[l] += g[k + l] * (float)q[k + l];
+            b[l] += g[k + l];
+        }
+#endif
+}
+
+static int backward_part(const void *ctx, int64_t lo, int64_t hi) {
+    const tunable_job *j = ctx;
+    for (int64_t k = lo * j->groups; k < hi * j->groups; k++) {
+        float a[LANES], b[LANES];
+        group_lanes(j->grad + k * j->gs, j->q + k * j->gs, j->gs, a, b);
+        j->grad_s[k] = fold_lanes(a);
+        j->grad_o[k] = fold_lanes(b);
+    }
+    return 0;
+}
+
+int dq_tunable_forward(const uint8_t *q, const float *s, const float *o, int64_t rows,
+                       int64_t groups, int64_t gs, float *w, int threads) {
+    if (gs % LANES) return -1;
+    const tunable_job j = {.q = q, .s = s, .o = o, .w = w, .groups = groups, .gs = gs};
+    return dq_parallel(forward_part, &j, rows, threads);
+}
+
+int dq_tunable_backward(const float *grad, const uint8_t *q, int64_t rows, int64_t groups,
+                        int64_t gs, float *grad_s, float *grad_o, int threads) {
+    if (gs % LANES) return -1;
+    const tunable_job j = {.q = q, .grad = grad, .grad_s = grad_s, .grad_o = grad_o,
+                           .groups = groups, .gs = gs};
+    return dq_parallel(backward_part, &j, rows, threads);
+}
