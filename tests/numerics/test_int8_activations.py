@@ -216,13 +216,14 @@ def test_the_int16_quantizer_matches_its_reference(gs):
 @pytest.mark.parametrize("gs", GROUPS)
 def test_int16_dot_products_and_product_equal_their_references(bits, gs):
     """int16 activations (the default for modules under 4 bits): integer dots against int64,
-    SIMD and portable, the largest codes against +-32767 included; the product bit for bit
+    SIMD and portable, the largest codes against +32767 and -32767 included; the product bit for bit
     against its reference, and within float32-like error of the exact product."""
     g = torch.Generator().manual_seed(bits * 10 + gs)
     qt = quantize_tensor(torch.randn(19, 320, generator=g), bits, gs)
     n = qt.layout.padded_in_features
     xq = torch.randint(-32767, 32768, (n,), generator=g, dtype=torch.int16)
-    xq[:128] = 32767
+    xq[:128] = 32767  # the largest sums a lane holds (2 and 3 bits: before their shifts)
+    xq[128:256] = -32767
     top = (1 << bits) - 1
     codes_max = pack_codes(torch.full((19, n), top, dtype=torch.uint8), bits)
     for q in (qt.qweight, codes_max):
