@@ -267,22 +267,33 @@ def packed_matvec_q8_ref(x: torch.Tensor, qweight: torch.Tensor, scales: torch.T
             gacc = gacc + steps[g * units + b] * lanes[:, g, b]
         acc = acc + scales[:, g].float()[:, None] * gacc
         o_sum = o_sum + offsets[:, g].float() * xsum[g]
-    s4 = acc[:, :4] + acc[:, 4:]
-    return ((s4[:, 0] + s4[:, 2]) + (s4[:, 1] + s4[:, 3])) + o_sum
+    return _sum8(acc) + o_sum
 
 
 def _q16_epilogue(lanes: torch.Tensor, xq: torch.Tensor, d: torch.Tensor, scales: torch.Tensor,
                   offsets: torch.Tensor, gs: int) -> torch.Tensor:
     """The int16 product's float part from each group's integer lanes [rows, groups, 8] (exact
-    sums over its blocks) and the token quantized per group (xq, d [groups])."""
+    sums over its blocks) and the token quantized per group (xq, d [groups]): each group's dot
+    (its lanes' exact sum) in float lane g % 8, eight groups at a time, the terms past the last
+    group +0."""
+    rows, groups = lanes.shape[:2]
     xsum = d * xq.to(torch.int32).view(-1, gs).sum(-1).to(torch.float32)
-    acc, o_sum = torch.zeros(lanes.shape[0], 8), torch.zeros(lanes.shape[0])
-    for g in range(lanes.shape[1]):
-        t = d[g] * scales[:, g].float()
-        acc = acc + t[:, None] * lanes[:, g].to(torch.float32)
-        o_sum = o_sum + offsets[:, g].float() * xsum[g]
-    s4 = acc[:, :4] + acc[:, 4:]
-    return ((s4[:, 0] + s4[:, 2]) + (s4[:, 1] + s4[:, 3])) + o_sum
+    pad = -groups % 8
+    dots = F.pad(lanes.sum(-1), (0, pad)).to(torch.float32)
+    d, xsum = F.pad(d, (0, pad)), F.pad(xsum, (0, pad))
+    scales, offsets = F.pad(scales.float(), (0, pad)), F.pad(offsets.float(), (0, pad))
+    acc, off = torch.zeros(rows, 8), torch.zeros(rows, 8)
+    for g in range(0, groups + pad, 8):
+        at = slice(g, g + 8)
+        acc = acc + (d[at] * scales[:, at]) * dots[:, at]
+        off = off + offsets[:, at] * xsum[at]
+    return _sum8(acc) + _sum8(off)
+
+
+def _sum8(a: torch.Tensor) -> torch.Tensor:
+    """((a0+a4)+(a2+a6)) + ((a1+a5)+(a3+a7)) of each row of [rows, 8]."""
+    s4 = a[:, :4] + a[:, 4:]
+    return (s4[:, 0] + s4[:, 2]) + (s4[:, 1] + s4[:, 3])
 
 
 def packed_matvec_q16(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor,

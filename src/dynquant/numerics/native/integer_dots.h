@@ -19,9 +19,13 @@
 #if defined(__AVXVNNI__)
 #define Q8_VNNI 1
 #define Q8_DPBUSD(acc, a, b) _mm256_dpbusd_avx_epi32((acc), (a), (b))
+#define Q8_DPWSSD(acc, a, b) _mm256_dpwssd_avx_epi32((acc), (a), (b))
 #elif defined(__AVX512VNNI__) && defined(__AVX512VL__)
 #define Q8_VNNI 1
 #define Q8_DPBUSD(acc, a, b) _mm256_dpbusd_epi32((acc), (a), (b))
+#define Q8_DPWSSD(acc, a, b) _mm256_dpwssd_epi32((acc), (a), (b))
+#else /* acc + vpmaddwd: the same integers (vpdpwssd wraps as the add does) in two operations */
+#define Q8_DPWSSD(acc, a, b) _mm256_add_epi32((acc), _mm256_madd_epi16((a), (b)))
 #endif
 #endif
 

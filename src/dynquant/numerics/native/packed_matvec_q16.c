@@ -5,11 +5,14 @@
  * (BENCHMARKS.md, "Against llama.cpp"); at 16 bits that noise is ~100 times smaller. Widths 2-6.
  * A block's position p holds code q16_code(bits, p) (the 16-bit lanes the AVX2 unpacking leaves)
  * and lane l sums positions 2l, 2l+1, 16+2l and 17+2l (vpmaddwd on each half, then the halves
- * added). A group's lanes are summed over its blocks as integers (exact: codes < 64, |xq| <=
- * 32767, at most 128 products a lane for gs <= 1024), so the float work is once per group:
- *   acc[l] = acc[l] + (d[g] * scale[g]) * float(lane l)           (mul, mul, then add);
- *   y = ((acc0+acc4)+(acc2+acc6)) + ((acc1+acc5)+(acc3+acc7)) + sum_g offset[g] * xsum[g],
- * xsum[g] = d[g] * float(the group's integer sum of xq). */
+ * added). A group's lanes are summed over its blocks, and then together, as integers (exact:
+ * codes < 64, |xq| <= 32767, gs <= 1024: |sum| < 2^31) into the group's dot q . xq, so the float
+ * work is once per group, group g in float lane l = g % 8 (eight groups in one vector):
+ *   acc[l] = acc[l] + (d[g] * scale[g]) * float(dot_g)            (mul, mul, then add);
+ *   off[l] = off[l] + offset[g] * xsum[g]                          (mul, then add);
+ *   y = sum8(acc) + sum8(off),  sum8(a) = ((a0+a4)+(a2+a6)) + ((a1+a5)+(a3+a7)),
+ * xsum[g] = d[g] * float(the group's integer sum of xq); past the last group (groups not a
+ * multiple of 8) the terms are +0. */
 #include "integer_dots.h"
 
 #define Q16_LEVELS 32767.0f
@@ -118,12 +121,10 @@ static inline __attribute__((always_inline)) void q16_masked3(const uint8_t *p, 
                                                               const q8_unpacker *u, __m256i *a,
                                                               __m256i *b) {
     const __m256i v = q8_window(p, 3);
-    *a = _mm256_add_epi32(*a, _mm256_madd_epi16(
-        _mm256_and_si256(_mm256_shuffle_epi8(v, u->shuffle_lo), u->mask_lo),
-        _mm256_loadu_si256((const __m256i *)x)));
-    *b = _mm256_add_epi32(*b, _mm256_madd_epi16(
-        _mm256_and_si256(_mm256_shuffle_epi8(v, u->shuffle_hi), u->mask_hi),
-        _mm256_loadu_si256((const __m256i *)(x + 16))));
+    *a = Q8_DPWSSD(*a, _mm256_and_si256(_mm256_shuffle_epi8(v, u->shuffle_lo), u->mask_lo),
+                   _mm256_loadu_si256((const __m256i *)x));
+    *b = Q8_DPWSSD(*b, _mm256_and_si256(_mm256_shuffle_epi8(v, u->shuffle_hi), u->mask_hi),
+                   _mm256_loadu_si256((const __m256i *)(x + 16)));
 }
 
 /* A 2-bit block's 8 bytes broadcast to every qword, its codes masked in place (q16_code's 2-bit
@@ -135,10 +136,9 @@ static inline __attribute__((always_inline)) void q16_masked2(const uint8_t *p, 
     int64_t w;
     memcpy(&w, p, sizeof w);
     const __m256i v = _mm256_set1_epi64x(w);
-    *a = _mm256_add_epi32(*a, _mm256_madd_epi16(_mm256_and_si256(v, mask),
-                                                _mm256_loadu_si256((const __m256i *)x)));
-    *b = _mm256_add_epi32(*b, _mm256_madd_epi16(_mm256_and_si256(_mm256_srli_epi16(v, 8), mask),
-                                                _mm256_loadu_si256((const __m256i *)(x + 16))));
+    *a = Q8_DPWSSD(*a, _mm256_and_si256(v, mask), _mm256_loadu_si256((const __m256i *)x));
+    *b = Q8_DPWSSD(*b, _mm256_and_si256(_mm256_srli_epi16(v, 8), mask),
+                   _mm256_loadu_si256((const __m256i *)(x + 16)));
 }
 
 /* The 8 integer lanes of a group's `blocks` blocks at p0 (and at p1 where `two`, into *l1).
@@ -216,8 +216,9 @@ static void q16_rows_token(const q16_job *j, const int16_t *xq, const float *d,
 #else
     const void *u = NULL;
 #endif
+    const int64_t padded_groups = (groups + 7) / 8 * 8;
     for (int64_t r = lo; r < hi; r++) {
-        float acc[8] = {0}, o_sum = 0.0f;
+        float acc[8] = {0}, off[8] = {0};
         for (int64_t g = 0; g < groups; g++) {
             const uint8_t *bytes = (const uint8_t *)j->qweight + (r * groups + g) * group_nbytes;
             if (r == hi - 1 && g == groups - 1) { /* the SIMD loads pass a group's end */
@@ -234,19 +235,63 @@ static void q16_rows_token(const q16_job *j, const int16_t *xq, const float *d,
                 dots[r * groups + g] = total;
                 continue;
             }
+            int32_t dot = 0;
+            for (int l = 0; l < 8; l++) dot += lanes[l];
             const float t = d[g] * bf16_value(j->scales[r * groups + g]);
-            for (int l = 0; l < 8; l++) acc[l] += t * (float)lanes[l];
-            o_sum += bf16_value(j->offsets[r * groups + g]) * xsum[g];
+            acc[g % 8] += t * (float)dot;
+            off[g % 8] += bf16_value(j->offsets[r * groups + g]) * xsum[g];
         }
-        if (!dots) y[r] = lane_sum8_portable(acc) + o_sum;
+        if (dots) continue;
+        for (int64_t g = groups; g < padded_groups; g++) { /* the vector path's zero lanes */
+            acc[g % 8] += 0.0f;
+            off[g % 8] += 0.0f;
+        }
+        y[r] = lane_sum8_portable(acc) + lane_sum8_portable(off);
     }
 }
 
 #ifdef Q8_AVX2
+/* Eight groups' lane vectors v[0..7] as their eight dots (integer sums: exact in any order). */
+static inline __m256i q16_dots8(const __m256i *v) {
+    const __m256i f = _mm256_hadd_epi32(_mm256_hadd_epi32(v[0], v[1]),
+                                        _mm256_hadd_epi32(v[2], v[3]));
+    const __m256i h = _mm256_hadd_epi32(_mm256_hadd_epi32(v[4], v[5]),
+                                        _mm256_hadd_epi32(v[6], v[7]));
+    return _mm256_add_epi32(_mm256_permute2x128_si256(f, h, 0x20),
+                            _mm256_permute2x128_si256(f, h, 0x31));
+}
+
+static inline __m256 bf16x8(const uint16_t *p) {
+    return _mm256_castsi256_ps(
+        _mm256_slli_epi32(_mm256_cvtepu16_epi32(_mm_loadu_si128((const __m128i *)p)), 16));
+}
+
+/* The header's float work for groups [g0, g0 + n) (n <= 8; the rest's terms +0) of one row:
+ * its scales and offsets at s, o. */
+static inline __attribute__((always_inline)) void q16_float8(
+    __m256 *acc, __m256 *off, __m256i dots, const float *d, const float *xsum, const uint16_t *s,
+    const uint16_t *o, int64_t g0, int64_t n) {
+    __m256 dv, xv, sv, ov;
+    if (n == 8) {
+        dv = _mm256_loadu_ps(d + g0), xv = _mm256_loadu_ps(xsum + g0);
+        sv = bf16x8(s + g0), ov = bf16x8(o + g0);
+    } else {
+        float dd[8] = {0}, xx[8] = {0};
+        uint16_t ss[8] = {0}, oo[8] = {0};
+        memcpy(dd, d + g0, (size_t)n * sizeof *dd);
+        memcpy(xx, xsum + g0, (size_t)n * sizeof *xx);
+        memcpy(ss, s + g0, (size_t)n * sizeof *ss);
+        memcpy(oo, o + g0, (size_t)n * sizeof *oo);
+        dv = _mm256_loadu_ps(dd), xv = _mm256_loadu_ps(xx), sv = bf16x8(ss), ov = bf16x8(oo);
+    }
+    *acc = _mm256_add_ps(*acc, _mm256_mul_ps(_mm256_mul_ps(dv, sv), _mm256_cvtepi32_ps(dots)));
+    *off = _mm256_add_ps(*off, _mm256_mul_ps(ov, xv));
+}
+
 /* q16_rows_token's rows r (and r + 1 where `two`) in registers (the same operations in the same
- * order), `bits`, `two`, `tail` and `blocks` (a group's blocks, 0: j->gs's) constants after
- * inlining, as the int8 rows' pairs: `tail`, the part's last row, whose last group is read from
- * a padded copy. */
+ * order: eight groups a vector), `bits`, `two`, `tail` and `blocks` (a group's blocks, 0:
+ * j->gs's) constants after inlining, as the int8 rows' pairs: `tail`, the part's last row, whose
+ * last group is read from a padded copy. */
 static inline __attribute__((always_inline)) void q16_row_pair(
     const q16_job *j, const int16_t *xq, const float *d, const float *xsum, float *y, int64_t r,
     int two, int tail, int bits, int64_t blocks, const q8_unpacker *u, uint8_t *spare) {
@@ -254,26 +299,27 @@ static inline __attribute__((always_inline)) void q16_row_pair(
     if (!blocks) blocks = j->gs / Q8_BLOCK;
     const int64_t group_nbytes = j->gs * bits / 8;
     const int64_t ahead = prefetch_ahead(groups * group_nbytes);
-    __m256 acc0 = _mm256_setzero_ps(), acc1 = _mm256_setzero_ps();
-    float o0 = 0.0f, o1 = 0.0f;
-    for (int64_t g = 0; g < groups; g++) {
-        const uint8_t *b0 = (const uint8_t *)j->qweight + (r * groups + g) * group_nbytes;
-        const uint8_t *b1 = b0 + groups * group_nbytes;
-        start_group_pair(&b0, &b1, two, tail && g == groups - 1, group_nbytes, spare, ahead);
-        const int16_t *xg = xq + g * j->gs;
-        __m256i l1;
-        const __m256i l0 = q16_group_avx2(b0, b1, two, bits, xg, blocks, u, &l1);
-        const float t0 = d[g] * bf16_value(j->scales[r * groups + g]);
-        acc0 = _mm256_add_ps(acc0, _mm256_mul_ps(_mm256_set1_ps(t0), _mm256_cvtepi32_ps(l0)));
-        o0 += bf16_value(j->offsets[r * groups + g]) * xsum[g];
-        if (two) {
-            const float t1 = d[g] * bf16_value(j->scales[(r + 1) * groups + g]);
-            acc1 = _mm256_add_ps(acc1, _mm256_mul_ps(_mm256_set1_ps(t1), _mm256_cvtepi32_ps(l1)));
-            o1 += bf16_value(j->offsets[(r + 1) * groups + g]) * xsum[g];
+    __m256 acc0 = _mm256_setzero_ps(), acc1 = acc0, off0 = acc0, off1 = acc0;
+    for (int64_t g0 = 0; g0 < groups; g0 += 8) {
+        const int64_t n = groups - g0 < 8 ? groups - g0 : 8;
+        __m256i v0[8], v1[8];
+        for (int64_t k = 0; k < 8; k++) {
+            v0[k] = v1[k] = _mm256_setzero_si256();
+            if (k >= n) continue;
+            const int64_t g = g0 + k;
+            const uint8_t *b0 = (const uint8_t *)j->qweight + (r * groups + g) * group_nbytes;
+            const uint8_t *b1 = b0 + groups * group_nbytes;
+            start_group_pair(&b0, &b1, two, tail && g == groups - 1, group_nbytes, spare, ahead);
+            v0[k] = q16_group_avx2(b0, b1, two, bits, xq + g * j->gs, blocks, u, &v1[k]);
         }
+        q16_float8(&acc0, &off0, q16_dots8(v0), d, xsum, j->scales + r * groups,
+                   j->offsets + r * groups, g0, n);
+        if (two)
+            q16_float8(&acc1, &off1, q16_dots8(v1), d, xsum, j->scales + (r + 1) * groups,
+                       j->offsets + (r + 1) * groups, g0, n);
     }
-    y[r] = lane_sum8(acc0) + o0;
-    if (two) y[r + 1] = lane_sum8(acc1) + o1;
+    y[r] = lane_sum8(acc0) + lane_sum8(off0);
+    if (two) y[r + 1] = lane_sum8(acc1) + lane_sum8(off1);
 }
 
 static inline __attribute__((always_inline)) void q16_rows_avx2_bits(
