@@ -1,17 +1,20 @@
 """The machine's memory read rate beside the rate the decode products read packed weights at.
 
 A token of decode reads every weight once, so past the caches a decode step is bound by how
-fast memory is read. ``read``: a STREAM-like sum over a buffer eight times the last-level cache
-or more (float32, torch, each thread count); ``copy``: the same buffer copied (read + write).
-Then one-token products of 7B-shaped matrices (MLP 18,944 x 3,584 and its transpose) at 3 and 4
-bits with the activations ``auto`` picks (int16 under 4 bits, int8 from 4) and float32, each
-rotating over copies that together exceed the cache, as GB/s of the codes, scales and offsets
-read: their share of ``read`` is how close the kernels come to the memory's rate.
+fast memory is read. ``read``: a STREAM-like sum over a buffer of 1 GiB or twice the
+last-level cache, the larger (float32, torch, each thread count); ``copy``: the same buffer
+copied (read + write). Then one-token products of 7B-shaped matrices (MLP 18,944 x 3,584 and its
+transpose) at 3 and 4 bits with the activations ``auto`` picks (int16 under 4 bits, int8 from 4)
+and float32, each rotating over copies of one packed matrix that together hold twice the
+last-level cache or more (some server parts have hundreds of MiB of it: four 7B MLP matrices
+fit), as GB/s of the codes, scales and offsets read: their share of ``read`` is how close the
+kernels come to the memory's rate.
 """
 
 from __future__ import annotations
 
 import argparse
+from pathlib import Path
 
 import torch
 
@@ -22,27 +25,44 @@ from dynquant.numerics.packed_matvec import OneTokenMatvec
 
 SHAPES = ((18944, 3584), (3584, 18944))
 BUFFER_BYTES = 1 << 30
+DEFAULT_LLC_BYTES = 32 << 20  # where the system does not say
+
+
+def last_level_cache_bytes() -> int:
+    """The largest cache the kernel reports for CPU 0 (Linux sysfs), else DEFAULT_LLC_BYTES."""
+    sizes = []
+    for index in Path("/sys/devices/system/cpu/cpu0/cache").glob("index*"):
+        try:
+            text = (index / "size").read_text().strip()
+        except OSError:
+            continue
+        unit = {"K": 1 << 10, "M": 1 << 20, "G": 1 << 30}.get(text[-1:], 1)
+        if text.rstrip("KMG").isdigit():
+            sizes.append(int(text.rstrip("KMG")) * unit)
+    return max(sizes, default=DEFAULT_LLC_BYTES)
 
 
 def stream(threads: int) -> tuple[float, float]:
-    """(read, copy) GB/s over BUFFER_BYTES on ``threads`` threads."""
+    """(read, copy) GB/s over the larger of BUFFER_BYTES and two last-level caches on
+    ``threads`` threads."""
     torch.set_num_threads(threads)
-    x = torch.ones(BUFFER_BYTES // 4)
+    x = torch.ones(max(BUFFER_BYTES, 2 * last_level_cache_bytes()) // 4)
     y = torch.empty_like(x)
     read = best_time(lambda: x.sum(), repeat=5)
     copy = best_time(lambda: y.copy_(x), repeat=5)
     return BUFFER_BYTES / read / 1e9, 2 * BUFFER_BYTES / copy / 1e9
 
 
-def product_rate(rows: int, cols: int, bits: int, activations: str, copies: int) -> float:
-    """GB/s of packed bytes a one-token product reads, rotating over ``copies`` matrices."""
-    g = torch.Generator().manual_seed(0)
-    made = []
-    for _ in range(copies):
-        qt = quantize_tensor(torch.randn(rows, cols, generator=g), bits)
-        made.append(OneTokenMatvec(qt.qweight, qt.scales, qt.offsets, qt.layout,
-                                   int8=activations == "int8", int16=activations == "int16"))
-    nbytes = sum(t.nbytes for t in made[0].tensors)
+def product_rate(rows: int, cols: int, bits: int, activations: str, copies: int = 0) -> float:
+    """GB/s of packed bytes a one-token product reads, rotating over ``copies`` copies of one
+    packed matrix (0: as many as hold twice the last-level cache, at least 4)."""
+    qt = quantize_tensor(torch.randn(rows, cols, generator=torch.Generator().manual_seed(0)),
+                         bits)
+    nbytes = qt.qweight.nbytes + qt.scales.nbytes + qt.offsets.nbytes
+    copies = copies or max(4, -(-2 * last_level_cache_bytes() // nbytes))
+    made = [OneTokenMatvec(qt.qweight.clone(), qt.scales.clone(), qt.offsets.clone(), qt.layout,
+                           int8=activations == "int8", int16=activations == "int16")
+            for _ in range(copies)]
     lib, x = native.library(), torch.randn(cols)
     turn = iter(range(1 << 62))
 
@@ -55,9 +75,11 @@ def product_rate(rows: int, cols: int, bits: int, activations: str, copies: int)
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__)
     parser.add_argument("--threads", type=int, default=2)
-    parser.add_argument("--copies", type=int, default=4, help="matrices a product rotates over")
+    parser.add_argument("--copies", type=int, default=0,
+                        help="matrices a product rotates over (0: twice the last-level cache)")
     args = parser.parse_args(argv)
     print(f"# memory bandwidth, {machine()}")
+    figure("last-level cache", last_level_cache_bytes() >> 20, "MiB")
     reads = {}
     for threads in sorted({1, args.threads}):
         reads[threads], copy = stream(threads)
