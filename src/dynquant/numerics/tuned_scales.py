@@ -111,7 +111,6 @@ def group_sums(grad: torch.Tensor, q: torch.Tensor, times_out: torch.Tensor,
         plain_out.copy_(plain)
 
 
-
 def group_sums_torch(grad: torch.Tensor, q: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """``group_sums``' torch path and the native kernel's reference, bit for bit: each sum in 16
     lanes from +0, lane l adding values l, l + 16, ... in order, then lane l + 8 added to lane l,

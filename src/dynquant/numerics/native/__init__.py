@@ -25,6 +25,8 @@ The kernels (``*.c`` beside this file) and their Python sides:
   (MoE decode), each pair by the one-token kernels;
 - ``tuned_rounding.c`` (``tuned_scales.py``): the tuned rounding's Adam step, bit-identical to
   its torch path;
+- ``tunable_dequantize.c`` (``tuned_scales.py``): the tuning's dequantize from codes as bytes and
+  its gradients' group sums, bit-identical to their torch paths;
 - ``kernels.h``: every exported function and the descriptor structs (mirrored by
   ``interface.py``; ``layout.c`` reports their compiled layout to the tests);
 - ``unpack.h``: reading packed codes, with AVX-512 VBMI where the CPU has it;

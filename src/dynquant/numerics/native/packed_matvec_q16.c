@@ -229,14 +229,12 @@ static void q16_rows_token(const q16_job *j, const int16_t *xq, const float *d,
             prefetch_codes(bytes);
             int32_t lanes[8];
             q16_group_lanes(j, bytes, xq + g * j->gs, lanes, u);
-            if (dots) {
-                int32_t total = 0;
-                for (int l = 0; l < 8; l++) total += lanes[l];
-                dots[r * groups + g] = total;
-                continue;
-            }
             int32_t dot = 0;
             for (int l = 0; l < 8; l++) dot += lanes[l];
+            if (dots) {
+                dots[r * groups + g] = dot;
+                continue;
+            }
             const float t = d[g] * bf16_value(j->scales[r * groups + g]);
             acc[g % 8] += t * (float)dot;
             off[g % 8] += bf16_value(j->offsets[r * groups + g]) * xsum[g];

@@ -9,6 +9,10 @@
  * same order, bit for bit; here each is one pass over the codes and the gradient where torch
  * takes several (the codes widened to float, the product, two sums), their rows split over the
  * threads. */
+#if defined(__AVX2__)
+#include <immintrin.h>
+#endif
+
 #include "kernels.h"
 #include "pool.h"
 
@@ -31,10 +35,6 @@ static int forward_part(const void *ctx, int64_t lo, int64_t hi) {
     }
     return 0;
 }
-
-#if defined(__AVX2__)
-#include <immintrin.h>
-#endif
 
 static inline float fold_lanes(float *a) {
     for (int h = LANES / 2; h >= 1; h /= 2)
