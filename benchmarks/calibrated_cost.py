@@ -18,9 +18,10 @@ Per decoder block, in order, as the pipeline runs it (docs/distributed.md):
   compensation as jobs (a bank: one per expert); then (the default, tuned codes) the float
   block's outputs on the float model's hidden states (the targets, by shards), the block's
   scales tuned there (``ScaleTuning().steps`` steps of one window, forward and backward: each
-  step needs the one before) and the tuned codes' outputs by shards. With ``--tune-on float``
+  step needs the one before) and the tuned codes' outputs by shards; the GPTQ codes' outputs
+  only on the tuning's ``check_windows``. With ``--tune-on float``
   the pass computes only the targets (by shards); each block's tuning is a job on a worker
-  beside the pass (its steps and its two checking forwards), and the run ends when the pass
+  beside the pass (its steps and its two forwards on the check windows), and the run ends when the pass
   has ended and the last block's tuning is back (or when the workers have done every block's,
   if that is later: counted as if the pass's own jobs left them idle, which at 64 workers they
   mostly do; on one worker one after the other). With ``--independent-blocks`` the pass is only
@@ -38,7 +39,7 @@ from dataclasses import dataclass
 
 from dynquant.pipeline.calibrate.fisher import CLUSTER_SHARD_SEQS
 from dynquant.pipeline.codes.sequential_gptq import OUTPUT_SHARD_SEQS
-from dynquant.pipeline.codes.tuned_scales import ScaleTuning
+from dynquant.pipeline.codes.tuned_scales import ScaleTuning, check_windows
 
 WINDOWS, MOMENT_WINDOWS, WINDOW, SHARD, STAT_WINDOWS = 48, 16, 256, 8, 8
 RATIO_ROWS = 256  # rows a gptq ratio compensates, at each of 4 widths
@@ -125,6 +126,8 @@ def project(s: Shape, workers: int, rate: dict[str, float], mode: str = "quantiz
     spread = min(workers, WINDOWS // SHARD)  # X^T X jobs a block
     wide = min(workers, WINDOWS // OUTPUT_SHARD_SEQS)  # output jobs a block (nothing folded)
     outputs = big["forward"] / rate["gptq"] / wide
+    checked = len(check_windows(WINDOWS)) / WINDOWS  # the windows a tuning is compared on
+    tuned = "tune" in rate
     # the X^T X pass: here its shards one after the other; on a cluster only its forward (a
     # window a job) is a chain over the blocks, the X^T X jobs (forward and moments) wait on
     # nothing after it: the blocks' spread over the workers, the last block's one shard after
@@ -139,14 +142,14 @@ def project(s: Shape, workers: int, rate: dict[str, float], mode: str = "quantiz
     }
     gptq = {  # the sequential pass, one block after the other
         "GPTQ forwards + X^T X (workers)": (big["partial"] + big["moments"]) / rate["gptq"]
-        / spread + outputs,
+        / spread + outputs * (checked if tuned and mode == "quantized" else 1),
         "inverse factors (driver)": big["factors"] / rate["factor"],
         "compensation (workers)": max(big["compensate"] / workers, big["largest_compensate"])
         / rate["gptq"],
     }
-    # one block's tuning job: the steps, its two forwards
-    tune = (tuning_work(s) / rate["tune"] + 2 * big["forward"] / rate["gptq"]
-            if "tune" in rate else 0.0)
+    # one block's tuning job: the steps, its two forwards on the check windows
+    tune = (tuning_work(s) / rate["tune"] + 2 * checked * big["forward"] / rate["gptq"]
+            if tuned else 0.0)
     targets = {TARGETS: outputs}  # the float model's, by shards
     if mode == "independent":  # on the pass only the float model's outputs; a job per block
         chain = targets  # (its GPTQ on one worker, its output not needed)

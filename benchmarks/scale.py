@@ -44,7 +44,7 @@ from benchmarks.common import figure, machine
 from benchmarks.scale_model import save_scale_model
 from dynquant.numerics.gptq import ordered_factor
 from dynquant.pipeline.calibrate.text import default_calibration
-from dynquant.pipeline.codes.tuned_scales import ScaleTuning
+from dynquant.pipeline.codes.tuned_scales import ScaleTuning, check_windows
 from scripts.install_llama_cpp import install_tools
 from scripts.prepare_real_model import real_model
 
@@ -250,12 +250,13 @@ def main() -> None:
     gptq_stage = next((st for st in stages if st.name == "gptq, block by block"), None)
     step_s = None if gptq_stage is None else gptq_stage.tuning_step_seconds()
     tune_s = 0.0 if step_s is None else args.layers * ScaleTuning().steps * step_s
+    # with tuned codes, the GPTQ codes' outputs on the check windows only, and the block's
+    # outputs twice on every window (the float block's targets, the tuned codes' outputs)
+    outputs = (2 + len(check_windows(48)) / 48) if tune_s else 1
     work = {"pass": measured["forward"] + measured["moments"], "stats": small["forward"],
             "fisher": small["forward"], "ratios": big["ratios"],
-            # with tuned codes, the block's outputs twice more (the float block's targets, the
-            # tuned codes' outputs)
-            "gptq": sum(big[k] for k in ("forward", "partial", "moments", "factors",
-                                         "compensate")) + (2 * big["forward"] if tune_s else 0)}
+            "gptq": sum(big[k] for k in ("partial", "moments", "factors", "compensate"))
+            + outputs * big["forward"]}
     print("| stage | seconds | work (GMAC) | rate (GMAC/s) | of the GEMM peak | peak RSS GiB |")
     print("|---|---|---|---|---|---|")
     seen: dict[str, int] = {}

@@ -279,6 +279,36 @@ def test_tuned_codes_lower_every_block_s_error_at_every_width(tmp_path, monkeypa
             assert sum(len(attempts) == 1 for _, attempts in blocks) >= 3, (bits, blocks)
 
 
+def test_a_tuning_is_checked_on_windows_spread_over_all_and_gptq_runs_only_on_them(
+        tmp_path, monkeypatch):
+    """The windows a tuning's error is compared on: evenly spaced, first and last included,
+    every window where there are no more than ``CHECK_WINDOWS``. In the pass, GPTQ's codes run
+    on those windows only (their outputs serve only the comparison) and the kept codes on
+    every window (the next block's input), and the errors compared are the check windows'."""
+    assert tuned_module.check_windows(48) == [0, 7, 13, 20, 27, 34, 40, 47]
+    assert tuned_module.check_windows(5) == [0, 1, 2, 3, 4]
+    assert tuned_module.check_windows(1) == [0]
+    source = resolve_model(str(LLAMA_REF))
+    monkeypatch.setattr(seq, "check_windows", lambda n: [0, n - 1])
+    compared: list[int] = []
+    real_error, real_outputs = seq.block_error, seq._outputs
+    monkeypatch.setattr(seq, "block_error",
+                        lambda o, t: compared.append(len(o)) or real_error(o, t))
+    ran: list[int] = []
+    monkeypatch.setattr(seq, "_outputs", lambda state, say, windows=None: ran.append(
+        len(state.hidden) if windows is None else -len(windows))
+        or real_outputs(state, say, windows))
+    quantize_model(source, _uniform(source, 3), tmp_path / "t", progress=False,
+                   chooser=_tuned(_calibration(LLAMA_REF, 4, 64), 4))
+    assert set(compared) == {2} and len(compared) >= 8  # before and after, 4 blocks
+    # per block: the float outputs (4 windows), GPTQ's on the check windows (2), then each
+    # attempt's on every window (1 or 2), and GPTQ's on every window where none was kept
+    assert ran.count(-2) == 4 and set(ran) == {4, -2}, ran
+    checks = [i for i, n in enumerate(ran) if n == -2]
+    for start, end in zip(checks, [*checks[1:], len(ran) + 1], strict=True):
+        assert ran[start - 1] == 4 and 1 <= end - 1 - (start + 1) <= 3, ran
+
+
 def _codes_moved_by_one_at_most(tuned_path: Path, gptq_path: Path, bits: int) -> None:
     """Every tensor's tuned codes within one of its GPTQ codes, some moved, a few."""
     tuned, gptq = _tensors(tuned_path, ".qweight"), _tensors(gptq_path, ".qweight")

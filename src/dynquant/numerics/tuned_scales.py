@@ -201,7 +201,7 @@ class RoundingOffsets:
         tensors = (grad, self.index[i], None, self.u[i], self.m[i], self.s2[i], self.q0[i],
                    self.now[i], self.q[self.chunks[i]], self.constants)
         lib.dq_rounding_step(*(len(self.index[i]) if x is None else x.data_ptr()
-                               for x in tensors), self.max_code)
+                               for x in tensors), self.max_code, native.kernel_threads())
 
     def step_torch(self, i: int, grad: torch.Tensor) -> None:
         """``step``'s torch path, the native kernel's reference (the same float32 operations)."""

@@ -295,10 +295,11 @@ int dq_decode_step(const dq_decode_program *program, float *h, int64_t pos, floa
 
 /* tuned_rounding.c: Adam's step (clipped to lr) on n tunable roundings, index[i] being weight
  * i's place in grad and codes; k: b1, 1 - b1, b2, 1 - b2, sqrt(1 - b2^t), eps, 1 / (1 - b1^t),
- * lr. Codes that change are written to now and codes. Returns how many changed. */
+ * lr. Codes that change are written to now and codes, on `threads` threads. Returns how many
+ * changed. */
 int64_t dq_rounding_step(const float *grad, const int32_t *index, int64_t n, float *u,
                          uint16_t *m, uint16_t *s2, const uint8_t *q0, uint8_t *now,
-                         uint8_t *codes, const float *k, int max_code);
+                         uint8_t *codes, const float *k, int max_code, int threads);
 
 /* tunable_dequantize.c: codes q (uint8 [rows, groups, gs]) with float32 scales s and offsets o
  * [rows, groups]: forward w = q * s + o (float32 [rows, groups * gs]); backward the group sums of

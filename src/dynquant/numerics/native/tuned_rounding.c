@@ -7,8 +7,10 @@
  * then the few codes that changed written one by one.
  */
 #include <math.h>
+#include <stdatomic.h>
 
 #include "kernels.h"
+#include "pool.h"
 #include "unpack.h" /* bf16_value, bf16_round */
 
 #define BLOCK 256
@@ -18,10 +20,11 @@ static inline float clamp(float x, float lo, float hi) {
     return x > hi ? hi : x;
 }
 
-int64_t dq_rounding_step(const float *restrict grad, const int32_t *restrict index, int64_t n,
-                         float *restrict u, uint16_t *restrict m, uint16_t *restrict s2,
-                         const uint8_t *restrict q0, uint8_t *restrict now,
-                         uint8_t *restrict codes, const float *restrict k, int max_code) {
+static int64_t rounding_step(const float *restrict grad, const int32_t *restrict index,
+                             int64_t n, float *restrict u, uint16_t *restrict m,
+                             uint16_t *restrict s2, const uint8_t *restrict q0,
+                             uint8_t *restrict now, uint8_t *restrict codes,
+                             const float *restrict k, int max_code) {
     const float b1 = k[0], a1 = k[1], b2 = k[2], a2 = k[3], root = k[4], eps = k[5];
     const float unbias = k[6], lr = k[7], top = (float)max_code;
     int64_t moved = 0;
@@ -49,4 +52,39 @@ int64_t dq_rounding_step(const float *restrict grad, const int32_t *restrict ind
         }
     }
     return moved;
+}
+
+typedef struct {
+    const float *grad;
+    const int32_t *index;
+    float *u;
+    uint16_t *m, *s2;
+    const uint8_t *q0;
+    uint8_t *now, *codes;
+    const float *k;
+    int64_t n;
+    int max_code;
+    _Atomic int64_t moved;
+} rounding_job;
+
+/* Blocks [first, last) of the weights: each weight's step is its own, so the threads' parts
+ * write disjoint u, m, s2, now and codes, and any cut gives the same. */
+static int rounding_part(const void *ctx, int64_t first, int64_t last) {
+    rounding_job *j = (rounding_job *)ctx; /* (its counter is the one shared field written) */
+    const int64_t lo = first * BLOCK, hi = last * BLOCK < j->n ? last * BLOCK : j->n;
+    const int64_t moved = rounding_step(j->grad, j->index + lo, hi - lo, j->u + lo, j->m + lo,
+                                        j->s2 + lo, j->q0 + lo, j->now + lo, j->codes, j->k,
+                                        j->max_code);
+    atomic_fetch_add_explicit(&j->moved, moved, memory_order_relaxed);
+    return 0;
+}
+
+int64_t dq_rounding_step(const float *grad, const int32_t *index, int64_t n, float *u,
+                         uint16_t *m, uint16_t *s2, const uint8_t *q0, uint8_t *now,
+                         uint8_t *codes, const float *k, int max_code, int threads) {
+    rounding_job j = {.grad = grad, .index = index, .u = u, .m = m, .s2 = s2, .q0 = q0,
+                      .now = now, .codes = codes, .k = k, .n = n, .max_code = max_code};
+    atomic_init(&j.moved, 0);
+    dq_parallel(rounding_part, &j, (n + BLOCK - 1) / BLOCK, threads);
+    return atomic_load(&j.moved);
 }

@@ -78,6 +78,7 @@ from dynquant.pipeline.codes.tuned_scales import (
     ScaleTuning,
     TuneJob,
     block_error,
+    check_windows,
     first_lowering,
     tune_block,
     tune_block_job,
@@ -188,7 +189,8 @@ def sequential_gptq(stream: BlockStream, specs: list[TensorSpec], quantized: set
                     block_store = chain if beside else _HeldCodes() if tuned else store
                     _compensate_block(state, specs, index, choice, rounder, block_store,
                                       lambda where, b=b: _noter(bar, task, f"block {b + 1}, {where}"))
-                    hidden = _outputs(state, _noter(bar, task, f"block {b + 1}: its output"))
+                    if not tuned or beside:  # (tuned here: its outputs come with the tuning)
+                        hidden = _outputs(state, _noter(bar, task, f"block {b + 1}: its output"))
                 if tuned and beside:
                     job = TuneJob(b, floats_in, floats, stream.calls[b], dict(state.replaced),
                                   tuning, state.residuals or {})
@@ -196,7 +198,7 @@ def sequential_gptq(stream: BlockStream, specs: list[TensorSpec], quantized: set
                         pending.add(_placed(state, mine, index), [executor.submit(
                             tune_block_job, job, work, cpus=work.threads)])
                 elif tuned and not independent:
-                    hidden = _tuned(state, mine, index, hidden, floats, tuning, store, say)
+                    hidden = _tuned(state, mine, index, floats, tuning, store, say)
             finally:
                 stream.release(block)
             if pending.waiting:
@@ -315,14 +317,19 @@ class _HeldCodes:
         pass
 
 
-def _tuned(state: _Block, mine: list[TensorSpec], index: dict, hidden: list[torch.Tensor],
-           targets: list[torch.Tensor], tuning: ScaleTuning, store: ResumeStore,
-           say: Callable[[str], None]) -> list[torch.Tensor]:
+def _tuned(state: _Block, mine: list[TensorSpec], index: dict, targets: list[torch.Tensor],
+           tuning: ScaleTuning, store: ResumeStore, say: Callable[[str], None]
+           ) -> list[torch.Tensor]:
     """The block's codes (in ``state.replaced``) tuned (``first_lowering``: the first whose
-    block error over every window is below GPTQ's codes', else GPTQ's), stored, put in place;
-    returns the block's outputs with them (``hidden``: its outputs with the GPTQ codes)."""
+    block error on the check windows is below GPTQ's codes', else GPTQ's), stored, put in
+    place; returns the block's outputs with them. GPTQ's codes run on the check windows only,
+    and on every window only where no tuning is kept."""
     codes = dict(state.replaced)
     block = state.stream.blocks[state.index]
+    check = check_windows(len(state.hidden))
+    checked = [targets[k] for k in check]
+    before = block_error(_outputs(state, lambda what: say(f"GPTQ's output: {what}"), check),
+                         checked)
 
     def run(tried: dict[str, QuantizedTensor]) -> list[torch.Tensor]:
         for name, qt in tried.items():
@@ -330,17 +337,18 @@ def _tuned(state: _Block, mine: list[TensorSpec], index: dict, hidden: list[torc
         state.replaced.update(tried)
         return _outputs(state, lambda what: say(f"tuned output: {what}"))
 
-    kept = first_lowering(tuning, block_error(hidden, targets), targets,
+    kept = first_lowering(tuning, before,
                           lambda attempt: tune_block(state.stream, state.index, codes,
                                                      state.hidden, targets, attempt, say,
-                                                     residuals=state.residuals), run)
-    if kept is None:  # the GPTQ codes back in place
-        outputs = hidden
+                                                     residuals=state.residuals),
+                          run, lambda outputs: block_error([outputs[k] for k in check], checked))
+    if kept is not None:  # in place already
+        outputs = kept[1]
+    else:  # the GPTQ codes back in place
         for name, qt in codes.items():
             put_codes(block.get_parameter(name), qt)
         state.replaced.update(codes)
-    else:  # in place already
-        outputs = kept[1]
+        outputs = _outputs(state, lambda what: say(f"GPTQ's output: {what}"))
     for s in mine:
         store.save_quantized(index[s.module], s.module, state.replaced[state.relative(s)])
     return outputs
@@ -377,12 +385,16 @@ class _Block:
         return self.executor.map(fn, jobs, self.work, cpus=self.work.threads)
 
 
-def _outputs(state: _Block, say: Callable[[str], None]) -> list[torch.Tensor]:
-    """The block's outputs for every window (its quantized weights in place), a window a job:
-    each window's outputs are its own (nothing is folded), so they are the same bits however
-    the windows are split, and a cluster spreads the block the widest."""
+def _outputs(state: _Block, say: Callable[[str], None], windows: list[int] | None = None
+             ) -> list[torch.Tensor]:
+    """The block's outputs for every window (its quantized weights in place), or for the
+    ``windows`` given (chunk indices), a window a job: each window's outputs are its own
+    (nothing is folded), so they are the same bits however the windows are split, and a cluster
+    spreads the block the widest."""
     out: list[torch.Tensor] = []
     shards = state.shards(OUTPUT_SHARD_SEQS)
+    if windows is not None:  # (a shard a chunk: OUTPUT_SHARD_SEQS is one sequence)
+        shards = [shards[k] for k in windows]
     say(f"0/{len(shards)} shards of the windows")
     for k, (part, _) in enumerate(state.map(block_shard_job, shards)):
         out.extend(part)
