@@ -27,6 +27,25 @@ typedef struct {
 
 static int forward_part(const void *ctx, int64_t lo, int64_t hi) {
     const tunable_job *j = ctx;
+#if defined(__AVX2__)
+    /* The weights (4 bytes each, a block's ~1 GB at 7B shapes) go to memory past the caches:
+     * stored without first reading their lines in (non-temporal), a third less traffic. The
+     * same values: multiply, then add. */
+    if ((uintptr_t)j->w % 32 == 0 && j->gs % 8 == 0) {
+        for (int64_t k = lo * j->groups; k < hi * j->groups; k++) {
+            const uint8_t *q = j->q + k * j->gs;
+            float *w = j->w + k * j->gs;
+            const __m256 s = _mm256_set1_ps(j->s[k]), o = _mm256_set1_ps(j->o[k]);
+            for (int64_t i = 0; i < j->gs; i += 8) {
+                const __m256 v = _mm256_cvtepi32_ps(
+                    _mm256_cvtepu8_epi32(_mm_loadl_epi64((const __m128i *)(q + i))));
+                _mm256_stream_ps(w + i, _mm256_add_ps(_mm256_mul_ps(v, s), o));
+            }
+        }
+        _mm_sfence(); /* the stores visible before the part is counted done */
+        return 0;
+    }
+#endif
     for (int64_t k = lo * j->groups; k < hi * j->groups; k++) {
         const uint8_t *restrict q = j->q + k * j->gs;
         float *restrict w = j->w + k * j->gs;
