@@ -4,7 +4,7 @@ bundled text, the default codes: GPTQ's with each block's scales tuned) of the s
 against this machine's float32 GEMM peak, and the whole run's wall time and peak RSS.
 
     python -m benchmarks scale [--layers N] [--budget B] [--dense-head] [--no-llama-cpp]
-        [--tune-rounding STEP]
+        [--tune-rounding STEP] [--tune-dtype bfloat16]
 
 Stage seconds come from the progress lines (a stage's "done" line; the tuning's share of the
 gptq stage from the first block's "tuning scales, step N" lines, which a log says every 10 s);
@@ -230,6 +230,8 @@ def main() -> None:
                         help="keep the output head dense (--not-convert lm_head)")
     parser.add_argument("--tune-rounding", metavar="STEP",
                         help="quantize's --tune-rounding (the default's otherwise)")
+    parser.add_argument("--tune-dtype", choices=("float32", "bfloat16"),
+                        help="quantize's --tune-dtype (the default's otherwise)")
     args = parser.parse_args()
     print(f"# 7B-shaped Llama (hidden 3,584, MLP 18,944, 28/4 heads, vocabulary 49,152), "
           f"{args.layers} layer(s), random bf16 weights; {machine()}")
@@ -238,7 +240,8 @@ def main() -> None:
     with tempfile.TemporaryDirectory(prefix="dynquant-scale-") as tmp:
         model = save_scale_model(Path(tmp) / "model", args.layers)
         extra = (["--not-convert", "lm_head"] if args.dense_head else []) + (
-            [] if args.tune_rounding is None else ["--tune-rounding", args.tune_rounding])
+            [] if args.tune_rounding is None else ["--tune-rounding", args.tune_rounding]) + (
+            [] if args.tune_dtype is None else ["--tune-dtype", args.tune_dtype])
         wall, rss, stages = run(model, Path(tmp) / "q", args.budget, extra)
         dense = sum(p.stat().st_size for p in model.glob("*.safetensors"))
         theirs = [] if args.no_llama_cpp else llama_cpp(model, Path(tmp),

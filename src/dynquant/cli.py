@@ -298,6 +298,11 @@ def _calibration_options(p: argparse.ArgumentParser) -> None:
                    "measured best: e.g. SmolLM2 at 3.25 bits KL 0.65 -> 0.58 against the "
                    "scales alone; Gemma-3-270M at 4.25 no gain); 0: GPTQ's codes, only the "
                    "scales and offsets tuned (less time and memory while a block is tuned)")
+    p.add_argument("--tune-dtype", choices=("float32", "bfloat16"),
+                   help="tuned codes: the tuning steps' products in float32 (the default: the "
+                   "same codes on every CPU) or bfloat16 (several times faster where the CPU "
+                   "multiplies bf16 natively, e.g. AMX: BENCHMARKS.md \"Scale\"; slower on "
+                   "AVX2-only CPUs; the codes then depend on that arithmetic)")
     p.add_argument("--tune-on", choices=("quantized", "float"),
                    help="tuned codes: the hidden states each block is fitted on: quantized (the "
                    "default: the model being quantized, each block correcting the ones before "
@@ -308,8 +313,9 @@ def _calibration_options(p: argparse.ArgumentParser) -> None:
 
 def _tuning(args: argparse.Namespace):
     """The tuned codes' settings asked for (None: the API's, unless --tune-steps / --tune-on /
-    --tune-rounding)."""
-    given = {"steps": args.tune_steps, "inputs": args.tune_on, "rounding": args.tune_rounding}
+    --tune-rounding / --tune-dtype)."""
+    given = {"steps": args.tune_steps, "inputs": args.tune_on, "rounding": args.tune_rounding,
+             "dtype": args.tune_dtype}
     if all(v is None for v in given.values()):
         return None
     return _api().ScaleTuning(**{k: v for k, v in given.items() if v is not None})

@@ -309,6 +309,53 @@ def test_a_tuning_is_checked_on_windows_spread_over_all_and_gptq_runs_only_on_th
         assert ran[start - 1] == 4 and 1 <= end - 1 - (start + 1) <= 3, ran
 
 
+@pytest.mark.parametrize("rounded", [False, True])
+def test_a_bf16_tuning_s_weights_are_the_float32_ones_rounded_and_its_gradients_theirs(rounded):
+    """``TunableScales(dtype=bfloat16)`` (``ScaleTuning(dtype="bfloat16")``): the float32
+    dequantize rounded to bf16, bit for bit, and from a bf16 gradient the same scale and offset
+    gradients as the float32 path given that gradient as float32."""
+    gen = torch.Generator().manual_seed(5)
+    start = quantize_tensor(torch.randn(70, 160, generator=gen), 3, 32)
+    r = (torch.rand(70, 5, 32, generator=gen) * 0.998 - 0.499).half() if rounded else None
+    low, full = (TunableScales(start, r, reach=0.3) for _ in range(2))
+    for t in (low, full):
+        with torch.no_grad():
+            t.a.add_(0.01)
+            t.b.sub_(0.02)
+    w_low, w_full = low(torch.bfloat16), full()
+    assert w_low.dtype == torch.bfloat16 and torch.equal(w_low, w_full.to(torch.bfloat16))
+    grad = torch.randn(70, 160, generator=gen).to(torch.bfloat16)
+    got = torch.autograd.grad(w_low, low.scale_parameters(), grad)
+    want = torch.autograd.grad(w_full, full.scale_parameters(), grad.float())
+    assert all(torch.equal(a, b) for a, b in zip(got, want, strict=True))
+
+
+def test_a_tuning_dtype_other_than_float32_or_bfloat16_is_a_typed_error():
+    with pytest.raises(DynquantError, match="float32, bfloat16"):
+        ScaleTuning(dtype="float16")
+
+
+def test_a_bf16_tuning_lowers_every_block_s_error(tmp_path, monkeypatch):
+    """Tuned under bf16 autocast (``ScaleTuning(dtype="bfloat16")``), every block of the trained
+    reference model keeps codes whose error (checked in float32) is below its GPTQ codes', in
+    the format the reader validates."""
+    source = resolve_model(str(LLAMA_REF))
+    events: list[tuple[str, float]] = []
+    real_error, real_tune = seq.block_error, seq.tune_block
+    monkeypatch.setattr(seq, "block_error", lambda o, t: events.append(
+        ("error", real_error(o, t))) or events[-1][1])
+    monkeypatch.setattr(seq, "tune_block", lambda *a, **k: events.append(
+        ("tune", a[5].dtype)) or real_tune(*a, **k))
+    cal = _calibration(LLAMA_REF, 4, 64)
+    chooser = CodeChooser("tuned", sequential=replace(cal, tuning=ScaleTuning(
+        steps=20, dtype="bfloat16")))
+    quantize_model(source, _uniform(source, 3), tmp_path / "t", progress=False, chooser=chooser)
+    assert {v for kind, v in events if kind == "tune"} == {"bfloat16"}
+    blocks = _per_block(events)
+    assert len(blocks) == 4 and all(min(a) < gptq for gptq, a in blocks), blocks
+    validate_checkpoint(tmp_path / "t")
+
+
 def _codes_moved_by_one_at_most(tuned_path: Path, gptq_path: Path, bits: int) -> None:
     """Every tensor's tuned codes within one of its GPTQ codes, some moved, a few."""
     tuned, gptq = _tensors(tuned_path, ".qweight"), _tensors(gptq_path, ".qweight")

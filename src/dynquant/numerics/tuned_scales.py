@@ -59,17 +59,18 @@ class _GroupDequantize(torch.autograd.Function):
     where it runs), and the gradients in ``s`` and ``o`` (``_group_gradients``)."""
 
     @staticmethod
-    def forward(ctx, start: QuantizedTensor, q: torch.Tensor, s: torch.Tensor, o: torch.Tensor
-                ) -> torch.Tensor:
+    def forward(ctx, start: QuantizedTensor, q: torch.Tensor, s: torch.Tensor, o: torch.Tensor,
+                dtype: torch.dtype = torch.float32) -> torch.Tensor:
         lay = start.layout
         ctx.save_for_backward(q)
-        return dequantize_rows(start.qweight, s.to(torch.bfloat16), o.to(torch.bfloat16),
-                               lay.bits, lay.group_size, lay.in_features, torch.float32)
+        w = dequantize_rows(start.qweight, s.to(torch.bfloat16), o.to(torch.bfloat16),
+                            lay.bits, lay.group_size, lay.in_features, torch.float32)
+        return w if dtype == torch.float32 else w.to(dtype)
 
     @staticmethod
-    def backward(ctx, grad: torch.Tensor) -> tuple[None, None, torch.Tensor, torch.Tensor]:
+    def backward(ctx, grad: torch.Tensor) -> tuple[None, None, torch.Tensor, torch.Tensor, None]:
         (q,) = ctx.saved_tensors
-        return None, None, *_group_gradients(grad, q)
+        return None, None, *_group_gradients(grad, q), None
 
 
 def _group_gradients(grad: torch.Tensor, q: torch.Tensor,
@@ -84,11 +85,11 @@ def _group_gradients(grad: torch.Tensor, q: torch.Tensor,
     rows, groups, size = q.shape
     if grad.shape[1] != groups * size:  # a padded last group: its pad had no gradient
         grad = F.pad(grad, (0, groups * size - grad.shape[1]))
-    grad = grad.float().contiguous().view(rows, groups, size)
+    grad = grad.contiguous().view(rows, groups, size)  # (bf16 ones made float a chunk at a time)
     grad_s = torch.empty(rows, groups, dtype=torch.float32)
     grad_o = torch.empty(rows, groups, dtype=torch.float32)
     for i, rs in enumerate(_row_chunks(q)):
-        g = grad[rs]
+        g = grad[rs].float()
         group_sums(g, q[rs], grad_s[rs], grad_o[rs])
         if rounding is not None:
             rounding.step(i, g)
@@ -227,25 +228,46 @@ class _RoundedGroupDequantize(torch.autograd.Function):
     the gradients in ``s`` and ``o`` and the rounding's step (``_group_gradients``)."""
 
     @staticmethod
-    def forward(ctx, rounding: RoundingOffsets, s: torch.Tensor, o: torch.Tensor
-                ) -> torch.Tensor:
+    def forward(ctx, rounding: RoundingOffsets, s: torch.Tensor, o: torch.Tensor,
+                dtype: torch.dtype = torch.float32) -> torch.Tensor:
         ctx.rounding = rounding
         q = rounding.q
         rows, groups, size = q.shape
-        out = torch.empty(rows, groups, size, dtype=torch.float32)
-        s, o, lib = s.contiguous(), o.contiguous(), native.library()
-        # multiply, then add: the format's dequantize, bit for bit (native: one pass)
-        if lib is None or size % GROUP_LANES or lib.dq_tunable_forward(
-                q.data_ptr(), s.data_ptr(), o.data_ptr(), rows, groups, size, out.data_ptr(),
-                native.kernel_threads()) != 0:
+        out = torch.empty(rows, groups, size, dtype=dtype)
+        s, o = s.contiguous(), o.contiguous()
+        lib = native.library()
+        if dtype == torch.float32:  # written once, past the caches
+            _dequantize(q, s, o, out, rounding.chunks, nontemporal=True)
+        elif (dtype == torch.bfloat16 and lib is not None and not size % GROUP_LANES
+              and lib.dq_tunable_forward_bf16(q.data_ptr(), s.data_ptr(), o.data_ptr(), rows,
+                                              groups, size, out.data_ptr(),
+                                              native.kernel_threads()) == 0):
+            pass  # float32, rounded to bf16 as torch rounds: one pass
+        else:  # float32 a chunk at a time in cache, then rounded to ``dtype``
             for rs in rounding.chunks:
-                torch.mul(q[rs], s[rs, :, None], out=out[rs]).add_(o[rs, :, None])
+                part = torch.empty(q[rs].shape, dtype=torch.float32)
+                _dequantize(q[rs], s[rs], o[rs], part, [slice(None)], nontemporal=False)
+                out[rs].copy_(part)
         return out.view(rows, groups * size)
 
     @staticmethod
-    def backward(ctx, grad: torch.Tensor) -> tuple[None, torch.Tensor, torch.Tensor]:
+    def backward(ctx, grad: torch.Tensor) -> tuple[None, torch.Tensor, torch.Tensor, None]:
         rounding: RoundingOffsets = ctx.rounding
-        return None, *_group_gradients(grad, rounding.q, rounding)
+        return None, *_group_gradients(grad, rounding.q, rounding), None
+
+
+def _dequantize(q: torch.Tensor, s: torch.Tensor, o: torch.Tensor, out: torch.Tensor,
+                chunks: list[slice], nontemporal: bool) -> None:
+    """``out`` (float32, q's shape) = q * s + o, multiply then add: the format's dequantize,
+    bit for bit (native: one pass; ``nontemporal``: its stores past the caches, for an output
+    read later; else a chunk of rows at a time in torch)."""
+    rows, groups, size = q.shape
+    lib = native.library()
+    if lib is None or size % GROUP_LANES or lib.dq_tunable_forward(
+            q.data_ptr(), s.data_ptr(), o.data_ptr(), rows, groups, size, out.data_ptr(),
+            native.kernel_threads(), int(nontemporal)) != 0:
+        for rs in chunks:
+            torch.mul(q[rs], s[rs, :, None], out=out[rs]).add_(o[rs, :, None])
 
 
 def _row_chunks(q: torch.Tensor) -> list[slice]:
@@ -284,14 +306,14 @@ class TunableScales(nn.Module):
     def _scale_offset(self) -> tuple[torch.Tensor, torch.Tensor]:
         return _bf16(self.s0 * (1 + self.a)), _bf16(self.o0 + self.s0 * self.b)
 
-    def forward(self) -> torch.Tensor:
-        """The dequantized weight in its logical shape (float32; the format's arithmetic:
-        multiply, then add)."""
+    def forward(self, dtype: torch.dtype = torch.float32) -> torch.Tensor:
+        """The dequantized weight in its logical shape (the format's arithmetic in float32:
+        multiply, then add; then rounded to ``dtype``, its gradient taken in it)."""
         s, o = self._scale_offset()
         if self.rounding is None:
-            w = _GroupDequantize.apply(self.start, self.q, s, o)
+            w = _GroupDequantize.apply(self.start, self.q, s, o, dtype)
         else:
-            w = _RoundedGroupDequantize.apply(self.rounding, s, o)[:, : self.in_features]
+            w = _RoundedGroupDequantize.apply(self.rounding, s, o, dtype)[:, : self.in_features]
         return w.reshape(self.start.logical_shape)
 
     def next_rounding_step(self, lr: float) -> None:

@@ -15,6 +15,7 @@
 
 #include "kernels.h"
 #include "pool.h"
+#include "unpack.h" /* bf16_round */
 
 #define LANES 16
 
@@ -22,16 +23,27 @@ typedef struct {
     const uint8_t *q;
     const float *s, *o, *grad;
     float *w, *grad_s, *grad_o;
+    uint16_t *w16; /* the forward's output in bf16 instead of w */
     int64_t groups, gs;
+    int nontemporal;
 } tunable_job;
 
 static int forward_part(const void *ctx, int64_t lo, int64_t hi) {
     const tunable_job *j = ctx;
+    if (j->w16) { /* float32, then to nearest bf16 (ties to even: torch's conversion) */
+        for (int64_t k = lo * j->groups; k < hi * j->groups; k++) {
+            const uint8_t *restrict q = j->q + k * j->gs;
+            uint16_t *restrict w = j->w16 + k * j->gs;
+            const float s = j->s[k], o = j->o[k];
+            for (int64_t i = 0; i < j->gs; i++) w[i] = bf16_round((float)q[i] * s + o);
+        }
+        return 0;
+    }
 #if defined(__AVX2__)
-    /* The weights (4 bytes each, a block's ~1 GB at 7B shapes) go to memory past the caches:
-     * stored without first reading their lines in (non-temporal), a third less traffic. The
-     * same values: multiply, then add. */
-    if ((uintptr_t)j->w % 32 == 0 && j->gs % 8 == 0) {
+    /* Weights read later (4 bytes each, a block's ~1 GB at 7B shapes) go to memory past the
+     * caches: stored without first reading their lines in (non-temporal), a third less
+     * traffic. The same values: multiply, then add. */
+    if (j->nontemporal && (uintptr_t)j->w % 32 == 0 && j->gs % 8 == 0) {
         for (int64_t k = lo * j->groups; k < hi * j->groups; k++) {
             const uint8_t *q = j->q + k * j->gs;
             float *w = j->w + k * j->gs;
@@ -105,9 +117,17 @@ static int backward_part(const void *ctx, int64_t lo, int64_t hi) {
 }
 
 int dq_tunable_forward(const uint8_t *q, const float *s, const float *o, int64_t rows,
-                       int64_t groups, int64_t gs, float *w, int threads) {
+                       int64_t groups, int64_t gs, float *w, int threads, int nontemporal) {
     if (gs % LANES) return -1;
-    const tunable_job j = {.q = q, .s = s, .o = o, .w = w, .groups = groups, .gs = gs};
+    const tunable_job j = {.q = q, .s = s, .o = o, .w = w, .groups = groups, .gs = gs,
+                           .nontemporal = nontemporal};
+    return dq_parallel(forward_part, &j, rows, threads);
+}
+
+int dq_tunable_forward_bf16(const uint8_t *q, const float *s, const float *o, int64_t rows,
+                            int64_t groups, int64_t gs, uint16_t *w, int threads) {
+    if (gs % LANES) return -1;
+    const tunable_job j = {.q = q, .s = s, .o = o, .w16 = w, .groups = groups, .gs = gs};
     return dq_parallel(forward_part, &j, rows, threads);
 }
 
