@@ -299,10 +299,10 @@ def _calibration_options(p: argparse.ArgumentParser) -> None:
                    "scales alone; Gemma-3-270M at 4.25 no gain); 0: GPTQ's codes, only the "
                    "scales and offsets tuned (less time and memory while a block is tuned)")
     p.add_argument("--tune-dtype", choices=("float32", "bfloat16"),
-                   help="tuned codes: the tuning steps' products in float32 (the default: the "
-                   "same codes on every CPU) or bfloat16 (several times faster where the CPU "
-                   "multiplies bf16 natively, e.g. AMX: BENCHMARKS.md \"Scale\"; slower on "
-                   "AVX2-only CPUs; the codes then depend on that arithmetic)")
+                   help="tuned codes: the tuning steps' products in float32 (the default) or "
+                   "bfloat16 (where the CPU multiplies bf16 natively, e.g. AMX, about twice as "
+                   "fast at 7B shapes for ~2%% more KL: BENCHMARKS.md \"Scale\"; far slower "
+                   "on AVX2-only CPUs)")
     p.add_argument("--tune-on", choices=("quantized", "float"),
                    help="tuned codes: the hidden states each block is fitted on: quantized (the "
                    "default: the model being quantized, each block correcting the ones before "
