@@ -224,7 +224,7 @@ class RoundingOffsets:
 
 class _RoundedGroupDequantize(torch.autograd.Function):
     """``rounding``'s codes (as they are) with scales ``s`` and offsets ``o`` [rows, groups]
-    dequantized (float32 [rows, groups * group_size]) a chunk of rows at a time; in the backward
+    dequantized ([rows, groups * group_size], float32 or ``dtype``: ``_dequantize``); in the backward
     the gradients in ``s`` and ``o`` and the rounding's step (``_group_gradients``)."""
 
     @staticmethod
@@ -234,20 +234,7 @@ class _RoundedGroupDequantize(torch.autograd.Function):
         q = rounding.q
         rows, groups, size = q.shape
         out = torch.empty(rows, groups, size, dtype=dtype)
-        s, o = s.contiguous(), o.contiguous()
-        lib = native.library()
-        if dtype == torch.float32:  # written once, past the caches
-            _dequantize(q, s, o, out, rounding.chunks, nontemporal=True)
-        elif (dtype == torch.bfloat16 and lib is not None and not size % GROUP_LANES
-              and lib.dq_tunable_forward_bf16(q.data_ptr(), s.data_ptr(), o.data_ptr(), rows,
-                                              groups, size, out.data_ptr(),
-                                              native.kernel_threads()) == 0):
-            pass  # float32, rounded to bf16 as torch rounds: one pass
-        else:  # float32 a chunk at a time in cache, then rounded to ``dtype``
-            for rs in rounding.chunks:
-                part = torch.empty(q[rs].shape, dtype=torch.float32)
-                _dequantize(q[rs], s[rs], o[rs], part, [slice(None)], nontemporal=False)
-                out[rs].copy_(part)
+        _dequantize(q, s.contiguous(), o.contiguous(), out, rounding.chunks)
         return out.view(rows, groups * size)
 
     @staticmethod
@@ -257,17 +244,24 @@ class _RoundedGroupDequantize(torch.autograd.Function):
 
 
 def _dequantize(q: torch.Tensor, s: torch.Tensor, o: torch.Tensor, out: torch.Tensor,
-                chunks: list[slice], nontemporal: bool) -> None:
-    """``out`` (float32, q's shape) = q * s + o, multiply then add: the format's dequantize,
-    bit for bit (native: one pass; ``nontemporal``: its stores past the caches, for an output
-    read later; else a chunk of rows at a time in torch)."""
+                chunks: list[slice]) -> None:
+    """``out`` (q's shape, float32 or bf16) = q * s + o in float32, multiply then add (the
+    format's dequantize, bit for bit), then rounded to ``out``'s dtype as torch rounds: the
+    native kernel's one pass where it runs (float32 stored past the caches: the weights are
+    read later, by the block's products), else a chunk of rows at a time in torch."""
     rows, groups, size = q.shape
     lib = native.library()
-    if lib is None or size % GROUP_LANES or lib.dq_tunable_forward(
-            q.data_ptr(), s.data_ptr(), o.data_ptr(), rows, groups, size, out.data_ptr(),
-            native.kernel_threads(), int(nontemporal)) != 0:
-        for rs in chunks:
+    if lib is not None and not size % GROUP_LANES and out.dtype in (torch.float32, torch.bfloat16):
+        at = (q.data_ptr(), s.data_ptr(), o.data_ptr(), rows, groups, size, out.data_ptr(),
+              native.kernel_threads())
+        if (lib.dq_tunable_forward(*at) if out.dtype == torch.float32
+                else lib.dq_tunable_forward_bf16(*at)) == 0:
+            return
+    for rs in chunks:
+        if out.dtype == torch.float32:
             torch.mul(q[rs], s[rs, :, None], out=out[rs]).add_(o[rs, :, None])
+        else:
+            out[rs].copy_(torch.mul(q[rs], s[rs, :, None]).add_(o[rs, :, None]))
 
 
 def _row_chunks(q: torch.Tensor) -> list[slice]:

@@ -302,11 +302,11 @@ int64_t dq_rounding_step(const float *grad, const int32_t *index, int64_t n, flo
                          uint8_t *codes, const float *k, int max_code, int threads);
 
 /* tunable_dequantize.c: codes q (uint8 [rows, groups, gs]) with float32 scales s and offsets o
- * [rows, groups]: forward w = q * s + o (float32 [rows, groups * gs]; `nontemporal`: stored past
- * the caches where w is aligned; _bf16: each rounded to nearest bf16, ties to even); backward
+ * [rows, groups]: forward w = q * s + o (float32 [rows, groups * gs], stored past the caches
+ * where w is aligned; _bf16: each rounded to nearest bf16, ties to even); backward
  * the group sums of grad * q and of grad (its fixed order there). gs a multiple of 16, else -1. */
 int dq_tunable_forward(const uint8_t *q, const float *s, const float *o, int64_t rows,
-                       int64_t groups, int64_t gs, float *w, int threads, int nontemporal);
+                       int64_t groups, int64_t gs, float *w, int threads);
 int dq_tunable_forward_bf16(const uint8_t *q, const float *s, const float *o, int64_t rows,
                             int64_t groups, int64_t gs, uint16_t *w, int threads);
 int dq_tunable_backward(const float *grad, const uint8_t *q, int64_t rows, int64_t groups,

@@ -25,7 +25,6 @@ typedef struct {
     float *w, *grad_s, *grad_o;
     uint16_t *w16; /* the forward's output in bf16 instead of w */
     int64_t groups, gs;
-    int nontemporal;
 } tunable_job;
 
 static int forward_part(const void *ctx, int64_t lo, int64_t hi) {
@@ -40,10 +39,10 @@ static int forward_part(const void *ctx, int64_t lo, int64_t hi) {
         return 0;
     }
 #if defined(__AVX2__)
-    /* Weights read later (4 bytes each, a block's ~1 GB at 7B shapes) go to memory past the
-     * caches: stored without first reading their lines in (non-temporal), a third less
-     * traffic. The same values: multiply, then add. */
-    if (j->nontemporal && (uintptr_t)j->w % 32 == 0 && j->gs % 8 == 0) {
+    /* The weights (4 bytes each, a block's ~1 GB at 7B shapes, read later by its products) go
+     * to memory past the caches: stored without first reading their lines in (non-temporal), a
+     * third less traffic. The same values: multiply, then add. */
+    if ((uintptr_t)j->w % 32 == 0 && j->gs % 8 == 0) {
         for (int64_t k = lo * j->groups; k < hi * j->groups; k++) {
             const uint8_t *q = j->q + k * j->gs;
             float *w = j->w + k * j->gs;
@@ -117,10 +116,9 @@ static int backward_part(const void *ctx, int64_t lo, int64_t hi) {
 }
 
 int dq_tunable_forward(const uint8_t *q, const float *s, const float *o, int64_t rows,
-                       int64_t groups, int64_t gs, float *w, int threads, int nontemporal) {
+                       int64_t groups, int64_t gs, float *w, int threads) {
     if (gs % LANES) return -1;
-    const tunable_job j = {.q = q, .s = s, .o = o, .w = w, .groups = groups, .gs = gs,
-                           .nontemporal = nontemporal};
+    const tunable_job j = {.q = q, .s = s, .o = o, .w = w, .groups = groups, .gs = gs};
     return dq_parallel(forward_part, &j, rows, threads);
 }
 
