@@ -48,9 +48,10 @@ def stream(threads: int) -> tuple[float, float]:
     torch.set_num_threads(threads)
     x = torch.ones(max(BUFFER_BYTES, 2 * last_level_cache_bytes()) // 4)
     y = torch.empty_like(x)
+    nbytes = x.numel() * x.element_size()
     read = best_time(lambda: x.sum(), repeat=5)
     copy = best_time(lambda: y.copy_(x), repeat=5)
-    return BUFFER_BYTES / read / 1e9, 2 * BUFFER_BYTES / copy / 1e9
+    return nbytes / read / 1e9, 2 * nbytes / copy / 1e9
 
 
 def product_rate(rows: int, cols: int, bits: int, activations: str, copies: int = 0) -> float:
