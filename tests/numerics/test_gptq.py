@@ -11,7 +11,8 @@ import pytest
 import torch
 
 from dynquant.format.packing import unpack_codes
-from dynquant.numerics.gptq import gptq_quantize, gptq_quantize_ref
+from dynquant.numerics import native
+from dynquant.numerics.gptq import gptq_quantize, gptq_quantize_ref, gptq_residual
 from dynquant.numerics.quantizer import quantize_tensor
 from dynquant.numerics.reference import dequantize_ref
 from dynquant.pipeline.calibrate.text import default_calibration
@@ -46,6 +47,23 @@ def test_float32_path_stays_with_the_reference():
     codes, _, _ = gptq_quantize_ref(w.numpy(), h.numpy(), 3, 32)
     same = (unpack_codes(qt.qweight, 3)[:, :128].numpy() == codes).mean()
     assert same >= 0.99  # float32 rounding of the updates moves a few near-ties
+
+
+@pytest.mark.parametrize(("rows", "cols", "bits", "gs"),
+                         [(600, 200, 3, 64), (257, 130, 2, 32), (40, 96, 8, 32)])
+def test_the_native_column_sweep_is_numpy_s(monkeypatch, rows, cols, bits, gs):
+    """GPTQ's rounding of a run of columns in the native kernel (its rows split over threads, a
+    chunk of 256 at a time) and in numpy, its reference: the same codes, scales, offsets and
+    rounding residuals, bit for bit (widths 2-8, a padded last group)."""
+    w, h = _problem(rows, cols, seed=rows + bits)
+    assert native.available()
+    fast = gptq_residual(w, h, bits, gs)
+    monkeypatch.setenv("DYNQUANT_NATIVE", "0")
+    plain = gptq_residual(w, h, bits, gs)
+    for a, b in zip(fast, plain, strict=True):
+        for x, y in ((a, b),) if isinstance(a, torch.Tensor) else (
+                (a.qweight, b.qweight), (a.scales, b.scales), (a.offsets, b.offsets)):
+            assert torch.equal(x, y)
 
 
 def test_reruns_are_byte_identical():

@@ -22,6 +22,7 @@ plain statement, column by column in float64 (numpy).
 from __future__ import annotations
 
 from collections.abc import Callable
+from dataclasses import dataclass
 
 import numpy as np
 import torch
@@ -30,6 +31,7 @@ from torch.nn import functional as F
 from dynquant.errors import QuantizationError
 from dynquant.format.layout import LayerLayout
 from dynquant.format.packing import pack_codes, unpack_codes
+from dynquant.numerics import native
 from dynquant.numerics.lapack_threads import lapack_threads
 from dynquant.numerics.quantizer import QuantizedTensor, quantize_tensor
 
@@ -38,10 +40,15 @@ from dynquant.numerics.quantizer import QuantizedTensor, quantize_tensor
 # sequential pass at 2.5 bits 0.27x vs 0.31x round-to-nearest's on SmolLM2, 0.41x vs 0.53x on
 # llama-ref; at 3.25-4.25 bits within +-0.02 (BENCHMARKS.md "Error-compensating codes").
 DAMP = 0.1
+# Columns whose errors reach the later columns in one product: each product reads and writes
+# every later column's weights, so the fewer the passes the less memory traffic (a 3,584 x
+# 18,944 down projection: 9.1 s at 128, 7.7 s at 256; a 49,152-row head the same)
+BLOCK = 256
 # Columns a block's error updates reach one by one before a product takes them to the rest of
-# the block: a rank-1 update per column moves the block's rows through memory each time (on a
-# 49,152-row head, 8 of gptq's 14 s), a product moves them once per sub-block.
-SUB_BLOCK = 16
+# the block: numpy's rank-1 update per column moves the block's rows through memory each time
+# (on a 49,152-row head, 8 of gptq's 14 s), a product moves them once per sub-block; the native
+# sweep keeps a sub-block's rows in cache a chunk at a time (there 32 columns: 5% faster than 16)
+SUB_BLOCK = 32
 RESIDUAL_CHUNK = 1 << 20  # weights a chunk of the residual's rows holds
 
 
@@ -110,7 +117,7 @@ def _group_params(block: torch.Tensor, bits: int, group_size: int, importance: t
 
 
 def gptq_quantize(weight: torch.Tensor, hessian: torch.Tensor, bits: int, group_size: int = 128,
-                  damp: float = DAMP, block: int = 128, dtype: torch.dtype = torch.float32,
+                  damp: float = DAMP, block: int = BLOCK, dtype: torch.dtype = torch.float32,
                   factor: torch.Tensor | None = None) -> QuantizedTensor:
     """``weight`` [out, in] quantized with error feedback through ``hessian`` [in, in].
 
@@ -127,7 +134,7 @@ def gptq_residual(weight: torch.Tensor, hessian: torch.Tensor, bits: int, group_
     """``gptq_quantize``'s codes (the same bits) and each weight's rounding residual in codes,
     float16 [out, in], clamped to [-1, 1] (a clipped weight's is larger; past one code it
     says nothing more)."""
-    qt, residual = _gptq(weight, hessian, bits, group_size, DAMP, 128, torch.float32, factor,
+    qt, residual = _gptq(weight, hessian, bits, group_size, DAMP, BLOCK, torch.float32, factor,
                          True)
     assert residual is not None
     return qt, residual
@@ -148,8 +155,8 @@ def _gptq(weight: torch.Tensor, hessian: torch.Tensor, bits: int, group_size: in
     importance = torch.diagonal(hessian).to(torch.float32).clamp(min=0)
     order = act_order(hessian)
     u = (ordered_factor(hessian, damp, dtype) if factor is None else factor).to(dtype)
-    un = u.numpy()
-    wt = weight.detach().to(dtype).T[order].contiguous()  # [in, out], in act order
+    un = np.ascontiguousarray(u.numpy())
+    wt = _ordered_transpose(weight.detach(), order, dtype)  # [in, out], in act order
     w = wt.numpy()
     column = order.numpy()
     position = np.empty(cols, dtype=np.int64)
@@ -161,12 +168,15 @@ def _gptq(weight: torch.Tensor, hessian: torch.Tensor, bits: int, group_size: in
     divisors = np.zeros((layout.num_groups, rows), dtype=np.float32)  # 0 scales divide to 0
     max_code = (1 << bits) - 1
     clipped, improvements = 0, []  # clip_improvement: the mean over the column groups
+    sweep = _ColumnSweep(w, un, column, group_size, scales, offsets, divisors, codes,
+                         max_code)
     for start in range(0, cols, block):
         end = min(start + block, cols)
         errors = np.zeros((end - start, rows), dtype=w.dtype)
         for sub in range(start, end, SUB_BLOCK):
             sub_end = min(sub + SUB_BLOCK, end)
-            for k in range(sub, sub_end):
+            k = sub
+            while k < sub_end:
                 g = column[k] // group_size
                 if not fixed[g]:  # the group's first column reached: its weights as they are now
                     span = slice(g * group_size, min((g + 1) * group_size, cols))
@@ -177,13 +187,11 @@ def _gptq(weight: torch.Tensor, hessian: torch.Tensor, bits: int, group_size: in
                     divisors[g] = np.where(sc.numpy() == 0, np.inf, sc.numpy())
                     clipped += c
                     improvements.append(improvement)
-                s, o = scales[g], offsets[g]
-                x = (w[k].astype(np.float32) - o) / divisors[g]
-                q = np.clip(np.rint(x), 0, max_code)
-                codes[column[k]] = q
-                err = (w[k] - (q * s + o)) / un[k, k]
-                w[k + 1:sub_end] -= un[k, k + 1:sub_end, None] * err[None, :]
-                errors[k - start] = err
+                run = k + 1  # the columns from k on whose groups have their scales
+                while run < sub_end and fixed[column[run] // group_size]:
+                    run += 1
+                sweep.run(k, run, sub_end, start, errors)
+                k = run
             if sub_end < end:  # the sub-block's errors reach the rest of the block at once
                 wt[sub_end:end].addmm_(u[sub:sub_end, sub_end:end].T,
                                        torch.from_numpy(errors[sub - start:sub_end - start]),
@@ -201,6 +209,63 @@ def _gptq(weight: torch.Tensor, hessian: torch.Tensor, bits: int, group_size: in
     # each column's weights as it was rounded: no update reaches a column once it is rounded
     at = torch.from_numpy(position)
     return qt, (_residual(qt, lambda a, b: wt[:, a:b][at].T) if keep_residual else None)
+
+
+def _ordered_transpose(weight: torch.Tensor, order: torch.Tensor, dtype: torch.dtype
+                       ) -> torch.Tensor:
+    """``weight.T[order]`` as a new contiguous tensor in ``dtype``, a band of rows at a time:
+    torch's gather of the transposed view reads the weight a column at a time (a 49,152 x 3,584
+    head: 3.2 s against 1.2 s)."""
+    rows = weight.shape[0]
+    out = torch.empty(weight.shape[1], rows, dtype=dtype)
+    step = 1024
+    for r in range(0, rows, step):
+        out[:, r:r + step].copy_(weight[r:r + step, order].T)
+    return out
+
+
+@dataclass
+class _ColumnSweep:
+    """GPTQ's rounding of a run of columns of the act-ordered transpose ``w`` [in, out] whose
+    groups have their scales: each column rounded, its error (over ``u``'s diagonal) kept in
+    ``errors`` (rows from the block's start) and taken off the sub-block's later columns. The
+    native kernel where it runs (``native/gptq_columns.c``: the same float32 operations, the
+    rows split over the threads), else numpy column by column."""
+
+    w: np.ndarray
+    u: np.ndarray
+    column: np.ndarray
+    group_size: int
+    scales: np.ndarray
+    offsets: np.ndarray
+    divisors: np.ndarray
+    codes: np.ndarray
+    max_code: int
+
+    def run(self, k0: int, k1: int, sub_end: int, start: int, errors: np.ndarray) -> None:
+        """Columns [k0, k1), errors into ``errors`` (the block's, from column ``start``)."""
+        single = self.w.dtype == self.u.dtype == np.float32
+        lib = native.library() if single else None
+        if lib is None or lib.dq_gptq_columns(
+                *(a.ctypes.data for a in (self.w, self.u)), self.w.shape[1], self.w.shape[0],
+                k0, k1, sub_end, start, self.column.ctypes.data, self.group_size,
+                *(a.ctypes.data for a in (self.scales, self.offsets, self.divisors,
+                                          self.codes, errors)),
+                self.max_code, native.kernel_threads()) != 0:
+            self.run_numpy(k0, k1, sub_end, start, errors)
+
+    def run_numpy(self, k0: int, k1: int, sub_end: int, start: int, errors: np.ndarray
+                  ) -> None:
+        w, u = self.w, self.u
+        for k in range(k0, k1):
+            g = self.column[k] // self.group_size
+            s, o = self.scales[g], self.offsets[g]
+            x = (w[k].astype(np.float32) - o) / self.divisors[g]
+            q = np.clip(np.rint(x), 0, self.max_code)
+            self.codes[self.column[k]] = q
+            err = (w[k] - (q * s + o)) / u[k, k]
+            w[k + 1:sub_end] -= u[k, k + 1:sub_end, None] * err[None, :]
+            errors[k - start] = err
 
 
 def _current(w: np.ndarray, un: np.ndarray, errors: np.ndarray, at: np.ndarray,
