@@ -40,15 +40,16 @@ from dynquant.numerics.quantizer import QuantizedTensor, quantize_tensor
 # sequential pass at 2.5 bits 0.27x vs 0.31x round-to-nearest's on SmolLM2, 0.41x vs 0.53x on
 # llama-ref; at 3.25-4.25 bits within +-0.02 (BENCHMARKS.md "Error-compensating codes").
 DAMP = 0.1
-# Columns whose errors reach the later columns in one product: each product reads and writes
-# every later column's weights, so the fewer the passes the less memory traffic (a 3,584 x
-# 18,944 down projection: 9.1 s at 128, 7.7 s at 256; a 49,152-row head the same)
-BLOCK = 256
+# Columns whose errors reach the later columns in one product. Each product reads and writes
+# every later column's weights: 256 takes a 3,584 x 18,944 down projection from 9.1 to 7.7 s
+# at the same output error, but rounds differently, and the tuned codes that start from GPTQ's
+# follow any such change (SmolLM2 at 4.25 bits: KL 0.155 -> 0.163); 128 keeps the codes
+# BENCHMARKS.md measured
+BLOCK = 128
 # Columns a block's error updates reach one by one before a product takes them to the rest of
 # the block: numpy's rank-1 update per column moves the block's rows through memory each time
-# (on a 49,152-row head, 8 of gptq's 14 s), a product moves them once per sub-block; the native
-# sweep keeps a sub-block's rows in cache a chunk at a time (there 32 columns: 5% faster than 16)
-SUB_BLOCK = 32
+# (on a 49,152-row head, 8 of gptq's 14 s), a product moves them once per sub-block
+SUB_BLOCK = 16
 RESIDUAL_CHUNK = 1 << 20  # weights a chunk of the residual's rows holds
 
 
