@@ -41,10 +41,9 @@ from dynquant.numerics.quantizer import QuantizedTensor, quantize_tensor
 # llama-ref; at 3.25-4.25 bits within +-0.02 (BENCHMARKS.md "Error-compensating codes").
 DAMP = 0.1
 # Columns whose errors reach the later columns in one product. Each product reads and writes
-# every later column's weights: 256 takes a 3,584 x 18,944 down projection from 9.1 to 7.7 s
-# at the same output error, but rounds differently, and the tuned codes that start from GPTQ's
-# follow any such change (SmolLM2 at 4.25 bits: KL 0.155 -> 0.163); 128 keeps the codes
-# BENCHMARKS.md measured
+# every later column's weights, so 256 would move less memory at the same output error; but it
+# rounds differently, and the tuned codes that start from GPTQ's follow any such change (one
+# moved SmolLM2's KL by 5%): 128 keeps the codes BENCHMARKS.md measured
 BLOCK = 128
 # Columns a block's error updates reach one by one before a product takes them to the rest of
 # the block: numpy's rank-1 update per column moves the block's rows through memory each time
