@@ -54,10 +54,13 @@ def test_float32_path_stays_with_the_reference():
 def test_the_native_column_sweep_is_numpy_s(monkeypatch, rows, cols, bits, gs):
     """GPTQ's rounding of a run of columns in the native kernel (its rows split over threads, a
     chunk of 256 at a time) and in numpy, its reference: the same codes, scales, offsets and
-    rounding residuals, bit for bit (widths 2-8, a padded last group)."""
+    rounding residuals, bit for bit (widths 2-8, a padded last group, rows whose every group has
+    scale 0)."""
     w, h = _problem(rows, cols, seed=rows + bits)
+    w[:3], w[3] = 0.25, 0.0  # constant rows: scale 0, the offset exact in bf16
     assert native.available()
     fast = gptq_residual(w, h, bits, gs)
+    assert float(fast[0].scales[:4].float().abs().max()) == 0.0
     monkeypatch.setenv("DYNQUANT_NATIVE", "0")
     plain = gptq_residual(w, h, bits, gs)
     for a, b in zip(fast, plain, strict=True):

@@ -50,6 +50,7 @@ BLOCK = 128
 # (on a 49,152-row head, 8 of gptq's 14 s), a product moves them once per sub-block
 SUB_BLOCK = 16
 RESIDUAL_CHUNK = 1 << 20  # weights a chunk of the residual's rows holds
+TRANSPOSE_BAND = 1024  # rows a band of a reordering transpose holds
 
 
 def inverse_factor(hessian: torch.Tensor, damp: float = DAMP,
@@ -169,7 +170,7 @@ def _gptq(weight: torch.Tensor, hessian: torch.Tensor, bits: int, group_size: in
     max_code = (1 << bits) - 1
     clipped, improvements = 0, []  # clip_improvement: the mean over the column groups
     sweep = _ColumnSweep(w, un, column, group_size, scales, offsets, divisors, codes,
-                         max_code)
+                         max_code, np.empty(w.shape, np.uint16) if keep_residual else None)
     for start in range(0, cols, block):
         end = min(start + block, cols)
         errors = np.zeros((end - start, rows), dtype=w.dtype)
@@ -206,21 +207,29 @@ def _gptq(weight: torch.Tensor, hessian: torch.Tensor, bits: int, group_size: in
         logical_shape=layout.logical_shape, bits=bits, group_size=group_size,
         clipped_fraction=clipped / (rows * layout.num_groups),
         clip_improvement=sum(improvements) / len(improvements))
+    if not keep_residual:
+        return qt, None
+    if sweep.residual is not None and sweep.native:  # the sweep's, in act order
+        return qt, _ordered_transpose(torch.from_numpy(sweep.residual).view(torch.float16),
+                                      order, torch.float16, inverse=True)
     # each column's weights as it was rounded: no update reaches a column once it is rounded
     at = torch.from_numpy(position)
-    return qt, (_residual(qt, lambda a, b: wt[:, a:b][at].T) if keep_residual else None)
+    return qt, _residual(qt, lambda a, b: wt[:, a:b][at].T)
 
 
-def _ordered_transpose(weight: torch.Tensor, order: torch.Tensor, dtype: torch.dtype
-                       ) -> torch.Tensor:
-    """``weight.T[order]`` as a new contiguous tensor in ``dtype``, a band of rows at a time:
-    torch's gather of the transposed view reads the weight a column at a time (a 49,152 x 3,584
-    head: 3.2 s against 1.2 s)."""
-    rows = weight.shape[0]
-    out = torch.empty(weight.shape[1], rows, dtype=dtype)
-    step = 1024
-    for r in range(0, rows, step):
-        out[:, r:r + step].copy_(weight[r:r + step, order].T)
+def _ordered_transpose(weight: torch.Tensor, order: torch.Tensor, dtype: torch.dtype,
+                       inverse: bool = False) -> torch.Tensor:
+    """``weight.T[order]`` as a new contiguous tensor in ``dtype`` (``inverse``: the ``t`` with
+    ``t.T[order] == weight``), a band of rows at a time: torch's gather of the transposed view
+    reads the weight a column at a time (a 49,152 x 3,584 head: 3.2 s against 1.2 s)."""
+    if inverse:
+        out = torch.empty(weight.shape[1], weight.shape[0], dtype=dtype)
+        for r in range(0, out.shape[0], TRANSPOSE_BAND):
+            out[r:r + TRANSPOSE_BAND, order] = weight[:, r:r + TRANSPOSE_BAND].T.to(dtype)
+        return out
+    out = torch.empty(weight.shape[1], weight.shape[0], dtype=dtype)
+    for r in range(0, weight.shape[0], TRANSPOSE_BAND):
+        out[:, r:r + TRANSPOSE_BAND].copy_(weight[r:r + TRANSPOSE_BAND, order].T)
     return out
 
 
@@ -241,6 +250,10 @@ class _ColumnSweep:
     divisors: np.ndarray
     codes: np.ndarray
     max_code: int
+    # float16 bits [in, out] in act order: each weight's rounding residual, where the native
+    # kernel makes it (``native`` stays True while every run was native)
+    residual: np.ndarray | None = None
+    native: bool = True
 
     def run(self, k0: int, k1: int, sub_end: int, start: int, errors: np.ndarray) -> None:
         """Columns [k0, k1), errors into ``errors`` (the block's, from column ``start``)."""
@@ -249,9 +262,10 @@ class _ColumnSweep:
         if lib is None or lib.dq_gptq_columns(
                 *(a.ctypes.data for a in (self.w, self.u)), self.w.shape[1], self.w.shape[0],
                 k0, k1, sub_end, start, self.column.ctypes.data, self.group_size,
-                *(a.ctypes.data for a in (self.scales, self.offsets, self.divisors,
-                                          self.codes, errors)),
+                *(a.ctypes.data for a in (self.scales, self.offsets, self.divisors, self.codes)),
+                None if self.residual is None else self.residual.ctypes.data, errors.ctypes.data,
                 self.max_code, native.kernel_threads()) != 0:
+            self.native = False
             self.run_numpy(k0, k1, sub_end, start, errors)
 
     def run_numpy(self, k0: int, k1: int, sub_end: int, start: int, errors: np.ndarray

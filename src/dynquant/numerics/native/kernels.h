@@ -316,12 +316,13 @@ int dq_tunable_backward(const float *grad, const uint8_t *q, int64_t rows, int64
  * [columns][rows] (each rounded with its group's scales, offsets and divisors [groups][rows],
  * group column[k] / group_size; codes written to row column[k] of codes [in][rows]; errors
  * [k - start][rows] = (w - rounded) / u[k][k], taken off columns k + 1 .. sub_end - 1 through
- * u [columns][columns]), on `threads` threads. 0, or -1 for a bad range. */
+ * u [columns][columns]); residual (NULL: none): each weight's rounding residual in codes,
+ * float16 bits [columns][rows]; on `threads` threads. 0, or -1 for a bad range. */
 int dq_gptq_columns(float *w, const float *u, int64_t rows, int64_t columns, int64_t k0,
                     int64_t k1, int64_t sub_end, int64_t start, const int64_t *column,
                     int64_t group_size, const float *scales, const float *offsets,
-                    const float *divisors, uint8_t *codes, float *errors, int max_code,
-                    int threads);
+                    const float *divisors, uint8_t *codes, uint16_t *residual,
+                    float *errors, int max_code, int threads);
 
 /* pool.c: 1 while calls follow each other closely (the workers' waits spin longer), then 0. */
 void dq_pool_hold(int on);
