@@ -33,8 +33,11 @@ from pathlib import Path
 import torch
 
 from benchmarks.calibrated_cost import (
+    MOMENT_WINDOWS,
     SEVEN_B,
+    STAT_WINDOWS,
     WINDOW,
+    WINDOWS,
     block_work,
     head_work,
     print_cost_model,
@@ -246,8 +249,8 @@ def main() -> None:
         dense = sum(p.stat().st_size for p in model.glob("*.safetensors"))
         theirs = [] if args.no_llama_cpp else llama_cpp(model, Path(tmp),
                                                         torch.get_num_threads())
-    big, small = block_work(SEVEN_B, 48 * 256), block_work(SEVEN_B, 8 * 256)
-    measured = block_work(SEVEN_B, 16 * 256)  # the measure's X^T X windows
+    big, small = block_work(SEVEN_B, WINDOWS * WINDOW), block_work(SEVEN_B, STAT_WINDOWS * WINDOW)
+    measured = block_work(SEVEN_B, MOMENT_WINDOWS * WINDOW)  # the measure's X^T X windows
     factor = factor_rate()
     figure("inverse factor (n = 6,144)", factor / 1e9, "GMAC/s")
     gptq_stage = next((st for st in stages if st.name == "gptq, block by block"), None)
@@ -255,7 +258,7 @@ def main() -> None:
     tune_s = 0.0 if step_s is None else args.layers * ScaleTuning().steps * step_s
     # with tuned codes, the GPTQ codes' outputs on the check windows only, and the block's
     # outputs twice on every window (the float block's targets, the tuned codes' outputs)
-    outputs = (2 + len(check_windows(48)) / 48) if tune_s else 1
+    outputs = (2 + len(check_windows(WINDOWS)) / WINDOWS) if tune_s else 1
     work = {"pass": measured["forward"] + measured["moments"], "stats": small["forward"],
             "fisher": small["forward"], "ratios": big["ratios"],
             "gptq": sum(big[k] for k in ("partial", "moments", "factors", "compensate"))

@@ -21,8 +21,9 @@ plain statement, column by column in float64 (numpy).
 
 from __future__ import annotations
 
+import ctypes
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import numpy as np
 import torch
@@ -170,7 +171,7 @@ def _gptq(weight: torch.Tensor, hessian: torch.Tensor, bits: int, group_size: in
     max_code = (1 << bits) - 1
     clipped, improvements = 0, []  # clip_improvement: the mean over the column groups
     sweep = _ColumnSweep(w, un, column, group_size, scales, offsets, divisors, codes,
-                         max_code, np.empty(w.shape, np.uint16) if keep_residual else None)
+                         max_code, keep_residual)
     for start in range(0, cols, block):
         end = min(start + block, cols)
         errors = np.zeros((end - start, rows), dtype=w.dtype)
@@ -209,7 +210,7 @@ def _gptq(weight: torch.Tensor, hessian: torch.Tensor, bits: int, group_size: in
         clip_improvement=sum(improvements) / len(improvements))
     if not keep_residual:
         return qt, None
-    if sweep.residual is not None and sweep.native:  # the sweep's, in act order
+    if sweep.residual is not None:  # the native sweep's, in act order
         return qt, _ordered_transpose(torch.from_numpy(sweep.residual).view(torch.float16),
                                       order, torch.float16, inverse=True)
     # each column's weights as it was rounded: no update reaches a column once it is rounded
@@ -222,12 +223,12 @@ def _ordered_transpose(weight: torch.Tensor, order: torch.Tensor, dtype: torch.d
     """``weight.T[order]`` as a new contiguous tensor in ``dtype`` (``inverse``: the ``t`` with
     ``t.T[order] == weight``), a band of rows at a time: torch's gather of the transposed view
     reads the weight a column at a time (a 49,152 x 3,584 head: 3.2 s against 1.2 s)."""
-    if inverse:
-        out = torch.empty(weight.shape[1], weight.shape[0], dtype=dtype)
-        for r in range(0, out.shape[0], TRANSPOSE_BAND):
-            out[r:r + TRANSPOSE_BAND, order] = weight[:, r:r + TRANSPOSE_BAND].T.to(dtype)
-        return out
     out = torch.empty(weight.shape[1], weight.shape[0], dtype=dtype)
+    if inverse:  # weight's rows gathered in the inverse order, a band of its columns at a time
+        at = torch.argsort(order)
+        for r in range(0, out.shape[0], TRANSPOSE_BAND):
+            out[r:r + TRANSPOSE_BAND].copy_(weight[at, r:r + TRANSPOSE_BAND].T)
+        return out
     for r in range(0, weight.shape[0], TRANSPOSE_BAND):
         out[:, r:r + TRANSPOSE_BAND].copy_(weight[r:r + TRANSPOSE_BAND, order].T)
     return out
@@ -250,22 +251,28 @@ class _ColumnSweep:
     divisors: np.ndarray
     codes: np.ndarray
     max_code: int
-    # float16 bits [in, out] in act order: each weight's rounding residual, where the native
-    # kernel makes it (``native`` stays True while every run was native)
-    residual: np.ndarray | None = None
-    native: bool = True
+    keep_residual: bool
+    # the kernels (float32 only; None: numpy), and where they run and ``keep_residual``, each
+    # weight's rounding residual as they make it: float16 bits [in, out] in act order (None
+    # once any run went to numpy: the caller then makes it from the rounded weights)
+    lib: ctypes.CDLL | None = field(init=False)
+    residual: np.ndarray | None = field(init=False)
+
+    def __post_init__(self) -> None:
+        single = self.w.dtype == self.u.dtype == np.float32
+        self.lib = native.library() if single else None
+        self.residual = (np.empty(self.w.shape, np.uint16)
+                         if self.keep_residual and self.lib is not None else None)
 
     def run(self, k0: int, k1: int, sub_end: int, start: int, errors: np.ndarray) -> None:
         """Columns [k0, k1), errors into ``errors`` (the block's, from column ``start``)."""
-        single = self.w.dtype == self.u.dtype == np.float32
-        lib = native.library() if single else None
-        if lib is None or lib.dq_gptq_columns(
+        if self.lib is None or self.lib.dq_gptq_columns(
                 *(a.ctypes.data for a in (self.w, self.u)), self.w.shape[1], self.w.shape[0],
                 k0, k1, sub_end, start, self.column.ctypes.data, self.group_size,
                 *(a.ctypes.data for a in (self.scales, self.offsets, self.divisors, self.codes)),
                 None if self.residual is None else self.residual.ctypes.data, errors.ctypes.data,
                 self.max_code, native.kernel_threads()) != 0:
-            self.native = False
+            self.lib = self.residual = None
             self.run_numpy(k0, k1, sub_end, start, errors)
 
     def run_numpy(self, k0: int, k1: int, sub_end: int, start: int, errors: np.ndarray

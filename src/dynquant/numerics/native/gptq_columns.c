@@ -15,6 +15,7 @@
 
 #include "kernels.h"
 #include "pool.h"
+#include "unpack.h" /* clamp */
 
 #define CHUNK 256 /* rows: 16 columns of them are 16 KiB */
 
@@ -29,11 +30,6 @@ typedef struct {
     int64_t rows, columns, k0, k1, sub_end, start, group_size;
     int max_code;
 } columns_job;
-
-static inline float clamp(float x, float lo, float hi) {
-    x = x < lo ? lo : x;
-    return x > hi ? hi : x;
-}
 
 /* What each weight's rounding left, in codes, as numerics/gptq.py's _residual_chunk makes it:
  * (w - o) / s - code (0 where the scale is 0) clamped to [-1, 1], rounded to float16, and one

@@ -12,14 +12,9 @@
 
 #include "kernels.h"
 #include "pool.h"
-#include "unpack.h" /* bf16_value, bf16_round */
+#include "unpack.h" /* bf16_value, bf16_round, clamp */
 
 #define BLOCK 256
-
-static inline float clamp(float x, float lo, float hi) {
-    x = x < lo ? lo : x; /* two selects: they vectorize, where a nested one does not */
-    return x > hi ? hi : x;
-}
 
 static int64_t rounding_step(const float *restrict grad, const int32_t *restrict index,
                              int64_t n, float *restrict u, uint16_t *restrict m,

@@ -21,6 +21,12 @@
 #define LANES 16
 #define MAX_GROUP 1024
 
+/* x within [lo, hi]: two selects, which vectorize where a nested one does not. */
+static inline float clamp(float x, float lo, float hi) {
+    x = x < lo ? lo : x;
+    return x > hi ? hi : x;
+}
+
 static inline float bf16_value(uint16_t h) {
     uint32_t u = (uint32_t)h << 16;
     float f;
