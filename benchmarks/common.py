@@ -15,7 +15,8 @@ from scripts.prepare_real_model import real_model
 # As on an AVX2-only CPU: dynquant's kernels built for x86-64-v3 and torch's own kernels capped at
 # AVX2 (the nearest an AVX-512 machine gets to a real AVX2 part; it keeps its caches and clock).
 AVX2_LIMITS = {"DYNQUANT_NATIVE_ARCH": "x86-64-v3", "ATEN_CPU_CAPABILITY": "avx2",
-               "ONEDNN_MAX_CPU_ISA": "AVX2", "MKL_ENABLE_INSTRUCTIONS": "AVX2"}
+               "ONEDNN_MAX_CPU_ISA": "AVX2", "MKL_ENABLE_INSTRUCTIONS": "AVX2",
+               "DYNQUANT_BLAS_KERNELS": "off"}  # what auto does on an AVX2-only AMD CPU
 
 
 def rerun_as_avx2(module: str, args: list[str]) -> None:
@@ -62,16 +63,18 @@ def figure(name: str, value: float, unit: str = "") -> None:
 
 def machine() -> str:
     """The machine in one line: CPU model, class and the flags that decide the kernels,
-    threads, torch."""
+    threads, torch and the kernels its BLAS runs."""
     import os
 
+    from dynquant.blas_kernels import describe
     from dynquant.numerics.compute_dtype import cpu_class, cpu_flags, cpu_model
 
     shown = sorted(f for f in cpu_flags() if f.startswith(("avx", "amx", "fma", "f16c"))
                    or f in ("bf16", "asimd", "i8mm", "sve"))
-    limits = {k: os.environ[k] for k in (*AVX2_LIMITS, "DYNQUANT_DTYPE") if k in os.environ}
+    limits = {k: os.environ[k] for k in (*AVX2_LIMITS, "DYNQUANT_DTYPE", "OPENBLAS_CORETYPE")
+              if k in os.environ}
     return (f"{cpu_model()} ({cpu_class()}: {' '.join(shown)}), "
-            f"{torch.get_num_threads()} threads, torch {torch.__version__}"
+            f"{torch.get_num_threads()} threads, torch {torch.__version__} ({describe()})"
             + (f", limited by {limits}" if limits else ""))
 
 

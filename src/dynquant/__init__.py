@@ -12,9 +12,11 @@ from __future__ import annotations
 import importlib
 from typing import Any
 
+from dynquant.blas_kernels import choose_blas_kernels
 from dynquant.openmp import set_short_spin
 
 set_short_spin()  # before anything imports torch (dynquant/openmp.py)
+choose_blas_kernels()  # before numpy, scipy or torch run a product (dynquant/blas_kernels.py)
 
 from dynquant.autoregister import register_when_transformers_loads  # noqa: E402
 from dynquant.errors import (  # noqa: E402

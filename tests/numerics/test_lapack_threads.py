@@ -14,7 +14,9 @@ FACTOR = """
 import hashlib, numpy as np, torch
 torch.set_num_threads(2)
 from dynquant.numerics.gptq import ordered_factor
-x = np.random.default_rng(0).standard_normal((2048, 1536)).astype(np.float32)
+# small integers: X^T X is exact in float32 whatever numpy's BLAS splits it into (with
+# OPENBLAS_CORETYPE=Haswell its products of normal draws round by thread count)
+x = np.random.default_rng(0).integers(-8, 9, (2048, 1536)).astype(np.float32)
 u = ordered_factor(torch.from_numpy(x.T @ x / 2048))
 print(hashlib.sha256(u.numpy().tobytes()).hexdigest())
 """

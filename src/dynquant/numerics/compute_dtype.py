@@ -24,9 +24,10 @@ import platform
 import subprocess
 from collections.abc import Iterable
 from functools import cache
-from pathlib import Path
 
 import torch
+
+from dynquant.blas_kernels import cpuinfo
 
 BF16_NATIVE_FLAGS = frozenset({"avx512_bf16", "amx_bf16", "bf16"})
 DTYPE_NAMES = {"bfloat16": torch.bfloat16, "bf16": torch.bfloat16, "float32": torch.float32,
@@ -44,23 +45,10 @@ def _darwin_flags() -> frozenset[str]:
     return frozenset({"bf16"}) if out.stdout.strip() == "1" else frozenset()
 
 
-def _cpuinfo(*keys: str) -> str | None:
-    """The value of the first /proc/cpuinfo line named one of ``keys`` (None: no such line, or
-    no /proc/cpuinfo)."""
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            key, _, value = line.partition(":")
-            if key.strip() in keys:
-                return value
-    except OSError:
-        pass
-    return None
-
-
 @cache
 def cpu_flags() -> frozenset[str]:
     """This CPU's feature flags (x86 ``flags`` / Arm ``Features`` of /proc/cpuinfo), lower case."""
-    value = _cpuinfo("flags", "Features")
+    value = cpuinfo("flags", "Features")
     if value is not None:
         return frozenset(value.lower().split())
     return _darwin_flags() if platform.system() == "Darwin" else frozenset()
@@ -68,7 +56,7 @@ def cpu_flags() -> frozenset[str]:
 
 def cpu_model() -> str:
     """The CPU's marketing name (/proc/cpuinfo's ``model name``), else the architecture."""
-    value = _cpuinfo("model name")
+    value = cpuinfo("model name")
     return " ".join(value.split()) if value else platform.processor() or platform.machine()
 
 
