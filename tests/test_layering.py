@@ -10,7 +10,8 @@ from pathlib import Path
 SRC = Path(__file__).parents[1] / "src" / "dynquant"
 RANK = {"errors": 0, "format": 1, "numerics": 2, "checkpoint": 3, "models": 4, "runtime": 4,
         "pipeline": 5, "api": 6, "cli": 6, "autoregister": 6, "openmp": 0,
-        "blas_kernels": 0, "version": 0}  # openmp: read by runtime; blas_kernels: by numerics
+        "blas_kernels": 0, "import_hooks": 0,
+        "version": 0}  # openmp: read by runtime; blas_kernels: by numerics
 # the pipeline's stages, each a sub-package (README "Layout"): a room imports only lower ones
 ROOMS = {"execute": 0, "calibrate": 1, "codes": 2, "allocate": 3, "config": 4, "measure": 5,
          "report": 6, "workflow": 7}

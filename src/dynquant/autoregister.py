@@ -22,6 +22,8 @@ import sys
 import warnings
 from types import ModuleType
 
+from dynquant.import_hooks import DelegatingLoader, spec_with_loader
+
 # Importing these registers nothing by itself; register_now() calls their register functions.
 _state = {"depth": 0, "pending": False, "done": False}
 
@@ -44,17 +46,12 @@ def _register_safely() -> None:
                       stacklevel=3)
 
 
-class _WatchingLoader(importlib.abc.Loader):
+class _WatchingLoader(DelegatingLoader):
     """The real loader of a dynquant module or of transformers, plus the bookkeeping above."""
 
     def __init__(self, loader: importlib.abc.Loader, is_transformers: bool) -> None:
-        self.loader, self.is_transformers = loader, is_transformers
-
-    def __getattr__(self, name: str) -> object:  # get_source, is_package, resource readers...
-        return getattr(self.loader, name)
-
-    def create_module(self, spec: importlib.machinery.ModuleSpec) -> ModuleType | None:
-        return self.loader.create_module(spec)
+        super().__init__(loader)
+        self.is_transformers = is_transformers
 
     def exec_module(self, module: ModuleType) -> None:
         if self.is_transformers:
@@ -75,15 +72,8 @@ class _ImportHook(importlib.abc.MetaPathFinder):
                   ) -> importlib.machinery.ModuleSpec | None:
         if _state["done"] or not (fullname == "transformers" or fullname.startswith("dynquant.")):
             return None
-        for finder in sys.meta_path:  # the spec the other finders would give
-            if finder is self or not hasattr(finder, "find_spec"):
-                continue
-            spec = finder.find_spec(fullname, path, target)
-            if spec is not None:
-                if spec.loader is not None and hasattr(spec.loader, "exec_module"):
-                    spec.loader = _WatchingLoader(spec.loader, fullname == "transformers")
-                return spec
-        return None
+        return spec_with_loader(self, fullname, path, target,
+                                lambda loader: _WatchingLoader(loader, fullname == "transformers"))
 
 
 def register_when_transformers_loads() -> None:

@@ -30,6 +30,8 @@ from functools import cache
 from pathlib import Path
 from types import ModuleType
 
+from dynquant.import_hooks import DelegatingLoader, spec_with_loader
+
 ENV = "DYNQUANT_BLAS_KERNELS"
 CHOICES = ("auto", "on", "off")
 # mkl_serv_intel_cpu_true as MKL 2024 builds it: load the cached answer (rip-relative, 4 bytes
@@ -114,17 +116,8 @@ def use_intel_mkl_kernels() -> str:
     return "MKL: Intel's kernels"
 
 
-class _ThenUseIntelKernels(importlib.abc.Loader):
+class _ThenUseIntelKernels(DelegatingLoader):
     """torch's own loader, then MKL's answer set (before anything can run a product)."""
-
-    def __init__(self, loader: importlib.abc.Loader) -> None:
-        self.loader = loader
-
-    def __getattr__(self, name: str) -> object:
-        return getattr(self.loader, name)
-
-    def create_module(self, spec: importlib.machinery.ModuleSpec) -> ModuleType | None:
-        return self.loader.create_module(spec)
 
     def exec_module(self, module: ModuleType) -> None:
         self.loader.exec_module(module)
@@ -141,15 +134,7 @@ class _WhenTorchLoads(importlib.abc.MetaPathFinder):
                   ) -> importlib.machinery.ModuleSpec | None:
         if fullname != "torch":
             return None
-        for finder in sys.meta_path:
-            if finder is self or not hasattr(finder, "find_spec"):
-                continue
-            spec = finder.find_spec(fullname, path, target)
-            if spec is not None:
-                if spec.loader is not None and hasattr(spec.loader, "exec_module"):
-                    spec.loader = _ThenUseIntelKernels(spec.loader)
-                return spec
-        return None
+        return spec_with_loader(self, fullname, path, target, _ThenUseIntelKernels)
 
 
 def choose_blas_kernels() -> None:
