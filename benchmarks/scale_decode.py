@@ -7,7 +7,8 @@ prompt: the head at the last position only).
 dynquant: ``quantize --budget B --no-calib`` (a token's speed depends on the widths and the
 format, not on how the codes were chosen; the head is in the budget), decoded as ``dynquant
 generate`` decodes (the native decode step). llama.cpp: ``convert_hf_to_gguf.py`` to f16, ``llama-
-quantize Q4_0``, ``llama-bench -p 0 -n N -d DEPTH`` on the same threads. Also each file's size and
+quantize Q4_0``, ``llama-bench -p 0 -n N -d DEPTH`` on the same threads. Each runtime's best of
+``--rounds``, the runtimes taking turns a round at a time. Also each file's size and
 the bytes a token reads per second (every tensor once, less the input embedding table of which a
 token reads one row: ``token_bytes``) beside this machine's read bandwidth (a sum over 2 GiB).
 
@@ -27,7 +28,7 @@ import torch
 
 import dynquant
 from benchmarks.common import figure, machine
-from benchmarks.context_decode import llama_bench
+from benchmarks.context_decode import best_taking_turns, llama_bench
 from benchmarks.scale import convert_command, llama_tools, with_libraries
 from benchmarks.scale_model import save_scale_model
 from benchmarks.vs_llamacpp import Decode
@@ -101,21 +102,26 @@ def main() -> None:
               "/ llama.cpp Q4_0 |")
         print("|---|---|---|---|---|---|---|")
         for depth in args.depths:
-            theirs = llama_bench(bin_dir, q40, depth, args.new, args.threads, args.rounds)
             ids = [1 + i % 1000 for i in range(max(depth, 1))]
-            for name, (gen, size, reads) in runs.items():
-                rate = theirs if gen is None else max(
-                    (args.new - 1) / gen.decode(ids, args.new) for _ in range(args.rounds))
+            rates = best_taking_turns({name: (
+                (lambda depth=depth: llama_bench(bin_dir, q40, depth, args.new, args.threads))
+                if gen is None else (lambda gen=gen, ids=ids: (args.new - 1)
+                                     / gen.decode(ids, args.new)))
+                for name, (gen, _, _) in runs.items()}, args.rounds)
+            theirs = rates["llama.cpp Q4_0"]
+            for name, (_, size, reads) in runs.items():
+                rate = rates[name]
                 print(f"| {name} | {size / 2**20:.0f} | {reads / 1e6:.0f} | {depth} | "
                       f"{rate:.1f} | {reads * rate / 1e9:.1f} | {rate / theirs:.2f}x |",
                       flush=True)
         print(f"\n| runtime | prefill {args.prefill} tok/s | / llama.cpp Q4_0 |\n|---|---|---|")
-        theirs = llama_bench(bin_dir, q40, 0, 0, args.threads, args.rounds, prompt=args.prefill)
         ids = [1 + i % 1000 for i in range(args.prefill)]
-        for name, (gen, _, _) in runs.items():
-            rate = theirs if gen is None else max(args.prefill / gen.prefill(ids)
-                                                  for _ in range(args.rounds))
-            print(f"| {name} | {rate:.1f} | {rate / theirs:.2f}x |", flush=True)
+        rates = best_taking_turns({name: (
+            (lambda: llama_bench(bin_dir, q40, 0, 0, args.threads, prompt=args.prefill))
+            if gen is None else (lambda gen=gen: args.prefill / gen.prefill(ids)))
+            for name, (gen, _, _) in runs.items()}, args.rounds)
+        for name, rate in rates.items():
+            print(f"| {name} | {rate:.1f} | {rate / rates['llama.cpp Q4_0']:.2f}x |", flush=True)
     figure("threads", args.threads)
 
 
