@@ -201,8 +201,9 @@ static inline float att_sum(__m256 v) { /* halves, then pairs: a fixed order */
 /* The scores of positions [t0, t1) of one key/value head's float16 keys (row t at keys + t hd,
  * hd a multiple of ATT_W) for the ``group`` query heads at q (hd apart), into s[i][t]: each dot
  * in ATT_W lanes (mul, then add, over the row's blocks in order), the lanes summed in a fixed
- * vector order. Summing a dot's 16 lanes one by one (dense_dot_f32) was two thirds of a cached
- * position's time. */
+ * vector order. The plain loop (a dense_dot_f32 a score) took two thirds of a cached position's
+ * time, inlined or not, its lanes summed in turn or folded: the compiler's code for it, not the
+ * arithmetic, was the cost (BENCHMARKS.md "Decode after a long context"). */
 static void block_scores_half(const uint16_t *keys, int64_t t0, int64_t t1, int64_t hd,
                               const float *q, int64_t group, float scale, float *const *s) {
     for (int64_t t = t0; t < t1; t++) {
