@@ -44,16 +44,22 @@ _VENDOR_CHECK = b"\x47\x65\x6e\x75"  # "Genu", compared with CPUID's vendor in t
 state: dict[str, str] = {}
 
 
+@cache
+def _cpuinfo_lines() -> tuple[str, ...]:
+    """/proc/cpuinfo's lines, read once a process (every core's block: large on big machines)."""
+    try:
+        return tuple(Path("/proc/cpuinfo").read_text().splitlines())
+    except OSError:
+        return ()
+
+
 def cpuinfo(*keys: str) -> str | None:
     """The value of the first /proc/cpuinfo line named one of ``keys`` (None: no such line, or
     no /proc/cpuinfo)."""
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            key, _, value = line.partition(":")
-            if key.strip() in keys:
-                return value
-    except OSError:
-        pass
+    for line in _cpuinfo_lines():
+        key, _, value = line.partition(":")
+        if key.strip() in keys:
+            return value
     return None
 
 

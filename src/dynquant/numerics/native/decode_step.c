@@ -247,6 +247,11 @@ static int attend_blocks(const void *ctx, int64_t lo, int64_t hi) {
     const attention_job *a = ctx;
     const int64_t hd = a->hd, group = a->heads / a->kv_heads;
     const int64_t blocks = (a->len + ATTENTION_BLOCK - 1) / ATTENTION_BLOCK;
+#ifdef ATT_W
+    const int vectors = a->half && hd % ATT_W == 0; /* block_scores_half, block_values_half */
+#else
+    const int vectors = 0;
+#endif
     for (int64_t unit = lo; unit < hi; unit++) {
         const int64_t g = unit / blocks, b = unit % blocks;
         const int64_t t0 = b * ATTENTION_BLOCK;
@@ -255,7 +260,7 @@ static int attend_blocks(const void *ctx, int64_t lo, int64_t hi) {
         float *s[MAX_GROUP], buf[MAX_HEAD_DIM];
         for (int64_t i = 0; i < group; i++) s[i] = a->scores + (g * group + i) * a->len;
 #ifdef ATT_W
-        if (a->half && hd % ATT_W == 0)
+        if (vectors)
             block_scores_half((const uint16_t *)a->kc + first * hd, t0, t1, hd,
                               a->q + g * group * hd, group, a->scale, s);
         else
@@ -279,10 +284,11 @@ static int attend_blocks(const void *ctx, int64_t lo, int64_t hi) {
             for (; t < t1; t++) sum += st[t];
             pt[0] = mx;
             pt[1] = sum;
-            for (int64_t d = 0; d < hd; d++) pt[2 + d] = 0.0f;
+            if (!vectors) /* the plain loop below adds into them; the vectors store theirs */
+                for (int64_t d = 0; d < hd; d++) pt[2 + d] = 0.0f;
         }
 #ifdef ATT_W
-        if (a->half && hd % ATT_W == 0) {
+        if (vectors) {
             block_values_half((const uint16_t *)a->vc + first * hd, t0, t1, hd, group, s,
                               a->part + (g * group * blocks + b) * (hd + 2) + 2,
                               blocks * (hd + 2));
