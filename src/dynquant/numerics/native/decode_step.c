@@ -289,7 +289,8 @@ static int attend_blocks(const void *ctx, int64_t lo, int64_t hi) {
         }
 #ifdef ATT_W
         if (vectors) {
-            block_values_half((const uint16_t *)a->vc + first * hd, t0, t1, hd, group, s,
+            block_values_half((const uint16_t *)a->vc + first * hd, t0, t1, hd, group,
+                              (const float *const *)s,
                               a->part + (g * group * blocks + b) * (hd + 2) + 2,
                               blocks * (hd + 2));
             continue;

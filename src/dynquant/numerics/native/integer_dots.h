@@ -158,13 +158,34 @@ static inline q8_unpacker make_q8_unpacker(int bits) {
     return u;
 }
 
-/* How far ahead a row pair prefetches its codes: DQ_PREFETCH_BYTES, or two rows where those are
- * longer (7.1 KB a row for a 3-bit 18,944-wide down projection): the pair's stream then jumps
- * two rows at its end, and a prefetch at the same place two rows on is where it will read next
- * (without it, the second row of each next pair started unprefetched: 3-bit int16 products on
- * such rows 14-17 -> 18-19 GB/s, SPR). */
-static inline int64_t prefetch_ahead(int64_t row_bytes) {
-    return 2 * row_bytes > DQ_PREFETCH_BYTES ? 2 * row_bytes : DQ_PREFETCH_BYTES;
+/* How far ahead a row pair prefetches its codes: eight rows, at least DQ_PREFETCH_BYTES and at
+ * most DQ_PAIR_PREFETCH_BYTES, or two rows where those are longer (7.1 KB a row for a 3-bit
+ * 18,944-wide down projection: the pair's stream then jumps two rows at its end, and a prefetch
+ * at the same place two rows on is where it will read next; without it, the second row of each
+ * next pair started unprefetched: 3-bit int16 products on such rows 14-17 -> 18-19 GB/s, SPR).
+ * On AMD Zen 5, int8 products from memory, 4-bit rows (BENCHMARKS.md, "Memory bandwidth"): rows
+ * of 2,048-4,096 codes read 42-49 GB/s 4 KiB ahead and 47-55 8-12 KiB ahead; rows of 576 codes
+ * (288 bytes) 40 GB/s 4 KiB ahead and 38 12 KiB ahead. Never past the part's last row
+ * (`rows_after` rows follow the pair in it). */
+#ifndef DQ_PAIR_PREFETCH_BYTES
+#define DQ_PAIR_PREFETCH_BYTES 12288
+#endif
+static inline int64_t prefetch_ahead(int64_t row_bytes, int64_t rows_after) {
+    int64_t ahead = 8 * row_bytes;
+    ahead = ahead < DQ_PREFETCH_BYTES ? DQ_PREFETCH_BYTES : ahead;
+    ahead = ahead > DQ_PAIR_PREFETCH_BYTES ? DQ_PAIR_PREFETCH_BYTES : ahead;
+    ahead = ahead < 2 * row_bytes ? 2 * row_bytes : ahead;
+    const int64_t left = rows_after > 0 ? rows_after * row_bytes : 0;
+    return ahead < left ? ahead : left;
+}
+
+/* The first bytes of a part's codes, up to where its row pairs' prefetches start (prefetch_ahead
+ * for the first pair): without it they come from memory unrequested, a part's first 12 KiB. */
+static inline void prefetch_part_start(const uint32_t *qweight, int64_t lo, int64_t hi,
+                                       int64_t row_bytes) {
+    const uint8_t *start = (const uint8_t *)qweight + lo * row_bytes;
+    const int64_t n = prefetch_ahead(row_bytes, hi - lo);
+    for (int64_t b = 0; b < n; b += 64) __builtin_prefetch(start + b, 0, 3);
 }
 
 /* A row pair's group g starting at b0 (and b1, the second row's, where `two`): on the part's last

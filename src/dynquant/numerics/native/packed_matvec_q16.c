@@ -141,6 +141,64 @@ static inline __attribute__((always_inline)) void q16_masked2(const uint8_t *p, 
                    _mm256_loadu_si256((const __m256i *)(x + 16)));
 }
 
+#if defined(__AVX512F__) && defined(__AVX512BW__)
+#define Q16_AVX512 1
+#ifdef __AVX512VNNI__
+#define Q16_DPWSSD512(acc, a, b) _mm512_dpwssd_epi32((acc), (a), (b))
+#else
+#define Q16_DPWSSD512(acc, a, b) _mm512_add_epi32((acc), _mm512_madd_epi16((a), (b)))
+#endif
+
+static inline __m512i q16_join(__m256i lo, __m256i hi) {
+    return _mm512_inserti64x4(_mm512_castsi256_si512(lo), hi, 1);
+}
+
+/* q16_group_avx2's 2- and 3-bit sums with a whole block in one 512-bit register: its lower half
+ * the AVX2 loop's `a` lanes, its upper half the `b` lanes (a block costs one shuffle or shift,
+ * one mask and one dot product where the AVX2 loop takes two of each), the halves shifted as
+ * there and added: the same integers. (A vpermb of four blocks loaded at once, in place of the
+ * broadcasts, ran slower on AMD Zen 5.) */
+static inline __attribute__((always_inline)) __m256i q16_group_512(
+    const uint8_t *p0, const uint8_t *p1, int two, int bits, const int16_t *x, int64_t blocks,
+    const q8_unpacker *u, __m256i *l1) {
+    const int64_t block_bytes = Q8_BLOCK * bits / 8;
+    const __m256i shift2 = _mm256_setr_epi32(0, 0, 2, 2, 4, 4, 6, 6);
+    const __m256i mask2 = _mm256_sllv_epi32(_mm256_set1_epi32(0x30003), shift2);
+    const __m512i shift = bits == 2 ? q16_join(shift2, shift2) : q16_join(u->shift_lo, u->shift_hi);
+    const __m512i mask = bits == 2 ? q16_join(mask2, mask2) : q16_join(u->mask_lo, u->mask_hi);
+    const __m512i shuffle = q16_join(u->shuffle_lo, u->shuffle_hi);
+    /* 2 bits: the upper half's codes are the lower's shifted by 8 (q16_masked2) */
+    const __m512i half = _mm512_setr_epi64(0, 0, 0, 0, 8, 8, 8, 8);
+    __m512i a0 = _mm512_setzero_si512(), a1 = a0;
+    for (int64_t k = 0; k < blocks; k++) {
+        const uint8_t *q0 = p0 + k * block_bytes, *q1 = p1 + k * block_bytes;
+        const __m512i xk = _mm512_loadu_si512(x + k * Q8_BLOCK);
+        __m512i c0, c1 = a1;
+        if (bits == 2) {
+            int64_t w0, w1;
+            memcpy(&w0, q0, sizeof w0);
+            c0 = _mm512_srlv_epi64(_mm512_set1_epi64(w0), half);
+            if (two) {
+                memcpy(&w1, q1, sizeof w1);
+                c1 = _mm512_srlv_epi64(_mm512_set1_epi64(w1), half);
+            }
+        } else {
+            c0 = _mm512_shuffle_epi8(_mm512_broadcast_i32x4(_mm_loadu_si128((const __m128i *)q0)),
+                                     shuffle);
+            if (two)
+                c1 = _mm512_shuffle_epi8(
+                    _mm512_broadcast_i32x4(_mm_loadu_si128((const __m128i *)q1)), shuffle);
+        }
+        a0 = Q16_DPWSSD512(a0, _mm512_and_si512(c0, mask), xk);
+        if (two) a1 = Q16_DPWSSD512(a1, _mm512_and_si512(c1, mask), xk);
+    }
+    a0 = _mm512_srav_epi32(a0, shift);
+    a1 = _mm512_srav_epi32(a1, shift);
+    *l1 = _mm256_add_epi32(_mm512_castsi512_si256(a1), _mm512_extracti64x4_epi64(a1, 1));
+    return _mm256_add_epi32(_mm512_castsi512_si256(a0), _mm512_extracti64x4_epi64(a0, 1));
+}
+#endif
+
 /* The 8 integer lanes of a group's `blocks` blocks at p0 (and at p1 where `two`, into *l1).
  * 2 and 3 bits: q16_masked2/3's sums, each code left where the unpacking finds it (code <<
  * shift, the shift the same for a 32-bit lane's two halves), then the shifts once a group on the
@@ -150,6 +208,9 @@ static inline __attribute__((always_inline)) void q16_masked2(const uint8_t *p, 
 static inline __attribute__((always_inline)) __m256i q16_group_avx2(
     const uint8_t *p0, const uint8_t *p1, int two, int bits, const int16_t *x, int64_t blocks,
     const q8_unpacker *u, __m256i *l1) {
+#ifdef Q16_AVX512
+    if (bits == 2 || bits == 3) return q16_group_512(p0, p1, two, bits, x, blocks, u, l1);
+#endif
     const int64_t block_bytes = Q8_BLOCK * bits / 8;
     __m256i t0 = _mm256_setzero_si256(), t1 = _mm256_setzero_si256();
     if (bits == 2 || bits == 3) {
@@ -292,11 +353,11 @@ static inline __attribute__((always_inline)) void q16_float8(
  * last group is read from a padded copy. */
 static inline __attribute__((always_inline)) void q16_row_pair(
     const q16_job *j, const int16_t *xq, const float *d, const float *xsum, float *y, int64_t r,
-    int two, int tail, int bits, int64_t blocks, const q8_unpacker *u, uint8_t *spare) {
+    int64_t hi, int two, int tail, int bits, int64_t blocks, const q8_unpacker *u, uint8_t *spare) {
     const int64_t groups = j->padded_n / j->gs;
     if (!blocks) blocks = j->gs / Q8_BLOCK;
     const int64_t group_nbytes = j->gs * bits / 8;
-    const int64_t ahead = prefetch_ahead(groups * group_nbytes);
+    const int64_t ahead = prefetch_ahead(groups * group_nbytes, hi - r - 2);
     __m256 acc0 = _mm256_setzero_ps(), acc1 = acc0, off0 = acc0, off1 = acc0;
     for (int64_t g0 = 0; g0 < groups; g0 += 8) {
         const int64_t n = groups - g0 < 8 ? groups - g0 : 8;
@@ -325,12 +386,14 @@ static inline __attribute__((always_inline)) void q16_rows_avx2_bits(
     int64_t lo, int64_t hi, int bits, int64_t blocks) {
     const q8_unpacker u = make_q8_unpacker(bits);
     uint8_t spare[MAX_GROUP + 32];
+    prefetch_part_start(j->qweight, lo, hi, j->padded_n * bits / 8);
     int64_t r = lo;
-    for (; r + 2 < hi; r += 2) q16_row_pair(j, xq, d, xsum, y, r, 1, 0, bits, blocks, &u, spare);
+    for (; r + 2 < hi; r += 2)
+        q16_row_pair(j, xq, d, xsum, y, r, hi, 1, 0, bits, blocks, &u, spare);
     if (r + 2 == hi)
-        q16_row_pair(j, xq, d, xsum, y, r, 1, 1, bits, blocks, &u, spare);
+        q16_row_pair(j, xq, d, xsum, y, r, hi, 1, 1, bits, blocks, &u, spare);
     else if (r < hi)
-        q16_row_pair(j, xq, d, xsum, y, r, 0, 1, bits, blocks, &u, spare);
+        q16_row_pair(j, xq, d, xsum, y, r, hi, 0, 1, bits, blocks, &u, spare);
 }
 
 /* The widths `auto` gives int16 tokens (2 and 3 bits) with the format's group sizes as constants:

@@ -268,16 +268,17 @@ static inline void add_group(__m256 *acc, __m256 gacc, uint16_t scale) {
 
 /* Rows r .. r + rows_n - 1 (one or two) with `bits` and `pairs` (q8_pairs) constants after
  * inlining. Two rows at a time share the token's loads and give the out-of-order core two
- * independent chains of adds; each row's operations are the same as alone. `tail`: the last row
- * of the part, whose last group is read from a padded copy (the SIMD loads pass a group's end). */
+ * independent chains of adds; each row's operations are the same as alone. `hi`: the part's end;
+ * `tail`: its last row, whose last group is read from a padded copy (the SIMD loads pass a
+ * group's end). */
 static inline __attribute__((always_inline)) void q8_row_pair(
     const q8_job *j, const int8_t *xq, const float *d, const float *xsum, float *y, int64_t r,
-    int two, int tail, int bits, int pairs, const q8_unpacker *u, uint8_t *spare) {
+    int64_t hi, int two, int tail, int bits, int pairs, const q8_unpacker *u, uint8_t *spare) {
     const int64_t groups = j->padded_n / j->gs, blocks = j->gs / Q8_BLOCK;
     const int64_t block_bytes = Q8_BLOCK * bits / 8, group_nbytes = j->gs * bits / 8;
     const uint8_t *row0 = (const uint8_t *)j->qweight + r * groups * group_nbytes;
     const uint8_t *row1 = row0 + groups * group_nbytes;
-    const int64_t ahead = prefetch_ahead(groups * group_nbytes);
+    const int64_t ahead = prefetch_ahead(groups * group_nbytes, hi - r - 2);
     __m256 acc0 = _mm256_setzero_ps(), acc1 = _mm256_setzero_ps();
     float o0 = 0.0f, o1 = 0.0f;
     for (int64_t g = 0; g < groups; g++) {
@@ -318,12 +319,13 @@ static inline __attribute__((always_inline)) void q8_rows_bits(
     int64_t hi, int bits, int pairs) {
     const q8_unpacker u = make_q8_unpacker(bits);
     uint8_t spare[MAX_GROUP + 32];
+    prefetch_part_start(j->qweight, lo, hi, j->padded_n * bits / 8);
     int64_t r = lo;
-    for (; r + 2 < hi; r += 2) q8_row_pair(j, xq, d, xsum, y, r, 1, 0, bits, pairs, &u, spare);
+    for (; r + 2 < hi; r += 2) q8_row_pair(j, xq, d, xsum, y, r, hi, 1, 0, bits, pairs, &u, spare);
     if (r + 2 == hi)
-        q8_row_pair(j, xq, d, xsum, y, r, 1, 1, bits, pairs, &u, spare);
+        q8_row_pair(j, xq, d, xsum, y, r, hi, 1, 1, bits, pairs, &u, spare);
     else if (r < hi)
-        q8_row_pair(j, xq, d, xsum, y, r, 0, 1, bits, pairs, &u, spare);
+        q8_row_pair(j, xq, d, xsum, y, r, hi, 0, 1, bits, pairs, &u, spare);
 }
 
 static void q8_rows_avx2(const q8_job *j, const int8_t *xq, const float *d, const float *xsum,
