@@ -21,11 +21,12 @@ AVX2_LIMITS = {"DYNQUANT_NATIVE_ARCH": "x86-64-v3", "ATEN_CPU_CAPABILITY": "avx2
 
 def rerun_as_avx2(module: str, args: list[str]) -> None:
     """Run ``python -m module args`` again under AVX2_LIMITS in float32 (what ``auto`` picks on
-    such a CPU), with its own kernel cache, and exit with its status."""
+    such a CPU), and exit with its status. The same cache directory: the real model is found
+    there, and the kernels built for x86-64-v3 are cached under their own key (the build's flags
+    are part of it)."""
     import os
 
     env = {**os.environ, **AVX2_LIMITS, "DYNQUANT_DTYPE": "float32"}
-    env.setdefault("DYNQUANT_CACHE_DIR", os.path.expanduser("~/.cache/dynquant-avx2"))
     sys.exit(subprocess.run([sys.executable, "-m", module, *args], env=env).returncode)
 
 
