@@ -163,10 +163,10 @@ static inline q8_unpacker make_q8_unpacker(int bits) {
  * 18,944-wide down projection: the pair's stream then jumps two rows at its end, and a prefetch
  * at the same place two rows on is where it will read next; without it, the second row of each
  * next pair started unprefetched: 3-bit int16 products on such rows 14-17 -> 18-19 GB/s, SPR).
- * On AMD Zen 5, int8 products from memory, 4-bit rows (BENCHMARKS.md, "Memory bandwidth"): rows
- * of 2,048-4,096 codes read 42-49 GB/s 4 KiB ahead and 47-55 8-12 KiB ahead; rows of 576 codes
- * (288 bytes) 40 GB/s 4 KiB ahead and 38 12 KiB ahead. Never past the part's last row
- * (`rows_after` rows follow the pair in it). */
+ * Eight rows: on AMD Zen 5 (BENCHMARKS.md, "Memory bandwidth") 4 KiB left 4-bit rows of 2,048-
+ * 4,096 codes well under the memory's rate and 8-12 KiB brought them near it, while 12 KiB
+ * slowed rows of 576 codes (288 bytes), for which 4 KiB is already eight rows. Never past the
+ * part's last row (`rows_after` rows follow the pair in it). */
 #ifndef DQ_PAIR_PREFETCH_BYTES
 #define DQ_PAIR_PREFETCH_BYTES 12288
 #endif
@@ -180,7 +180,8 @@ static inline int64_t prefetch_ahead(int64_t row_bytes, int64_t rows_after) {
 }
 
 /* The first bytes of a part's codes, up to where its row pairs' prefetches start (prefetch_ahead
- * for the first pair): without it they come from memory unrequested, a part's first 12 KiB. */
+ * for the first pair): else they wait on memory, up to 12 KiB a part, which on a small model's
+ * matrices (parts of ~200 KB) cost ~10%. */
 static inline void prefetch_part_start(const uint32_t *qweight, int64_t lo, int64_t hi,
                                        int64_t row_bytes) {
     const uint8_t *start = (const uint8_t *)qweight + lo * row_bytes;
