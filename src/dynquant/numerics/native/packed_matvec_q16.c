@@ -61,10 +61,11 @@ q16_tokens q16_quantize_tokens(const float *x, int64_t m, int64_t padded_n, int6
                                       int bits) {
     const int64_t groups = padded_n / gs;
     q16_tokens t = {0};
-    float *d = malloc((size_t)(2 * m * groups) * sizeof(float) +
-                      (size_t)(m * padded_n) * sizeof(int16_t));
+    /* 8 zeros after the sums: q16_float8 reads a row's last groups 8 at a time */
+    float *d = calloc(1, (size_t)(2 * m * groups + 8) * sizeof(float) +
+                         (size_t)(m * padded_n) * sizeof(int16_t));
     if (!d) return t;
-    int16_t *xq = (int16_t *)(d + 2 * m * groups);
+    int16_t *xq = (int16_t *)(d + 2 * m * groups + 8);
     float *xsum = d + m * groups;
     for (int64_t i = 0; i < m; i++) {
         int16_t *q = xq + i * padded_n;
@@ -326,14 +327,25 @@ static inline __m256 bf16x8(const uint16_t *p) {
 }
 
 /* The header's float work for groups [g0, g0 + n) (n <= 8; the rest's terms +0) of one row:
- * its scales and offsets at s, o. */
+ * its scales and offsets at s, o. A row's last groups (n < 8) are read 8 at a time and the
+ * lanes past them zeroed, where `past` says that 8 - n more scales and offsets follow the row's
+ * (a later row's: not the part's last row; the token's sums have 8 zeros after them): a copy
+ * of n values is a call to memcpy, which spills every vector register (on rows of 576 codes
+ * in groups of 64, a 3-bit product took 1.6x as long a block as on rows of 512). */
 static inline __attribute__((always_inline)) void q16_float8(
     __m256 *acc, __m256 *off, __m256i dots, const float *d, const float *xsum, const uint16_t *s,
-    const uint16_t *o, int64_t g0, int64_t n) {
+    const uint16_t *o, int64_t g0, int64_t n, int past) {
     __m256 dv, xv, sv, ov;
     if (n == 8) {
         dv = _mm256_loadu_ps(d + g0), xv = _mm256_loadu_ps(xsum + g0);
         sv = bf16x8(s + g0), ov = bf16x8(o + g0);
+    } else if (past) {
+        const __m256 live = _mm256_castsi256_ps(_mm256_cmpgt_epi32(
+            _mm256_set1_epi32((int)n), _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7)));
+        dv = _mm256_and_ps(_mm256_loadu_ps(d + g0), live);
+        xv = _mm256_and_ps(_mm256_loadu_ps(xsum + g0), live);
+        sv = _mm256_and_ps(bf16x8(s + g0), live);
+        ov = _mm256_and_ps(bf16x8(o + g0), live);
     } else {
         float dd[8] = {0}, xx[8] = {0};
         uint16_t ss[8] = {0}, oo[8] = {0};
@@ -372,10 +384,10 @@ static inline __attribute__((always_inline)) void q16_row_pair(
             v0[k] = q16_group_avx2(b0, b1, two, bits, xq + g * j->gs, blocks, u, &v1[k]);
         }
         q16_float8(&acc0, &off0, q16_dots8(v0), d, xsum, j->scales + r * groups,
-                   j->offsets + r * groups, g0, n);
+                   j->offsets + r * groups, g0, n, !tail);
         if (two)
             q16_float8(&acc1, &off1, q16_dots8(v1), d, xsum, j->scales + (r + 1) * groups,
-                       j->offsets + (r + 1) * groups, g0, n);
+                       j->offsets + (r + 1) * groups, g0, n, !tail);
     }
     y[r] = lane_sum8(acc0) + lane_sum8(off0);
     if (two) y[r + 1] = lane_sum8(acc1) + lane_sum8(off1);
