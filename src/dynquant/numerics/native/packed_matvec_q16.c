@@ -61,10 +61,11 @@ q16_tokens q16_quantize_tokens(const float *x, int64_t m, int64_t padded_n, int6
                                       int bits) {
     const int64_t groups = padded_n / gs;
     q16_tokens t = {0};
-    /* 8 zeros after the sums: q16_float8 reads a row's last groups 8 at a time */
-    float *d = calloc(1, (size_t)(2 * m * groups + 8) * sizeof(float) +
-                         (size_t)(m * padded_n) * sizeof(int16_t));
+    float *d = malloc((size_t)(2 * m * groups + 8) * sizeof(float) +
+                      (size_t)(m * padded_n) * sizeof(int16_t));
     if (!d) return t;
+    /* 8 zeros after the sums: q16_float8 reads a row's last groups 8 at a time */
+    memset(d + 2 * m * groups, 0, 8 * sizeof(float));
     int16_t *xq = (int16_t *)(d + 2 * m * groups + 8);
     float *xsum = d + m * groups;
     for (int64_t i = 0; i < m; i++) {
