@@ -61,6 +61,7 @@ from pathlib import Path
 
 import torch
 
+from dynquant.blas_kernels import cpuinfo
 from dynquant.numerics.native import interface
 
 SOURCES = tuple(sorted(Path(__file__).parent.glob("*.c")))
@@ -101,13 +102,7 @@ def cache_dir() -> Path:
 
 def _cpu_fingerprint() -> str:
     """The CPU's feature flags (a cache shared between machines must not mix -march=native)."""
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith(("flags", "Features")):
-                return line
-    except OSError:
-        pass
-    return platform.processor()
+    return cpuinfo("flags", "Features") or platform.processor()
 
 
 def _compiler_version(cc: str) -> str:

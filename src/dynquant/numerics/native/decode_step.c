@@ -224,7 +224,7 @@ static void block_scores_half(const uint16_t *keys, int64_t t0, int64_t t1, int6
  * registers over the block's rows (each head converts the rows again: cheaper than sums kept
  * in memory, a load and a store a row). */
 static void block_values_half(const uint16_t *values, int64_t t0, int64_t t1, int64_t hd,
-                              int64_t group, const float *const *s, float *out,
+                              int64_t group, float *const *s, float *out,
                               int64_t stride) {
     for (int64_t d = 0; d < hd; d += ATT_COLUMNS) {
         const int64_t n = (hd - d < ATT_COLUMNS ? hd - d : ATT_COLUMNS) / ATT_W;
@@ -289,8 +289,7 @@ static int attend_blocks(const void *ctx, int64_t lo, int64_t hi) {
         }
 #ifdef ATT_W
         if (vectors) {
-            block_values_half((const uint16_t *)a->vc + first * hd, t0, t1, hd, group,
-                              (const float *const *)s,
+            block_values_half((const uint16_t *)a->vc + first * hd, t0, t1, hd, group, s,
                               a->part + (g * group * blocks + b) * (hd + 2) + 2,
                               blocks * (hd + 2));
             continue;

@@ -167,9 +167,7 @@ static inline q8_unpacker make_q8_unpacker(int bits) {
  * 4,096 codes well under the memory's rate and 8-12 KiB brought them near it, while 12 KiB
  * slowed rows of 576 codes (288 bytes), for which 4 KiB is already eight rows. Never past the
  * part's last row (`rows_after` rows follow the pair in it). */
-#ifndef DQ_PAIR_PREFETCH_BYTES
 #define DQ_PAIR_PREFETCH_BYTES 12288
-#endif
 static inline int64_t prefetch_ahead(int64_t row_bytes, int64_t rows_after) {
     int64_t ahead = 8 * row_bytes;
     ahead = ahead < DQ_PREFETCH_BYTES ? DQ_PREFETCH_BYTES : ahead;
