@@ -55,6 +55,7 @@ from dynquant.pipeline.calibrate.calibration_pass import (
 )
 from dynquant.pipeline.calibrate.weights import WeightsAt
 from dynquant.pipeline.execute.executor import Executor, LocalExecutor, use_threads
+from dynquant.pipeline.execute.heap import heap_served
 from dynquant.pipeline.execute.progress import StageProgress
 
 # module's spec, its float32 weight -> the module quantized at the probe width
@@ -201,8 +202,9 @@ def fisher_kl(cal: CalibrationPass, modules: set[str], probe_weight: ProbeWeight
     work = BlockWork(WeightsAt.of(stream.source, False), stream.dtype, frozenset(modules),
                      False, torch.get_num_threads())
     with StageProgress(enabled=progress) as bar, serving(stream, work):
-        grads = _head_backward(stream, cal, modules, probe_weight, acc, gen, draws, bar,
-                               variants, head_moments)
+        with heap_served():  # the head's terms remake the same chunks of rows
+            grads = _head_backward(stream, cal, modules, probe_weight, acc, gen, draws, bar,
+                                   variants, head_moments)
         task = bar.add_task("Fisher pass", total=len(stream.blocks))
         per = stream.ids.shape[0] if executor.runs_here else CLUSTER_SHARD_SEQS
         for i in reversed(range(len(stream.blocks))):

@@ -8,6 +8,13 @@ model the calibrated measure peaked at 1.7x the dense bf16 model instead of a bl
 Pinning the threshold (what ``MALLOC_MMAP_THRESHOLD_`` does at start-up) keeps every
 allocation past it an mmap of its own, returned on free. Not done at import: decode allocates
 small activations at a high rate, where mmap per allocation would cost time.
+
+The price of the pin is page faults: a loop that makes and frees the same tensors of a few MiB
+(the measure's error sums over chunks of rows, the Fisher pass's head terms) maps and zeroes
+them afresh each time, a quarter of those stages' time at 7B shapes. Inside ``heap_served``
+such tensors come from the heap, reused in place; on leaving, the pin is back and the free
+pages handed back (BENCHMARKS.md "Scale": a streamed pass over many blocks with the larger
+threshold throughout grew the resident size instead).
 """
 
 from __future__ import annotations
@@ -15,9 +22,32 @@ from __future__ import annotations
 import ctypes
 import ctypes.util
 import os
+from collections.abc import Iterator
+from contextlib import contextmanager
+from functools import cache
 
-M_MMAP_THRESHOLD = -3
+M_TRIM_THRESHOLD, M_MMAP_THRESHOLD = -1, -3  # glibc's malloc.h
 THRESHOLD = 1 << 20
+# heap_served's: above the chunks of rows the measure and the Fisher pass remake (2-4 MiB), and
+# the free top the heap keeps for them (glibc's default, 128 KiB, would hand a freed chunk at the
+# top back at once)
+SERVED_THRESHOLD, SERVED_TOP = 8 << 20, 256 << 20
+TRIM_THRESHOLD = 128 << 10  # glibc's default (a pinned threshold does not move it)
+
+_pinned = {"threshold": 0}  # the threshold return_freed_memory set (0: none)
+
+
+@cache
+def _libc() -> ctypes.CDLL | None:
+    name = ctypes.util.find_library("c")
+    if name is None:
+        return None
+    try:
+        libc = ctypes.CDLL(name)
+        libc.mallopt, libc.malloc_trim  # noqa: B018 (glibc's, or another C library's)
+    except (OSError, AttributeError):
+        return None
+    return libc
 
 
 def return_freed_memory() -> bool:
@@ -26,11 +56,25 @@ def return_freed_memory() -> bool:
     higher peak)."""
     if "MALLOC_MMAP_THRESHOLD_" in os.environ:
         return True
-    name = ctypes.util.find_library("c")
-    if name is None:
+    libc = _libc()
+    if libc is None or not libc.mallopt(M_MMAP_THRESHOLD, THRESHOLD):
         return False
+    _pinned["threshold"] = THRESHOLD
+    return True
+
+
+@contextmanager
+def heap_served(threshold: int = SERVED_THRESHOLD) -> Iterator[None]:
+    """Within: allocations below ``threshold`` from the heap, where ``return_freed_memory``
+    pinned a lower one (else nothing changes); after: the pin again, the free pages returned."""
+    libc = _libc() if _pinned["threshold"] else None
+    if libc is None or not libc.mallopt(M_MMAP_THRESHOLD, threshold):
+        yield
+        return
+    libc.mallopt(M_TRIM_THRESHOLD, SERVED_TOP)
     try:
-        libc = ctypes.CDLL(name)
-        return bool(libc.mallopt(M_MMAP_THRESHOLD, THRESHOLD))
-    except (OSError, AttributeError):
-        return False
+        yield
+    finally:
+        libc.mallopt(M_MMAP_THRESHOLD, _pinned["threshold"])
+        libc.mallopt(M_TRIM_THRESHOLD, TRIM_THRESHOLD)
+        libc.malloc_trim(0)

@@ -24,6 +24,7 @@ from dynquant.pipeline.codes.code_chooser import (
     SecondMoments,
 )
 from dynquant.pipeline.execute.executor import Executor, use_threads
+from dynquant.pipeline.execute.heap import heap_served
 from dynquant.pipeline.execute.progress import StageProgress
 from dynquant.pipeline.measure.options import MeasureOptions, probe_bits
 
@@ -148,7 +149,8 @@ def measure_modules(quantizable: list[TensorSpec], weights: WeightsAt, opts: Mea
     # read as they are submitted (the executor pulls jobs as tasks finish), not all at once
     jobs = (ModuleJob(quantizable[i], None if moments is None
                       else moments.get(quantizable[i].module)) for i in todo)
-    with StageProgress(enabled=progress) as bar:
+    # each module's error sums remake the same chunks of rows: reused from the heap
+    with StageProgress(enabled=progress) as bar, heap_served():
         task = bar.add_task("measuring", total=len(quantizable),
                             completed=len(quantizable) - len(todo))
         results = executor.map(candidates_job, jobs, work, cpus=work.threads or 1)

@@ -1,0 +1,87 @@
+"""``heap_served`` (glibc's malloc while ``return_freed_memory`` pins the mmap threshold): inside,
+a loop's freed tensors of a few MiB are reused from the heap, not mapped afresh; after, the pin
+is back (fresh mappings); without the pin glibc's settings are left alone."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+
+import pytest
+
+from dynquant.pipeline.execute import heap
+
+# A loop that makes and frees 3 x 2 MiB of tensors each step (the measure's chunks of rows, in
+# small): each step's minor page faults pinned, inside heap_served (after its first steps), and
+# pinned again after it.
+PROBE = """
+import resource, torch
+from dynquant.pipeline.execute.heap import heap_served, return_freed_memory
+
+def faults():
+    return resource.getrusage(resource.RUSAGE_SELF).ru_minflt
+
+codes = torch.randint(0, 16, (512, 1024), dtype=torch.uint8)
+scales = torch.rand(512, 1)
+
+def step():
+    before = faults()
+    w = codes * scales
+    g = torch.ones_like(w)
+    (g * codes).sum()
+    return faults() - before
+
+pinned = return_freed_memory()
+outside = [step() for _ in range(6)]
+with heap_served():
+    inside = [step() for _ in range(6)]
+after = [step() for _ in range(6)]
+print(pinned, sum(outside[2:]), sum(inside[2:]), sum(after[2:]))
+"""
+STEP_PAGES = 3 * (2 << 20) // 4096
+
+
+pytestmark = pytest.mark.skipif(sys.platform != "linux", reason="glibc's malloc settings")
+
+
+def _probe() -> tuple[bool, int, int, int]:
+    """(pinned, faults of 4 steps before, inside, after)."""
+    env = {k: v for k, v in os.environ.items() if not k.startswith("MALLOC_")}
+    env.pop("LD_PRELOAD", None)
+    out = subprocess.run([sys.executable, "-c", PROBE], capture_output=True, text=True,
+                         check=True, env=env).stdout.split()
+    return out[0] == "True", int(out[1]), int(out[2]), int(out[3])
+
+
+def test_inside_a_loop_s_tensors_come_from_the_heap_and_after_the_pin_is_back():
+    pinned, outside, inside, after = _probe()
+    assert pinned
+    assert outside > 4 * STEP_PAGES // 2, outside  # 4 steps, each mapped afresh
+    assert inside < STEP_PAGES // 4, inside  # reused in place
+    assert after > 4 * STEP_PAGES // 2, after
+
+
+def test_heap_served_sets_and_restores_only_over_a_pin(monkeypatch):
+    calls = []
+
+    class Libc:
+        def mallopt(self, option, value):
+            calls.append((option, value))
+            return 1
+
+        def malloc_trim(self, pad):
+            calls.append(("trim", pad))
+            return 1
+
+    monkeypatch.setattr(heap, "_libc", lambda: Libc())
+    monkeypatch.setitem(heap._pinned, "threshold", 0)
+    with heap.heap_served():
+        pass
+    assert calls == []  # no pin: glibc's own policy is left alone
+    monkeypatch.setitem(heap._pinned, "threshold", heap.THRESHOLD)
+    with heap.heap_served():
+        assert calls == [(heap.M_MMAP_THRESHOLD, heap.SERVED_THRESHOLD),
+                         (heap.M_TRIM_THRESHOLD, heap.SERVED_TOP)]
+    assert calls[2:] == [(heap.M_MMAP_THRESHOLD, heap.THRESHOLD),
+                         (heap.M_TRIM_THRESHOLD, heap.TRIM_THRESHOLD), ("trim", 0)]
