@@ -6,34 +6,20 @@ alone."""
 from __future__ import annotations
 
 import os
-import subprocess
 import sys
 
 import pytest
+from page_faults import run_probe, step_pages, step_source
 
 # A loop that makes and frees the same 3 x 32 MiB of tensors each step (a tuning step's pattern,
 # in small): prints whether the setting applied, each step's minor page faults (~24,600 a step
 # when every tensor is mapped afresh, none once the freed ones are reused), the bytes handed back
 # on leaving, and the faults of one more step after (glibc's own settings again).
-PROBE = """
-import os, resource, torch
+PROBE = step_source(2048, 4096) + """
 from dynquant.freed_memory import reusing_freed_memory
-
-def faults():
-    return resource.getrusage(resource.RUSAGE_SELF).ru_minflt
 
 def resident():
     return int(open("/proc/self/statm").read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
-
-codes = torch.randint(0, 16, (2048, 4096), dtype=torch.uint8)
-scales = torch.rand(2048, 1)
-
-def step():
-    before = faults()
-    w = codes * scales
-    g = torch.ones_like(w)
-    (g * codes).sum()
-    return faults() - before
 
 with reusing_freed_memory() as applied:
     inside = [step() for _ in range(12)]
@@ -41,22 +27,19 @@ with reusing_freed_memory() as applied:
 released = held - resident()
 print(applied, released, step(), *inside)
 """
-STEP_PAGES = 3 * (32 << 20) // 4096
+STEP_PAGES = step_pages(2048, 4096)
 
 
 pytestmark = pytest.mark.skipif(sys.platform != "linux", reason="glibc's malloc settings")
 
 
-def _probe(env: dict[str, str]) -> tuple[bool, int, int, list[int]]:
-    out = subprocess.run([sys.executable, "-c", PROBE], capture_output=True, text=True,
-                         check=True, env=env).stdout.split()
+def _probe(env: dict[str, str] | None = None) -> tuple[bool, int, int, list[int]]:
+    out = run_probe(PROBE, env)
     return out[0] == "True", int(out[1]), int(out[2]), [int(n) for n in out[3:]]
 
 
 def test_inside_freed_large_blocks_are_reused_and_after_they_are_handed_back():
-    env = {k: v for k, v in os.environ.items() if not k.startswith("MALLOC_")}
-    env.pop("LD_PRELOAD", None)
-    applied, released, after, inside = _probe(env)
+    applied, released, after, inside = _probe()
     assert applied and sum(inside[6:]) < STEP_PAGES // 20, inside  # the steady state
     assert released > (64 << 20), released
     assert after > STEP_PAGES // 2, after  # glibc's own settings again: fresh mappings

@@ -4,33 +4,18 @@ is back (fresh mappings); without the pin glibc's settings are left alone."""
 
 from __future__ import annotations
 
-import os
-import subprocess
 import sys
 
 import pytest
+from page_faults import run_probe, step_pages, step_source
 
 from dynquant.pipeline.execute import heap
 
 # A loop that makes and frees 3 x 2 MiB of tensors each step (the measure's chunks of rows, in
 # small): each step's minor page faults pinned, inside heap_served (after its first steps), and
 # pinned again after it.
-PROBE = """
-import resource, torch
+PROBE = step_source(512, 1024) + """
 from dynquant.pipeline.execute.heap import heap_served, return_freed_memory
-
-def faults():
-    return resource.getrusage(resource.RUSAGE_SELF).ru_minflt
-
-codes = torch.randint(0, 16, (512, 1024), dtype=torch.uint8)
-scales = torch.rand(512, 1)
-
-def step():
-    before = faults()
-    w = codes * scales
-    g = torch.ones_like(w)
-    (g * codes).sum()
-    return faults() - before
 
 pinned = return_freed_memory()
 outside = [step() for _ in range(6)]
@@ -39,7 +24,7 @@ with heap_served():
 after = [step() for _ in range(6)]
 print(pinned, sum(outside[2:]), sum(inside[2:]), sum(after[2:]))
 """
-STEP_PAGES = 3 * (2 << 20) // 4096
+STEP_PAGES = step_pages(512, 1024)
 
 
 pytestmark = pytest.mark.skipif(sys.platform != "linux", reason="glibc's malloc settings")
@@ -47,10 +32,7 @@ pytestmark = pytest.mark.skipif(sys.platform != "linux", reason="glibc's malloc 
 
 def _probe() -> tuple[bool, int, int, int]:
     """(pinned, faults of 4 steps before, inside, after)."""
-    env = {k: v for k, v in os.environ.items() if not k.startswith("MALLOC_")}
-    env.pop("LD_PRELOAD", None)
-    out = subprocess.run([sys.executable, "-c", PROBE], capture_output=True, text=True,
-                         check=True, env=env).stdout.split()
+    out = run_probe(PROBE)
     return out[0] == "True", int(out[1]), int(out[2]), int(out[3])
 
 
