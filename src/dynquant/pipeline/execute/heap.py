@@ -11,10 +11,11 @@ small activations at a high rate, where mmap per allocation would cost time.
 
 The price of the pin is page faults: a loop that makes and frees the same tensors of a few MiB
 (the measure's error sums over chunks of rows, the Fisher pass's head terms) maps and zeroes
-them afresh each time, a quarter of those stages' time at 7B shapes. Inside ``heap_served``
-such tensors come from the heap, reused in place; on leaving, the pin is back and the free
-pages handed back (BENCHMARKS.md "Scale": a streamed pass over many blocks with the larger
-threshold throughout grew the resident size instead).
+them afresh each time, a fifth of those stages' time at 7B shapes (BENCHMARKS.md "Scale").
+Inside ``heap_served`` such tensors come from the heap, reused in place; on leaving, the pin is
+back and the free pages handed back. Only around such loops: the larger threshold for a whole
+streamed measure grew its peak by a fifth (fragments of every block's tensors kept,
+"Quantize memory").
 """
 
 from __future__ import annotations
