@@ -1,6 +1,9 @@
 """``heap_served`` (glibc's malloc while ``return_freed_memory`` pins the mmap threshold): inside,
-a loop's freed tensors of a few MiB are reused from the heap, not mapped afresh; after, the pin
-is back (fresh mappings); without the pin glibc's settings are left alone."""
+a loop's freed tensors of a few MiB are reused from the heap, not mapped afresh; on leaving, the
+pin and glibc's trim threshold are set again and the free pages handed back; without the pin
+glibc's settings are left alone. (After it, a chunk the heap still holds free may serve a later
+allocation, which glibc looks for before it maps one: how many do depends on the heap's layout,
+so the faults after are not asserted.)"""
 
 from __future__ import annotations
 
@@ -12,8 +15,7 @@ from page_faults import run_probe, step_pages, step_source
 from dynquant.pipeline.execute import heap
 
 # A loop that makes and frees 3 x 2 MiB of tensors each step (the measure's chunks of rows, in
-# small): each step's minor page faults pinned, inside heap_served (after its first steps), and
-# pinned again after it.
+# small): each step's minor page faults pinned, then inside heap_served (after its first steps).
 PROBE = step_source(512, 1024) + """
 from dynquant.pipeline.execute.heap import heap_served, return_freed_memory
 
@@ -21,8 +23,7 @@ pinned = return_freed_memory()
 outside = [step() for _ in range(6)]
 with heap_served():
     inside = [step() for _ in range(6)]
-after = [step() for _ in range(6)]
-print(pinned, sum(outside[2:]), sum(inside[2:]), sum(after[2:]))
+print(pinned, sum(outside[2:]), sum(inside[2:]))
 """
 STEP_PAGES = step_pages(512, 1024)
 
@@ -30,18 +31,17 @@ STEP_PAGES = step_pages(512, 1024)
 pytestmark = pytest.mark.skipif(sys.platform != "linux", reason="glibc's malloc settings")
 
 
-def _probe() -> tuple[bool, int, int, int]:
-    """(pinned, faults of 4 steps before, inside, after)."""
+def _probe() -> tuple[bool, int, int]:
+    """(pinned, faults of 4 steps pinned, of 4 steps inside)."""
     out = run_probe(PROBE)
-    return out[0] == "True", int(out[1]), int(out[2]), int(out[3])
+    return out[0] == "True", int(out[1]), int(out[2])
 
 
-def test_inside_a_loop_s_tensors_come_from_the_heap_and_after_the_pin_is_back():
-    pinned, outside, inside, after = _probe()
+def test_inside_a_loop_s_tensors_come_from_the_heap():
+    pinned, outside, inside = _probe()
     assert pinned
     assert outside > 4 * STEP_PAGES // 2, outside  # 4 steps, each mapped afresh
     assert inside < STEP_PAGES // 4, inside  # reused in place
-    assert after > 4 * STEP_PAGES // 2, after
 
 
 def test_heap_served_sets_and_restores_only_over_a_pin(monkeypatch):

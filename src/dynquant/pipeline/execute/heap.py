@@ -13,9 +13,11 @@ The price of the pin is page faults: a loop that makes and frees the same tensor
 (the measure's error sums over chunks of rows, the Fisher pass's head terms) maps and zeroes
 them afresh each time, a fifth of those stages' time at 7B shapes (BENCHMARKS.md "Scale").
 Inside ``heap_served`` such tensors come from the heap, reused in place; on leaving, the pin is
-back and the free pages handed back. Only around such loops: the larger threshold for a whole
-streamed measure grew its peak by a fifth (fragments of every block's tensors kept,
-"Quantize memory").
+back and the free pages handed back, but a chunk the heap still holds free (below a live one)
+may serve a later allocation, which glibc looks for before it maps one, and stay resident after
+it is freed: the streamed measure of an 885 M model peaked 7% higher with ``heap_served``, 19%
+with the larger threshold for the whole measure ("Quantize memory"). Hence only around such
+loops.
 """
 
 from __future__ import annotations
