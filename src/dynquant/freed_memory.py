@@ -28,15 +28,17 @@ M_TRIM_THRESHOLD, M_MMAP_THRESHOLD, M_MMAP_MAX = -1, -3, -4  # glibc's malloc.h
 KEPT_TOP = (1 << 31) - 1  # mallopt takes an int: the free top kept inside (2 GB)
 # after: glibc's defaults once its dynamic threshold has seen a large block freed
 MMAP_THRESHOLD, TRIM_THRESHOLD, MMAP_MAX = 32 << 20, 64 << 20, 65536
+USER_SETTINGS = ("MALLOC_MMAP_MAX_", "MALLOC_TRIM_THRESHOLD_")  # the environment's, glibc reads
 
 
 def chosen_by_user() -> bool:
-    return (any(name in os.environ for name in ("MALLOC_MMAP_MAX_", "MALLOC_TRIM_THRESHOLD_"))
+    return (any(name in os.environ for name in USER_SETTINGS)
             or any(lib in os.environ.get("LD_PRELOAD", "") for lib in ("jemalloc", "tcmalloc")))
 
 
 @cache
-def _glibc() -> ctypes.CDLL | None:
+def glibc() -> ctypes.CDLL | None:
+    """glibc's malloc controls (None: another C library, or not Linux)."""
     if sys.platform != "linux":
         return None
     try:
@@ -51,7 +53,7 @@ def _glibc() -> ctypes.CDLL | None:
 def reusing_freed_memory() -> Iterator[bool]:
     """Within: large freed blocks are reused in place (yields whether the setting applies);
     after: glibc's settings, and the free pages handed back."""
-    libc = None if chosen_by_user() else _glibc()
+    libc = None if chosen_by_user() else glibc()
     if libc is None:
         yield False
         return

@@ -12,6 +12,7 @@ import sys
 import pytest
 from page_faults import run_probe, step_pages, step_source
 
+from dynquant.freed_memory import USER_SETTINGS
 from dynquant.pipeline.execute import heap
 
 # A loop that makes and frees 3 x 2 MiB of tensors each step (the measure's chunks of rows, in
@@ -56,7 +57,9 @@ def test_heap_served_sets_and_restores_only_over_a_pin(monkeypatch):
             calls.append(("trim", pad))
             return 1
 
-    monkeypatch.setattr(heap, "_libc", lambda: Libc())
+    monkeypatch.setattr(heap, "glibc", lambda: Libc())
+    for name in (*USER_SETTINGS, "LD_PRELOAD"):
+        monkeypatch.delenv(name, raising=False)
     monkeypatch.setitem(heap._pinned, "threshold", 0)
     with heap.heap_served():
         pass
@@ -67,3 +70,8 @@ def test_heap_served_sets_and_restores_only_over_a_pin(monkeypatch):
                          (heap.M_TRIM_THRESHOLD, heap.SERVED_TOP)]
     assert calls[2:] == [(heap.M_MMAP_THRESHOLD, heap.THRESHOLD),
                          (heap.M_TRIM_THRESHOLD, heap.TRIM_THRESHOLD), ("trim", 0)]
+    calls.clear()
+    monkeypatch.setenv("MALLOC_TRIM_THRESHOLD_", "131072")
+    with heap.heap_served():
+        pass
+    assert calls == []  # the user's own setting: left alone

@@ -22,14 +22,12 @@ loops.
 
 from __future__ import annotations
 
-import ctypes
-import ctypes.util
 import os
 from collections.abc import Iterator
 from contextlib import contextmanager
-from functools import cache
 
-M_TRIM_THRESHOLD, M_MMAP_THRESHOLD = -1, -3  # glibc's malloc.h
+from dynquant.freed_memory import M_MMAP_THRESHOLD, M_TRIM_THRESHOLD, chosen_by_user, glibc
+
 THRESHOLD = 1 << 20
 # heap_served's: above the chunks of rows the measure and the Fisher pass remake (2-4 MiB), and
 # the free top the heap keeps for them (glibc's default, 128 KiB, would hand a freed chunk at the
@@ -40,26 +38,13 @@ TRIM_THRESHOLD = 128 << 10  # glibc's default (a pinned threshold does not move 
 _pinned = {"threshold": 0}  # the threshold return_freed_memory set (0: none)
 
 
-@cache
-def _libc() -> ctypes.CDLL | None:
-    name = ctypes.util.find_library("c")
-    if name is None:
-        return None
-    try:
-        libc = ctypes.CDLL(name)
-        libc.mallopt, libc.malloc_trim  # noqa: B018 (glibc's, or another C library's)
-    except (OSError, AttributeError):
-        return None
-    return libc
-
-
 def return_freed_memory() -> bool:
     """Pin glibc's mmap threshold at 1 MiB for this process (unless the environment set it).
     True if set; False where there is no glibc (the streamed passes work the same, with a
     higher peak)."""
     if "MALLOC_MMAP_THRESHOLD_" in os.environ:
         return True
-    libc = _libc()
+    libc = glibc()
     if libc is None or not libc.mallopt(M_MMAP_THRESHOLD, THRESHOLD):
         return False
     _pinned["threshold"] = THRESHOLD
@@ -69,8 +54,9 @@ def return_freed_memory() -> bool:
 @contextmanager
 def heap_served(threshold: int = SERVED_THRESHOLD) -> Iterator[None]:
     """Within: allocations below ``threshold`` from the heap, where ``return_freed_memory``
-    pinned a lower one (else nothing changes); after: the pin again, the free pages returned."""
-    libc = _libc() if _pinned["threshold"] else None
+    pinned a lower one (else, or where the user chose malloc's settings, nothing changes);
+    after: the pin again, the free pages returned."""
+    libc = glibc() if _pinned["threshold"] and not chosen_by_user() else None
     if libc is None or not libc.mallopt(M_MMAP_THRESHOLD, threshold):
         yield
         return
