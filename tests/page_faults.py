@@ -1,7 +1,10 @@
 """A loop step that makes and frees three float32 tensors of one size (a tuning step's or a
 chunked error sum's pattern, in small), as the source of a child process: ``step()`` returns its
 minor page faults (~size / 4 KiB a tensor when each is mapped afresh, ~0 when freed memory is
-reused). The malloc settings under test are the child's own, so each probe runs in one."""
+reused). The malloc settings under test are the child's own, so each probe runs in one, on one
+torch thread: the kernels' threads allocate from arenas of their own, whose reuse varies with
+their timing (on a loaded machine a step inside ``heap_served`` now and then mapped a tensor
+afresh)."""
 
 from __future__ import annotations
 
@@ -14,6 +17,8 @@ def step_source(rows: int, cols: int) -> str:
     """The child's imports, ``faults()`` and ``step()`` for tensors of ``rows`` x ``cols``."""
     return f"""
 import os, resource, torch
+
+torch.set_num_threads(1)
 
 def faults():
     return resource.getrusage(resource.RUSAGE_SELF).ru_minflt

@@ -16,15 +16,16 @@ from dynquant.freed_memory import USER_SETTINGS
 from dynquant.pipeline.execute import heap
 
 # A loop that makes and frees 3 x 2 MiB of tensors each step (the measure's chunks of rows, in
-# small): each step's minor page faults pinned, then inside heap_served (after its first steps).
+# small): each step's minor page faults pinned (4 steps after the first 2), then inside
+# heap_served (4 steps after the first 6, while the heap grows to the loop's size).
 PROBE = step_source(512, 1024) + """
 from dynquant.pipeline.execute.heap import heap_served, return_freed_memory
 
 pinned = return_freed_memory()
 outside = [step() for _ in range(6)]
 with heap_served():
-    inside = [step() for _ in range(6)]
-print(pinned, sum(outside[2:]), sum(inside[2:]))
+    inside = [step() for _ in range(10)]
+print(pinned, sum(outside[2:]), sum(inside[6:]))
 """
 STEP_PAGES = step_pages(512, 1024)
 
@@ -33,7 +34,7 @@ pytestmark = pytest.mark.skipif(sys.platform != "linux", reason="glibc's malloc 
 
 
 def _probe() -> tuple[bool, int, int]:
-    """(pinned, faults of 4 steps pinned, of 4 steps inside)."""
+    """(pinned, faults of 4 steps pinned, of 4 steps inside once the heap holds the loop)."""
     out = run_probe(PROBE)
     return out[0] == "True", int(out[1]), int(out[2])
 
