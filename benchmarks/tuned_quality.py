@@ -1,8 +1,9 @@
 """Codes against codes in the same format and bytes: round-to-nearest, sequential GPTQ, GPTQ
 with each block's scales and offsets tuned against the float block (``--tune-rounding 0``), the
-same with each weight's rounding tuned too (``--quantizer tuned``, the default codes), and those
-with their scales then tuned end to end against the float model's distributions
-(``--e2e-steps``).
+same with each weight's rounding tuned too (``--quantizer tuned``, the default codes), the same
+fitted on the block's plain squared error (``--tune-error plain``; the default weighs each
+channel by the gain of the norm that reads it), and those with their scales then tuned end to
+end against the float model's distributions (``--e2e-steps``).
 
 One calibrated measure on the bundled text (``quantize --budget``'s own, rtn-priced with each
 Linear's gptq ratio) gives the widths, uniform and allocated; every code kind writes the same
@@ -10,7 +11,7 @@ widths (equal bytes). Each row: the codes' write time (the measure, the same for
 shown once), and mean KL against the float model on 16,384 held-out tokens.
 
     python -m benchmarks tuned_quality [--model smollm2|gemma3-270m] [--settings u3 a3.25 ...]
-        [--steps 100] [--rounding 3e-3] [--e2e-steps 100]
+        [--steps 100] [--rounding 3e-3] [--e2e-steps 100] [--kinds rtn gptq scales tuned ...]
 
 Targets: tuned <= 0.6x GPTQ's KL at 3.25 and 4.25 bits (SmolLM2; Gemma-3-270M at 4.25), no
 budget worse at 5.5; tuned's quantize (measure + codes) <= 3x GPTQ's.
@@ -43,6 +44,11 @@ from dynquant.pipeline.measure.run import measure
 from dynquant.pipeline.report.frontier import evaluate_checkpoints
 from scripts.prepare_real_model import real_model
 
+KINDS = ("rtn", "gptq", "scales", "tuned", "plain", "e2e")
+TITLES = {"rtn": "RTN", "gptq": "GPTQ", "scales": "tuned scales alone",
+          "tuned": "tuned scales and rounding", "plain": "the same on the plain error",
+          "e2e": "then end to end"}
+
 
 def _widths(maps: dict, setting: str) -> dict:
     """``u3``: uniform 3 bits; ``a3.25``: allocated at 3.25 bits (for the maps' default codes,
@@ -61,13 +67,16 @@ def main() -> None:
     parser.add_argument("--rounding", type=float, default=ScaleTuning.rounding,
                         help="the rounding's step of the tuned rows (0: the scales alone, and "
                         "no scales-alone row)")
+    parser.add_argument("--kinds", nargs="+", choices=KINDS, default=[k for k in KINDS if k != "plain"],
+                        help="the rows: rtn, gptq (both always), scales (alone), tuned (the "
+                        "default codes), plain (tuned on the plain error), e2e")
     args = parser.parse_args()
     model_dir = real_model(args.model)
     if model_dir is None:
         raise SystemExit(f"the real model is not prepared: python scripts/prepare_real_model.py "
                          f"{args.model}")
-    print(f"# {args.model}: RTN / GPTQ / tuned scales alone ({args.steps} steps a block) / "
-          f"tuned scales and rounding (step {args.rounding}), same widths; "
+    print(f"# {args.model}: {' / '.join(TITLES[k] for k in KINDS if k in args.kinds)} "
+          f"({args.steps} steps a block, rounding step {args.rounding}), same widths; "
           f"{GPTQ_SEQS} x 256 calibration tokens of the bundled text, KL on {EVAL_TOKENS} "
           f"held-out tokens; {machine()}")
     source = resolve_model(str(model_dir))
@@ -87,12 +96,15 @@ def main() -> None:
             tuning = ScaleTuning(steps=args.steps, rounding=args.rounding)
             choosers = {"rtn": CodeChooser("rtn", importance),
                         "gptq": CodeChooser("gptq", importance, sequential=cal)}
-            if args.rounding:
+            if args.rounding and "scales" in args.kinds:
                 choosers["scales"] = CodeChooser("tuned", importance, sequential=replace(
                     cal, tuning=replace(tuning, rounding=0.0)))
             choosers["tuned"] = CodeChooser("tuned", importance,
                                             sequential=replace(cal, tuning=tuning))
-            if args.e2e_steps:
+            if "plain" in args.kinds:
+                choosers["plain"] = CodeChooser("tuned", importance, sequential=replace(
+                    cal, tuning=replace(tuning, error="plain")))
+            if args.e2e_steps and "e2e" in args.kinds:
                 choosers["e2e"] = CodeChooser("tuned", importance, sequential=replace(
                     cal, tuning=tuning, end_to_end=EndToEndTuning(steps=args.e2e_steps)))
             for codes, chooser in choosers.items():

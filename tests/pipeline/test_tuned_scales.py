@@ -262,7 +262,8 @@ def test_tuned_codes_lower_every_block_s_error_at_every_width(tmp_path, monkeypa
     cal = _calibration(LLAMA_REF, 4, 64)
     events: list[tuple[str, float]] = []
     real_error, real_tune = seq.block_error, seq.tune_block
-    recorded = lambda o, t: events.append(("error", real_error(o, t))) or events[-1][1]  # noqa: E731
+    recorded = lambda o, t, v=None: events.append(  # noqa: E731
+        ("error", real_error(o, t, v))) or events[-1][1]
     monkeypatch.setattr(seq, "block_error", recorded)  # GPTQ's codes'
     monkeypatch.setattr(tuned_module, "block_error", recorded)  # each attempt's
     monkeypatch.setattr(seq, "tune_block", lambda *a, **k: events.append(
@@ -293,7 +294,7 @@ def test_a_tuning_is_checked_on_windows_spread_over_all_and_gptq_runs_only_on_th
     compared: list[int] = []
     real_error, real_outputs = seq.block_error, seq._outputs
     monkeypatch.setattr(seq, "block_error",
-                        lambda o, t: compared.append(len(o)) or real_error(o, t))
+                        lambda o, t, v=None: compared.append(len(o)) or real_error(o, t, v))
     ran: list[int] = []
     monkeypatch.setattr(seq, "_outputs", lambda state, say, windows=None: ran.append(
         len(state.hidden) if windows is None else -len(windows))
@@ -342,8 +343,8 @@ def test_a_bf16_tuning_lowers_every_block_s_error(tmp_path, monkeypatch):
     source = resolve_model(str(LLAMA_REF))
     events: list[tuple[str, float]] = []
     real_error, real_tune = seq.block_error, seq.tune_block
-    monkeypatch.setattr(seq, "block_error", lambda o, t: events.append(
-        ("error", real_error(o, t))) or events[-1][1])
+    monkeypatch.setattr(seq, "block_error", lambda o, t, v=None: events.append(
+        ("error", real_error(o, t, v))) or events[-1][1])
     monkeypatch.setattr(seq, "tune_block", lambda *a, **k: events.append(
         ("tune", a[5].dtype)) or real_tune(*a, **k))
     cal = _calibration(LLAMA_REF, 4, 64)
@@ -474,7 +475,7 @@ def test_tuning_on_float_inputs_leaves_the_gptq_pass_as_it_is_and_resumes(tmp_pa
     monkeypatch.setattr(seq, "tune_block_job", lambda job, work: jobs.append(replace(
         job, residuals=dict(job.residuals))) or starts.append(len(errors)) or real_job(job, work))
     monkeypatch.setattr(tuned_module, "block_error",
-                        lambda o, t: errors.append(real_error(o, t)) or errors[-1])
+                        lambda o, t, v=None: errors.append(real_error(o, t, v)) or errors[-1])
     quantize_model(source, widths, tmp_path / "a", progress=False, chooser=chooser)
     quantize_model(source, widths, tmp_path / "gptq", progress=False,
                    chooser=CodeChooser("gptq", sequential=cal))

@@ -74,11 +74,12 @@ from dynquant.pipeline.calibrate.calibration_pass import (
 from dynquant.pipeline.calibrate.statistics import InputStatistics
 from dynquant.pipeline.calibrate.weights import WeightsAt
 from dynquant.pipeline.codes.end_to_end import EndToEndTuning
+from dynquant.pipeline.codes.output_error import block_error
 from dynquant.pipeline.codes.tuned_scales import (
     ScaleTuning,
     TuneJob,
-    block_error,
     check_windows,
+    error_gains,
     first_lowering,
     tune_block,
     tune_block_job,
@@ -328,8 +329,9 @@ def _tuned(state: _Block, mine: list[TensorSpec], index: dict, targets: list[tor
     block = state.stream.blocks[state.index]
     check = check_windows(len(state.hidden))
     checked = [targets[k] for k in check]
+    gains = error_gains(state.stream, state.index, tuning)
     before = block_error(_outputs(state, lambda what: say(f"GPTQ's output: {what}"), check),
-                         checked)
+                         checked, gains)
 
     def run(tried: dict[str, QuantizedTensor]) -> list[torch.Tensor]:
         for name, qt in tried.items():
@@ -340,8 +342,9 @@ def _tuned(state: _Block, mine: list[TensorSpec], index: dict, targets: list[tor
     kept = first_lowering(tuning, before,
                           lambda attempt: tune_block(state.stream, state.index, codes,
                                                      state.hidden, targets, attempt, say,
-                                                     residuals=state.residuals),
-                          run, lambda outputs: block_error([outputs[k] for k in check], checked))
+                                                     residuals=state.residuals, gains=gains),
+                          run, lambda outputs: block_error([outputs[k] for k in check], checked,
+                                                           gains))
     if kept is not None:  # in place already
         outputs = kept[1]
     else:  # the GPTQ codes back in place

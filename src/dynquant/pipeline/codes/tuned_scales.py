@@ -5,8 +5,9 @@ lower the block's output error.
 Within the sequential pass (``sequential_gptq.py``), once a block's tensors have their GPTQ
 codes: every calibration window's output of the *float* block on the *float* model's hidden
 states is the target, and the block with its codes, run on the quantized model's hidden states
-(what it will see), is fitted to it. So each block also absorbs what the blocks before it got
-wrong (AutoRound's and EfficientQAT's block-wise reconstruction). Adam, one window a step in a
+(what it will see), is fitted to it, each output channel's error weighted by the gain of the
+norm that reads it (``output_error.py``). So each block also absorbs what the blocks before it
+got wrong (AutoRound's and EfficientQAT's block-wise reconstruction). Adam, one window a step in a
 seeded order, the step size falling linearly to zero; every quantized tensor of the block at
 once (a bank's every expert: each sees the tokens routed to it). A tuning is kept only where it
 lowers the block's error (``first_lowering``: with the rounding, then the scales alone; at 8 bits
@@ -39,11 +40,18 @@ from dynquant.pipeline.calibrate.calibration_pass import (
     put_codes,
     shard_stream,
 )
+from dynquant.pipeline.codes.output_error import (
+    NormGains,
+    block_error,
+    output_error,
+    reading_norm,
+)
 from dynquant.pipeline.execute.executor import use_threads
 from dynquant.pipeline.execute.progress import job_note
 
 TUNING_INPUTS = ("quantized", "float")
 TUNING_DTYPES = ("float32", "bfloat16")
+TUNING_ERRORS = ("gains", "plain")
 
 
 @dataclass(frozen=True)
@@ -68,8 +76,14 @@ class ScaleTuning:
     # natively, e.g. AMX; the codes then depend on that arithmetic). The check of a tuning
     # against GPTQ's codes runs in the stream's dtype either way.
     dtype: str = "float32"
+    # the block's output error fitted and compared: "gains" (each channel times the gain of the
+    # norm that reads the block's output: ``output_error.py``) or "plain"
+    error: str = "gains"
 
     def __post_init__(self) -> None:
+        if self.error not in TUNING_ERRORS:
+            raise DynquantError(f"the tuning's error must be one of {', '.join(TUNING_ERRORS)}, "
+                                f"not {self.error!r}", field="tuning.error")
         if self.dtype not in TUNING_DTYPES:
             raise DynquantError(f"the tuning's dtype must be one of {', '.join(TUNING_DTYPES)}, "
                                 f"not {self.dtype!r}", field="tuning.dtype")
@@ -101,24 +115,19 @@ def check_windows(count: int) -> list[int]:
     return torch.linspace(0, count - 1, min(count, CHECK_WINDOWS)).round().long().unique().tolist()
 
 
-def block_error(outputs: list[torch.Tensor], targets: list[torch.Tensor]) -> float:
-    """Mean squared difference over every window (float64 sum: any order, same value)."""
-    total = sum(float((o - t).double().pow(2).sum()) for o, t in zip(outputs, targets,
-                                                                       strict=True))
-    return total / sum(t.numel() for t in targets)
-
-
 def tune_block(stream: BlockStream, index: int, codes: dict[str, QuantizedTensor],
                hidden: list[torch.Tensor], targets: list[torch.Tensor], tuning: ScaleTuning,
                say: Callable[[str], None] = lambda _: None, calls: list[tuple] | None = None,
-               residuals: dict[str, torch.Tensor] | None = None) -> dict[str, QuantizedTensor]:
+               residuals: dict[str, torch.Tensor] | None = None,
+               gains: NormGains | None = None) -> dict[str, QuantizedTensor]:
     """Block ``index``'s ``codes`` (parameter path inside the block -> codes) with scales and
     offsets fitted so that the block on ``hidden`` gives ``targets`` (``calls``: the windows'
     recorded block arguments, the stream's by default), and the rounding of those whose
     ``residuals`` are given (with ``tuning.rounding``; taken out of the dict as they are
-    used). The block runs on the tunables' weights (``functional_call``), so its own copies of
-    them are emptied while it tunes (a float32 copy is 4 bytes a weight of the block): the
-    caller puts codes in place before the block runs again (``first_lowering``'s ``run``)."""
+    used); the error's channels weighted by ``gains`` (``output_error``). The block runs on the
+    tunables' weights (``functional_call``), so its own copies of them are emptied while it tunes (a
+    float32 copy is 4 bytes a weight of the block): the caller puts codes in place before the
+    block runs again (``first_lowering``'s ``run``)."""
     calls = stream.calls[index] if calls is None else calls
     block = stream.blocks[index]
     shapes = {}
@@ -148,7 +157,7 @@ def tune_block(stream: BlockStream, index: int, codes: dict[str, QuantizedTensor
             with torch.autocast("cpu", dtype=torch.bfloat16, enabled=low):
                 out = first_output(functional_call(block, weights, (hidden[k].to(stream.dtype),
                                                                      *args), kwargs))
-            loss = (out.float() - targets[k]).pow(2).mean()
+            loss = output_error(gains, out.float(), targets[k])
             loss.backward()
             opt.step()
             opt.zero_grad(set_to_none=True)
@@ -181,6 +190,7 @@ def tune_block_job(job: TuneJob, work: BlockWork) -> dict[str, QuantizedTensor]:
     stream = shard_stream(work)
     say = job_note()
     check = check_windows(len(job.hidden))  # the block's outputs serve only the comparison
+    gains = error_gains(stream, job.block, job.tuning)
     hidden, recorded = [job.hidden[k] for k in check], [job.recorded[k] for k in check]
     targets = [job.targets[k] for k in check]
     with block_as_driven(stream, job.block, job.codes) as block:
@@ -190,12 +200,17 @@ def tune_block_job(job: TuneJob, work: BlockWork) -> dict[str, QuantizedTensor]:
             return stream.run_block(job.block, hidden, recorded)
 
         before = stream.run_block(job.block, hidden, recorded)  # codes in place
-        kept = first_lowering(job.tuning, block_error(before, targets),
+        kept = first_lowering(job.tuning, block_error(before, targets, gains),
                               lambda attempt: tune_block(stream, job.block, job.codes, job.hidden,
                                                          job.targets, attempt, say, job.recorded,
-                                                         job.residuals), run,
-                              lambda outputs: block_error(outputs, targets))
+                                                         job.residuals, gains), run,
+                              lambda outputs: block_error(outputs, targets, gains))
     return job.codes if kept is None else kept[0]
+
+
+def error_gains(stream: BlockStream, index: int, tuning: ScaleTuning) -> NormGains | None:
+    """The gains block ``index``'s output error is weighted by in its tuning (None: plainly)."""
+    return reading_norm(stream, index) if tuning.error == "gains" else None
 
 
 def first_lowering(tuning: ScaleTuning, before: float,
