@@ -68,8 +68,10 @@ class ScaleTuning:
     # block corrects its predecessors, and waits for them) or "float" (the float model's:
     # every block's tuning independent, a job beside the GPTQ pass)
     inputs: str = "quantized"
-    # Adam's step on each weight's rounding (in codes, at every width; 3e-3 measured best),
-    # where GPTQ's rounding residual is known; 0: GPTQ's codes kept, only the scales tuned
+    # Adam's step on each weight's rounding (in codes, at every width), where GPTQ's rounding
+    # residual is known; 0: GPTQ's codes kept, only the scales tuned. 6e-3 gives the real
+    # models at hand less KL, but twice the weights then carry the rounding's state: at 7B
+    # shapes over issue 42's memory bound (BENCHMARKS.md "Tuned scales")
     rounding: float = 3e-3
     # the steps' products: "float32", or "bfloat16" (the dequantized weights rounded to bf16 and
     # the block under bf16 autocast: several times faster where the CPU multiplies bf16
