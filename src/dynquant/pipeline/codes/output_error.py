@@ -7,8 +7,8 @@ stream one channel holds 55-96% of the squared values of every block's output, a
 that read it give that channel a gain far below the others' (the sixth block's input norm: 0.31
 against ~14), so fitting the plain error spends the tuning on a channel the model hardly reads.
 ``output_error`` weighs channel ``c`` of the error by ``g_c^2`` (the gains scaled to a mean
-square of one), which lowers the tuned codes' KL on Gemma-3-270M and SmolLM2 (BENCHMARKS.md
-"Tuned scales").
+square of one): Gemma-3-270M's tuned codes then measure less KL, SmolLM2's (whose norms give
+its largest channel about the others' gain) about the same (BENCHMARKS.md "Tuned scales").
 
 Tokens are not normalised, although the norm divides each by its RMS: a sequence's first token
 is the attention sink (in SmolLM2's later blocks its RMS is 40-140x the median token's), and
