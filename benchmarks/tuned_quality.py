@@ -67,9 +67,10 @@ def main() -> None:
     parser.add_argument("--rounding", type=float, default=ScaleTuning.rounding,
                         help="the rounding's step of the tuned rows (0: the scales alone, and "
                         "no scales-alone row)")
-    parser.add_argument("--kinds", nargs="+", choices=KINDS, default=[k for k in KINDS if k != "plain"],
-                        help="the rows: rtn, gptq (both always), scales (alone), tuned (the "
-                        "default codes), plain (tuned on the plain error), e2e")
+    parser.add_argument("--kinds", nargs="+", choices=KINDS,
+                        default=[k for k in KINDS if k != "plain"],
+                        help="the rows besides rtn, gptq and tuned (the default codes), which "
+                        "always run: scales (alone), plain (tuned on the plain error), e2e")
     args = parser.parse_args()
     model_dir = real_model(args.model)
     if model_dir is None:

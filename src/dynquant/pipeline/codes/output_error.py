@@ -96,19 +96,23 @@ def _reader(stream: BlockStream, index: int) -> tuple[str, nn.Module] | None:
     return None
 
 
+def _weighted_error(gains: NormGains | None, outputs: torch.Tensor, targets: torch.Tensor
+                    ) -> torch.Tensor:
+    """``outputs - targets`` [..., width], each channel times its gain (None: as it is)."""
+    error = outputs - targets
+    return error if gains is None else error * gains.gains
+
+
 def output_error(gains: NormGains | None, outputs: torch.Tensor, targets: torch.Tensor
                  ) -> torch.Tensor:
     """The mean squared error of ``outputs`` against ``targets`` [..., width], each channel
     times its gain (None: plainly), differentiable in ``outputs``."""
-    error = outputs - targets
-    return (error if gains is None else error * gains.gains).pow(2).mean()
+    return _weighted_error(gains, outputs, targets).pow(2).mean()
 
 
 def block_error(outputs: list[torch.Tensor], targets: list[torch.Tensor],
                 gains: NormGains | None = None) -> float:
     """``output_error`` over every window (a float64 sum: any order, same value)."""
-    total = 0.0
-    for o, t in zip(outputs, targets, strict=True):
-        error = o - t if gains is None else (o - t) * gains.gains
-        total += float(error.double().pow(2).sum())
+    total = sum(float(_weighted_error(gains, o, t).double().pow(2).sum())
+                for o, t in zip(outputs, targets, strict=True))
     return total / sum(t.numel() for t in targets)

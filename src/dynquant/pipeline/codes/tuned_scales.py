@@ -7,8 +7,8 @@ codes: every calibration window's output of the *float* block on the *float* mod
 states is the target, and the block with its codes, run on the quantized model's hidden states
 (what it will see), is fitted to it, each output channel's error weighted by the gain of the
 norm that reads it (``output_error.py``). So each block also absorbs what the blocks before it
-got wrong (AutoRound's and EfficientQAT's block-wise reconstruction). Adam, one window a step in a
-seeded order, the step size falling linearly to zero; every quantized tensor of the block at
+got wrong (AutoRound's and EfficientQAT's block-wise reconstruction). Adam, one window a step
+in a seeded order, the step size falling linearly to zero; every quantized tensor of the block at
 once (a bank's every expert: each sees the tokens routed to it). A tuning is kept only where it
 lowers the block's error (``first_lowering``: with the rounding, then the scales alone; at 8 bits
 a bf16 scale's step can be larger than the error it tunes), measured on ``check_windows``: an
@@ -127,9 +127,9 @@ def tune_block(stream: BlockStream, index: int, codes: dict[str, QuantizedTensor
     recorded block arguments, the stream's by default), and the rounding of those whose
     ``residuals`` are given (with ``tuning.rounding``; taken out of the dict as they are
     used); the error's channels weighted by ``gains`` (``output_error``). The block runs on the
-    tunables' weights (``functional_call``), so its own copies of them are emptied while it tunes (a
-    float32 copy is 4 bytes a weight of the block): the caller puts codes in place before the
-    block runs again (``first_lowering``'s ``run``)."""
+    tunables' weights (``functional_call``), so its own copies of them are emptied while it
+    tunes (a float32 copy is 4 bytes a weight of the block): the caller puts codes in place
+    before the block runs again (``first_lowering``'s ``run``)."""
     calls = stream.calls[index] if calls is None else calls
     block = stream.blocks[index]
     shapes = {}
