@@ -142,12 +142,13 @@ class RoundingOffsets:
 
     Each step is clipped to the step size, so that ``u`` moves by at most ``reach`` (the step
     sizes' sum) over the tuning: only a weight whose residual lies within ``reach`` of a tie
-    (|r| >= 0.5 - reach) can change its code, and only those have a ``u`` and Adam's moments
-    (bf16: a moment in float32 would double them), with their place in their chunk of rows,
-    GPTQ's code and the code now. About a third of the weights at 100 steps of 3e-3: 14 bytes
-    each, ~4 bytes a weight, where every weight's state would be 8. The codes ``q`` (uint8
-    [rows, groups, group_size]) are moved in place where they change, so the forward is a plain
-    dequantize.
+    (|r| >= 0.5 - reach) can change its code, and only those have a ``u``, Adam's moments (bf16:
+    a moment in float32 would double them) and GPTQ's code, 9 bytes, in their order in their
+    chunk of rows; which they are is a bit a weight (``mask``: 64 to an int64 word, the low bit
+    first), with the count of them before each segment of ``SEGMENT`` weights (``first``: where
+    a thread's share starts). A third of the weights at 100 steps of 3e-3 (~3 bytes a weight),
+    60% at 6e-3 (~5.6). The codes ``q`` (uint8 [rows, groups, group_size]) are moved in place
+    where they change, so the forward is a plain dequantize.
 
     The step is taken inside the backward pass, a chunk of rows at a time as each chunk's
     gradient is made (``_group_gradients``): a whole block's gradient would be 4 more bytes a
@@ -155,6 +156,7 @@ class RoundingOffsets:
 
     BETAS = (0.9, 0.999)
     EPS = 1e-8
+    SEGMENT = 4096  # kernels.h's DQ_ROUNDING_SEGMENT
 
     def __init__(self, q: torch.Tensor, residual: torch.Tensor, max_code: int, reach: float
                  ) -> None:
@@ -162,21 +164,28 @@ class RoundingOffsets:
             raise ValueError("the codes must be contiguous")
         self.q, self.max_code = q, max_code
         self.chunks = _row_chunks(q)
-        self.index: list[torch.Tensor] = []  # int32 places in the chunk's flattened codes
+        self.mask: list[torch.Tensor] = []
+        self.first: list[torch.Tensor] = []
         self.q0: list[torch.Tensor] = []  # their GPTQ codes
-        self.now: list[torch.Tensor] = []  # their codes now (only the moved ones are written)
         self.u: list[torch.Tensor] = []
         for rs in self.chunks:
             r = residual[rs].reshape(-1)
             # (a thousandth of a code more: u's float32 sums round)
-            index = torch.nonzero(r.float().abs() >= 0.499 - reach).squeeze(1)
-            self.index.append(index.to(torch.int32))
-            self.q0.append(q[rs].reshape(-1)[index])
-            self.now.append(self.q0[-1].clone())
-            self.u.append(r[index].float())
+            tunable = r.float().abs() >= 0.499 - reach
+            self.mask.append(_bits(tunable))
+            counts = F.pad(tunable, (0, -len(r) % self.SEGMENT)).view(-1, self.SEGMENT).sum(1)
+            self.first.append(F.pad(counts.cumsum(0), (1, 0)))
+            self.q0.append(q[rs].reshape(-1)[tunable])
+            self.u.append(r[tunable].float())
         self.m = [torch.zeros_like(u, dtype=torch.bfloat16) for u in self.u]
         self.s2 = [torch.zeros_like(u, dtype=torch.bfloat16) for u in self.u]
         self.t, self.lr = 0, 0.0
+
+    def index(self, i: int) -> torch.Tensor:
+        """The places (int64, ascending) in chunk ``i``'s flattened codes of its weights that can
+        change their code: ``mask``'s set bits."""
+        flags = self.mask[i].view(torch.uint8)[:, None].bitwise_right_shift(_BIT_PLACES) & 1
+        return torch.nonzero(flags.reshape(-1)).squeeze(1)
 
     def next_step(self, lr: float) -> None:
         """The step the next backward pass takes (0: none), and the native kernel's constants
@@ -199,14 +208,14 @@ class RoundingOffsets:
             self.step_torch(i, grad)
             return
         grad = grad.contiguous()
-        tensors = (grad, self.index[i], None, self.u[i], self.m[i], self.s2[i], self.q0[i],
-                   self.now[i], self.q[self.chunks[i]], self.constants)
-        lib.dq_rounding_step(*(len(self.index[i]) if x is None else x.data_ptr()
+        tensors = (grad, self.mask[i], self.first[i], None, self.u[i], self.m[i], self.s2[i],
+                   self.q0[i], self.q[self.chunks[i]], self.constants)
+        lib.dq_rounding_step(*(len(self.mask[i]) if x is None else x.data_ptr()
                                for x in tensors), self.max_code, native.kernel_threads())
 
     def step_torch(self, i: int, grad: torch.Tensor) -> None:
         """``step``'s torch path, the native kernel's reference (the same float32 operations)."""
-        (b1, b2), t, index = self.BETAS, self.t, self.index[i]
+        (b1, b2), t, index = self.BETAS, self.t, self.index(i)
         g = torch.index_select(grad.reshape(-1), 0, index)
         m = self.m[i].float().mul_(b1).add_(g * (1 - b1))
         s2 = self.s2[i].float().mul_(b2).add_(g.mul(g).mul_(1 - b2))
@@ -217,9 +226,17 @@ class RoundingOffsets:
         step = m.div_(denominator).mul_(1 / (1 - b1 ** t)).clamp_(-1, 1)
         u = self.u[i].sub_(step.mul_(self.lr)).clamp_(-1, 1)
         codes = torch.round(self.q0[i].float() + u).clamp_(0, self.max_code).to(torch.uint8)
-        moved = torch.nonzero(codes != self.now[i]).squeeze(1)  # a few: each step is small
-        self.now[i][moved] = codes[moved]
-        self.q[self.chunks[i]].reshape(-1)[index[moved]] = codes[moved]
+        self.q[self.chunks[i]].reshape(-1)[index] = codes
+
+
+_BIT_PLACES = torch.arange(8, dtype=torch.uint8)
+
+
+def _bits(flags: torch.Tensor) -> torch.Tensor:
+    """``flags`` (bool [n]) as bits: int64 words, 64 flags to a word, the first flag the low bit
+    of the first (little-endian bytes, low bit first)."""
+    flags = F.pad(flags, (0, -len(flags) % 64)).view(-1, 8).to(torch.uint8)
+    return flags.bitwise_left_shift(_BIT_PLACES).sum(1, dtype=torch.uint8).view(torch.int64)
 
 
 class _RoundedGroupDequantize(torch.autograd.Function):

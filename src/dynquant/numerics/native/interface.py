@@ -127,7 +127,7 @@ SIGNATURES: dict[str, tuple[type | None, list[type]]] = {
     "dq_experts_one": (_int, [POINTER(ExpertPairsBlock), _p, _i64, _p, _p]),
     "dq_dense_matvec_bf16_mt": (_int, [_p, _i64, _i64, _p, _i64, _p, _i64, _int]),
     "dq_decode_step": (_int, [POINTER(DecodeProgram), _p, _i64, _p]),
-    "dq_rounding_step": (_i64, [_p, _p, _i64, _p, _p, _p, _p, _p, _p, _p, _int, _int]),
+    "dq_rounding_step": (_i64, [_p, _p, _p, _i64, _p, _p, _p, _p, _p, _p, _int, _int]),
     "dq_tunable_forward": (_int, [_p, _p, _p, _i64, _i64, _i64, _p, _int]),
     "dq_tunable_forward_bf16": (_int, [_p, _p, _p, _i64, _i64, _i64, _p, _int]),
     "dq_tunable_backward": (_int, [_p, _p, _i64, _i64, _i64, _p, _p, _int]),

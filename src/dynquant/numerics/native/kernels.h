@@ -293,12 +293,15 @@ int dq_dense_matvec_bf16_mt(const uint16_t *w, int64_t rows, int64_t cols, const
  * of memory or a product failed, -2 if pos is past the cache's capacity. */
 int dq_decode_step(const dq_decode_program *program, float *h, int64_t pos, float *logits);
 
-/* tuned_rounding.c: Adam's step (clipped to lr) on n tunable roundings, index[i] being weight
- * i's place in grad and codes; k: b1, 1 - b1, b2, 1 - b2, sqrt(1 - b2^t), eps, 1 / (1 - b1^t),
- * lr. Codes that change are written to now and codes, on `threads` threads. Returns how many
+/* tuned_rounding.c: Adam's step (clipped to lr) on the tunable roundings of a chunk of codes:
+ * bit p of mask (words uint64, low bit first) set where weight p (of grad and codes) has one,
+ * their state (u, m, s2, q0) in the order of p; first[s] the count of them before segment s
+ * (DQ_ROUNDING_SEGMENT weights a segment). k: b1, 1 - b1, b2, 1 - b2, sqrt(1 - b2^t), eps,
+ * 1 / (1 - b1^t), lr. Codes that change are written, on `threads` threads. Returns how many
  * changed. */
-int64_t dq_rounding_step(const float *grad, const int32_t *index, int64_t n, float *u,
-                         uint16_t *m, uint16_t *s2, const uint8_t *q0, uint8_t *now,
+#define DQ_ROUNDING_SEGMENT 4096
+int64_t dq_rounding_step(const float *grad, const uint64_t *mask, const int64_t *first,
+                         int64_t words, float *u, uint16_t *m, uint16_t *s2, const uint8_t *q0,
                          uint8_t *codes, const float *k, int max_code, int threads);
 
 /* tunable_dequantize.c: codes q (uint8 [rows, groups, gs]) with float32 scales s and offsets o

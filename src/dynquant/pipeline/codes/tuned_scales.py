@@ -70,8 +70,9 @@ class ScaleTuning:
     inputs: str = "quantized"
     # Adam's step on each weight's rounding (in codes, at every width), where GPTQ's rounding
     # residual is known; 0: GPTQ's codes kept, only the scales tuned. 6e-3 gives the real
-    # models at hand less KL, but twice the weights then carry the rounding's state: at 7B
-    # shapes over issue 42's memory bound (BENCHMARKS.md "Tuned scales")
+    # models at hand 3-6% less KL, but on the 7B-shaped random block its rounding ends above
+    # GPTQ's error, and the scales are tuned again alone: twice the tuning (BENCHMARKS.md
+    # "Tuned scales")
     rounding: float = 3e-3
     # the steps' products: "float32", or "bfloat16" (the dequantized weights rounded to bf16 and
     # the block under bf16 autocast: several times faster where the CPU multiplies bf16
@@ -153,8 +154,11 @@ def tune_block(stream: BlockStream, index: int, codes: dict[str, QuantizedTensor
                 group["lr"] = tuning.lr * group["width"] * (1 - step / tuning.steps)
             for t in tunables.values():  # in codes: the same step at every width
                 t.next_rounding_step(tuning.rounding_step(step))
-            weights = {name: (t(torch.bfloat16) if low else t().to(shapes[name][1]))
-                       .reshape(shapes[name][0]) for name, t in tunables.items()}
+            # (dequantized into the block's dtype: no float32 copy of a tensor, nor of its
+            # gradient, which reaches the tunable in that dtype and is made float a chunk at a
+            # time; the same bits as rounding a float32 one)
+            weights = {name: t(torch.bfloat16 if low else shapes[name][1]).reshape(shapes[name][0])
+                       for name, t in tunables.items()}
             args, kwargs = calls[k]
             with torch.autocast("cpu", dtype=torch.bfloat16, enabled=low):
                 out = first_output(functional_call(block, weights, (hidden[k].to(stream.dtype),
