@@ -4,6 +4,7 @@ it was fitted to, the same bytes on a rerun and after a kill at any point."""
 
 from __future__ import annotations
 
+import math
 from dataclasses import replace
 
 import pytest
@@ -113,3 +114,22 @@ def test_end_to_end_reruns_and_resumes_to_the_same_bytes(tmp_path, monkeypatch):
     quantize_model(source, widths, tmp_path / "d", progress=False, chooser=_e2e(cal, 6))
     assert len(tuned) == 3  # the second run of "d" tuned nothing
     assert checkpoint_bytes(tmp_path / "d") == checkpoint_bytes(tmp_path / "a")
+
+
+@pytest.mark.parametrize("over", [False, True])
+def test_blocks_are_checkpointed_past_the_bound_on_their_own_weights(tmp_path, monkeypatch, over):
+    """``HELD_WEIGHTS_BYTES`` bounds the blocks' dequantized float32 weights alone: the tied
+    embedding's (held for its head use either way) do not make a model's blocks checkpointed."""
+    source = resolve_model(str(LLAMA_REF))
+    specs = [s for s in source.tensor_specs() if s.quantizable]
+    in_blocks = sum(math.prod(s.shape) for s in specs if ".layers." in s.module) * 4
+    assert sum(math.prod(s.shape) for s in specs) * 4 > in_blocks  # the embedding's too
+    monkeypatch.setattr(e2e, "HELD_WEIGHTS_BYTES", in_blocks - 1 if over else in_blocks)
+    monkeypatch.setattr(e2e, "validation_windows", lambda _count: 0)
+    calls: list[int] = []
+    real = e2e.checkpoint
+    monkeypatch.setattr(e2e, "checkpoint", lambda *a, **k: calls.append(1) or real(*a, **k))
+    cal = _calibration(LLAMA_REF, 2, 64)
+    quantize_model(source, _uniform(source, 3), tmp_path / "q", progress=False,
+                   chooser=_e2e(cal, 1))
+    assert bool(calls) == over

@@ -8,12 +8,12 @@ The float model's next-token distributions are computed first, one block in memo
 and the rest's total: the loss is the KL between those ``top_k + 1`` bins (the vocabulary-wide
 KL's lower bound, equal to it where the float model's rest is spread as the quantized model's
 is). Each step runs one window through the quantized model, its every quantized weight
-dequantized from codes and tunable scales; past ``HELD_WEIGHTS_BYTES`` of them each block runs
-under activation checkpointing, and what is held is the codes (a byte a weight), the model's
-dense tensors, and one block's dequantized weights while it runs forward or backward. A tied
-embedding's two uses (the lookup and the head) read the same tunable scales and both give them
-gradients. Adam, one window a step in a seeded order, the step size falling linearly to zero
-(as the block-wise tuning, ``tuned_scales.py``).
+dequantized from codes and tunable scales; where the blocks' dequantized weights pass
+``HELD_WEIGHTS_BYTES`` each block runs under activation checkpointing, and what is held is the
+codes (a byte a weight), the model's dense tensors, and one block's dequantized weights while it
+runs forward or backward. A tied embedding's two uses (the lookup and the head) read the same
+tunable scales and both give them gradients. Adam, one window a step in a seeded order, the
+step size falling linearly to zero (as the block-wise tuning, ``tuned_scales.py``).
 An eighth of the windows is kept out of the tuning: the tuned scales are kept only where they
 lower the KL there (a step size too large fits the tuned windows and loses on others:
 BENCHMARKS.md "Tuned scales").
@@ -35,6 +35,7 @@ from torch.utils.checkpoint import checkpoint
 
 from dynquant.checkpoint.resume import ResumeStore
 from dynquant.format.planner import TensorSpec
+from dynquant.freed_memory import reusing_freed_memory
 from dynquant.numerics.quantizer import QuantizedTensor
 from dynquant.numerics.tuned_scales import TunableScales
 from dynquant.pipeline.calibrate.block_stream import BlockStream, first_output
@@ -134,7 +135,12 @@ class _Student:
         for name, module in stream.head_modules():
             self._hold(module, name)
         self.first = None if self._stored(self.embed_name) in self.tunables else first
-        weights = sum(t.q.numel() for t in self.tunables.values()) * 4
+        # (the blocks' alone: the embedding's and the head's are held for the backward either
+        # way, and a checkpointed block costs a second forward)
+        in_blocks = {self._stored(f"{prefix}{name}")
+                     for prefix, block in zip(self.prefixes, stream.blocks, strict=True)
+                     for name, _ in block.named_parameters()}
+        weights = sum(t.q.numel() for name, t in self.tunables.items() if name in in_blocks) * 4
         self.checkpointed = weights > HELD_WEIGHTS_BYTES
 
     def _stored(self, name: str) -> str:
@@ -248,14 +254,15 @@ def _fit(student: _Student, teachers: list[Teacher], windows: list[torch.Tensor]
     opt = torch.optim.Adam(params, lr=tuning.lr)
     gen = torch.Generator().manual_seed(tuning.seed)
     order = torch.randint(fitted, (tuning.steps,), generator=gen).tolist()
-    for step, k in enumerate(order):
-        for group in opt.param_groups:
-            group["lr"] = tuning.lr * group["width"] * (1 - step / tuning.steps)
-        loss = binned_kl(teachers[k], student.logits(k, windows[k]))
-        loss.backward()
-        opt.step()
-        opt.zero_grad(set_to_none=True)
-        say(float(loss.detach()))
+    with reusing_freed_memory():  # each step frees and makes the same large tensors
+        for step, k in enumerate(order):
+            for group in opt.param_groups:
+                group["lr"] = tuning.lr * group["width"] * (1 - step / tuning.steps)
+            loss = binned_kl(teachers[k], student.logits(k, windows[k]))
+            loss.backward()
+            opt.step()
+            opt.zero_grad(set_to_none=True)
+            say(float(loss.detach()))
 
 
 def end_to_end_codes(stream: BlockStream, specs: list[TensorSpec], quantized: set[str],
