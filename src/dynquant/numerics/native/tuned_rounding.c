@@ -7,10 +7,11 @@
  *
  * Which weights can change is a bit a weight (`mask`, 64 to a word, low bit first), their state
  * in their order: a segment of SEGMENT weights at a time their places are listed from the mask
- * (a few integer operations a weight), then stepped through the vector units, then the few
- * codes that changed written one by one. Segments split over the threads (the pass is bound by
- * the ~9 bytes a weight it reads from memory, which one core does not drain); `first[s]` is
- * the count of tunable weights before segment s, so any cut gives the same.
+ * (a mask byte at a time: its set bits' places from a 256-entry table, eight written, its count
+ * kept), then stepped through the vector units, then the few codes that changed written one by
+ * one. Segments split over the threads (the pass is bound by the ~9 bytes a weight it reads
+ * from memory, which one core does not drain); `first[s]` is the count of tunable weights
+ * before segment s, so any cut gives the same.
  */
 #include <math.h>
 #include <pthread.h>
