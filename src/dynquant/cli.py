@@ -329,7 +329,7 @@ def _tuning(args: argparse.Namespace):
 
 
 def _end_to_end(args: argparse.Namespace):
-    """The end-to-end tuning asked for (None: the API's, off, unless --e2e-steps)."""
+    """The end-to-end tuning asked for (None: the API's default, ``EndToEndTuning.resolved``)."""
     return None if args.e2e_steps is None else _api().EndToEndTuning(steps=args.e2e_steps)
 
 
@@ -426,8 +426,9 @@ def _add_quantize(sub) -> None:
                    "the quantized model's own activations on --gptq-seqs calibration windows; "
                    "Linears, expert banks and the output head; an untied input embedding rtn), "
                    "tuned (gptq's codes, then each block's group scales and offsets tuned "
-                   "against the float block: lower KL for a longer quantize, BENCHMARKS.md "
-                   "'Tuned scales'), rtn (round-to-nearest with a clip search), auto (default: "
+                   "against the float block, then, up to 2 G quantized weights, every scale "
+                   "against the float model (--e2e-steps): lower KL for a longer quantize, "
+                   "BENCHMARKS.md 'Tuned scales'), rtn (round-to-nearest with a clip search), auto (default: "
                    "tuned when calibrating on text, rtn data-free)")
     p.add_argument("--gptq-seqs", type=int,
                    help="calibration windows the gptq pass streams (default 48 x --calib-len "
@@ -440,8 +441,9 @@ def _add_quantize(sub) -> None:
     p.add_argument("--e2e-steps", type=int,
                    help="gptq / tuned codes: then every group scale and offset tuned against "
                    "the float model's next-token distributions, one calibration window a step "
-                   "(default 0: off; 40 steps took Gemma-3-270M's KL 13%% lower for about as "
-                   "long again as the quantize: BENCHMARKS.md 'Tuned scales')")
+                   "(default: 40 for tuned codes of a model with at most 2 G quantized "
+                   "weights, else 0: off; 40 steps took Gemma-3-270M's KL 13%% lower for about "
+                   "half the quantize's time again: BENCHMARKS.md 'Tuned scales')")
     _constraint_options(p)
     _model_options(p)
     p.add_argument("--seed", type=int, help="seed of --random-init's weights (default 0)")

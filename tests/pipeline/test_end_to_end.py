@@ -133,3 +133,45 @@ def test_blocks_are_checkpointed_past_the_bound_on_their_own_weights(tmp_path, m
     quantize_model(source, _uniform(source, 3), tmp_path / "q", progress=False,
                    chooser=_e2e(cal, 1))
     assert bool(calls) == over
+
+
+def test_the_default_tunes_tuned_codes_end_to_end_up_to_its_bound():
+    """Unless steps are given: ``AUTO_STEPS`` for tuned codes of at most ``AUTO_MAX_WEIGHTS``
+    quantized weights, none past it or for gptq's codes; steps given are kept as given, and
+    a pass is never handed settings whose steps are undecided."""
+    auto = e2e.EndToEndTuning()
+    assert auto.resolved("tuned", e2e.AUTO_MAX_WEIGHTS) == e2e.EndToEndTuning(e2e.AUTO_STEPS)
+    assert auto.resolved("tuned", e2e.AUTO_MAX_WEIGHTS + 1).steps == 0
+    assert auto.resolved("gptq", 1).steps == 0
+    assert e2e.EndToEndTuning(steps=7).resolved("gptq", 10**12).steps == 7
+    assert e2e.EndToEndTuning(steps=0).resolved("tuned", 1).steps == 0
+    with pytest.raises(ValueError, match="resolved"):
+        replace(_calibration(LLAMA_REF, 1, 16), end_to_end=auto)
+
+
+def test_a_default_quantize_tunes_end_to_end_by_the_model_s_quantized_weights(tmp_path,
+                                                                              monkeypatch):
+    """``api.quantize`` with its defaults (tuned codes on text) decides the end-to-end steps
+    from the count of weights it quantizes (every quantizable tensor's here) and runs the pass
+    with them."""
+    from dynquant import api
+    from dynquant.pipeline import workflow
+    from dynquant.pipeline.codes import write
+
+    source = resolve_model(str(LLAMA_REF))
+    weights = workflow.quantized_weights(source, _uniform(source, 4))
+    assert weights == sum(math.prod(s.shape) for s in source.tensor_specs() if s.quantizable)
+    decided: list[tuple[str, int]] = []
+    real = e2e.EndToEndTuning.resolved
+
+    def resolved(self, quantizer, count):
+        decided.append((quantizer, count))
+        return real(self, quantizer, count)
+
+    monkeypatch.setattr(e2e.EndToEndTuning, "resolved", resolved)
+    ran: list[e2e.EndToEndTuning] = []
+    monkeypatch.setattr(write, "end_to_end_codes", lambda *a: ran.append(a[4]))
+    api.quantize(LLAMA_REF, tmp_path / "q", uniform=4, calib_seqs=2, gptq_seqs=2, calib_len=32,
+                 tuning=api.ScaleTuning(steps=2), progress=False)
+    assert decided == [("tuned", weights)]
+    assert ran == [e2e.EndToEndTuning(e2e.AUTO_STEPS)]

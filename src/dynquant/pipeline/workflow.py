@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 import shutil
 import sys
 import tempfile
@@ -149,6 +150,12 @@ def _statistics(maps: dict, maps_path: Path) -> tuple[dict | None, Path | None]:
     return load_file(stats_path), stats_path
 
 
+def quantized_weights(source: ModelSource, widths: dict) -> int:
+    """How many of the model's weights ``widths`` quantizes."""
+    return sum(math.prod(spec.shape) for spec in source.tensor_specs()
+               if spec.quantizable and spec.module in widths)
+
+
 def _report(req: QuantizeRequest, f: Forecast) -> None:
     if req.run.report is not None:
         req.run.report(f)
@@ -175,10 +182,11 @@ def _run(source: ModelSource, req: QuantizeRequest, workdir: Path, executor: Exe
     codes, texts, progress = req.codes, req.measure.calibration.texts, req.run.progress
     quantizer = choose_quantizer(codes.quantizer, source, req.random_init, texts, w.calibration,
                                  say=progress)
+    end_to_end = codes.end_to_end.resolved(quantizer, quantized_weights(source, w.widths))
     sequential = (gptq_calibration(source, texts, w.calibration, codes.gptq_seqs,
                                    req.measure.calibration.length, w.compensate_head,
                                    codes.tuning if quantizer == "tuned" else None,
-                                   codes.end_to_end, codes.independent_blocks)
+                                   end_to_end, codes.independent_blocks)
                   if quantizer in SEQUENTIAL else None)
     chooser = CodeChooser(quantizer, w.importance or {}, sequential=sequential)
     if not w.forecast_for_codes and w.allocator == "sensitivity" and progress:

@@ -45,16 +45,32 @@ TUNED_FILE = "end_to_end.safetensors"
 # Dequantized weights held for the backward up to this size (float32); past it each block is
 # checkpointed (run again in the backward: about a third more time a step, one block's weights)
 HELD_WEIGHTS_BYTES = 1 << 30
+# The default for tuned codes: steps, and the most quantized weights it is run for. The pass
+# holds every quantized tensor's codes (a byte a weight) and each step is a forward and backward
+# of the whole model: up to 2 G weights that stays within a few GiB and about the block tuning's
+# time again; past it (a 7 B model: 7 GB of codes) it is opt-in.
+AUTO_STEPS = 40
+AUTO_MAX_WEIGHTS = 2_000_000_000
 
 
 @dataclass(frozen=True)
 class EndToEndTuning:
     """How the whole model's scales are tuned (part of the codes' identity)."""
 
-    steps: int = 0  # one calibration window each; 0: no end-to-end tuning
+    # one calibration window each; 0: no end-to-end tuning; None: ``resolved``'s default
+    steps: int | None = None
     lr: float = 1e-3  # Adam's step for 3-bit codes, ``lr * 7 / max_code`` at other widths
     top_k: int = 128  # the float model's most likely tokens kept per position
     seed: int = 0
+
+    def resolved(self, quantizer: str, quantized_weights: int) -> EndToEndTuning:
+        """These settings with ``steps`` decided: as given, else ``AUTO_STEPS`` for tuned codes
+        of a model with at most ``AUTO_MAX_WEIGHTS`` quantized weights, else 0 (gptq's codes
+        are left as GPTQ makes them unless steps are asked for)."""
+        if self.steps is not None:
+            return self
+        auto = quantizer == "tuned" and quantized_weights <= AUTO_MAX_WEIGHTS
+        return replace(self, steps=AUTO_STEPS if auto else 0)
 
 
 @dataclass

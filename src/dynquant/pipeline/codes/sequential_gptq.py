@@ -110,6 +110,10 @@ class SequentialCalibration:
     # ``independent``)
     independent: bool = False
 
+    def __post_init__(self) -> None:
+        if self.end_to_end is not None and self.end_to_end.steps is None:
+            raise ValueError("end_to_end: its steps decided first (EndToEndTuning.resolved)")
+
     def digest(self) -> str:
         h = hashlib.sha256(self.ids.numpy().tobytes())
         h.update(repr(self.compensate_head).encode())
