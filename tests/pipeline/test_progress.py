@@ -43,6 +43,24 @@ def test_long_stages_say_where_they_are(monkeypatch, capsys):
         ["dynquant: work: running", " 2/3"], ["dynquant: work: done", " 3/3"]]
 
 
+def test_what_a_stage_s_end_found_is_in_its_done_line(monkeypatch, capsys):
+    """A note given with the last units (the end-to-end pass's verdict) is said with "done";
+    a note inside a unit is not said once the unit is finished."""
+    monkeypatch.setattr(StageProgress, "__init__", _log_only)
+    with StageProgress(enabled=True) as bar:
+        task = bar.add_task("work", total=2)
+        bar.note(task, "inside the first unit")
+        bar.advance(task)
+        bar.advance(task, note="held-out KL 0.2 -> 0.1: kept")
+        other = bar.add_task("other", total=1)
+        bar.note(other, "inside")
+        bar.advance(other)
+    lines = capsys.readouterr().err.splitlines()
+    assert [line.split(", ")[0] + line[line.rindex(" s") + 2:] for line in lines] == [
+        "dynquant: work: started", "dynquant: work: done (held-out KL 0.2 -> 0.1: kept)",
+        "dynquant: other: started", "dynquant: other: done"]
+
+
 _INIT = StageProgress.__init__
 
 

@@ -243,9 +243,8 @@ def tune_end_to_end(stream: BlockStream, codes: dict[str, QuantizedTensor],
              lambda loss: (bar.note(task, f"KL {loss:.4f}"), bar.advance(task)))
         after = _held_out_kl(student, teachers, windows, held)
         keep = not held or after < before
-        bar.note(task, f"held-out KL {before:.4f} -> {after:.4f}: "
-                       f"{'tuned scales kept' if keep else 'the codes as they were kept'}")
-        bar.advance(task)
+        bar.advance(task, note=f"held-out KL {before:.4f} -> {after:.4f}: "
+                               f"{'tuned scales kept' if keep else 'the codes as they were kept'}")
         return student.codes() if keep else codes
 
 

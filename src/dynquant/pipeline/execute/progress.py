@@ -82,9 +82,10 @@ class StageProgress:
         self._say(len(self.stages) - 1, "started")
         return len(self.stages) - 1
 
-    def advance(self, task: int, advance: int = 1) -> None:
-        """``advance`` units finished (where the stage was inside them is said no more)."""
-        self.update(task, completed=self.stages[task].completed + advance, note="")
+    def advance(self, task: int, advance: int = 1, note: str = "") -> None:
+        """``advance`` units finished (where the stage was inside them is said no more;
+        ``note``: what their end found, said with the next line, the stage's "done" included)."""
+        self.update(task, completed=self.stages[task].completed + advance, note=note)
 
     def update(self, task: int, completed: int | None = None, note: str | None = None) -> None:
         """The stage's count of finished units and/or where it is inside the next one."""
@@ -116,8 +117,8 @@ class StageProgress:
 
     def _end(self, task: int) -> None:
         self.stages[task].ended = True
-        self.stages[task].note = ""
         self._say(task, "done")
+        self.stages[task].note = ""
 
     def _say(self, task: int, state: str) -> None:
         if not self.log:
