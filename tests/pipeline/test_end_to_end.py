@@ -149,11 +149,12 @@ def test_the_default_tunes_tuned_codes_end_to_end_up_to_its_bound():
         replace(_calibration(LLAMA_REF, 1, 16), end_to_end=auto)
 
 
-def test_a_default_quantize_tunes_end_to_end_by_the_model_s_quantized_weights(tmp_path,
-                                                                              monkeypatch):
+@pytest.mark.parametrize("fits", [True, False])
+def test_a_default_quantize_tunes_end_to_end_by_the_model_s_quantized_weights(
+        tmp_path, monkeypatch, capsys, fits):
     """``api.quantize`` with its defaults (tuned codes on text) decides the end-to-end steps
-    from the count of weights it quantizes (every quantizable tensor's here) and runs the pass
-    with them."""
+    from the count of weights it quantizes (every quantizable tensor's here): within the bound
+    it runs the pass with ``AUTO_STEPS``; past it, none, and it says so in one line."""
     from dynquant import api
     from dynquant.pipeline import workflow
     from dynquant.pipeline.codes import write
@@ -161,6 +162,7 @@ def test_a_default_quantize_tunes_end_to_end_by_the_model_s_quantized_weights(tm
     source = resolve_model(str(LLAMA_REF))
     weights = workflow.quantized_weights(source, _uniform(source, 4))
     assert weights == sum(math.prod(s.shape) for s in source.tensor_specs() if s.quantizable)
+    monkeypatch.setattr(e2e, "AUTO_MAX_WEIGHTS", weights if fits else weights - 1)
     decided: list[tuple[str, int]] = []
     real = e2e.EndToEndTuning.resolved
 
@@ -172,6 +174,10 @@ def test_a_default_quantize_tunes_end_to_end_by_the_model_s_quantized_weights(tm
     ran: list[e2e.EndToEndTuning] = []
     monkeypatch.setattr(write, "end_to_end_codes", lambda *a: ran.append(a[4]))
     api.quantize(LLAMA_REF, tmp_path / "q", uniform=4, calib_seqs=2, gptq_seqs=2, calib_len=32,
-                 tuning=api.ScaleTuning(steps=2), progress=False)
+                 tuning=api.ScaleTuning(steps=2), progress=not fits)
     assert decided == [("tuned", weights)]
-    assert ran == [e2e.EndToEndTuning(e2e.AUTO_STEPS)]
+    assert ran == ([e2e.EndToEndTuning(e2e.AUTO_STEPS)] if fits else [])
+    said = [line for line in capsys.readouterr().err.splitlines() if "end-to-end" in line]
+    assert said == ([] if fits else [
+        f"dynquant: no end-to-end scales: {weights / 1e9:.1f} G quantized weights, past "
+        f"{(weights - 1) / 1e9:.0f} G (--e2e-steps N runs them)"])

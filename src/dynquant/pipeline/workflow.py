@@ -24,6 +24,7 @@ from dynquant.pipeline.allocate.maps import (
     maps_modules,
     split_maps_arg,
 )
+from dynquant.pipeline.codes import end_to_end as e2e
 from dynquant.pipeline.codes.code_chooser import SEQUENTIAL, CodeChooser
 from dynquant.pipeline.codes.policy import check_request, choose_quantizer, gptq_calibration
 from dynquant.pipeline.codes.write import quantize_model
@@ -182,7 +183,11 @@ def _run(source: ModelSource, req: QuantizeRequest, workdir: Path, executor: Exe
     codes, texts, progress = req.codes, req.measure.calibration.texts, req.run.progress
     quantizer = choose_quantizer(codes.quantizer, source, req.random_init, texts, w.calibration,
                                  say=progress)
-    end_to_end = codes.end_to_end.resolved(quantizer, quantized_weights(source, w.widths))
+    weights = quantized_weights(source, w.widths)
+    end_to_end = codes.end_to_end.resolved(quantizer, weights)
+    if progress and quantizer == "tuned" and codes.end_to_end.steps is None and not end_to_end.steps:
+        print(f"dynquant: no end-to-end scales: {weights / 1e9:.1f} G quantized weights, past "
+              f"{e2e.AUTO_MAX_WEIGHTS / 1e9:.0f} G (--e2e-steps N runs them)", file=sys.stderr)
     sequential = (gptq_calibration(source, texts, w.calibration, codes.gptq_seqs,
                                    req.measure.calibration.length, w.compensate_head,
                                    codes.tuning if quantizer == "tuned" else None,
