@@ -157,6 +157,17 @@ def quantized_weights(source: ModelSource, widths: dict) -> int:
                if spec.quantizable and spec.module in widths)
 
 
+def _end_to_end(asked: e2e.EndToEndTuning, quantizer: str, weights: int, say: bool
+                ) -> e2e.EndToEndTuning:
+    """The end-to-end tuning the codes get (``EndToEndTuning.resolved``); with ``say``, a line
+    where the default leaves it out for the model's size."""
+    tuning = asked.resolved(quantizer, weights)
+    if say and quantizer == "tuned" and asked.steps is None and not tuning.steps:
+        print(f"dynquant: no end-to-end scales: {weights / 1e9:.1f} G quantized weights, past "
+              f"{e2e.AUTO_MAX_WEIGHTS / 1e9:.0f} G (--e2e-steps N runs them)", file=sys.stderr)
+    return tuning
+
+
 def _report(req: QuantizeRequest, f: Forecast) -> None:
     if req.run.report is not None:
         req.run.report(f)
@@ -183,11 +194,8 @@ def _run(source: ModelSource, req: QuantizeRequest, workdir: Path, executor: Exe
     codes, texts, progress = req.codes, req.measure.calibration.texts, req.run.progress
     quantizer = choose_quantizer(codes.quantizer, source, req.random_init, texts, w.calibration,
                                  say=progress)
-    weights = quantized_weights(source, w.widths)
-    end_to_end = codes.end_to_end.resolved(quantizer, weights)
-    if progress and quantizer == "tuned" and codes.end_to_end.steps is None and not end_to_end.steps:
-        print(f"dynquant: no end-to-end scales: {weights / 1e9:.1f} G quantized weights, past "
-              f"{e2e.AUTO_MAX_WEIGHTS / 1e9:.0f} G (--e2e-steps N runs them)", file=sys.stderr)
+    end_to_end = _end_to_end(codes.end_to_end, quantizer, quantized_weights(source, w.widths),
+                             progress)
     sequential = (gptq_calibration(source, texts, w.calibration, codes.gptq_seqs,
                                    req.measure.calibration.length, w.compensate_head,
                                    codes.tuning if quantizer == "tuned" else None,
