@@ -21,7 +21,7 @@ from pathlib import Path
 
 from safetensors.torch import load_file
 
-from benchmarks.common import figure, machine
+from benchmarks.common import figure, machine, prepared_real_model
 from benchmarks.gptq_quality import GPTQ_SEQS, HELDOUT
 from benchmarks.gptq_quality import _widths as widths_of
 from dynquant.models.sources import resolve_model
@@ -35,7 +35,6 @@ from dynquant.pipeline.codes.write import quantize_model
 from dynquant.pipeline.measure import run as measure_run
 from dynquant.pipeline.measure.options import MeasureOptions
 from dynquant.pipeline.report.evaluate import evaluate
-from scripts.prepare_real_model import real_model
 
 EVAL_TOKENS = 16384
 
@@ -67,10 +66,7 @@ def main() -> None:
     parser.add_argument("--draws", nargs="+", type=int, default=[2, 8])
     parser.add_argument("--seeds", nargs="+", type=int, default=[0, 1, 2])
     args = parser.parse_args()
-    model_dir = real_model(args.model)
-    if model_dir is None:
-        raise SystemExit(f"the real model is not prepared: python scripts/prepare_real_model.py "
-                         f"{args.model}")
+    model_dir = prepared_real_model(args.model)
     print(f"# {args.model}: the measure's widths by label draws and their seed, written as GPTQ "
           f"codes ({GPTQ_SEQS} x 256 tokens of the bundled text); KL as `dynquant eval "
           f"--max-tokens {EVAL_TOKENS} --spread`; {machine()}")

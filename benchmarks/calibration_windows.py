@@ -21,7 +21,7 @@ import tempfile
 import time
 from pathlib import Path
 
-from benchmarks.common import figure, machine
+from benchmarks.common import figure, machine, prepared_real_model
 from dynquant.models.sources import resolve_model
 from dynquant.models.tokenizer import load_tokenizer
 from dynquant.pipeline.allocate.allocation import allocate_widths
@@ -33,7 +33,6 @@ from dynquant.pipeline.codes.write import quantize_model
 from dynquant.pipeline.measure.options import MeasureOptions
 from dynquant.pipeline.measure.run import measure
 from dynquant.pipeline.report.frontier import evaluate_checkpoints
-from scripts.prepare_real_model import real_model
 
 ROOT = Path(__file__).parents[1]
 HELDOUT = ROOT / "data" / "heldout.txt"
@@ -47,10 +46,7 @@ def main() -> None:
     parser.add_argument("--gptq-windows", type=int)
     parser.add_argument("--model", default="smollm2", help="a prepared real model's name")
     args = parser.parse_args()
-    model_dir = real_model(args.model)
-    if model_dir is None:
-        raise SystemExit(f"the real model is not prepared: python scripts/prepare_real_model.py "
-                         f"{args.model}")
+    model_dir = prepared_real_model(args.model)
     print(f"# {args.model}, bundled calibration text, windows of 256 tokens; {machine()}")
     source = resolve_model(str(model_dir))
     tok = load_tokenizer(model_dir)

@@ -1,5 +1,5 @@
-"""Shared helpers: a best-of timer, peak RSS of a child run, one-line figures, and a rerun as on
-an AVX2-only CPU."""
+"""Shared helpers: a best-of timer, peak RSS of a child run, one-line figures, a rerun as on an
+AVX2-only CPU, and the real models the quality tables run on."""
 
 from __future__ import annotations
 
@@ -7,6 +7,7 @@ import subprocess
 import sys
 import time
 from collections.abc import Callable
+from pathlib import Path
 
 import torch
 
@@ -89,3 +90,13 @@ def quality_models(root) -> dict:
     else:
         models["smollm2-135m"] = real
     return models
+
+
+def prepared_real_model(name: str) -> Path:
+    """A prepared real model's folder; the run stops with the command that prepares it when it
+    is not there."""
+    model_dir = real_model(name)
+    if model_dir is None:
+        raise SystemExit(f"the real model is not prepared: python scripts/prepare_real_model.py "
+                         f"{name}")
+    return model_dir

@@ -27,7 +27,7 @@ from pathlib import Path
 
 from safetensors.torch import load_file
 
-from benchmarks.common import figure, machine
+from benchmarks.common import figure, machine, prepared_real_model
 from benchmarks.gptq_quality import EVAL_TOKENS, GPTQ_SEQS, HELDOUT
 from benchmarks.gptq_quality import _widths as widths_of
 from dynquant.models.sources import resolve_model
@@ -42,7 +42,6 @@ from dynquant.pipeline.codes.write import quantize_model
 from dynquant.pipeline.measure.options import MeasureOptions
 from dynquant.pipeline.measure.run import measure
 from dynquant.pipeline.report.frontier import evaluate_checkpoints
-from scripts.prepare_real_model import real_model
 
 KINDS = ("rtn", "gptq", "scales", "tuned", "plain", "e2e")
 TITLES = {"rtn": "RTN", "gptq": "GPTQ", "scales": "tuned scales alone",
@@ -72,10 +71,7 @@ def main() -> None:
                         help="the rows besides rtn, gptq and tuned (the default codes), which "
                         "always run: scales (alone), plain (tuned on the plain error), e2e")
     args = parser.parse_args()
-    model_dir = real_model(args.model)
-    if model_dir is None:
-        raise SystemExit(f"the real model is not prepared: python scripts/prepare_real_model.py "
-                         f"{args.model}")
+    model_dir = prepared_real_model(args.model)
     print(f"# {args.model}: {' / '.join(TITLES[k] for k in KINDS if k in args.kinds)} "
           f"({args.steps} steps a block, rounding step {args.rounding}), same widths; "
           f"{GPTQ_SEQS} x 256 calibration tokens of the bundled text, KL on {EVAL_TOKENS} "
