@@ -180,4 +180,4 @@ def test_a_default_quantize_tunes_end_to_end_by_the_model_s_quantized_weights(
     said = [line for line in capsys.readouterr().err.splitlines() if "end-to-end" in line]
     assert said == ([] if fits else [
         f"dynquant: no end-to-end scales: {weights / 1e9:.1f} G quantized weights, past "
-        f"{(weights - 1) / 1e9:.0f} G (--e2e-steps N runs them)"])
+        f"{(weights - 1) / 1e9:.1f} G (--e2e-steps N runs them)"])

@@ -164,7 +164,7 @@ def _end_to_end(asked: e2e.EndToEndTuning, quantizer: str, weights: int, say: bo
     tuning = asked.resolved(quantizer, weights)
     if say and quantizer == "tuned" and asked.steps is None and not tuning.steps:
         print(f"dynquant: no end-to-end scales: {weights / 1e9:.1f} G quantized weights, past "
-              f"{e2e.AUTO_MAX_WEIGHTS / 1e9:.0f} G (--e2e-steps N runs them)", file=sys.stderr)
+              f"{e2e.AUTO_MAX_WEIGHTS / 1e9:.1f} G (--e2e-steps N runs them)", file=sys.stderr)
     return tuning
 
 

@@ -46,11 +46,12 @@ TUNED_FILE = "end_to_end.safetensors"
 # checkpointed (run again in the backward: about a third more time a step, one block's weights)
 HELD_WEIGHTS_BYTES = 1 << 30
 # The default for tuned codes: steps, and the most quantized weights it is run for. The pass
-# holds every quantized tensor's codes (a byte a weight) and each step is a forward and backward
-# of the whole model: up to 2 G weights that stays within a few GiB and about the block tuning's
-# time again; past it (a 7 B model: 7 GB of codes) it is opt-in.
+# holds every quantized tensor's codes (a byte a weight), the head's float weights and their
+# gradient, and up to HELD_WEIGHTS_BYTES of the blocks': on the 7B-shaped one-layer model (585 M
+# weights) it peaked at 6.7 GiB (BENCHMARKS.md "Scale"), so the default stops at 0.5 G; past it
+# (a 7 B model: 7 GB of codes) it is opt-in.
 AUTO_STEPS = 40
-AUTO_MAX_WEIGHTS = 2_000_000_000
+AUTO_MAX_WEIGHTS = 500_000_000
 
 
 @dataclass(frozen=True)
