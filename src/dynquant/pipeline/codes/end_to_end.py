@@ -48,8 +48,8 @@ HELD_WEIGHTS_BYTES = 1 << 30
 # The default for tuned codes: steps, and the most quantized weights it is run for. The pass
 # holds every quantized tensor's codes (a byte a weight), the head's float weights and their
 # gradient, and up to HELD_WEIGHTS_BYTES of the blocks': on the 7B-shaped one-layer model (585 M
-# weights) it peaked at 6.7 GiB (BENCHMARKS.md "Scale"), so the default stops at 0.5 G; past it
-# (a 7 B model: 7 GB of codes) it is opt-in.
+# weights) it took the quantize's peak past 6 GiB (BENCHMARKS.md "Scale"), so the default stops
+# at 0.5 G; past it (a 7 B model: 7 GB of codes) it is opt-in.
 AUTO_STEPS = 40
 AUTO_MAX_WEIGHTS = 500_000_000
 
