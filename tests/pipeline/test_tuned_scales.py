@@ -114,12 +114,13 @@ def test_the_chunked_dequantize_is_autograd_s_broadcast(monkeypatch, chunk, nati
         monkeypatch.setenv("DYNQUANT_NATIVE", "0")
     gen = torch.Generator().manual_seed(1)
     start = quantize_tensor(torch.randn(37, 90, generator=gen), 4, 32)
-    q = TunableScales(start).q  # [37, 3, 32]
+    tunable = TunableScales(start)
+    q = tunable.unpacked()  # [37, 3, 32]
     bf16 = lambda x: x.to(torch.bfloat16).float()  # noqa: E731 (what TunableScales passes)
     s = bf16(torch.rand(37, 3, generator=gen)).requires_grad_()
     o = bf16(torch.randn(37, 3, generator=gen)).requires_grad_()
     grad = torch.randn(37, 90, generator=gen)
-    fast = tuned_scales_module._GroupDequantize.apply(start, q, s, o)
+    fast = tuned_scales_module._GroupDequantize.apply(tunable, s, o)
     fast_s, fast_o = torch.autograd.grad(fast, (s, o), grad)
     plain = (q * s[..., None] + o[..., None]).reshape(37, 96)[:, :90]
     plain_s, plain_o = torch.autograd.grad(plain, (s, o), grad)
@@ -143,7 +144,7 @@ def test_the_chunked_rounded_dequantize_and_its_adam_step_are_the_plain_ones(mon
         monkeypatch.setenv("DYNQUANT_NATIVE", "0")
     gen = torch.Generator().manual_seed(2)
     start = quantize_tensor(torch.randn(37, 90, generator=gen), 3, 32)
-    q = TunableScales(start).q  # [37, 3, 32]
+    q = TunableScales(start).unpacked()  # [37, 3, 32]
     q0 = q.clone()
     r = (torch.rand(37, 3, 32, generator=gen) * 0.998 - 0.499).half()  # GPTQ's: rounds to q
     lr, steps = 0.15, 2
@@ -186,8 +187,8 @@ def test_the_native_rounding_step_is_the_torch_one(monkeypatch):
     gen = torch.Generator().manual_seed(4)
     start = quantize_tensor(torch.randn(40, 256, generator=gen), 3, 64)
     r = (torch.rand(40, 4, 64, generator=gen) * 0.998 - 0.499).half()
-    fast = tuned_scales_module.RoundingOffsets(TunableScales(start).q, r, 7, reach=0.4)
-    plain = tuned_scales_module.RoundingOffsets(TunableScales(start).q, r, 7, reach=0.4)
+    fast = tuned_scales_module.RoundingOffsets(TunableScales(start).unpacked(), r, 7, reach=0.4)
+    plain = tuned_scales_module.RoundingOffsets(TunableScales(start).unpacked(), r, 7, reach=0.4)
     assert native.available()
     for _ in range(6):
         grad = torch.randn(40, 4, 64, generator=gen)
@@ -198,7 +199,7 @@ def test_the_native_rounding_step_is_the_torch_one(monkeypatch):
         for name in ("u", "m", "s2"):
             assert torch.equal(getattr(fast, name)[0], getattr(plain, name)[0]), name
         assert torch.equal(fast.q, plain.q)
-    assert not torch.equal(fast.q, TunableScales(start).q)
+    assert not torch.equal(fast.q, TunableScales(start).unpacked())
 
 
 def test_tuned_rounding_starts_at_gptq_s_codes_and_decodes_to_what_it_computes():

@@ -28,6 +28,7 @@ only those carry a ``u``.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import replace
 
 import torch
@@ -54,26 +55,30 @@ GROUP_LANES = 16  # the group sums' lanes (group_sums_torch)
 
 
 class _GroupDequantize(torch.autograd.Function):
-    """``start``'s codes q with scales ``s`` and offsets ``o`` (bf16 values in float32) as the
+    """``tunable``'s codes with scales ``s`` and offsets ``o`` (bf16 values in float32) as the
     format dequantizes them (``dequantize_rows``: [rows, in_features] float32, the native kernel
-    where it runs), and the gradients in ``s`` and ``o`` (``_group_gradients``)."""
+    where it runs), and the gradients in ``s`` and ``o`` (``group_gradients``). What is kept
+    for the backward of codes read from a file is their packed form (``bits / 8`` bytes a
+    weight, dropped and read again where the caller checkpoints), unpacked there."""
 
     @staticmethod
-    def forward(ctx, start: QuantizedTensor, q: torch.Tensor, s: torch.Tensor, o: torch.Tensor,
+    def forward(ctx, tunable: TunableScales, s: torch.Tensor, o: torch.Tensor,
                 dtype: torch.dtype = torch.float32) -> torch.Tensor:
-        lay = start.layout
-        ctx.save_for_backward(q)
-        w = dequantize_rows(start.qweight, s.to(torch.bfloat16), o.to(torch.bfloat16),
-                            lay.bits, lay.group_size, lay.in_features, torch.float32)
+        lay = tunable.start.layout
+        packed = tunable.packed()
+        ctx.save_for_backward(packed)
+        ctx.tunable = tunable
+        w = dequantize_rows(packed, s.to(torch.bfloat16), o.to(torch.bfloat16), lay.bits,
+                            lay.group_size, lay.in_features, torch.float32)
         return w if dtype == torch.float32 else w.to(dtype)
 
     @staticmethod
-    def backward(ctx, grad: torch.Tensor) -> tuple[None, None, torch.Tensor, torch.Tensor, None]:
-        (q,) = ctx.saved_tensors
-        return None, None, *_group_gradients(grad, q), None
+    def backward(ctx, grad: torch.Tensor) -> tuple[None, torch.Tensor, torch.Tensor, None]:
+        (packed,) = ctx.saved_tensors
+        return None, *group_gradients(grad, ctx.tunable.unpacked(packed)), None
 
 
-def _group_gradients(grad: torch.Tensor, q: torch.Tensor,
+def group_gradients(grad: torch.Tensor, q: torch.Tensor,
                      rounding: RoundingOffsets | None = None
                      ) -> tuple[torch.Tensor, torch.Tensor]:
     """The gradients in the scales and offsets [rows, groups] of codes ``q`` [rows, groups,
@@ -151,7 +156,7 @@ class RoundingOffsets:
     where they change, so the forward is a plain dequantize.
 
     The step is taken inside the backward pass, a chunk of rows at a time as each chunk's
-    gradient is made (``_group_gradients``): a whole block's gradient would be 4 more bytes a
+    gradient is made (``group_gradients``): a whole block's gradient would be 4 more bytes a
     weight (a 7B block: 0.9 GB)."""
 
     BETAS = (0.9, 0.999)
@@ -242,7 +247,7 @@ def _bits(flags: torch.Tensor) -> torch.Tensor:
 class _RoundedGroupDequantize(torch.autograd.Function):
     """``rounding``'s codes (as they are) with scales ``s`` and offsets ``o`` [rows, groups]
     dequantized ([rows, groups * group_size], float32 or ``dtype``: ``_dequantize``); in the backward
-    the gradients in ``s`` and ``o`` and the rounding's step (``_group_gradients``)."""
+    the gradients in ``s`` and ``o`` and the rounding's step (``group_gradients``)."""
 
     @staticmethod
     def forward(ctx, rounding: RoundingOffsets, s: torch.Tensor, o: torch.Tensor,
@@ -257,7 +262,7 @@ class _RoundedGroupDequantize(torch.autograd.Function):
     @staticmethod
     def backward(ctx, grad: torch.Tensor) -> tuple[None, torch.Tensor, torch.Tensor, None]:
         rounding: RoundingOffsets = ctx.rounding
-        return None, *_group_gradients(grad, rounding.q, rounding), None
+        return None, *group_gradients(grad, rounding.q, rounding), None
 
 
 def _dequantize(q: torch.Tensor, s: torch.Tensor, o: torch.Tensor, out: torch.Tensor,
@@ -293,36 +298,63 @@ class TunableScales(nn.Module):
     whose sizes sum to ``reach`` (``RoundingOffsets``)."""
 
     def __init__(self, start: QuantizedTensor, residual: torch.Tensor | None = None,
-                 reach: float = 0.0) -> None:
+                 reach: float = 0.0, codes: Callable[[], torch.Tensor] | None = None) -> None:
         super().__init__()
         lay = start.layout
         self.start, self.in_features = start, lay.in_features
         self.max_code = (1 << lay.bits) - 1
-        shape = (lay.num_rows, lay.num_groups, lay.group_size)
-        # the codes as bytes (a float copy would be 4 bytes a weight for the whole model); the
-        # rounding moves them
-        self.q = unpack_codes(start.qweight, lay.bits).view(shape)
+        # where the packed codes come from each time they are used (a file, for a whole
+        # model's: ``start.qweight`` may then be a meta tensor); ``start``'s own by default
+        self._codes = codes
+        self._q: torch.Tensor | None = None  # held codes, unpacked once they are needed
         self.s0, self.o0 = start.scales.float(), start.offsets.float()
         self.a = nn.Parameter(torch.zeros_like(self.s0))
         self.b = nn.Parameter(torch.zeros_like(self.s0))
         self.rounding: RoundingOffsets | None = None
         if residual is not None:  # a padded group's pad: code 0, residual 0, no gradient: 0
             pad = lay.num_groups * lay.group_size - lay.in_features
-            r = F.pad(residual.reshape(lay.num_rows, -1), (0, pad)).view(shape)
-            self.rounding = RoundingOffsets(self.q, r, self.max_code, reach)
+            r = F.pad(residual.reshape(lay.num_rows, -1), (0, pad)).view(self.shape)
+            # the codes as bytes (the rounding moves them in place)
+            self.rounding = RoundingOffsets(self.unpacked(), r, self.max_code, reach)
+
+    @property
+    def shape(self) -> tuple[int, int, int]:
+        lay = self.start.layout
+        return lay.num_rows, lay.num_groups, lay.group_size
+
+    def packed(self) -> torch.Tensor:
+        """The packed codes as they are now (int32 [rows, words])."""
+        if self.rounding is not None:
+            return pack_codes(self.rounding.q.reshape(self.shape[0], -1), self.start.bits)
+        return self.start.qweight if self._codes is None else self._codes()
+
+    def unpacked(self, packed: torch.Tensor | None = None) -> torch.Tensor:
+        """The codes as they are now, a byte each (uint8 [rows, groups, group_size]): the
+        rounding's own (moved in place); held codes unpacked once; codes read from a file
+        unpacked from ``packed`` (what ``packed()`` gave) or read again."""
+        if self.rounding is not None:
+            return self.rounding.q
+        if self._codes is not None:
+            return unpack_codes(self._codes() if packed is None else packed,
+                                self.start.bits).view(self.shape)
+        if self._q is None:
+            self._q = unpack_codes(self.start.qweight, self.start.bits).view(self.shape)
+        return self._q
 
     def scale_parameters(self) -> list[nn.Parameter]:
         return [self.a, self.b]
 
-    def _scale_offset(self) -> tuple[torch.Tensor, torch.Tensor]:
+    def scale_offset(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """The scales and offsets [rows, groups] the current factors give (bf16 values in
+        float32), differentiable in them."""
         return _bf16(self.s0 * (1 + self.a)), _bf16(self.o0 + self.s0 * self.b)
 
     def forward(self, dtype: torch.dtype = torch.float32) -> torch.Tensor:
         """The dequantized weight in its logical shape (the format's arithmetic in float32:
         multiply, then add; then rounded to ``dtype``, its gradient taken in it)."""
-        s, o = self._scale_offset()
+        s, o = self.scale_offset()
         if self.rounding is None:
-            w = _GroupDequantize.apply(self.start, self.q, s, o, dtype)
+            w = _GroupDequantize.apply(self, s, o, dtype)
         else:
             w = _RoundedGroupDequantize.apply(self.rounding, s, o, dtype)[:, : self.in_features]
         return w.reshape(self.start.logical_shape)
@@ -335,9 +367,6 @@ class TunableScales(nn.Module):
     @torch.no_grad()
     def codes(self) -> QuantizedTensor:
         """The codes with the current scales and offsets (dequantizing to ``forward()``)."""
-        s, o = self._scale_offset()
-        tuned = replace(self.start, scales=s.to(torch.bfloat16), offsets=o.to(torch.bfloat16))
-        if self.rounding is None:
-            return tuned
-        return replace(tuned, qweight=pack_codes(self.q.reshape(self.q.shape[0], -1),
-                                                 self.start.bits))
+        s, o = self.scale_offset()
+        return replace(self.start, qweight=self.packed(), scales=s.to(torch.bfloat16),
+                       offsets=o.to(torch.bfloat16))

@@ -9,11 +9,15 @@ and the rest's total: the loss is the KL between those ``top_k + 1`` bins (the v
 KL's lower bound, equal to it where the float model's rest is spread as the quantized model's
 is). Each step runs one window through the quantized model, its every quantized weight
 dequantized from codes and tunable scales; where the blocks' dequantized weights pass
-``HELD_WEIGHTS_BYTES`` each block runs under activation checkpointing, and what is held is the
-codes (a byte a weight), the model's dense tensors, and one block's dequantized weights while it
-runs forward or backward. A tied embedding's two uses (the lookup and the head) read the same
-tunable scales and both give them gradients. Adam, one window a step in a seeded order, the
-step size falling linearly to zero (as the block-wise tuning, ``tuned_scales.py``).
+``HELD_WEIGHTS_BYTES`` each block runs under activation checkpointing. The codes stay in the
+resume folder's files and are read where a step uses them (``TunableScales(codes=...)``): what
+the pass holds is each tensor's groups (its scales and offsets, their two factors, Adam's
+moments: ~40 bytes a group), the model's dense tensors, and one block's dequantized weights
+while it runs forward or backward; the embedding is dequantized at the rows a window looks up
+and the head a chunk of rows at a time (``numerics/tunable_rows.py``), never whole. A tied
+embedding's two uses (the lookup and the head) read the same tunable scales and both give them
+gradients. Adam, one window a step in a seeded order, the step size falling linearly to zero
+(as the block-wise tuning, ``tuned_scales.py``).
 An eighth of the windows is kept out of the tuning: the tuned scales are kept only where they
 lower the KL there (a step size too large fits the tuned windows and loses on others:
 BENCHMARKS.md "Tuned scales").
@@ -25,7 +29,9 @@ and only puts it in place (the same bytes either way).
 
 from __future__ import annotations
 
-from collections.abc import Callable
+import math
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass, replace
 
 import torch
@@ -36,7 +42,7 @@ from torch.utils.checkpoint import checkpoint
 from dynquant.checkpoint.resume import ResumeStore
 from dynquant.format.planner import TensorSpec
 from dynquant.freed_memory import reusing_freed_memory
-from dynquant.numerics.quantizer import QuantizedTensor
+from dynquant.numerics.tunable_rows import tunable_product, tunable_rows
 from dynquant.numerics.tuned_scales import TunableScales
 from dynquant.pipeline.calibrate.block_stream import BlockStream, first_output
 from dynquant.pipeline.execute.progress import StageProgress
@@ -133,16 +139,31 @@ class _Head(nn.Module):
         return self.stream.head_logits(final, ids)
 
 
-class _Student:
-    """The quantized model: dense tensors in memory, each quantized one as tunable scales on
-    its codes (by full parameter name; a tied head's name maps to the embedding's). ``first``:
-    the windows' inputs to the first block with the float embedding, what a dense embedding
-    gives."""
+class _TunableHead(nn.Module):
+    """The head Linear's stand-in while the student runs: its product a chunk of rows at a
+    time (``tunable_product``), its bias (if any) as it was."""
 
-    def __init__(self, stream: BlockStream, codes: dict[str, QuantizedTensor],
+    def __init__(self, tunable: TunableScales, bias: torch.Tensor | None) -> None:
+        super().__init__()
+        self.parts = (tunable, bias)  # (a tuple: not registered, not replaced by functional_call)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        tunable, bias = self.parts
+        y = tunable_product(x, tunable)
+        return y if bias is None else y + bias
+
+
+class _Student:
+    """The quantized model: dense tensors in memory, each quantized one as tunable scales whose
+    codes are read from the resume folder where they are used (by full parameter name; a tied
+    head's name maps to the embedding's). ``first``: the windows' inputs to the first block
+    with the float embedding, what a dense embedding gives. The embedding is dequantized only
+    at the rows a window looks up, the head a chunk of rows at a time (``tunable_rows``)."""
+
+    def __init__(self, stream: BlockStream, tunables: dict[str, TunableScales],
                  first: list[torch.Tensor]) -> None:
         self.stream = stream
-        self.tunables = {name: TunableScales(qt) for name, qt in codes.items()}
+        self.tunables = tunables
         self.embed = stream.model.get_input_embeddings()
         self.embed_name = f"{stream.module_name(self.embed)}.weight"
         self.head = _Head(stream)
@@ -152,12 +173,17 @@ class _Student:
         for name, module in stream.head_modules():
             self._hold(module, name)
         self.first = None if self._stored(self.embed_name) in self.tunables else first
-        # (the blocks' alone: the embedding's and the head's are held for the backward either
-        # way, and a checkpointed block costs a second forward)
+        linear = stream.model.get_output_embeddings()
+        self.head_name = f"{stream.module_name(linear)}."
+        head = self.tunables.get(self._stored(f"{self.head_name}weight"))
+        self.tunable_head = None if head is None else _TunableHead(head, linear.bias)
+        # (the blocks' alone: the embedding's and the head's are never made whole, and a
+        # checkpointed block costs a second forward)
         in_blocks = {self._stored(f"{prefix}{name}")
                      for prefix, block in zip(self.prefixes, stream.blocks, strict=True)
                      for name, _ in block.named_parameters()}
-        weights = sum(t.q.numel() for name, t in self.tunables.items() if name in in_blocks) * 4
+        weights = sum(math.prod(t.shape) for name, t in self.tunables.items()
+                      if name in in_blocks) * 4
         self.checkpointed = weights > HELD_WEIGHTS_BYTES
 
     def _stored(self, name: str) -> str:
@@ -174,25 +200,19 @@ class _Student:
                 target._parameters[leaf] = nn.Parameter(param.detach().to("meta"),
                                                         requires_grad=False)
 
-    def _weights(self, prefix: str, module: nn.Module, cache: dict) -> dict[str, torch.Tensor]:
+    def _weights(self, prefix: str, module: nn.Module) -> dict[str, torch.Tensor]:
         """The module's quantized parameters (names relative to it) from their tunables."""
         out = {}
         for name, param in module.named_parameters():
             stored = self._stored(f"{prefix}{name}")
             if stored in self.tunables:
-                if stored not in cache:
-                    cache[stored] = self.tunables[stored]()
-                out[name] = cache[stored].reshape(param.shape)
+                out[name] = self.tunables[stored]().reshape(param.shape)
         return out
 
     def logits(self, k: int, ids: torch.Tensor) -> torch.Tensor:
         """Window ``k``'s logits (``ids`` its tokens), differentiable in every tunable."""
         stream = self.stream
-        shared: dict[str, torch.Tensor] = {}
-        if self.first is None:
-            hidden = functional_call(self.embed, {"weight": self._embedding(shared)}, (ids,))
-        else:
-            hidden = self.first[k]
+        hidden = self._lookup(ids) if self.first is None else self.first[k]
         for b in range(len(stream.blocks)):
             args, kwargs = stream.calls[b][k]
             if self.checkpointed:
@@ -200,42 +220,66 @@ class _Student:
                                     kwargs, use_reentrant=False)
             else:
                 hidden = self._block_forward(b, hidden.to(stream.dtype), args, kwargs)
-        head = {f"model.{n}": w for n, w in self._head_weights(shared).items()}
-        return functional_call(self.head, head, (hidden, ids))[0]
+        head = {f"model.{n}": w for n, w in self._head_weights().items()}
+        with self._head_standing_in():
+            return functional_call(self.head, head, (hidden, ids))[0]
 
-    def _embedding(self, shared: dict) -> torch.Tensor:
-        name = self._stored(self.embed_name)
-        shared[name] = self.tunables[name]()
-        return shared[name].reshape(self.embed.weight.shape)
+    def _lookup(self, ids: torch.Tensor) -> torch.Tensor:
+        """The quantized embedding's output for ``ids``: a lookup in just the rows they use
+        (the padding row, if used, still the padding row), other embeddings on the whole."""
+        tunable = self.tunables[self._stored(self.embed_name)]
+        if not isinstance(self.embed, nn.Embedding):
+            weight = tunable().reshape(self.embed.weight.shape)
+            return functional_call(self.embed, {"weight": weight}, (ids,))
+        used, local = torch.unique(ids, return_inverse=True)
+        padding = self.embed.padding_idx
+        at = torch.nonzero(used == padding).flatten().tolist() if padding is not None else []
+        self.embed.padding_idx = at[0] if at else None
+        try:
+            return functional_call(self.embed, {"weight": tunable_rows(used, tunable)},
+                                   (local,))
+        finally:
+            self.embed.padding_idx = padding
 
-    def _head_weights(self, shared: dict) -> dict[str, torch.Tensor]:
+    @contextmanager
+    def _head_standing_in(self) -> Iterator[None]:
+        if self.tunable_head is None:
+            yield
+            return
+        model = self.stream.model
+        linear = model.get_output_embeddings()
+        model.set_output_embeddings(self.tunable_head)
+        try:
+            yield
+        finally:
+            model.set_output_embeddings(linear)
+
+    def _head_weights(self) -> dict[str, torch.Tensor]:
         out = {}
         for prefix, module in self.stream.head_modules():
-            for name, w in self._weights(f"{prefix}.", module, shared).items():
+            if self.tunable_head is not None and f"{prefix}." == self.head_name:
+                continue
+            for name, w in self._weights(f"{prefix}.", module).items():
                 out[f"{prefix}.{name}"] = w
         return out
 
     def _block_forward(self, b: int, hidden: torch.Tensor, args: tuple, kwargs: dict
                        ) -> torch.Tensor:
         block = self.stream.blocks[b]
-        weights = self._weights(self.prefixes[b], block, {})
+        weights = self._weights(self.prefixes[b], block)
         return first_output(functional_call(block, weights, (hidden, *args), kwargs))
 
-    def codes(self) -> dict[str, QuantizedTensor]:
-        return {name: t.codes() for name, t in self.tunables.items()}
 
-
-def tune_end_to_end(stream: BlockStream, codes: dict[str, QuantizedTensor],
-                    tuning: EndToEndTuning, progress: bool = False
-                    ) -> dict[str, QuantizedTensor]:
-    """``codes`` (by the tensor's stored name) with scales and offsets tuned against the float
-    model's distributions on the stream's windows (chunks of one sequence), or ``codes``
-    themselves where the tuned ones do worse on the windows held out of the tuning."""
+def tune_end_to_end(stream: BlockStream, tunables: dict[str, TunableScales],
+                    tuning: EndToEndTuning, progress: bool = False) -> bool:
+    """``tunables`` (by the tensor's stored name) tuned against the float model's distributions
+    on the stream's windows (chunks of one sequence); whether the tuned ones are kept: not
+    where they do worse than the codes as they were on the windows held out of the tuning."""
     with StageProgress(enabled=progress) as bar:
         task = bar.add_task("end-to-end scales", total=tuning.steps + 2)
         first = stream.record()  # also records every block's extra arguments
         teachers = teacher_of(stream, first, tuning.top_k, lambda what: bar.note(task, what))
-        student = _Student(stream, codes, first)
+        student = _Student(stream, tunables, first)
         windows = list(stream.chunks())
         held = list(range(len(windows) - validation_windows(len(windows)), len(windows)))
         before = _held_out_kl(student, teachers, windows, held)
@@ -246,7 +290,7 @@ def tune_end_to_end(stream: BlockStream, codes: dict[str, QuantizedTensor],
         keep = not held or after < before
         bar.advance(task, note=f"held-out KL {before:.4f} -> {after:.4f}: "
                                f"{'tuned scales kept' if keep else 'the codes as they were kept'}")
-        return student.codes() if keep else codes
+        return keep
 
 
 def validation_windows(count: int) -> int:
@@ -284,18 +328,29 @@ def _fit(student: _Student, teachers: list[Teacher], windows: list[torch.Tensor]
 def end_to_end_codes(stream: BlockStream, specs: list[TensorSpec], quantized: set[str],
                      store: ResumeStore, tuning: EndToEndTuning, progress: bool = False
                      ) -> None:
-    """Every quantized tensor in ``store`` replaced by its end-to-end tuned codes (tuned now,
-    or read from the resume folder's file of an earlier run)."""
+    """Every quantized tensor in ``store`` given its end-to-end tuned scales and offsets (tuned
+    now, or read from the resume folder's file of an earlier run). The codes stay in the
+    store's files, read where they are used: what the pass holds of a tensor is its groups'."""
     index = {s.name: i for i, s in enumerate(specs) if s.module in quantized}
     tuned = store.read_tensors(TUNED_FILE)
     if tuned is None:
-        codes = {name: store.quantized(i) for name, i in index.items()}
-        result = tune_end_to_end(stream, codes, tuning, progress)
+        tunables = {name: _stored_tunable(store, i) for name, i in index.items()}
+        keep = tune_end_to_end(stream, tunables, tuning, progress)
         tuned = {}
-        for name, qt in result.items():
-            tuned[f"{index[name]}.scales"] = qt.scales
-            tuned[f"{index[name]}.offsets"] = qt.offsets
+        for name, t in tunables.items():
+            s, o = t.scale_offset() if keep else (t.s0, t.o0)
+            tuned[f"{index[name]}.scales"] = s.detach().to(torch.bfloat16)
+            tuned[f"{index[name]}.offsets"] = o.detach().to(torch.bfloat16)
         store.write_tensors(TUNED_FILE, tuned)
     for i in index.values():
         store.save_quantized(i, specs[i].module, replace(
             store.quantized(i), scales=tuned[f"{i}.scales"], offsets=tuned[f"{i}.offsets"]))
+
+
+def _stored_tunable(store: ResumeStore, index: int) -> TunableScales:
+    """Tensor ``index``'s tunable scales, its codes read from the store each time they are
+    used (its ``start`` holds them as a meta tensor)."""
+    _, _, meta, loaders = store.load(index)
+    qname, sname, oname = loaders
+    start = replace(meta, scales=store.tensor(index, sname), offsets=store.tensor(index, oname))
+    return TunableScales(start, codes=lambda: store.tensor(index, qname))
