@@ -27,7 +27,9 @@ Per decoder block, in order, as the pipeline runs it (docs/distributed.md):
   mostly do; on one worker one after the other). With ``--independent-blocks`` the pass is only
   the float model's outputs (by shards) and each block's GPTQ and tuning a job of its own,
   counted the same way.
-Then the output head once (its factor and its vocabulary-wide compensation). Not counted: moving
+Then the output head once (its factor and its vocabulary-wide compensation), and for a model
+of at most ``AUTO_MAX_WEIGHTS`` quantized weights the end-to-end scales on the driver
+(``end_to_end_work``). Not counted: moving
 the windows' hidden states to the workers (48 x 256 positions x hidden x 4 B per group: 400 MB
 at 8,192 wide), the data-free measure's candidates, Ray's start.
 """
@@ -38,6 +40,12 @@ import argparse
 from dataclasses import dataclass
 
 from dynquant.pipeline.calibrate.fisher import CLUSTER_SHARD_SEQS
+from dynquant.pipeline.codes.end_to_end import (
+    AUTO_MAX_WEIGHTS,
+    AUTO_STEPS,
+    HELD_WEIGHTS_BYTES,
+    validation_windows,
+)
 from dynquant.pipeline.codes.sequential_gptq import OUTPUT_SHARD_SEQS
 from dynquant.pipeline.codes.tuned_scales import ScaleTuning, check_windows
 
@@ -46,6 +54,7 @@ RATIO_ROWS = 256  # rows a gptq ratio compensates, at each of 4 widths
 TUNING = "scale tuning (driver)"
 TARGETS = "the float model's outputs (workers)"
 JOBS = "jobs beside the pass, after it (workers)"
+END_TO_END = "end-to-end scales (driver)"
 
 
 @dataclass(frozen=True)
@@ -106,6 +115,28 @@ def tuning_work(s: Shape) -> float:
     return 3 * ScaleTuning().steps * block_work(s, WINDOW)["forward"]
 
 
+def quantized_weights(s: Shape) -> int:
+    """The weights a quantize of the model packs: every block's matrices, the embedding and the
+    untied head."""
+    return s.layers * sum(r * n * c for r, n, c in s.linears()) + 2 * s.vocab * s.hidden
+
+
+def end_to_end_work(s: Shape) -> float:
+    """Multiply-adds of the end-to-end scales (the default for tuned codes up to
+    ``AUTO_MAX_WEIGHTS``): the float model's distributions over every window, ``AUTO_STEPS``
+    steps of one window (forward and backward: 3 forwards' products, 4 where the blocks'
+    weights pass ``HELD_WEIGHTS_BYTES`` and each is run again), the held-out windows before
+    and after; a forward of a token is every block's and the head's products (a MoE's routed
+    experts)."""
+    routed = s.active if s.experts else 1
+    (qkv_r, h, _), (o_r, o_in, _), (gu_r, _, _), (d_r, m, _) = s.linears()
+    blocks = s.layers * (qkv_r * h + o_r * o_in + routed * (gu_r * h + d_r * m))
+    in_blocks = s.layers * sum(r * n * c for r, n, c in s.linears())
+    passes = 4 if in_blocks * 4 > HELD_WEIGHTS_BYTES else 3
+    windows = WINDOWS + AUTO_STEPS * passes + 2 * validation_windows(WINDOWS)
+    return windows * WINDOW * (blocks + s.vocab * s.hidden)
+
+
 def head_work(s: Shape) -> dict[str, float]:
     """The output head's factor and compensation (once), and its logits over the Fisher
     pass's windows (per position: vocabulary x hidden)."""
@@ -118,8 +149,9 @@ def project(s: Shape, workers: int, rate: dict[str, float], mode: str = "quantiz
     """Seconds of each part of the run on ``workers`` (rates in multiply-adds per second:
     ``pass``, ``stats``, ``fisher`` (forward multiply-adds of the backward's windows per s),
     ``fisher_head`` (logits per s), ``ratios``, ``gptq``, ``factor``; ``tune``: the tuning steps',
-    for tuned codes). ``mode``: the default ("quantized"), ``--tune-on float`` ("float") or
-    ``--independent-blocks`` ("independent")."""
+    for tuned codes; ``e2e``: the end-to-end scales', run for tuned codes up to
+    ``AUTO_MAX_WEIGHTS`` quantized weights where measured). ``mode``: the default
+    ("quantized"), ``--tune-on float`` ("float") or ``--independent-blocks`` ("independent")."""
     big, small = block_work(s, WINDOWS * WINDOW), block_work(s, STAT_WINDOWS * WINDOW)
     measured = block_work(s, MOMENT_WINDOWS * WINDOW)
     head = head_work(s)
@@ -171,6 +203,8 @@ def project(s: Shape, workers: int, rate: dict[str, float], mode: str = "quantiz
                                        big["largest_ratio"]) / rate["ratios"]
     out["head (driver)"] = (head["factor"] / rate["factor"] + head["compensate"] / rate["gptq"]
                             + head["logits"] / rate["fisher_head"])
+    if tuned and "e2e" in rate and quantized_weights(s) <= AUTO_MAX_WEIGHTS:
+        out[END_TO_END] = end_to_end_work(s) / rate["e2e"]
     return out
 
 
@@ -183,8 +217,8 @@ def _duration(seconds: float) -> str:
 def print_cost_model(rate: dict[str, float]) -> None:
     """The projection table: each part's hours and the whole, per model and worker count (and,
     for tuned codes, the whole with ``--tune-on float``, with ``--independent-blocks`` and
-    without the tuning: ``--quantizer gptq``)."""
-    parts = list(project(MODELS[0], 1, rate))
+    without the tuning or the end-to-end scales: ``--quantizer gptq``)."""
+    parts = list(dict.fromkeys(k for s in MODELS for k in project(s, 1, rate)))
     tuned = TUNING in parts
     extra = " --tune-on float | --independent-blocks | --quantizer gptq |" if tuned else ""
     print("| model | workers | " + " | ".join(parts) + " | **projected wall** | on the driver |"
@@ -196,10 +230,12 @@ def print_cost_model(rate: dict[str, float]) -> None:
             total = sum(p.values())
             driver = sum(v for k, v in p.items() if "driver" in k)
             others = [sum(project(s, w, rate, m).values()) for m in ("float", "independent")]
-            print(f"| {s.name} | {w} | " + " | ".join(_duration(p[k]) for k in parts)
+            gptq = total - p[TUNING] - p.get(END_TO_END, 0.0)
+            print(f"| {s.name} | {w} | "
+                  + " | ".join(_duration(p[k]) if k in p else "-" for k in parts)
                   + f" | **{_duration(total)}** | {driver / total:.0%} |"
                   + ("".join(f" {_duration(t)} |" for t in others)
-                     + f" {_duration(total - p[TUNING])} |" if tuned else ""))
+                     + f" {_duration(gptq)} |" if tuned else ""))
 
 
 def main() -> None:

@@ -1,6 +1,6 @@
 """The calibrated default at a 7 B model's layer shapes: `dynquant quantize --budget 4.25` (the
-bundled text, the default codes: GPTQ's with each block's scales tuned; no end-to-end pass, the
-model being past its default's weights) of the scale model (``benchmarks/scale_model.py``, N
+bundled text, the default codes: GPTQ's with each block's scales tuned, then the end-to-end
+scales) of the scale model (``benchmarks/scale_model.py``, N
 decoder layers), each stage's seconds and the work it does against this machine's float32 GEMM
 peak, and the whole run's wall time and peak RSS.
 
@@ -28,7 +28,7 @@ import sys
 import tempfile
 import threading
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 
 import torch
@@ -40,6 +40,7 @@ from benchmarks.calibrated_cost import (
     WINDOW,
     WINDOWS,
     block_work,
+    end_to_end_work,
     head_work,
     print_cost_model,
     tuning_work,
@@ -62,7 +63,8 @@ LABELS = {("calibration pass", 1): "calibration pass: X^T X, 16 windows",
 # the rate each stage's seconds measure (calibrated_cost.project's keys)
 KEYS = {("calibration pass", 1): "pass", ("calibration pass", 2): "stats",
         ("Fisher pass: head", 1): "fisher_head", ("Fisher pass", 1): "fisher",
-        ("measuring", 1): "ratios", ("gptq, block by block", 1): "gptq"}
+        ("measuring", 1): "ratios", ("gptq, block by block", 1): "gptq",
+        ("end-to-end scales", 1): "e2e"}
 STARTED = re.compile(r"^dynquant: (?P<stage>.+): started, ")
 DONE = re.compile(r"^dynquant: (?P<stage>.+): done, [^,]*, (?P<s>\d+) s")
 TUNING = re.compile(r"^dynquant: (?P<stage>.+): running, [^,]*, (?P<s>\d+) s \(block 1: "
@@ -237,8 +239,8 @@ def main() -> None:
     parser.add_argument("--tune-dtype", choices=("float32", "bfloat16"),
                         help="quantize's --tune-dtype (the default's otherwise)")
     parser.add_argument("--e2e-steps", metavar="N",
-                        help="quantize's --e2e-steps (the default's otherwise: none, as this "
-                        "model is past the end-to-end default's weights)")
+                        help="quantize's --e2e-steps (the default's otherwise: 40; the cost "
+                        "model's end-to-end rate is measured at 40)")
     args = parser.parse_args()
     print(f"# 7B-shaped Llama (hidden 3,584, MLP 18,944, 28/4 heads, vocabulary 49,152), "
           f"{args.layers} layer(s), random bf16 weights; {machine()}")
@@ -267,7 +269,9 @@ def main() -> None:
     work = {"pass": measured["forward"] + measured["moments"], "stats": small["forward"],
             "fisher": small["forward"], "ratios": big["ratios"],
             "gptq": sum(big[k] for k in ("partial", "moments", "factors", "compensate"))
-            + outputs * big["forward"]}
+            + outputs * big["forward"],
+            # (the whole model's, not a layer's: the head's products are in every step)
+            "e2e": end_to_end_work(replace(SEVEN_B, layers=args.layers)) / args.layers}
     print("| stage | seconds | work (GMAC) | rate (GMAC/s) | of the GEMM peak | peak RSS GiB |")
     print("|---|---|---|---|---|---|")
     seen: dict[str, int] = {}
@@ -310,7 +314,8 @@ def main() -> None:
     # per-worker rates for the cost model: the gptq pass's own factors taken out at the
     # factor's rate (the driver's), the rest at the pass's
     factor_s = args.layers * big["factors"] / factor
-    rates = {k: args.layers * work[k] / max(took[k], 1) for k in work if k != "gptq"}
+    rates = {k: args.layers * work[k] / max(took[k], 1) for k in work
+             if k != "gptq" and k in took}
     rates["gptq"] = (args.layers * (work["gptq"] - big["factors"])
                      / max(took["gptq"] - factor_s, 1))
     rates["fisher_head"] = head_work(SEVEN_B)["logits"] / max(took.get("fisher_head", 0), 1)

@@ -181,3 +181,55 @@ def test_a_default_quantize_tunes_end_to_end_by_the_model_s_quantized_weights(
     assert said == ([] if fits else [
         f"dynquant: no end-to-end scales: {weights / 1e9:.1f} G quantized weights, past "
         f"{(weights - 1) / 1e9:.1f} G (--e2e-steps N runs them)"])
+
+
+@pytest.mark.parametrize("family", ["llama", "gemma3", "qwen3_moe"])
+def test_the_pass_reads_codes_where_used_and_never_makes_the_head_or_embedding_whole(
+        tmp_path, monkeypatch, family):
+    """An untied head and quantized input embedding (llama), a scaled tied embedding (gemma3),
+    expert banks (qwen3_moe): every tunable's codes are read from the resume folder (none held),
+    the head and the embedding are used a chunk or a window's rows at a time (never
+    dequantized whole), and every kind of tensor gets its tuned scales, in a checkpoint the
+    validator accepts."""
+    from dynquant.format.validate import validate_checkpoint
+    from dynquant.numerics.tuned_scales import TunableScales
+    from model_zoo import save_tiny_model, save_tiny_tokenizer
+
+    src = save_tiny_model(family, tmp_path / "src")
+    save_tiny_tokenizer(src)
+    source = resolve_model(str(src))
+    widths = _uniform(source, 3)
+    cal = _calibration(src, 2, 32)
+    monkeypatch.setattr(e2e, "validation_windows", lambda _count: 0)
+    seen: dict[str, TunableScales] = {}
+    whole: list[tuple[int, ...]] = []
+    real_tune, real_forward = e2e.tune_end_to_end, TunableScales.forward
+
+    def tune(stream, tunables, *args):
+        seen.update(tunables)
+        return real_tune(stream, tunables, *args)
+
+    def forward(self, *args):
+        whole.append(tuple(self.start.logical_shape))
+        return real_forward(self, *args)
+
+    monkeypatch.setattr(e2e, "tune_end_to_end", tune)
+    monkeypatch.setattr(TunableScales, "forward", forward)
+    steps = e2e.EndToEndTuning(steps=3, lr=1e-2)  # (steps large enough to move bf16 scales)
+    quantize_model(source, widths, tmp_path / "e2e", progress=False, chooser=CodeChooser(
+        "gptq", sequential=replace(cal, end_to_end=steps)))
+    quantize_model(source, widths, tmp_path / "gptq", progress=False,
+                   chooser=CodeChooser("gptq", sequential=cal))
+    assert seen and all(t.start.qweight.is_meta for t in seen.values())
+    vocab = source.config.vocab_size
+    assert whole and not any(shape[0] == vocab for shape in whole)  # no head, no embedding
+    assert validate_checkpoint(str(tmp_path / "e2e")) == []
+    with (safe_open(str(tmp_path / "e2e" / "model.safetensors"), "pt") as tuned,
+          safe_open(str(tmp_path / "gptq" / "model.safetensors"), "pt") as gptq):
+        kinds = {"embed_tokens", "lm_head", "experts", "q_proj"} & {
+            part for name in gptq.keys() for part in name.split(".")}  # noqa: SIM118
+        for kind in kinds:
+            name = next(n for n in gptq.keys() if f".{kind}." in f".{n}"  # noqa: SIM118
+                        and n.endswith(".scales"))
+            assert not torch.equal(tuned.get_tensor(name), gptq.get_tensor(name)), name
+    assert {"embed_tokens", "q_proj"} <= kinds and (family != "qwen3_moe" or "experts" in kinds)

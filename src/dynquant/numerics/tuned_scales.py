@@ -307,9 +307,10 @@ class TunableScales(nn.Module):
         # model's: ``start.qweight`` may then be a meta tensor); ``start``'s own by default
         self._codes = codes
         self._q: torch.Tensor | None = None  # held codes, unpacked once they are needed
-        self.s0, self.o0 = start.scales.float(), start.offsets.float()
-        self.a = nn.Parameter(torch.zeros_like(self.s0))
-        self.b = nn.Parameter(torch.zeros_like(self.s0))
+        # (the start's scales and offsets are read as bf16, made float where used: a whole
+        # model's groups are many)
+        self.a = nn.Parameter(torch.zeros(start.scales.shape))
+        self.b = nn.Parameter(torch.zeros(start.scales.shape))
         self.rounding: RoundingOffsets | None = None
         if residual is not None:  # a padded group's pad: code 0, residual 0, no gradient: 0
             pad = lay.num_groups * lay.group_size - lay.in_features
@@ -347,7 +348,8 @@ class TunableScales(nn.Module):
     def scale_offset(self) -> tuple[torch.Tensor, torch.Tensor]:
         """The scales and offsets [rows, groups] the current factors give (bf16 values in
         float32), differentiable in them."""
-        return _bf16(self.s0 * (1 + self.a)), _bf16(self.o0 + self.s0 * self.b)
+        s0, o0 = self.start.scales.float(), self.start.offsets.float()
+        return _bf16(s0 * (1 + self.a)), _bf16(o0 + s0 * self.b)
 
     def forward(self, dtype: torch.dtype = torch.float32) -> torch.Tensor:
         """The dequantized weight in its logical shape (the format's arithmetic in float32:

@@ -52,12 +52,12 @@ TUNED_FILE = "end_to_end.safetensors"
 # checkpointed (run again in the backward: about a third more time a step, one block's weights)
 HELD_WEIGHTS_BYTES = 1 << 30
 # The default for tuned codes: steps, and the most quantized weights it is run for. The pass
-# holds every quantized tensor's codes (a byte a weight), the head's float weights and their
-# gradient, and up to HELD_WEIGHTS_BYTES of the blocks': on the 7B-shaped one-layer model (585 M
-# weights) it took the quantize's peak past 6 GiB (BENCHMARKS.md "Scale"), so the default stops
-# at 0.5 G; past it (a 7 B model: 7 GB of codes) it is opt-in.
+# holds ~36 bytes for each group of every tensor (the factors, their gradients, Adam's moments,
+# the start's bf16 scale and offset): 2.8 GB at 10 G weights in groups of 128, besides one
+# block's dequantized weights and the head's chunk; past it (a 12 B model and up) it is opt-in.
+# Its time is ~a third of the rest of the quantize at every size (BENCHMARKS.md "Scale").
 AUTO_STEPS = 40
-AUTO_MAX_WEIGHTS = 500_000_000
+AUTO_MAX_WEIGHTS = 10_000_000_000
 
 
 @dataclass(frozen=True)
@@ -338,7 +338,7 @@ def end_to_end_codes(stream: BlockStream, specs: list[TensorSpec], quantized: se
         keep = tune_end_to_end(stream, tunables, tuning, progress)
         tuned = {}
         for name, t in tunables.items():
-            s, o = t.scale_offset() if keep else (t.s0, t.o0)
+            s, o = t.scale_offset() if keep else (t.start.scales, t.start.offsets)
             tuned[f"{index[name]}.scales"] = s.detach().to(torch.bfloat16)
             tuned[f"{index[name]}.offsets"] = o.detach().to(torch.bfloat16)
         store.write_tensors(TUNED_FILE, tuned)
