@@ -216,14 +216,17 @@ def _duration(seconds: float) -> str:
 
 def print_cost_model(rate: dict[str, float]) -> None:
     """The projection table: each part's hours and the whole, per model and worker count (and,
-    for tuned codes, the whole with ``--tune-on float``, with ``--independent-blocks`` and
-    without the tuning or the end-to-end scales: ``--quantizer gptq``)."""
+    for tuned codes, the whole with ``--tune-on float``, with ``--independent-blocks``, without
+    the tuning or the end-to-end scales: ``--quantizer gptq``, and, where their rate is
+    measured, with the end-to-end scales: ``--e2e-steps 40``)."""
     parts = list(dict.fromkeys(k for s in MODELS for k in project(s, 1, rate)))
     tuned = TUNING in parts
-    extra = " --tune-on float | --independent-blocks | --quantizer gptq |" if tuned else ""
+    asked = tuned and "e2e" in rate  # the end-to-end scales' rate: their column
+    extra = (" --tune-on float | --independent-blocks | --quantizer gptq |" if tuned else ""
+             ) + (" --e2e-steps 40 |" if asked else "")
     print("| model | workers | " + " | ".join(parts) + " | **projected wall** | on the driver |"
           + extra)
-    print("|---|---|" + "---|" * len(parts) + "---|---|" + ("---|" * 3 if tuned else ""))
+    print("|---|---|" + "---|" * len(parts) + "---|---|" + "---|" * extra.count("|"))
     for s in MODELS:
         for w in WORKERS:
             p = project(s, w, rate)
@@ -231,11 +234,13 @@ def print_cost_model(rate: dict[str, float]) -> None:
             driver = sum(v for k, v in p.items() if "driver" in k)
             others = [sum(project(s, w, rate, m).values()) for m in ("float", "independent")]
             gptq = total - p[TUNING] - p.get(END_TO_END, 0.0)
+            e2e = end_to_end_work(s) / rate["e2e"] if asked else 0.0
             print(f"| {s.name} | {w} | "
                   + " | ".join(_duration(p[k]) if k in p else "-" for k in parts)
                   + f" | **{_duration(total)}** | {driver / total:.0%} |"
                   + ("".join(f" {_duration(t)} |" for t in others)
-                     + f" {_duration(gptq)} |" if tuned else ""))
+                     + f" {_duration(gptq)} |" if tuned else "")
+                  + (f" {_duration(total - p.get(END_TO_END, 0.0) + e2e)} |" if asked else ""))
 
 
 def main() -> None:

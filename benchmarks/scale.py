@@ -1,6 +1,7 @@
 """The calibrated default at a 7 B model's layer shapes: `dynquant quantize --budget 4.25` (the
-bundled text, the default codes: GPTQ's with each block's scales tuned, then the end-to-end
-scales) of the scale model (``benchmarks/scale_model.py``, N
+bundled text, the default codes of a 7 B model: GPTQ's with each block's scales tuned; no
+end-to-end scales, which a 7 B model's default leaves out: ``--e2e-steps 40`` measures them) of
+the scale model (``benchmarks/scale_model.py``, N
 decoder layers), each stage's seconds and the work it does against this machine's float32 GEMM
 peak, and the whole run's wall time and peak RSS.
 
@@ -238,9 +239,9 @@ def main() -> None:
                         help="quantize's --tune-rounding (the default's otherwise)")
     parser.add_argument("--tune-dtype", choices=("float32", "bfloat16"),
                         help="quantize's --tune-dtype (the default's otherwise)")
-    parser.add_argument("--e2e-steps", metavar="N",
-                        help="quantize's --e2e-steps (the default's otherwise: 40; the cost "
-                        "model's end-to-end rate is measured at 40)")
+    parser.add_argument("--e2e-steps", metavar="N", default="0",
+                        help="quantize's --e2e-steps (default 0: a 7 B model's default, past "
+                        "the end-to-end pass's weights; 40 gives the cost model its rate)")
     args = parser.parse_args()
     print(f"# 7B-shaped Llama (hidden 3,584, MLP 18,944, 28/4 heads, vocabulary 49,152), "
           f"{args.layers} layer(s), random bf16 weights; {machine()}")
@@ -250,8 +251,8 @@ def main() -> None:
         model = save_scale_model(Path(tmp) / "model", args.layers)
         extra = (["--not-convert", "lm_head"] if args.dense_head else []) + (
             [] if args.tune_rounding is None else ["--tune-rounding", args.tune_rounding]) + (
-            [] if args.tune_dtype is None else ["--tune-dtype", args.tune_dtype]) + (
-            [] if args.e2e_steps is None else ["--e2e-steps", args.e2e_steps])
+            [] if args.tune_dtype is None else ["--tune-dtype", args.tune_dtype]) + [
+            "--e2e-steps", args.e2e_steps]
         wall, rss, stages = run(model, Path(tmp) / "q", args.budget, extra)
         dense = sum(p.stat().st_size for p in model.glob("*.safetensors"))
         theirs = [] if args.no_llama_cpp else llama_cpp(model, Path(tmp),

@@ -426,7 +426,7 @@ def _add_quantize(sub) -> None:
                    "the quantized model's own activations on --gptq-seqs calibration windows; "
                    "Linears, expert banks and the output head; an untied input embedding rtn), "
                    "tuned (gptq's codes, then each block's group scales and offsets tuned "
-                   "against the float block, then, up to 10 G quantized weights, every scale "
+                   "against the float block, then, up to 2 G quantized weights, every scale "
                    "against the float model (--e2e-steps): lower KL for a longer quantize, "
                    "BENCHMARKS.md 'Tuned scales'), rtn (round-to-nearest with a clip search), auto (default: "
                    "tuned when calibrating on text, rtn data-free)")
@@ -441,7 +441,7 @@ def _add_quantize(sub) -> None:
     p.add_argument("--e2e-steps", type=int,
                    help="gptq / tuned codes: then every group scale and offset tuned against "
                    "the float model's next-token distributions, one calibration window a step "
-                   "(default: 40 for tuned codes of a model with at most 10 G quantized "
+                   "(default: 40 for tuned codes of a model with at most 2 G quantized "
                    "weights, else 0: off; 40 steps took Gemma-3-270M's KL 13%% lower for a "
                    "third to three quarters of the quantize's time again: BENCHMARKS.md "
                    "'Tuned scales')")

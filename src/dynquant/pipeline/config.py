@@ -58,7 +58,7 @@ class CodeOptions:
     (round-to-nearest), "auto" (tuned when calibrating on text, else rtn); ``gptq_seqs``
     calibration windows the sequential pass streams; ``tuning`` the block tuning's settings;
     ``end_to_end``: then every scale tuned against the whole float model (steps 0: off; by
-    default 40 for tuned codes of a model of at most 10 G quantized weights,
+    default 40 for tuned codes of a model of at most 2 G quantized weights,
     ``EndToEndTuning.resolved``);
     ``independent_blocks``: every block's codes from the float model's hidden states (no block
     waits for another: on a cluster each is a job of its own; a little more KL)."""

@@ -51,13 +51,13 @@ TUNED_FILE = "end_to_end.safetensors"
 # Dequantized weights held for the backward up to this size (float32); past it each block is
 # checkpointed (run again in the backward: about a third more time a step, one block's weights)
 HELD_WEIGHTS_BYTES = 1 << 30
-# The default for tuned codes: steps, and the most quantized weights it is run for. The pass
-# holds ~36 bytes for each group of every tensor (the factors, their gradients, Adam's moments,
-# the start's bf16 scale and offset): 2.8 GB at 10 G weights in groups of 128, besides one
-# block's dequantized weights and the head's chunk; past it (a 12 B model and up) it is opt-in.
-# Its time is ~a third of the rest of the quantize at every size (BENCHMARKS.md "Scale").
+# The default for tuned codes: steps, and the most quantized weights it is run for. Memory does
+# not bound it (the pass holds ~36 bytes a group besides one block's weights); time does: the
+# pass costs about a third of the rest of the quantize, which keeps tuned codes within 3x GPTQ's
+# quantize on the models measured (135-585 M weights) but, by the calibrated cost model, not at
+# 8 B (3.25x against 2.4x without it: BENCHMARKS.md "Scale"); past the bound it is opt-in.
 AUTO_STEPS = 40
-AUTO_MAX_WEIGHTS = 10_000_000_000
+AUTO_MAX_WEIGHTS = 2_000_000_000
 
 
 @dataclass(frozen=True)
