@@ -79,8 +79,8 @@ class _GroupDequantize(torch.autograd.Function):
 
 
 def group_gradients(grad: torch.Tensor, q: torch.Tensor,
-                     rounding: RoundingOffsets | None = None
-                     ) -> tuple[torch.Tensor, torch.Tensor]:
+                    rounding: RoundingOffsets | None = None
+                    ) -> tuple[torch.Tensor, torch.Tensor]:
     """The gradients in the scales and offsets [rows, groups] of codes ``q`` [rows, groups,
     group_size] given the dequantized weight's ``grad`` [rows, in_features]: the group sums of
     the gradient times the codes, and of the gradient (``group_sums``); then ``rounding``'s step
