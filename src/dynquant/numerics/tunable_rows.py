@@ -13,7 +13,6 @@ from __future__ import annotations
 import torch
 
 from dynquant.format.packing import unpack_codes
-from dynquant.numerics.quantizer import dequantize_rows
 from dynquant.numerics.tuned_scales import TunableScales, group_gradients
 
 CHUNK_ELEMENTS = 1 << 22
@@ -23,15 +22,6 @@ def _chunks(tunable: TunableScales) -> list[slice]:
     rows, groups, size = tunable.shape
     step = max(1, CHUNK_ELEMENTS // (groups * size))
     return [slice(i, i + step) for i in range(0, rows, step)]
-
-
-def _weights(tunable: TunableScales, packed: torch.Tensor, s: torch.Tensor,
-             o: torch.Tensor) -> torch.Tensor:
-    """Rows ``packed`` (int32) with their scales and offsets ``s``, ``o`` as the format
-    dequantizes them (float32 [rows, in_features])."""
-    lay = tunable.start.layout
-    return dequantize_rows(packed, s.to(torch.bfloat16), o.to(torch.bfloat16), lay.bits,
-                           lay.group_size, lay.in_features, torch.float32)
 
 
 def _gradients(tunable: TunableScales, packed: torch.Tensor, grad: torch.Tensor
@@ -55,7 +45,7 @@ class _Product(torch.autograd.Function):
         packed = tunable.packed()
         out = flat.new_empty(len(flat), len(packed))
         for rs in _chunks(tunable):
-            out[:, rs] = flat @ _weights(tunable, packed[rs], s[rs], o[rs]).T
+            out[:, rs] = flat @ tunable.dequantize(packed[rs], s[rs], o[rs]).T
         return out.view(*x.shape[:-1], len(packed))
 
     @staticmethod
@@ -71,7 +61,7 @@ class _Product(torch.autograd.Function):
         for rs in _chunks(tunable):
             g = grad[:, rs].contiguous()
             if grad_x is not None:
-                grad_x.addmm_(g, _weights(tunable, packed[rs], s[rs], o[rs]))
+                grad_x.addmm_(g, tunable.dequantize(packed[rs], s[rs], o[rs]))
             grad_s[rs], grad_o[rs] = _gradients(tunable, packed[rs], g.T @ flat)
         return (None if grad_x is None else grad_x.view(x.shape)), grad_s, grad_o, None
 
@@ -86,7 +76,7 @@ class _Rows(torch.autograd.Function):
         packed = tunable.packed()[rows]
         ctx.save_for_backward(rows, packed)
         ctx.tunable, ctx.groups = tunable, s.shape
-        return _weights(tunable, packed, s[rows], o[rows])
+        return tunable.dequantize(packed, s[rows], o[rows])
 
     @staticmethod
     def backward(ctx, grad: torch.Tensor) -> tuple[None, torch.Tensor, torch.Tensor, None]:

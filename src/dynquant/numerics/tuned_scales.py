@@ -64,12 +64,10 @@ class _GroupDequantize(torch.autograd.Function):
     @staticmethod
     def forward(ctx, tunable: TunableScales, s: torch.Tensor, o: torch.Tensor,
                 dtype: torch.dtype = torch.float32) -> torch.Tensor:
-        lay = tunable.start.layout
         packed = tunable.packed()
         ctx.save_for_backward(packed)
         ctx.tunable = tunable
-        w = dequantize_rows(packed, s.to(torch.bfloat16), o.to(torch.bfloat16), lay.bits,
-                            lay.group_size, lay.in_features, torch.float32)
+        w = tunable.dequantize(packed, s, o)
         return w if dtype == torch.float32 else w.to(dtype)
 
     @staticmethod
@@ -341,6 +339,13 @@ class TunableScales(nn.Module):
         if self._q is None:
             self._q = unpack_codes(self.start.qweight, self.start.bits).view(self.shape)
         return self._q
+
+    def dequantize(self, packed: torch.Tensor, s: torch.Tensor, o: torch.Tensor) -> torch.Tensor:
+        """Rows ``packed`` of the codes with their scales ``s`` and offsets ``o`` (bf16 values in
+        float32) as the format dequantizes them: float32 [rows, in_features]."""
+        lay = self.start.layout
+        return dequantize_rows(packed, s.to(torch.bfloat16), o.to(torch.bfloat16), lay.bits,
+                               lay.group_size, lay.in_features, torch.float32)
 
     def scale_parameters(self) -> list[nn.Parameter]:
         return [self.a, self.b]

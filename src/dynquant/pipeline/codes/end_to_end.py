@@ -11,13 +11,14 @@ is). Each step runs one window through the quantized model, its every quantized 
 dequantized from codes and tunable scales; where the blocks' dequantized weights pass
 ``HELD_WEIGHTS_BYTES`` each block runs under activation checkpointing. The codes stay in the
 resume folder's files and are read where a step uses them (``TunableScales(codes=...)``): what
-the pass holds is each tensor's groups (its scales and offsets, their two factors, Adam's
-moments: ~40 bytes a group), the model's dense tensors, and one block's dequantized weights
-while it runs forward or backward; the embedding is dequantized at the rows a window looks up
-and the head a chunk of rows at a time (``numerics/tunable_rows.py``), never whole. A tied
-embedding's two uses (the lookup and the head) read the same tunable scales and both give them
-gradients. Adam, one window a step in a seeded order, the step size falling linearly to zero
-(as the block-wise tuning, ``tuned_scales.py``).
+the pass holds is each tensor's groups (their two factors, the factors' gradients and Adam's
+moments, the start's bf16 scale and offset: ~36 bytes a group), the model's dense tensors, and
+one block's dequantized weights while it runs forward or backward; the embedding is
+dequantized at the rows a window looks up and the head a chunk of rows at a time
+(``numerics/tunable_rows.py``), never whole. A tied embedding's two uses (the lookup and the
+head) read the same tunable scales and both give them gradients. Adam, one window a step in
+a seeded order, the step size falling linearly to zero (as the block-wise tuning,
+``tuned_scales.py``).
 An eighth of the windows is kept out of the tuning: the tuned scales are kept only where they
 lower the KL there (a step size too large fits the tuned windows and loses on others:
 BENCHMARKS.md "Tuned scales").
