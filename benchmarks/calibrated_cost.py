@@ -123,18 +123,20 @@ def quantized_weights(s: Shape) -> int:
 
 def end_to_end_work(s: Shape) -> float:
     """Multiply-adds of the end-to-end scales (the default for tuned codes up to
-    ``AUTO_MAX_WEIGHTS``): the float model's distributions over every window, ``AUTO_STEPS``
-    steps of one window (forward and backward: 3 forwards' products, 4 where the blocks'
+    ``AUTO_MAX_WEIGHTS``): the float model's distributions over every window (its head on
+    the last block's outputs, which the sequential pass of tuned codes has made), ``AUTO_STEPS``
+    steps of one window (forward and backward: 3 forwards' products, the blocks' 4 where their
     weights pass ``HELD_WEIGHTS_BYTES`` and each is run again), the held-out windows before
-    and after; a forward of a token is every block's and the head's products (a MoE's routed
-    experts)."""
+    and after; a forward of a token is every block's products (a MoE's routed experts) and
+    the head's."""
     routed = s.active if s.experts else 1
     (qkv_r, h, _), (o_r, o_in, _), (gu_r, _, _), (d_r, m, _) = s.linears()
     blocks = s.layers * (qkv_r * h + o_r * o_in + routed * (gu_r * h + d_r * m))
     in_blocks = s.layers * sum(r * n * c for r, n, c in s.linears())
     passes = 4 if in_blocks * 4 > HELD_WEIGHTS_BYTES else 3
-    windows = WINDOWS + AUTO_STEPS * passes + 2 * validation_windows(WINDOWS)
-    return windows * WINDOW * (blocks + s.vocab * s.hidden)
+    held_out = 2 * validation_windows(WINDOWS)
+    return WINDOW * ((AUTO_STEPS * passes + held_out) * blocks
+                     + (WINDOWS + AUTO_STEPS * 3 + held_out) * s.vocab * s.hidden)
 
 
 def head_work(s: Shape) -> dict[str, float]:

@@ -172,7 +172,7 @@ def test_a_default_quantize_tunes_end_to_end_by_the_model_s_quantized_weights(
 
     monkeypatch.setattr(e2e.EndToEndTuning, "resolved", resolved)
     ran: list[e2e.EndToEndTuning] = []
-    monkeypatch.setattr(write, "end_to_end_codes", lambda *a: ran.append(a[4]))
+    monkeypatch.setattr(write, "end_to_end_codes", lambda *a, **_: ran.append(a[4]))
     api.quantize(LLAMA_REF, tmp_path / "q", uniform=4, calib_seqs=2, gptq_seqs=2, calib_len=32,
                  tuning=api.ScaleTuning(steps=2), progress=not fits)
     assert decided == [("tuned", weights)]
@@ -233,3 +233,38 @@ def test_the_pass_reads_codes_where_used_and_never_makes_the_head_or_embedding_w
                         and n.endswith(".scales"))
             assert not torch.equal(tuned.get_tensor(name), gptq.get_tensor(name)), name
     assert {"embed_tokens", "q_proj"} <= kinds and (family != "qwen3_moe" or "experts" in kinds)
+
+
+@pytest.mark.parametrize("family", ["llama", "gemma3"])
+def test_the_teacher_from_the_sequential_pass_s_float_outputs_is_the_same_bits(
+        tmp_path, monkeypatch, family):
+    """With tuned codes the sequential pass runs the float model block by block (the tuning's
+    targets); the end-to-end pass's teacher starts from its last block's outputs instead of
+    running every block again: the same checkpoint, bit for bit, as a teacher of its own."""
+    from dynquant.pipeline.codes import write
+    from dynquant.pipeline.codes.tuned_scales import ScaleTuning
+    from model_zoo import save_tiny_model, save_tiny_tokenizer
+
+    src = save_tiny_model(family, tmp_path / "src")
+    save_tiny_tokenizer(src)
+    source = resolve_model(str(src))
+    widths = _uniform(source, 3)
+    cal = replace(_calibration(src, 3, 32), tuning=ScaleTuning(steps=2),
+                  end_to_end=e2e.EndToEndTuning(steps=2, lr=1e-2))
+    monkeypatch.setattr(e2e, "validation_windows", lambda _count: 0)  # tuned scales kept
+    given: list[bool] = []
+    real_teacher = e2e.teacher_of
+
+    def teacher_of(stream, first, top_k, say, finals=None):
+        given.append(finals is not None)
+        return real_teacher(stream, first, top_k, say, finals)
+
+    monkeypatch.setattr(e2e, "teacher_of", teacher_of)
+    quantize_model(source, widths, tmp_path / "given", progress=False,
+                   chooser=CodeChooser("tuned", sequential=cal))
+    real_sequential = write._sequential
+    monkeypatch.setattr(write, "_sequential", lambda *a: real_sequential(*a) and None)
+    quantize_model(source, widths, tmp_path / "own", progress=False,
+                   chooser=CodeChooser("tuned", sequential=cal))
+    assert given == [True, False]
+    assert checkpoint_bytes(tmp_path / "given") == checkpoint_bytes(tmp_path / "own")

@@ -102,6 +102,30 @@ def test_the_group_sums_are_their_fixed_order_s():
 
 
 @pytest.mark.parametrize("native_kernels", [True, False])
+def test_the_group_sums_of_packed_codes_are_those_of_the_unpacked_ones(monkeypatch,
+                                                                       native_kernels):
+    """``packed_group_gradients`` (each group unpacked where it is summed) equals
+    ``group_gradients`` of the codes unpacked first, bit for bit: every width and group size,
+    a padded last group, float32 and bf16 gradients, a chunk of rows a call or several."""
+    if not native_kernels:
+        monkeypatch.setenv("DYNQUANT_NATIVE", "0")
+    gen = torch.Generator().manual_seed(8)
+    for bits in (2, 3, 4, 8):
+        for size in (32, 64, 128):
+            monkeypatch.setattr(tuned_scales_module, "CHUNK_ELEMENTS", 1 << 20 if bits % 2 else 500)
+            start = quantize_tensor(torch.randn(29, 3 * size - 5, generator=gen), bits, size)
+            shape = (29, 3, size)
+            q = unpack_codes(start.qweight, bits).view(shape)
+            for dtype in (torch.float32, torch.bfloat16):
+                grad = (torch.randn(29, 3 * size - 5, generator=gen)
+                        * torch.logspace(-4, 4, 3 * size - 5)).to(dtype)
+                packed = tuned_scales_module.packed_group_gradients(grad, start.qweight, bits,
+                                                                    shape)
+                unpacked = tuned_scales_module.group_gradients(grad, q)
+                assert all(map(torch.equal, packed, unpacked)), (bits, size, dtype)
+
+
+@pytest.mark.parametrize("native_kernels", [True, False])
 @pytest.mark.parametrize("chunk", [1 << 20, 200, 64])
 def test_the_chunked_dequantize_is_autograd_s_broadcast(monkeypatch, chunk, native_kernels):
     """The tunable's dequantize (the format's kernel) equals the plain broadcast product's that

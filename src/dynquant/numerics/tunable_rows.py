@@ -12,8 +12,7 @@ from __future__ import annotations
 
 import torch
 
-from dynquant.format.packing import unpack_codes
-from dynquant.numerics.tuned_scales import TunableScales, group_gradients
+from dynquant.numerics.tuned_scales import TunableScales
 
 CHUNK_ELEMENTS = 1 << 22
 
@@ -22,14 +21,6 @@ def _chunks(tunable: TunableScales) -> list[slice]:
     rows, groups, size = tunable.shape
     step = max(1, CHUNK_ELEMENTS // (groups * size))
     return [slice(i, i + step) for i in range(0, rows, step)]
-
-
-def _gradients(tunable: TunableScales, packed: torch.Tensor, grad: torch.Tensor
-               ) -> tuple[torch.Tensor, torch.Tensor]:
-    """The group sums of rows ``packed``'s weight gradient ``grad`` [rows, in_features]."""
-    _, groups, size = tunable.shape
-    q = unpack_codes(packed, tunable.start.bits).view(len(packed), groups, size)
-    return group_gradients(grad, q)
 
 
 class _Product(torch.autograd.Function):
@@ -62,7 +53,7 @@ class _Product(torch.autograd.Function):
             g = grad[:, rs].contiguous()
             if grad_x is not None:
                 grad_x.addmm_(g, tunable.dequantize(packed[rs], s[rs], o[rs]))
-            grad_s[rs], grad_o[rs] = _gradients(tunable, packed[rs], g.T @ flat)
+            grad_s[rs], grad_o[rs] = tunable.group_gradients(g.T @ flat, packed[rs])
         return (None if grad_x is None else grad_x.view(x.shape)), grad_s, grad_o, None
 
 
@@ -81,7 +72,7 @@ class _Rows(torch.autograd.Function):
     @staticmethod
     def backward(ctx, grad: torch.Tensor) -> tuple[None, torch.Tensor, torch.Tensor, None]:
         rows, packed = ctx.saved_tensors
-        part_s, part_o = _gradients(ctx.tunable, packed, grad)
+        part_s, part_o = ctx.tunable.group_gradients(grad, packed)
         grad_s = torch.zeros(ctx.groups).index_copy_(0, rows, part_s)
         grad_o = torch.zeros(ctx.groups).index_copy_(0, rows, part_o)
         return None, grad_s, grad_o, None

@@ -59,7 +59,8 @@ class _GroupDequantize(torch.autograd.Function):
     format dequantizes them (``dequantize_rows``: [rows, in_features] float32, the native kernel
     where it runs), and the gradients in ``s`` and ``o`` (``group_gradients``). What is kept
     for the backward of codes read from a file is their packed form (``bits / 8`` bytes a
-    weight, dropped and read again where the caller checkpoints), unpacked there."""
+    weight, dropped and read again where the caller checkpoints), summed from as they are
+    (``packed_group_gradients``)."""
 
     @staticmethod
     def forward(ctx, tunable: TunableScales, s: torch.Tensor, o: torch.Tensor,
@@ -73,7 +74,7 @@ class _GroupDequantize(torch.autograd.Function):
     @staticmethod
     def backward(ctx, grad: torch.Tensor) -> tuple[None, torch.Tensor, torch.Tensor, None]:
         (packed,) = ctx.saved_tensors
-        return None, *group_gradients(grad, ctx.tunable.unpacked(packed)), None
+        return None, *ctx.tunable.group_gradients(grad, packed), None
 
 
 def group_gradients(grad: torch.Tensor, q: torch.Tensor,
@@ -85,18 +86,47 @@ def group_gradients(grad: torch.Tensor, q: torch.Tensor,
     on each chunk's gradient (after its codes' sums: the codes the forward used). A chunk of rows
     at a time: the torch path's temporaries (a float copy of the codes, the product) stay a
     chunk's, not the block's."""
-    rows, groups, size = q.shape
-    if grad.shape[1] != groups * size:  # a padded last group: its pad had no gradient
-        grad = F.pad(grad, (0, groups * size - grad.shape[1]))
-    grad = grad.contiguous().view(rows, groups, size)  # (bf16 ones made float a chunk at a time)
-    grad_s = torch.empty(rows, groups, dtype=torch.float32)
-    grad_o = torch.empty(rows, groups, dtype=torch.float32)
-    for i, rs in enumerate(_row_chunks(q)):
+    grad, grad_s, grad_o = _grouped(grad, q.shape)
+    for i, rs in enumerate(_row_chunks(q.shape)):
         g = grad[rs].float()
         group_sums(g, q[rs], grad_s[rs], grad_o[rs])
         if rounding is not None:
             rounding.step(i, g)
     return grad_s, grad_o
+
+
+def packed_group_gradients(grad: torch.Tensor, packed: torch.Tensor, bits: int,
+                           shape: tuple[int, int, int]) -> tuple[torch.Tensor, torch.Tensor]:
+    """``group_gradients`` of codes given packed (int32 [rows, words], the format's; ``shape``
+    their rows, groups and group size), the same sums bit for bit: the native kernel unpacks
+    each group where it sums it (``native/tunable_dequantize.c``), else the codes are unpacked
+    first, a chunk of rows at a time."""
+    lib = native.library()
+    grad, grad_s, grad_o = _grouped(grad, shape)
+    packed = packed.contiguous()
+    _, groups, size = shape
+    for rs in _row_chunks(shape):
+        g = grad[rs].float().contiguous()
+        rows = len(g)
+        if lib is None or lib.dq_tunable_backward_packed(
+                g.data_ptr(), packed[rs].data_ptr(), rows, groups, size, bits,
+                grad_s[rs].data_ptr(), grad_o[rs].data_ptr(), native.kernel_threads()) != 0:
+            q = unpack_codes(packed[rs], bits).view(rows, groups, size)
+            group_sums(g, q, grad_s[rs], grad_o[rs])
+    return grad_s, grad_o
+
+
+def _grouped(grad: torch.Tensor, shape: tuple[int, int, int]
+             ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """``grad`` [rows, in_features] as [rows, groups, group_size] (a padded last group's pad
+    given no gradient; bf16 left as it is, made float a chunk at a time by the callers), and the
+    two gradients' [rows, groups] to fill."""
+    rows, groups, size = shape
+    if grad.shape[1] != groups * size:
+        grad = F.pad(grad, (0, groups * size - grad.shape[1]))
+    return (grad.contiguous().view(rows, groups, size),
+            torch.empty(rows, groups, dtype=torch.float32),
+            torch.empty(rows, groups, dtype=torch.float32))
 
 
 def group_sums(grad: torch.Tensor, q: torch.Tensor, times_out: torch.Tensor,
@@ -166,7 +196,7 @@ class RoundingOffsets:
         if not q.is_contiguous():  # its chunks' codes are written in place, by offset
             raise ValueError("the codes must be contiguous")
         self.q, self.max_code = q, max_code
-        self.chunks = _row_chunks(q)
+        self.chunks = _row_chunks(q.shape)
         self.mask: list[torch.Tensor] = []
         self.first: list[torch.Tensor] = []
         self.q0: list[torch.Tensor] = []  # their GPTQ codes
@@ -284,8 +314,8 @@ def _dequantize(q: torch.Tensor, s: torch.Tensor, o: torch.Tensor, out: torch.Te
             out[rs].copy_(torch.mul(q[rs], s[rs, :, None]).add_(o[rs, :, None]))
 
 
-def _row_chunks(q: torch.Tensor) -> list[slice]:
-    rows, groups, size = q.shape
+def _row_chunks(shape: tuple[int, ...]) -> list[slice]:
+    rows, groups, size = shape
     step = max(1, CHUNK_ELEMENTS // (groups * size))
     return [slice(i, i + step) for i in range(0, rows, step)]
 
@@ -327,18 +357,27 @@ class TunableScales(nn.Module):
             return pack_codes(self.rounding.q.reshape(self.shape[0], -1), self.start.bits)
         return self.start.qweight if self._codes is None else self._codes()
 
-    def unpacked(self, packed: torch.Tensor | None = None) -> torch.Tensor:
+    def unpacked(self) -> torch.Tensor:
         """The codes as they are now, a byte each (uint8 [rows, groups, group_size]): the
-        rounding's own (moved in place); held codes unpacked once; codes read from a file
-        unpacked from ``packed`` (what ``packed()`` gave) or read again."""
+        rounding's own (moved in place); held codes unpacked once; codes read from a file read
+        again."""
         if self.rounding is not None:
             return self.rounding.q
         if self._codes is not None:
-            return unpack_codes(self._codes() if packed is None else packed,
-                                self.start.bits).view(self.shape)
+            return unpack_codes(self._codes(), self.start.bits).view(self.shape)
         if self._q is None:
             self._q = unpack_codes(self.start.qweight, self.start.bits).view(self.shape)
         return self._q
+
+    def group_gradients(self, grad: torch.Tensor, packed: torch.Tensor
+                        ) -> tuple[torch.Tensor, torch.Tensor]:
+        """The gradients in the scales and offsets of rows ``packed`` of the codes (what
+        ``packed()`` gave, or rows of it) given their dequantized weight's ``grad``: from held
+        codes (unpacked once), else from the packed ones."""
+        rows, groups, size = self.shape
+        if self._codes is None and len(packed) == rows:
+            return group_gradients(grad, self.unpacked())
+        return packed_group_gradients(grad, packed, self.start.bits, (len(packed), groups, size))
 
     def dequantize(self, packed: torch.Tensor, s: torch.Tensor, o: torch.Tensor) -> torch.Tensor:
         """Rows ``packed`` of the codes with their scales ``s`` and offsets ``o`` (bf16 values in

@@ -131,6 +131,7 @@ SIGNATURES: dict[str, tuple[type | None, list[type]]] = {
     "dq_tunable_forward": (_int, [_p, _p, _p, _i64, _i64, _i64, _p, _int]),
     "dq_tunable_forward_bf16": (_int, [_p, _p, _p, _i64, _i64, _i64, _p, _int]),
     "dq_tunable_backward": (_int, [_p, _p, _i64, _i64, _i64, _p, _p, _int]),
+    "dq_tunable_backward_packed": (_int, [_p, _p, _i64, _i64, _i64, _int, _p, _p, _int]),
     "dq_gptq_columns": (_int, [_p, _p, _i64, _i64, _i64, _i64, _i64, _i64, _p, _i64, _p, _p,
                                _p, _p, _p, _p, _int, _int]),
     "dq_pool_hold": (None, [_int]),

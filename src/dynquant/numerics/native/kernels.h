@@ -314,6 +314,12 @@ int dq_tunable_forward_bf16(const uint8_t *q, const float *s, const float *o, in
                             int64_t groups, int64_t gs, uint16_t *w, int threads);
 int dq_tunable_backward(const float *grad, const uint8_t *q, int64_t rows, int64_t groups,
                         int64_t gs, float *grad_s, float *grad_o, int threads);
+/* The same backward from the packed codes (the format's: qweight [rows, groups * bits * gs / 32]
+ * words), each group unpacked where it is summed: the same sums, bit for bit. gs a multiple of
+ * 32 up to 1024, else -1. */
+int dq_tunable_backward_packed(const float *grad, const uint32_t *qweight, int64_t rows,
+                               int64_t groups, int64_t gs, int bits, float *grad_s,
+                               float *grad_o, int threads);
 
 /* gptq_columns.c: GPTQ's sweep over columns [k0, k1) of the act-ordered transpose w
  * [columns][rows] (each rounded with its group's scales, offsets and divisors [groups][rows],

@@ -15,7 +15,7 @@
 
 #include "kernels.h"
 #include "pool.h"
-#include "unpack.h" /* bf16_round */
+#include "unpack.h" /* bf16_round, group_unpacker */
 
 #define LANES 16
 
@@ -113,6 +113,52 @@ static int backward_part(const void *ctx, int64_t lo, int64_t hi) {
         j->grad_o[k] = fold_lanes(b);
     }
     return 0;
+}
+
+/* group_lanes of codes unpacked to floats (the same values as the bytes widened): the same adds
+ * in the same order, in whichever vectors the compiler picks (no reassociation is allowed). */
+static inline void group_lanes_unpacked(const float *restrict g, const float *restrict c,
+                                        int64_t gs, float *restrict a, float *restrict b) {
+    for (int l = 0; l < LANES; l++) a[l] = b[l] = 0.0f;
+    for (int64_t k = 0; k < gs; k += LANES)
+        for (int l = 0; l < LANES; l++) {
+            a[l] += g[k + l] * c[k + l];
+            b[l] += g[k + l];
+        }
+}
+
+typedef struct {
+    const uint32_t *qweight;
+    const float *grad;
+    float *grad_s, *grad_o;
+    int64_t groups, gs;
+    int bits;
+} packed_job;
+
+/* Each group unpacked where it is summed (unpack.h's SIMD paths): the codes are never written
+ * out a byte each. */
+static int backward_packed_part(const void *ctx, int64_t lo, int64_t hi) {
+    const packed_job *j = ctx;
+    const group_unpacker unpack = make_group_unpacker(j->bits, 0);
+    const int64_t words = j->bits * j->gs / 32;
+    float c[MAX_GROUP];
+    for (int64_t k = lo * j->groups; k < hi * j->groups; k++) {
+        float a[LANES], b[LANES];
+        unpack_codes_as_floats(&unpack, (const uint8_t *)(j->qweight + k * words), j->gs, c);
+        group_lanes_unpacked(j->grad + k * j->gs, c, j->gs, a, b);
+        j->grad_s[k] = fold_lanes(a);
+        j->grad_o[k] = fold_lanes(b);
+    }
+    return 0;
+}
+
+int dq_tunable_backward_packed(const float *grad, const uint32_t *qweight, int64_t rows,
+                               int64_t groups, int64_t gs, int bits, float *grad_s,
+                               float *grad_o, int threads) {
+    if (gs % LANES || gs % 32 || gs > MAX_GROUP || bits < 1 || bits > 8) return -1;
+    const packed_job j = {.qweight = qweight, .grad = grad, .grad_s = grad_s, .grad_o = grad_o,
+                          .groups = groups, .gs = gs, .bits = bits};
+    return dq_parallel(backward_packed_part, &j, rows, threads);
 }
 
 int dq_tunable_forward(const uint8_t *q, const float *s, const float *o, int64_t rows,

@@ -3,8 +3,10 @@ tensor's codes frozen, their scales and offsets moved together to lower the whol
 to the float model on the calibration windows (EfficientQAT's E2E-QP, in the format's terms:
 ``numerics/tuned_scales.py``).
 
-The float model's next-token distributions are computed first, one block in memory at a time
-(``BlockStream``), and kept as each position's ``top_k`` most likely tokens' log-probabilities
+The float model's next-token distributions are computed first: its head on its last block's
+outputs, which the sequential pass of tuned codes has already made (the tuning's targets), else
+its blocks run first, one in memory at a time (``BlockStream``). They are kept as each
+position's ``top_k`` most likely tokens' log-probabilities
 and the rest's total: the loss is the KL between those ``top_k + 1`` bins (the vocabulary-wide
 KL's lower bound, equal to it where the float model's rest is spread as the quantized model's
 is). Each step runs one window through the quantized model, its every quantized weight
@@ -108,11 +110,14 @@ def binned_kl(teacher: Teacher, logits: torch.Tensor) -> torch.Tensor:
 
 
 def teacher_of(stream: BlockStream, first: list[torch.Tensor], top_k: int,
-               say: Callable[[str], None]) -> list[Teacher]:
+               say: Callable[[str], None], finals: list[torch.Tensor] | None = None
+               ) -> list[Teacher]:
     """The float model's bins for each of the stream's windows (chunks of one sequence), from
-    ``first``, their inputs to the first block (``stream.record()``)."""
-    hidden = first
-    for b, block in enumerate(stream.blocks):
+    ``first``, their inputs to the first block (``stream.record()``), through every block; or
+    from ``finals``, the last block's outputs, where the caller has them (the sequential pass
+    runs the float model for its tuning: the same bits)."""
+    hidden = first if finals is None else finals
+    for b, block in enumerate(stream.blocks if finals is None else []):
         say(f"float model, block {b + 1}/{len(stream.blocks)}")
         stream.materialize(block, stream.block_prefix(b))
         hidden = stream.run_block(b, hidden)
@@ -272,14 +277,17 @@ class _Student:
 
 
 def tune_end_to_end(stream: BlockStream, tunables: dict[str, TunableScales],
-                    tuning: EndToEndTuning, progress: bool = False) -> bool:
+                    tuning: EndToEndTuning, progress: bool = False,
+                    finals: list[torch.Tensor] | None = None) -> bool:
     """``tunables`` (by the tensor's stored name) tuned against the float model's distributions
-    on the stream's windows (chunks of one sequence); whether the tuned ones are kept: not
-    where they do worse than the codes as they were on the windows held out of the tuning."""
+    on the stream's windows (chunks of one sequence; ``finals``: its last block's outputs on
+    them, where the caller has them); whether the tuned ones are kept: not where they do worse
+    than the codes as they were on the windows held out of the tuning."""
     with StageProgress(enabled=progress) as bar:
         task = bar.add_task("end-to-end scales", total=tuning.steps + 2)
         first = stream.record()  # also records every block's extra arguments
-        teachers = teacher_of(stream, first, tuning.top_k, lambda what: bar.note(task, what))
+        teachers = teacher_of(stream, first, tuning.top_k, lambda what: bar.note(task, what),
+                              finals)
         student = _Student(stream, tunables, first)
         windows = list(stream.chunks())
         held = list(range(len(windows) - validation_windows(len(windows)), len(windows)))
@@ -327,16 +335,17 @@ def _fit(student: _Student, teachers: list[Teacher], windows: list[torch.Tensor]
 
 
 def end_to_end_codes(stream: BlockStream, specs: list[TensorSpec], quantized: set[str],
-                     store: ResumeStore, tuning: EndToEndTuning, progress: bool = False
-                     ) -> None:
+                     store: ResumeStore, tuning: EndToEndTuning, progress: bool = False,
+                     finals: list[torch.Tensor] | None = None) -> None:
     """Every quantized tensor in ``store`` given its end-to-end tuned scales and offsets (tuned
     now, or read from the resume folder's file of an earlier run). The codes stay in the
-    store's files, read where they are used: what the pass holds of a tensor is its groups'."""
+    store's files, read where they are used: what the pass holds of a tensor is its groups'.
+    ``finals``: the float model's last block's outputs on the stream's windows, if known."""
     index = {s.name: i for i, s in enumerate(specs) if s.module in quantized}
     tuned = store.read_tensors(TUNED_FILE)
     if tuned is None:
         tunables = {name: _stored_tunable(store, i) for name, i in index.items()}
-        keep = tune_end_to_end(stream, tunables, tuning, progress)
+        keep = tune_end_to_end(stream, tunables, tuning, progress, finals)
         tuned = {}
         for name, t in tunables.items():
             s, o = t.scale_offset() if keep else (t.start.scales, t.start.offsets)

@@ -143,7 +143,7 @@ def sequential_gptq(stream: BlockStream, specs: list[TensorSpec], quantized: set
                     choice: Choice, rounder: Rounder, store: ResumeStore,
                     progress: bool = False, executor: Executor | None = None,
                     compensate_head: bool = True, tuning: ScaleTuning | None = None,
-                    independent: bool = False) -> None:
+                    independent: bool = False) -> list[torch.Tensor] | None:
     """Quantize the ``quantized`` modules inside the decoder blocks, then the output head, into
     ``store`` (index = the tensor's position in ``specs``). Each group's matrices (a Linear,
     an expert of a bank) are compensated as jobs on ``executor`` (default: here); the head
@@ -151,7 +151,9 @@ def sequential_gptq(stream: BlockStream, specs: list[TensorSpec], quantized: set
     tuned here, and its codes stored only once tuned (a killed run redoes that block).
     ``independent``: every block from the float model's hidden states (its scales tuned on
     them too), each block a job (``block_job``) submitted as the float model's outputs reach it
-    and collected later."""
+    and collected later. Returns the float model's last block's outputs for every window where
+    the pass ran the float model (``tuning`` or ``independent``; a resumed pass runs it too),
+    else None: the end-to-end pass's teacher starts from them."""
     executor = executor or LocalExecutor()
     index = {s.module: i for i, s in enumerate(specs) if s.module in quantized}
     hidden = stream.record()
@@ -214,6 +216,7 @@ def sequential_gptq(stream: BlockStream, specs: list[TensorSpec], quantized: set
             bar.advance(task)
         _head(stream, hidden, index, choice, store,
               None if compensate_head else (specs, rounder), bar)
+    return floats or None
 
 
 def _placed(state: _Block, mine: list[TensorSpec], index: dict) -> list[tuple[int, str, str]]:

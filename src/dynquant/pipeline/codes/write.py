@@ -104,9 +104,13 @@ def quantize_model(
     # this process's source, the one the sequential pass and jobs run here use
     work = QuantizeWork(WeightsAt.of(source, random_init, seed),
                         replace(chooser, sequential=None, _cached=None))
+    tuning = chooser.sequential.end_to_end if chooser.sequential is not None else None
+    end_to_end = tuning is not None and tuning.steps > 0
+    finals = None  # the float model's last block's outputs: the end-to-end pass's teacher's
     if chooser.sequential is not None:
-        _sequential(source, work.weights.open(), specs, plan, widths, group_size, chooser,
-                    store, progress, executor)
+        finals = _sequential(source, work.weights.open(), specs, plan, widths, group_size,
+                             chooser, store, progress, executor)
+        finals = finals if end_to_end else None
     jobs = [_job(index, spec, plan, widths, group_size) for index, spec in enumerate(specs)
             if not store.has(index)]
     with _progress(progress) as bar:
@@ -118,10 +122,11 @@ def quantize_model(
                 on_tensor(index)
 
         _fill_store(store, jobs, work, executor, done)
-    tuning = chooser.sequential.end_to_end if chooser.sequential is not None else None
-    if tuning is not None and tuning.steps > 0:  # every tensor's codes are in the store
+    if end_to_end:  # every tensor's codes are in the store
+        assert tuning is not None and chooser.sequential is not None
         stream = BlockStream(source, work.weights.open(), chooser.sequential.ids, chunk=1)
-        end_to_end_codes(stream, specs, set(plan["layers"]), store, tuning, progress)
+        end_to_end_codes(stream, specs, set(plan["layers"]), store, tuning, progress,
+                         finals=finals)
     executor.idle()  # writing the checkpoint needs no workers
     for index in range(len(specs)):  # the writer keeps a way to load each, not the data
         kind, name, value, load = store.load(index)
@@ -183,11 +188,12 @@ def _job(index: int, spec: TensorSpec, plan: dict, widths: Mapping, group_size: 
 
 def _sequential(source: ModelSource, weights: WeightSource, specs: list, plan: dict,
                 widths: Mapping, group_size: int, chooser: CodeChooser, store: ResumeStore,
-                progress: bool, executor: Executor) -> None:
-    """The decoder blocks' tensors, compensated block by block into ``store``."""
+                progress: bool, executor: Executor) -> list[torch.Tensor] | None:
+    """The decoder blocks' tensors, compensated block by block into ``store``; the float
+    model's last block's outputs where the pass ran the float model (``sequential_gptq``)."""
     assert chooser.sequential is not None
     stream = BlockStream(source, weights, chooser.sequential.ids, chunk=1)
-    sequential_gptq(stream, specs, set(plan["layers"]),
+    return sequential_gptq(stream, specs, set(plan["layers"]),
                     lambda m: split_choice(widths[m], group_size), chooser.quantize, store,
                     progress, executor, chooser.sequential.compensate_head,
                     chooser.sequential.tuning, chooser.sequential.independent)
