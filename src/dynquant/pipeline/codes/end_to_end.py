@@ -56,9 +56,10 @@ TUNED_FILE = "end_to_end.safetensors"
 HELD_WEIGHTS_BYTES = 1 << 30
 # The default for tuned codes: steps, and the most quantized weights it is run for. Memory does
 # not bound it (the pass holds ~36 bytes a group besides one block's weights); time does: the
-# pass costs about a third of the rest of the quantize, which keeps tuned codes within 3x GPTQ's
-# quantize on the models measured (135-585 M weights) but, by the calibrated cost model, not at
-# 8 B (3.25x against 2.4x without it: BENCHMARKS.md "Scale"); past the bound it is opt-in.
+# pass costs a quarter to a third of the rest of the quantize, which keeps tuned codes within 3x
+# GPTQ's quantize on the models measured (135-585 M weights) but, by the calibrated cost model,
+# only just at 8 B (2.9-3.25x against 2.2-2.4x without it, by two runs' rates:
+# docs/distributed.md); past the bound it is opt-in.
 AUTO_STEPS = 40
 AUTO_MAX_WEIGHTS = 2_000_000_000
 
