@@ -49,7 +49,7 @@ def test_codes_read_where_they_are_used_give_the_held_codes_values_and_gradients
     for a, b in zip(_grads(w_held, grad, held.a, held.b), _grads(w_read, grad, read.a, read.b),
                     strict=True):
         assert torch.equal(a, b)
-    assert len(read.loads) == 1  # the forward's read; the backward unpacks what it kept
+    assert len(read.loads) == 1  # the forward's read; the backward sums from what it kept
     assert torch.equal(read.codes().qweight, held.codes().qweight)
 
 

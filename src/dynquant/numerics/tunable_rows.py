@@ -12,15 +12,9 @@ from __future__ import annotations
 
 import torch
 
-from dynquant.numerics.tuned_scales import TunableScales
+from dynquant.numerics.tuned_scales import TunableScales, row_chunks
 
 CHUNK_ELEMENTS = 1 << 22
-
-
-def _chunks(tunable: TunableScales) -> list[slice]:
-    rows, groups, size = tunable.shape
-    step = max(1, CHUNK_ELEMENTS // (groups * size))
-    return [slice(i, i + step) for i in range(0, rows, step)]
 
 
 class _Product(torch.autograd.Function):
@@ -35,7 +29,7 @@ class _Product(torch.autograd.Function):
         flat = x.reshape(-1, x.shape[-1])
         packed = tunable.packed()
         out = flat.new_empty(len(flat), len(packed))
-        for rs in _chunks(tunable):
+        for rs in row_chunks(tunable.shape, CHUNK_ELEMENTS):
             out[:, rs] = flat @ tunable.dequantize(packed[rs], s[rs], o[rs]).T
         return out.view(*x.shape[:-1], len(packed))
 
@@ -49,7 +43,7 @@ class _Product(torch.autograd.Function):
         packed = tunable.packed()
         grad_x = torch.zeros_like(flat) if ctx.needs_input_grad[0] else None
         grad_s, grad_o = torch.empty_like(s), torch.empty_like(o)
-        for rs in _chunks(tunable):
+        for rs in row_chunks(tunable.shape, CHUNK_ELEMENTS):
             g = grad[:, rs].contiguous()
             if grad_x is not None:
                 grad_x.addmm_(g, tunable.dequantize(packed[rs], s[rs], o[rs]))

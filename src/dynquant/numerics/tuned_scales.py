@@ -87,7 +87,7 @@ def group_gradients(grad: torch.Tensor, q: torch.Tensor,
     at a time: the torch path's temporaries (a float copy of the codes, the product) stay a
     chunk's, not the block's."""
     grad, grad_s, grad_o = _grouped(grad, q.shape)
-    for i, rs in enumerate(_row_chunks(q.shape)):
+    for i, rs in enumerate(row_chunks(q.shape)):
         g = grad[rs].float()
         group_sums(g, q[rs], grad_s[rs], grad_o[rs])
         if rounding is not None:
@@ -105,7 +105,7 @@ def packed_group_gradients(grad: torch.Tensor, packed: torch.Tensor, bits: int,
     grad, grad_s, grad_o = _grouped(grad, shape)
     packed = packed.contiguous()
     _, groups, size = shape
-    for rs in _row_chunks(shape):
+    for rs in row_chunks(shape):
         g = grad[rs].float().contiguous()
         rows = len(g)
         if lib is None or lib.dq_tunable_backward_packed(
@@ -196,7 +196,7 @@ class RoundingOffsets:
         if not q.is_contiguous():  # its chunks' codes are written in place, by offset
             raise ValueError("the codes must be contiguous")
         self.q, self.max_code = q, max_code
-        self.chunks = _row_chunks(q.shape)
+        self.chunks = row_chunks(q.shape)
         self.mask: list[torch.Tensor] = []
         self.first: list[torch.Tensor] = []
         self.q0: list[torch.Tensor] = []  # their GPTQ codes
@@ -314,9 +314,11 @@ def _dequantize(q: torch.Tensor, s: torch.Tensor, o: torch.Tensor, out: torch.Te
             out[rs].copy_(torch.mul(q[rs], s[rs, :, None]).add_(o[rs, :, None]))
 
 
-def _row_chunks(shape: tuple[int, ...]) -> list[slice]:
+def row_chunks(shape: tuple[int, ...], elements: int | None = None) -> list[slice]:
+    """Slices of the rows of codes ``shape`` [rows, groups, group_size], each of at most
+    ``elements`` codes (``CHUNK_ELEMENTS`` by default) and at least one row."""
     rows, groups, size = shape
-    step = max(1, CHUNK_ELEMENTS // (groups * size))
+    step = max(1, (CHUNK_ELEMENTS if elements is None else elements) // (groups * size))
     return [slice(i, i + step) for i in range(0, rows, step)]
 
 

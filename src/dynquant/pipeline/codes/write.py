@@ -194,6 +194,6 @@ def _sequential(source: ModelSource, weights: WeightSource, specs: list, plan: d
     assert chooser.sequential is not None
     stream = BlockStream(source, weights, chooser.sequential.ids, chunk=1)
     return sequential_gptq(stream, specs, set(plan["layers"]),
-                    lambda m: split_choice(widths[m], group_size), chooser.quantize, store,
-                    progress, executor, chooser.sequential.compensate_head,
-                    chooser.sequential.tuning, chooser.sequential.independent)
+                           lambda m: split_choice(widths[m], group_size), chooser.quantize,
+                           store, progress, executor, chooser.sequential.compensate_head,
+                           chooser.sequential.tuning, chooser.sequential.independent)
