@@ -114,22 +114,38 @@ def test_uniform_pins_and_unreachable_budget(tmp_path, capsys):
     assert not (tmp_path / "x").exists()
 
 
-def test_killed_quantize_resumes_to_identical_bytes(tmp_path):
+def test_killed_quantize_resumes_to_identical_bytes(tmp_path, monkeypatch):
     import hashlib
     import signal
 
+    from dynquant.pipeline import workflow
+
+    measured = []
+    real = workflow.measure
+    monkeypatch.setattr(workflow, "measure", lambda *a, **k: measured.append(1) or real(*a, **k))
     assert killed_quantize(tmp_path / "a", 20) == -signal.SIGKILL
     partial = tmp_path / ".a.partial"
     assert len(list(partial.glob("*.safetensors"))) == 20  # finished tensors survived
     assert not (tmp_path / "a").exists()  # nothing that looks like a checkpoint
+    # the run's own measure, beside the output (not in the temp dir, where a kill leaves it)
+    folder = tmp_path / ".a.measure.partial"
+    assert (folder / "maps.json").is_file()
     assert main(quantize_argv(tmp_path / "a")) == 0  # resumes
-    assert not partial.exists()
+    assert not partial.exists() and not folder.exists()
+    assert measured == []  # the killed run's measure, reused
     assert main(quantize_argv(tmp_path / "b")) == 0
+    assert measured == [1]
 
     def digest(d):
         return {p.name: hashlib.sha256(p.read_bytes()).hexdigest() for p in sorted(d.iterdir())}
 
     assert digest(tmp_path / "a") == digest(tmp_path / "b")  # maps.json included
+    # a rerun that measures otherwise (another group size) does not take the killed run's maps
+    assert killed_quantize(tmp_path / "c", 5) == -signal.SIGKILL
+    assert main(quantize_argv(tmp_path / "c", "--group-size", "64")) == 0
+    assert measured == [1, 1]
+    doc = json.loads((tmp_path / "c" / "maps.json").read_text())
+    assert doc["group_sizes"] == [64]
 
 
 def test_group_sizes_are_allocated_per_module(tmp_path):

@@ -100,8 +100,10 @@ def test_streaming_holds_one_block_of_a_multi_shard_model(tmp_path):
     cal.close()
 
 
-def test_activation_store_spills_to_disk_past_its_limit():
-    store = ActivationStore(limit_bytes=100)
+@pytest.mark.parametrize("beside", [False, True])
+def test_activation_store_spills_to_disk_past_its_limit(tmp_path, beside):
+    """Into the system's temp dir, or the folder it is given (a measure's partial folder)."""
+    store = ActivationStore(limit_bytes=100, directory=tmp_path if beside else None)
     small, large = [torch.ones(4, 4)], [torch.arange(64.0).reshape(2, 32), torch.ones(3)]
     store.put(0, small)
     store.put(1, large)
@@ -109,6 +111,7 @@ def test_activation_store_spills_to_disk_past_its_limit():
     for got, want in zip(store.get(1), large, strict=True):
         torch.testing.assert_close(got, want)
     folder = Path(store.tmp.name)
+    assert (folder.parent == tmp_path) == beside
     store.close()
     assert not folder.exists()
 

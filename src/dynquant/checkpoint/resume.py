@@ -31,8 +31,7 @@ class PartialDir:
     written atomically (temp file + rename)."""
 
     def __init__(self, out: str | Path, job: dict) -> None:
-        out = Path(out)
-        self.dir = out.parent / f".{out.name}.partial"
+        self.dir = self.folder(out)
         self.job = job
         digest = hashlib.sha256(json.dumps(job, sort_keys=True, default=str).encode()).hexdigest()
         job_file = self.dir / "job.json"
@@ -42,6 +41,12 @@ class PartialDir:
         self.dir.mkdir(parents=True, exist_ok=True)
         if not job_file.is_file():
             job_file.write_text(json.dumps({"digest": digest, "job": job}, default=str))
+
+    @staticmethod
+    def folder(out: str | Path) -> Path:
+        """The folder of ``out``'s partial results, whether or not it exists."""
+        out = Path(out)
+        return out.parent / f".{out.name}.partial"
 
     def write_json(self, name: str, doc: object) -> None:
         tmp = self.dir / f".{name}.tmp"

@@ -5,12 +5,12 @@ from __future__ import annotations
 import math
 import shutil
 import sys
-import tempfile
 from dataclasses import dataclass, field, replace
 from pathlib import Path
 
 from safetensors.torch import load_file
 
+from dynquant.checkpoint.resume import PartialDir
 from dynquant.errors import DynquantError
 from dynquant.format.widths_file import load_widths
 from dynquant.models.sources import ModelSource
@@ -31,8 +31,8 @@ from dynquant.pipeline.codes.write import quantize_model
 from dynquant.pipeline.config import AllocationOptions, CodeOptions, RunOptions, sectioned
 from dynquant.pipeline.execute.executor import Executor
 from dynquant.pipeline.execute.scope import executor_scope
-from dynquant.pipeline.measure.options import MeasureOptions
-from dynquant.pipeline.measure.run import measure
+from dynquant.pipeline.measure.options import MeasureOptions, moments_dir
+from dynquant.pipeline.measure.run import measure, measure_job
 
 QUANTIZE_SECTIONS = ("allocation", "codes", "run", "measure")
 
@@ -60,23 +60,42 @@ class QuantizeRequest:
         return sectioned(cls(output), QUANTIZE_SECTIONS, options)
 
 
-def _maps_for(source: ModelSource, req: QuantizeRequest, workdir: Path,
-              executor: Executor | None = None) -> tuple[dict, Path, float | None]:
+def _maps_for(source: ModelSource, req: QuantizeRequest, executor: Executor | None = None
+              ) -> tuple[dict, Path, float | None]:
     """The maps document to allocate from (given, or measured now, candidates priced with
     round-to-nearest unless ``--quantizer gptq``), its path, and the budget."""
     alloc = req.allocation
     if alloc.widths is not None:
         path, budget = split_maps_arg(alloc.widths)
         return load_maps(path), Path(path), budget if budget is not None else alloc.budget
-    maps_path = workdir / "maps.json"
     opts = replace(req.measure, group_sizes=alloc.group_sizes or (alloc.group_size,),
                    budgets=[alloc.budget] if alloc.budget else [],
                    # auto: rtn-priced candidates with each Linear's gptq ratio, a fraction of
                    # gptq pricing's time (BENCHMARKS.md, gptq_quality)
                    quantizer="gptq" if req.codes.quantizer == "gptq" else "rtn",
                    tuning=req.codes.tuning)
-    return (measure(source, opts, maps_path, req.run.progress, req.random_init, executor),
-            maps_path, alloc.budget)
+    folder = PartialDir(measure_folder(req.output), measure_job(source, opts, req.random_init))
+    maps_path = folder.dir / "maps.json"
+    if maps_path.is_file():  # (written last, atomically: a whole measure)
+        if req.run.progress:
+            print(f"dynquant: the measure of an earlier run of this quantize, killed after it "
+                  f"(same model, text and options): {folder.dir}", file=sys.stderr)
+        maps = load_maps(maps_path)
+    else:
+        maps = measure(source, opts, maps_path, req.run.progress, req.random_init, executor)
+    # the Linears' X^T X served the measure's gptq ratios; the codes' pass makes its own
+    shutil.rmtree(moments_dir(maps_path), ignore_errors=True)
+    return maps, maps_path, alloc.budget
+
+
+def measure_folder(output: str | Path) -> Path:
+    """The base name of a quantize's own measure's folder, ``.OUT.measure.partial/`` beside
+    the output (a ``PartialDir``): its second moments (1.7 GB a 7B-shaped block, until the
+    measure has read them) go to the disk the checkpoint goes to, a killed run's measure is
+    found by its rerun (reused whole, or resumed from its partial), and the folder goes once
+    the checkpoint is written."""
+    output = Path(output)
+    return output.with_name(f"{output.name}.measure")
 
 
 @dataclass
@@ -93,7 +112,7 @@ class Widths:
     compensate_head: bool = True  # gptq codes compensate the output head (compensates_head)
 
 
-def resolve_widths(source: ModelSource, req: QuantizeRequest, workdir: Path,
+def resolve_widths(source: ModelSource, req: QuantizeRequest,
                    executor: Executor | None = None) -> Widths:
     """The widths a quantize request asks for: given as a widths file, or allocated (uniform
     or at a budget) from a maps document, measured now when none is given."""
@@ -102,7 +121,7 @@ def resolve_widths(source: ModelSource, req: QuantizeRequest, workdir: Path,
         return Widths(dict(load_widths(alloc.widths)), "manual", alloc.widths)
     if alloc.widths is None and alloc.budget is None and alloc.uniform is None:
         raise DynquantError("give --widths, --budget or --uniform", field="widths")
-    maps, maps_path, budget = _maps_for(source, req, workdir, executor)
+    maps, maps_path, budget = _maps_for(source, req, executor)
     codes = choose_quantizer(req.codes.quantizer, source, req.random_init,
                              req.measure.calibration.texts, maps.get("calibration"))
     widths, allocator, tag = _allocate(req, maps, maps_path, budget, codes)
@@ -179,17 +198,16 @@ def _report(req: QuantizeRequest, f: Forecast) -> None:
 def run_quantize(source: ModelSource, req: QuantizeRequest) -> dict:
     """``dynquant quantize``: measure (unless widths are given) -> allocate -> quantize -> write."""
     check_request(req.codes.quantizer, source, req.random_init)  # before any measuring
-    workdir = Path(tempfile.mkdtemp(prefix="dynquant-measure-"))
-    try:
-        with executor_scope(req.run.executor, req.run.address) as executor:
-            return _run(source, req, workdir, executor)
-    finally:
-        shutil.rmtree(workdir, ignore_errors=True)
+    with executor_scope(req.run.executor, req.run.address) as executor:
+        result = _run(source, req, executor)
+    # kept after a failure or a kill, as the resume store is: the rerun finds it
+    shutil.rmtree(PartialDir.folder(measure_folder(req.output)), ignore_errors=True)
+    return result
 
 
-def _run(source: ModelSource, req: QuantizeRequest, workdir: Path, executor: Executor) -> dict:
+def _run(source: ModelSource, req: QuantizeRequest, executor: Executor) -> dict:
     """The work of ``run_quantize``, on ``executor``."""
-    w = resolve_widths(source, req, workdir, executor)
+    w = resolve_widths(source, req, executor)
     stats = next((f.name for f in w.files if f.name.endswith(".stats.safetensors")), None)
     codes, texts, progress = req.codes, req.measure.calibration.texts, req.run.progress
     quantizer = choose_quantizer(codes.quantizer, source, req.random_init, texts, w.calibration,

@@ -144,9 +144,11 @@ def shards_of(stream: BlockStream, index: int, hidden: list[torch.Tensor],
 def run_calibration_pass(stream: BlockStream, modules: set[str],
                          moments_dir: Path | None = None, progress: bool = False,
                          activation_limit: int = 8 << 20,
-                         executor: Executor | None = None) -> CalibrationPass:
+                         executor: Executor | None = None,
+                         activations_dir: Path | None = None) -> CalibrationPass:
     """Stream the calibration ``ids`` through every block once. ``moments_dir``: write each
-    block's X^T X / tokens there (``block_NNN.safetensors``, module -> [in, in]).
+    block's X^T X / tokens there (``block_NNN.safetensors``, module -> [in, in]);
+    ``activations_dir``: where the blocks' inputs past ``activation_limit`` are kept.
 
     Jobs: without moments, a window each (small sums: the same folds on any executor); with
     them, ``SHARD_SEQS`` windows each (a window's X^T X is as large as a shard's), and on a
@@ -159,7 +161,7 @@ def run_calibration_pass(stream: BlockStream, modules: set[str],
     forward = replace(work, modules=frozenset(), second_moments=False)
     executor = executor or LocalExecutor()
     beside = moments_dir is not None and not executor.runs_here
-    store = ActivationStore(activation_limit)
+    store = ActivationStore(activation_limit, activations_dir)
     hidden = stream.record()
     # on a cluster, each block's X^T X jobs (block index, its shards' jobs)
     pending: InOrder[int, tuple] = InOrder(executor, work.threads)

@@ -25,6 +25,7 @@ from pathlib import Path
 
 import torch
 
+from dynquant.checkpoint.free_space import folder_nbytes, need_free_space
 from dynquant.checkpoint.resume import PartialDir
 from dynquant.errors import DynquantError
 from dynquant.format.metadata import core_version
@@ -121,7 +122,11 @@ def measure(source: ModelSource, opts: MeasureOptions, out: str | Path | None = 
     blocks = 1 + max((block_index(s.module) or 0 for s in quantizable), default=0)
     at = WeightsAt.of(source, random_init)  # this process's source, the one jobs run here use
     weights = at.open()
-    partial = None if out is None else PartialDir(out, _job(source, opts, method, random_init))
+    if out is not None and opts.second_moments:  # before the hours that write them
+        where = moments_dir(out)
+        need_free_space(where, moments_nbytes(quantizable) - folder_nbytes(where),
+                        "the measure's second moments (X^T X of each block Linear's inputs)")
+    partial = None if out is None else PartialDir(out, measure_job(source, opts, random_init))
     widths_kl: dict[str, dict[str, float]] = {}
     stats, probe_kl = _calibrate(source, weights, quantizable, opts, method, out, progress,
                                  partial, executor, widths_kl)
@@ -185,7 +190,23 @@ def _record(opts: MeasureOptions) -> dict | None:
     return synthetic_record(cal.seqs, cal.length) if opts.synthetic else None
 
 
-def _job(source: ModelSource, opts: MeasureOptions, method: str, random_init: bool) -> dict:
+def moments_nbytes(quantizable: list[TensorSpec]) -> int:
+    """At least the bytes of the second moments a measure writes (``moments_dir``): float32
+    X^T X of each block Linear's input (each module its own, q/k/v too), and an expert bank's
+    per expert, its smaller side taken as the input (from below: where a bank's products run
+    along its rows, the input is its larger side)."""
+    total = 0
+    for s in quantizable:
+        if block_index(s.module) is None:
+            continue
+        if len(s.shape) == 2:
+            total += s.shape[1] ** 2
+        elif len(s.shape) == 3:
+            total += s.shape[0] * min(s.shape[1], s.shape[2]) ** 2
+    return 4 * total
+
+
+def measure_job(source: ModelSource, opts: MeasureOptions, random_init: bool) -> dict:
     """What determines a measurement: the model's files (by name, size and time), the text,
     the options; a resumed run reuses a partial result only for the same job."""
     files = [] if source.directory is None else sorted(
@@ -193,7 +214,7 @@ def _job(source: ModelSource, opts: MeasureOptions, method: str, random_init: bo
         if p.is_file())
     calib = [(str(c), Path(c).stat().st_size, Path(c).stat().st_mtime_ns)
              for c in opts.calibration.texts]
-    return {"model": source.name, "files": files, "calib": calib, "method": method,
+    return {"model": source.name, "files": files, "calib": calib, "method": opts.method,
             "random_init": random_init, "options": asdict(opts), "version": core_version()}
 
 
@@ -225,13 +246,15 @@ def _calibrate(source: ModelSource, weights: WeightSource, quantizable: list[Ten
     modules = {s.module for s in quantizable}
     return_freed_memory()
     moments = moments_dir(out) if out is not None and opts.second_moments else None
+    spill = None if partial is None else partial.dir
     head_moments: dict[str, torch.Tensor] = {}
     if moments is not None and opts.moment_seqs > opts.calibration.seqs:
         # X^T X wants many more tokens than the statistics and the Fisher estimate: a
         # forward-only pass of its own
         stream = BlockStream(source, weights, _ids(source, opts, opts.moment_seqs), chunk=1,
                              dtype=resolve_dtype(opts.dtype))
-        wide = run_calibration_pass(stream, modules, moments, progress, executor=executor)
+        wide = run_calibration_pass(stream, modules, moments, progress, executor=executor,
+                                    activations_dir=spill)
         try:  # the head's too, for its compensated width variants
             head_moments = head_input_moments(wide, modules) if method == "fisher" else {}
         finally:
@@ -240,7 +263,8 @@ def _calibrate(source: ModelSource, weights: WeightSource, quantizable: list[Ten
         return_freed_memory()
     ids = _ids(source, opts, opts.calibration.seqs)
     stream = BlockStream(source, weights, ids, chunk=1, dtype=resolve_dtype(opts.dtype))
-    cal = run_calibration_pass(stream, modules, moments, progress, executor=executor)
+    cal = run_calibration_pass(stream, modules, moments, progress, executor=executor,
+                               activations_dir=spill)
     try:
         stats = cal.stats
         if out is not None:
