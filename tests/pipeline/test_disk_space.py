@@ -1,18 +1,20 @@
 """Runs that would fill their disk are refused before they start, in one line, leaving nothing
-behind; the bytes a measure is checked for are the bytes its second moments take."""
+behind; the bytes a measure is checked for are the bytes its second moments take, and those
+are kept only where asked for."""
 
 from __future__ import annotations
 
+import json
 import shutil
 
 import pytest
-from model_zoo import TOKENIZER_TEXT, save_tiny_model, save_tiny_tokenizer
 
 from dynquant.checkpoint.free_space import folder_nbytes
 from dynquant.cli import main
 from dynquant.models.sources import resolve_model
 from dynquant.pipeline.measure.options import moments_dir
 from dynquant.pipeline.measure.run import moments_nbytes
+from model_zoo import TOKENIZER_TEXT, save_tiny_model, save_tiny_tokenizer
 
 
 def _calibrated(tmp_path, family: str):
@@ -29,7 +31,7 @@ def test_the_second_moments_checked_for_are_those_a_measure_writes(tmp_path, fam
     src, calib = _calibrated(tmp_path, family)
     maps = tmp_path / "maps.json"
     assert main(["measure", str(src), "--calib", str(calib), "--no-forecast-check", "-o",
-                 str(maps), "--quiet"]) == 0
+                 str(maps), "--quiet", "--second-moments"]) == 0
     files = list(moments_dir(maps).glob("*.safetensors"))
     assert len(files) == 2  # a file a block
     specs = [s for s in resolve_model(str(src)).tensor_specs() if s.quantizable]
@@ -37,6 +39,14 @@ def test_the_second_moments_checked_for_are_those_a_measure_writes(tmp_path, fam
     assert need <= written
     if family == "llama":
         assert written - need < 2048 * len(files)  # safetensors' headers
+        # not asked for, they serve the measure's gptq ratios and go with its end
+        again = tmp_path / "again.json"
+        assert main(["measure", str(src), "--calib", str(calib), "--no-forecast-check", "-o",
+                     str(again), "--quiet"]) == 0
+        doc = json.loads(again.read_text())
+        blocks = [m for name, m in doc["modules"].items() if ".layers." in name]
+        assert blocks and all("gptq_ratio" in m for m in blocks)
+        assert not moments_dir(again).exists()
 
 
 def test_a_run_that_would_fill_its_disk_is_refused_before_it_starts(tmp_path, capsys,
