@@ -74,7 +74,7 @@ def _maps_for(source: ModelSource, req: QuantizeRequest, executor: Executor | No
                    # gptq pricing's time (BENCHMARKS.md, gptq_quality)
                    quantizer="gptq" if req.codes.quantizer == "gptq" else "rtn",
                    tuning=req.codes.tuning)
-    folder = PartialDir(measure_folder(req.output), measure_job(source, opts, req.random_init))
+    folder = PartialDir(_measure_base(req.output), measure_job(source, opts, req.random_init))
     maps_path = folder.dir / "maps.json"
     if maps_path.is_file():  # (written last, atomically: a whole measure)
         if req.run.progress:
@@ -88,12 +88,12 @@ def _maps_for(source: ModelSource, req: QuantizeRequest, executor: Executor | No
     return maps, maps_path, alloc.budget
 
 
-def measure_folder(output: str | Path) -> Path:
-    """The base name of a quantize's own measure's folder, ``.OUT.measure.partial/`` beside
-    the output (a ``PartialDir``): its second moments (1.7 GB a 7B-shaped block, until the
-    measure has read them) go to the disk the checkpoint goes to, a killed run's measure is
-    found by its rerun (reused whole, or resumed from its partial), and the folder goes once
-    the checkpoint is written."""
+def _measure_base(output: str | Path) -> Path:
+    """``OUT.measure``: what a quantize's own measure's ``PartialDir`` is named after (its
+    folder ``.OUT.measure.partial/``, beside the output): its second moments (1.7 GB a
+    7B-shaped block, until the measure has read them) go to the disk the checkpoint goes to, a
+    killed run's measure is found by its rerun (reused whole, or resumed from its partial), and
+    the folder goes once the checkpoint is written."""
     output = Path(output)
     return output.with_name(f"{output.name}.measure")
 
@@ -201,7 +201,7 @@ def run_quantize(source: ModelSource, req: QuantizeRequest) -> dict:
     with executor_scope(req.run.executor, req.run.address) as executor:
         result = _run(source, req, executor)
     # kept after a failure or a kill, as the resume store is: the rerun finds it
-    shutil.rmtree(PartialDir.folder(measure_folder(req.output)), ignore_errors=True)
+    shutil.rmtree(PartialDir.folder(_measure_base(req.output)), ignore_errors=True)
     return result
 
 
