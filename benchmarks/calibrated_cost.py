@@ -11,7 +11,8 @@ Per decoder block, in order, as the pipeline runs it (docs/distributed.md):
 - the statistics pass (8 windows, a window a job) and the Fisher pass's backward (the same
   windows, ``CLUSTER_SHARD_SEQS`` a job on the workers);
 - the measure's gptq ratios: one job per Linear (an inverse factor and a few rows compensated),
-  the whole model's at once once every block's moments are on disk;
+  submitted as the X^T X pass sums the block's moments and waiting on no later block (at the
+  pass's measured rate, which includes them);
 - the sequential GPTQ pass, a group at a time (q/k/v, o, gate/up, down): the group's partial
   forwards and X^T X by shards, then its inverse factor(s) on the driver (one per distinct input;
   one per expert for a bank: the Cholesky must round the same on every run), then its matrices'
@@ -150,7 +151,7 @@ def project(s: Shape, workers: int, rate: dict[str, float], mode: str = "quantiz
             ) -> dict[str, float]:
     """Seconds of each part of the run on ``workers`` (rates in multiply-adds per second:
     ``pass``, ``stats``, ``fisher`` (forward multiply-adds of the backward's windows per s),
-    ``fisher_head`` (logits per s), ``ratios``, ``gptq``, ``factor``; ``tune``: the tuning steps',
+    ``fisher_head`` (logits per s), ``gptq``, ``factor``; ``tune``: the tuning steps',
     for tuned codes; ``e2e``: the end-to-end scales', run for tuned codes up to
     ``AUTO_MAX_WEIGHTS`` quantized weights where measured). ``mode``: the default
     ("quantized"), ``--tune-on float`` ("float") or ``--independent-blocks`` ("independent")."""
@@ -202,7 +203,7 @@ def project(s: Shape, workers: int, rate: dict[str, float], mode: str = "quantiz
         out[JOBS] = max(0.0, job * s.layers / workers - sum(chain.values()) * s.layers) + job
     # the ratios' jobs wait on no block: the whole model's spread over the workers
     out["gptq ratios (workers)"] = max(big["ratios"] * s.layers / workers,
-                                       big["largest_ratio"]) / rate["ratios"]
+                                       big["largest_ratio"]) / rate["pass"]
     out["head (driver)"] = (head["factor"] / rate["factor"] + head["compensate"] / rate["gptq"]
                             + head["logits"] / rate["fisher_head"])
     if tuned and "e2e" in rate and quantized_weights(s) <= AUTO_MAX_WEIGHTS:

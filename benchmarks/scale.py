@@ -56,16 +56,16 @@ from scripts.prepare_real_model import real_model
 
 LLAMA_TOOLS = Path.home() / ".cache" / "dynquant" / "llama-cpp-tools"
 
-LABELS = {("calibration pass", 1): "calibration pass: X^T X, 16 windows",
-          ("calibration pass", 2): "calibration pass: statistics, 8 windows",
+LABELS = {("calibration pass", 1): "calibration pass: statistics, 8 windows",
+          ("calibration pass", 2): "calibration pass: X^T X, 16 windows, and each Linear's "
+                                   "gptq ratio from it",
           ("Fisher pass", 1): "Fisher pass: the blocks",
-          ("measuring", 1): "measuring (candidates, each Linear's gptq ratio)",
+          ("measuring", 1): "measuring (candidates)",
           ("quantizing", 1): "quantizing (the rest, writing)"}
 # the rate each stage's seconds measure (calibrated_cost.project's keys)
-KEYS = {("calibration pass", 1): "pass", ("calibration pass", 2): "stats",
+KEYS = {("calibration pass", 1): "stats", ("calibration pass", 2): "pass",
         ("Fisher pass: head", 1): "fisher_head", ("Fisher pass", 1): "fisher",
-        ("measuring", 1): "ratios", ("gptq, block by block", 1): "gptq",
-        ("end-to-end scales", 1): "e2e"}
+        ("gptq, block by block", 1): "gptq", ("end-to-end scales", 1): "e2e"}
 STARTED = re.compile(r"^dynquant: (?P<stage>.+): started, ")
 DONE = re.compile(r"^dynquant: (?P<stage>.+): done, [^,]*, (?P<s>\d+) s")
 TUNING = re.compile(r"^dynquant: (?P<stage>.+): running, [^,]*, (?P<s>\d+) s \(block 1: "
@@ -267,8 +267,8 @@ def main() -> None:
     # with tuned codes, the GPTQ codes' outputs on the check windows only, and the block's
     # outputs twice on every window (the float block's targets, the tuned codes' outputs)
     outputs = (2 + len(check_windows(WINDOWS)) / WINDOWS) if tune_s else 1
-    work = {"pass": measured["forward"] + measured["moments"], "stats": small["forward"],
-            "fisher": small["forward"], "ratios": big["ratios"],
+    work = {"pass": measured["forward"] + measured["moments"] + big["ratios"],
+            "stats": small["forward"], "fisher": small["forward"],
             "gptq": sum(big[k] for k in ("partial", "moments", "factors", "compensate"))
             + outputs * big["forward"],
             # (the whole model's, not a layer's: the head's products are in every step)

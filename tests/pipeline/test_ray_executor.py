@@ -156,21 +156,28 @@ def test_a_workers_error_is_one_typed_line(cluster, tmp_path, capsys):
     assert not (tmp_path / "q").exists()
 
 
-def test_calibrated_measure_in_shards_is_byte_identical(cluster, tmp_path):
+@pytest.mark.parametrize("pricing", ["gptq", "rtn"])
+def test_calibrated_measure_in_shards_is_byte_identical(cluster, tmp_path, pricing):
     """The calibration passes in shards of 8 sequences (10 for the statistics, 20 for X^T X:
     2 and 3 shards per block, run on the workers), candidates priced with compensated codes
-    (matrix products: the workers take on the driver's thread count): the same maps,
-    statistics and second moments on Ray as here."""
+    (matrix products: the workers take on the driver's thread count), or (the default) rounded
+    to nearest with each Linear's gptq ratios taken on the workers as the pass sums X^T X:
+    the same maps, statistics and second moments on Ray as here."""
     model = save_tiny_model("qwen3_moe", tmp_path / "src")
     save_tiny_tokenizer(model)
     (tmp_path / "calib.txt").write_text(TOKENIZER_TEXT * 12)
     args = ["--calib", str(tmp_path / "calib.txt"), "--calib-seqs", "10", "--calib-len", "32",
-            "--moment-seqs", "20", "--quantizer", "gptq", "--quiet"]
+            "--moment-seqs", "20", "--quantizer", pricing, "--no-forecast-check", "--quiet"]
     assert main(["measure", str(model), "-o", str(tmp_path / "a" / "maps.json"), *args]) == 0
     assert main(["measure", str(model), "-o", str(tmp_path / "b" / "maps.json"), *args,
                  "--ray"]) == 0
     files = _digest(tmp_path / "a")
-    assert "maps.stats.safetensors" in files and "maps.moments/block_001.safetensors" in files
+    assert "maps.stats.safetensors" in files
+    assert ("maps.moments/block_001.safetensors" in files) == (pricing == "gptq")
+    if pricing == "rtn":
+        doc = json.loads((tmp_path / "a" / "maps.json").read_text())
+        assert all("gptq_width_ratios" in m for n, m in doc["modules"].items()
+                   if ".layers." in n and len(m["logical_shape"]) == 2)
     assert files == _digest(tmp_path / "b")
 
 

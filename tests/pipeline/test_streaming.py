@@ -17,7 +17,7 @@ from dynquant.numerics.divergence import log_probs, token_kl
 from dynquant.numerics.quantizer import quantize_tensor
 from dynquant.pipeline.calibrate import fisher as fisher_module
 from dynquant.pipeline.calibrate.block_stream import ActivationStore, BlockStream
-from dynquant.pipeline.calibrate.calibration_pass import run_calibration_pass
+from dynquant.pipeline.calibrate.calibration_pass import moments_files, run_calibration_pass
 from dynquant.pipeline.calibrate.fisher import fisher_kl
 from dynquant.pipeline.calibrate.statistics import InputStatistics, collect_stats
 from dynquant.pipeline.calibrate.text import calibration_ids
@@ -120,7 +120,7 @@ def test_second_moments_are_the_inputs_gram_matrix(tmp_path):
     model_dir = save_tiny_model("llama", tmp_path / "llama")
     ids = torch.randint(0, 384, (2, 16), generator=torch.Generator().manual_seed(2))
     stream, modules = _stream(model_dir, ids)
-    cal = run_calibration_pass(stream, modules, moments_dir=tmp_path / "moments")
+    cal = run_calibration_pass(stream, modules, moments_files(tmp_path / "moments"))
     saved = load_file(tmp_path / "moments" / "block_001.safetensors")
     model = load_any(model_dir, dtype="float32")
     stats = InputStatistics(model, modules, second_moments=True)
@@ -330,7 +330,7 @@ def test_every_bank_gets_each_experts_own_statistics(family, tmp_path):
     model_dir = save_tiny_model(family, tmp_path / family)
     ids = torch.randint(0, 384, (3, 24), generator=torch.Generator().manual_seed(4))
     stream, modules = _stream(model_dir, ids)
-    cal = run_calibration_pass(stream, modules, moments_dir=tmp_path / "moments")
+    cal = run_calibration_pass(stream, modules, moments_files(tmp_path / "moments"))
     saved = load_file(tmp_path / "moments" / "block_000.safetensors")
     model = load_any(model_dir, dtype="float32")
     k = model.config.num_experts_per_tok

@@ -10,8 +10,10 @@ from pathlib import Path
 
 from safetensors.torch import load_file
 
+from dynquant.checkpoint.free_space import folder_nbytes, need_free_space
 from dynquant.checkpoint.resume import PartialDir
 from dynquant.errors import DynquantError
+from dynquant.format.planner import excluded_modules, plan_document
 from dynquant.format.widths_file import load_widths
 from dynquant.models.sources import ModelSource
 from dynquant.pipeline.allocate.allocation import Constraints, allocate_widths, parse_pins
@@ -74,6 +76,7 @@ def _maps_for(source: ModelSource, req: QuantizeRequest, executor: Executor | No
                    # gptq pricing's time (BENCHMARKS.md, gptq_quality)
                    quantizer="gptq" if req.codes.quantizer == "gptq" else "rtn",
                    tuning=req.codes.tuning)
+    _room_for_the_checkpoint(source, req)  # before the measure's hours, not after them
     folder = PartialDir(_measure_base(req.output), measure_job(source, opts, req.random_init))
     maps_path = folder.dir / "maps.json"
     if maps_path.is_file():  # (written last, atomically: a whole measure)
@@ -83,17 +86,39 @@ def _maps_for(source: ModelSource, req: QuantizeRequest, executor: Executor | No
         maps = load_maps(maps_path)
     else:
         maps = measure(source, opts, maps_path, req.run.progress, req.random_init, executor)
-    # the Linears' X^T X served the measure's gptq ratios; the codes' pass makes its own
+    # a gptq-priced measure's X^T X (files: its candidates read them); the codes' pass makes
+    # its own
     shutil.rmtree(moments_dir(maps_path), ignore_errors=True)
     return maps, maps_path, alloc.budget
 
 
+def _room_for_the_checkpoint(source: ModelSource, req: QuantizeRequest) -> None:
+    """Free space for the checkpoint and its resume store at the size asked for, known before
+    any measure: uniform widths give the packed bytes, a budget bounds them (at most budget x
+    quantized weights / 8, which the allocation fills to within a module). ``quantize_model``
+    checks again for the allocated widths' exact bytes."""
+    alloc = req.allocation
+    specs = source.tensor_specs()
+    not_convert = tuple(req.measure.not_convert)
+    dense = set(excluded_modules(specs, not_convert))
+    bits = alloc.uniform if alloc.uniform is not None else 8
+    plan = plan_document(specs, {s.module: bits for s in specs
+                                 if s.quantizable and s.module not in dense},
+                         model=source.name, group_size=alloc.group_size, tied=source.tied,
+                         modules_to_not_convert=not_convert)["accounting"]
+    total = plan["total_nbytes"] if alloc.uniform is not None or alloc.budget is None else (
+        math.floor(alloc.budget * plan["quantized_elements"] / 8) + plan["dense_nbytes"])
+    need_free_space(Path(req.output).parent,
+                    2 * total - folder_nbytes(PartialDir.folder(req.output)),
+                    "the checkpoint and its resume store")
+
+
 def _measure_base(output: str | Path) -> Path:
     """``OUT.measure``: what a quantize's own measure's ``PartialDir`` is named after (its
-    folder ``.OUT.measure.partial/``, beside the output): its second moments (1.7 GB a
-    7B-shaped block, until the measure has read them) go to the disk the checkpoint goes to, a
-    killed run's measure is found by its rerun (reused whole, or resumed from its partial), and
-    the folder goes once the checkpoint is written."""
+    folder ``.OUT.measure.partial/``, beside the output): its spilled activations (and a
+    gptq-priced measure's second moments, 1.7 GB a 7B-shaped block) go to the disk the
+    checkpoint goes to, a killed run's measure is found by its rerun (reused whole, or resumed
+    from its partial), and the folder goes once the checkpoint is written."""
     output = Path(output)
     return output.with_name(f"{output.name}.measure")
 
@@ -222,7 +247,7 @@ def _run(source: ModelSource, req: QuantizeRequest, executor: Executor) -> dict:
     chooser = CodeChooser(quantizer, w.importance or {}, sequential=sequential)
     if not w.forecast_for_codes and w.allocator == "sensitivity" and progress:
         print("dynquant: gptq codes; the predicted KL is for round-to-nearest codes (these "
-              "maps have no gptq ratios: measure on text with an output path)", file=sys.stderr)
+              "maps have no gptq ratios: a measure on text records them)", file=sys.stderr)
     return quantize_model(
         source, w.widths, req.output, group_size=req.allocation.group_size,
         random_init=req.random_init, seed=req.seed, overwrite=req.overwrite,

@@ -1,6 +1,7 @@
 """The calibration pass, block by block: input statistics of every quantizable module, routed
-tokens per expert, optionally X^T X per Linear, and each block's input hidden states (kept for
-the Fisher pass) in one streamed forward over the calibration sequences.
+tokens per expert, optionally X^T X per Linear (handed to a ``MomentsSink`` as each block's
+are summed: written to files, or used and dropped), and each block's input hidden states (kept
+for the Fisher pass) in one streamed forward over the calibration sequences.
 
 Each block's sequences run in shards (``SHARD_SEQS`` where the pass sums X^T X, else one;
 fixed, whatever runs them), each shard a job on the executor (``pipeline/execute/executor.py``):
@@ -14,7 +15,7 @@ product's rounding depends on it).
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass, field, replace
 from pathlib import Path
@@ -31,6 +32,21 @@ from dynquant.pipeline.execute.executor import Executor, InOrder, LocalExecutor,
 from dynquant.pipeline.execute.progress import StageProgress
 
 SHARD_SEQS = 8  # calibration sequences per job (the default --calib-seqs: one job per block)
+
+# Takes a block's X^T X / tokens (block index, module -> [in, in] or a bank's [E, in, in], a
+# progress note): the pass drops them after the call, so a block's are all it ever holds.
+MomentsSink = Callable[[int, dict[str, torch.Tensor], Callable[[str], None]], None]
+
+
+def moments_files(directory: Path) -> MomentsSink:
+    """A sink writing each block's moments to ``directory/block_NNN.safetensors`` (modules that
+    read the same input, like q/k/v, get a tensor each: safetensors refuses shared storage)."""
+    def save(block: int, moments: dict[str, torch.Tensor], say: Callable[[str], None]) -> None:
+        say("writing its second moments")
+        directory.mkdir(parents=True, exist_ok=True)
+        save_file(moments, str(directory / f"block_{block:03d}.safetensors"),
+                  metadata={"format": "dynquant-second-moments"})
+    return save
 
 
 @dataclass
@@ -142,12 +158,12 @@ def shards_of(stream: BlockStream, index: int, hidden: list[torch.Tensor],
 
 
 def run_calibration_pass(stream: BlockStream, modules: set[str],
-                         moments_dir: Path | None = None, progress: bool = False,
+                         moments: MomentsSink | None = None, progress: bool = False,
                          activation_limit: int = 8 << 20,
                          executor: Executor | None = None,
                          activations_dir: Path | None = None) -> CalibrationPass:
-    """Stream the calibration ``ids`` through every block once. ``moments_dir``: write each
-    block's X^T X / tokens there (``block_NNN.safetensors``, module -> [in, in]);
+    """Stream the calibration ``ids`` through every block once. ``moments``: each block's X^T X
+    / tokens handed to it once summed (``moments_files``: written to a folder);
     ``activations_dir``: where the blocks' inputs past ``activation_limit`` are kept.
 
     Jobs: without moments, a window each (small sums: the same folds on any executor); with
@@ -155,12 +171,12 @@ def run_calibration_pass(stream: BlockStream, modules: set[str],
     cluster they are submitted without waiting while the next block's inputs come from forward
     jobs of a window each (the same outputs, bit for bit), so that only the forward is a chain
     over the blocks; their sums are folded in the same order as here."""
-    stats = InputStatistics(stream.model, set(), second_moments=moments_dir is not None)
+    stats = InputStatistics(stream.model, set(), second_moments=moments is not None)
     work = BlockWork(WeightsAt.of(stream.source, False), stream.dtype, frozenset(modules),
-                     moments_dir is not None, torch.get_num_threads())
+                     moments is not None, torch.get_num_threads())
     forward = replace(work, modules=frozenset(), second_moments=False)
     executor = executor or LocalExecutor()
-    beside = moments_dir is not None and not executor.runs_here
+    beside = moments is not None and not executor.runs_here
     store = ActivationStore(activation_limit, activations_dir)
     hidden = stream.record()
     # on a cluster, each block's X^T X jobs (block index, its shards' jobs)
@@ -170,7 +186,7 @@ def run_calibration_pass(stream: BlockStream, modules: set[str],
             task = bar.add_task("calibration pass", total=len(stream.blocks))
             for i in range(len(stream.blocks)):
                 store.put(i, hidden)
-                shards = shards_of(stream, i, hidden, sequences=SHARD_SEQS if moments_dir
+                shards = shards_of(stream, i, hidden, sequences=SHARD_SEQS if moments
                                    else 1)
                 if beside:
                     pending.add(i, [executor.submit(block_shard_job, sh, work, work.threads)
@@ -185,9 +201,9 @@ def run_calibration_pass(stream: BlockStream, modules: set[str],
                     bar.note(task, f"block {b + 1}'s moments")
                     for _, part in parts:
                         stats.add(part)
-                    _save_moments(stats, moments_dir / f"block_{b:03d}.safetensors")
-                if moments_dir is not None and not beside:
-                    _save_moments(stats, moments_dir / f"block_{i:03d}.safetensors")
+                    _hand_over(stats, b, moments, bar, task)
+                if moments is not None and not beside:
+                    _hand_over(stats, i, moments, bar, task)
                 bar.advance(task)
         store.put(len(stream.blocks), hidden)
         _head_statistics(stream, modules, stats, hidden)
@@ -228,10 +244,8 @@ def _head_statistics(stream: BlockStream, modules: set[str], stats: InputStatist
                                    lambda x, n=name: stats.observe(n, x, second=False))
 
 
-def _save_moments(stats: InputStatistics, path: Path) -> None:
-    """This block's X^T X, then dropped from memory (modules that read the same input, like
-    q/k/v, get a tensor each: safetensors refuses shared storage)."""
-    moments = stats.second_moments()
-    path.parent.mkdir(parents=True, exist_ok=True)
-    save_file(moments, str(path), metadata={"format": "dynquant-second-moments"})
+def _hand_over(stats: InputStatistics, block: int, sink: MomentsSink, bar: StageProgress,
+               task: int) -> None:
+    """Block ``block``'s X^T X to ``sink``, then dropped from memory."""
+    sink(block, stats.second_moments(), lambda what: bar.note(task, f"block {block + 1}: {what}"))
     stats.moments.clear()

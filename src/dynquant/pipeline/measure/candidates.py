@@ -4,7 +4,7 @@ executor runs, here or on a Ray worker), its gptq ratio, and its sensitivity."""
 from __future__ import annotations
 
 import math
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, replace
 
 import torch
@@ -18,11 +18,7 @@ from dynquant.pipeline.allocate.allocation import (
     Candidate,
 )
 from dynquant.pipeline.calibrate.weights import WeightsAt
-from dynquant.pipeline.codes.code_chooser import (
-    CodeChooser,
-    GivenMoments,
-    SecondMoments,
-)
+from dynquant.pipeline.codes.code_chooser import CodeChooser, GivenMoments
 from dynquant.pipeline.execute.executor import Executor, use_threads
 from dynquant.pipeline.execute.heap import heap_served
 from dynquant.pipeline.execute.progress import StageProgress
@@ -55,44 +51,39 @@ class CandidatesWork:
     # (its matrix products round differently on another number of threads; round-to-nearest's
     # errors are the same bits on any number)
     threads: int | None = None
-    probe: tuple[int, int] | None = None  # (bits, group size) of the gptq ratio
-
-
-@dataclass
-class ModuleMeasure:
-    """A module's candidates, and (rtn-priced, with second moments) the ratio of its gptq
-    codes' output error to round-to-nearest's at the probe width."""
-
-    candidates: list[Candidate]
-    gptq_ratio: float | None = None
-    width_ratios: dict[int, float] | None = None  # the gptq ratio at each candidate width
+    probe: tuple[int, int] | None = None  # (bits, group size) a gptq ratio is quoted at
 
 
 @dataclass
 class ModuleJob:
-    """One module to measure, with its second moments when gptq prices it (read by the
-    driver: a worker on another machine cannot read the driver's files)."""
+    """One module to measure, with its second moments when gptq prices it or its gptq ratio is
+    taken (sent by the driver: a worker on another machine cannot read the driver's files)."""
 
     spec: TensorSpec
     hessian: torch.Tensor | None = None
 
 
-def candidates_job(job: ModuleJob, work: CandidatesWork) -> ModuleMeasure:
+def candidates_job(job: ModuleJob, work: CandidatesWork) -> list[Candidate]:
     """The pure per-module work (run by an executor, here or on a worker)."""
     if work.threads is not None:
         use_threads(work.threads)
     chooser = work.chooser if job.hessian is None else replace(
         work.chooser, moments=GivenMoments(job.spec.module, job.hessian))
     weight = work.weights.open().get(job.spec)
-    cands = module_candidates(job.spec, weight, work.widths, work.group_sizes, chooser,
-                              work.weighted)
-    if (job.hessian is None or chooser.quantizer != "rtn" or work.probe is None
-            or weight.ndim != 2):  # Linears only (banks and embeddings: rounded to nearest)
-        return ModuleMeasure(cands)
+    return module_candidates(job.spec, weight, work.widths, work.group_sizes, chooser,
+                             work.weighted)
+
+
+def ratios_job(job: ModuleJob, work: CandidatesWork) -> dict[int, float]:
+    """A Linear's :func:`gptq_ratios` at each candidate width and the probe's, from its second
+    moments (``job.hessian``), against the round-to-nearest codes of ``work.chooser``."""
+    assert job.hessian is not None and work.threads is not None and work.probe is not None
+    use_threads(work.threads)
     bits, group_size = work.probe
-    ratios = gptq_ratios(job.spec, weight, job.hessian, chooser, sorted({*work.widths, bits}),
-                         group_size)
-    return ModuleMeasure(cands, ratios[bits], ratios)
+    chooser = replace(work.chooser, moments=GivenMoments(job.spec.module, job.hessian))
+    weight = work.weights.open().get(job.spec)
+    return gptq_ratios(job.spec, weight, job.hessian, chooser, sorted({*work.widths, bits}),
+                       group_size)
 
 
 RATIO_ROWS = 256  # rows a Linear's gptq ratio is measured on
@@ -131,36 +122,37 @@ def measure_modules(quantizable: list[TensorSpec], weights: WeightsAt, opts: Mea
                      chooser: CodeChooser, probe_kl: Callable[[TensorSpec], float] | None,
                      partial: PartialDir | None, executor: Executor, progress: bool,
                      prior: Callable[[TensorSpec], float],
-                     ratio_moments: SecondMoments | None = None) -> list[dict]:
+                     ratios: Mapping[str, Mapping[int, float]] | None = None) -> list[dict]:
     """Each module's maps entry, in order: from ``partial`` when a killed run finished it,
-    else its candidates from ``executor`` and its sensitivity here (with ``ratio_moments``:
-    each Linear's gptq ratio too)."""
+    else its candidates from ``executor`` and its sensitivity here, with its gptq ratios
+    where ``ratios`` has them (module -> width -> ratio, :func:`ratios_job`'s)."""
     entries: list[dict | None] = [None if partial is None else partial.read_json(
         f"m{index:06d}.json") for index in range(len(quantizable))]
     todo = [index for index, entry in enumerate(entries) if entry is None]
+    ratios = ratios or {}
     # data-free: random-token statistics steer the clip search, but the priors price plain
     # relative errors (random tokens' statistics weigh the columns unlike text does, and
     # weighting the candidates' errors by them misleads the allocation: `benchmarks/data_free.py`)
-    moments = chooser.moments or ratio_moments
+    moments = chooser.moments
     work = CandidatesWork(weights, opts.widths, opts.group_sizes,
                           replace(chooser, moments=None), weighted=opts.method != "weight",
-                          threads=torch.get_num_threads() if moments else None,
-                          probe=probe_bits(opts) if ratio_moments is not None else None)
+                          threads=torch.get_num_threads() if moments else None)
     # read as they are submitted (the executor pulls jobs as tasks finish), not all at once
     jobs = (ModuleJob(quantizable[i], None if moments is None
                       else moments.get(quantizable[i].module)) for i in todo)
+    bits, _ = probe_bits(opts)
     # each module's error sums remake the same chunks of rows: reused from the heap
     with StageProgress(enabled=progress) as bar, heap_served():
         task = bar.add_task("measuring", total=len(quantizable),
                             completed=len(quantizable) - len(todo))
         results = executor.map(candidates_job, jobs, work, cpus=work.threads or 1)
-        for index, result in zip(todo, results, strict=True):
+        for index, candidates in zip(todo, results, strict=True):
             spec = quantizable[index]
-            entries[index] = module_entry(spec, result.candidates, opts, probe_kl, prior(spec))
-            if result.gptq_ratio is not None:
-                entries[index]["gptq_ratio"] = result.gptq_ratio
-                entries[index]["gptq_width_ratios"] = {
-                    str(b): r for b, r in (result.width_ratios or {}).items()}
+            entries[index] = module_entry(spec, candidates, opts, probe_kl, prior(spec))
+            if spec.module in ratios:
+                by_width = ratios[spec.module]
+                entries[index]["gptq_ratio"] = by_width[bits]
+                entries[index]["gptq_width_ratios"] = {str(b): r for b, r in by_width.items()}
             if partial is not None:  # a killed run starts again from here
                 partial.write_json(f"m{index:06d}.json", entries[index])
             bar.advance(task)

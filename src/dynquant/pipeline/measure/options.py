@@ -44,9 +44,10 @@ class MeasureOptions:
     dtype: str = "float32"
     # Also write each Linear's input second moments X^T X / tokens beside maps.json
     # (``NAME.moments/block_NNN.safetensors``), for error-compensating quantizers, from
-    # ``moment_seqs`` windows (a forward pass of their own when more than ``calib_seqs``). The
-    # measure's gptq ratios price the allocation as well from 16 windows as from 48 on SmolLM2
-    # and Gemma-3-270M (BENCHMARKS.md "Calibration windows"); the codes take their own 48.
+    # ``moment_seqs`` windows (a forward pass of their own when more than ``calib_seqs``, or
+    # where the gptq ratios are taken from them, which they always are). The measure's gptq
+    # ratios price the allocation as well from 16 windows as from 48 on SmolLM2 and
+    # Gemma-3-270M (BENCHMARKS.md "Calibration windows"); the codes take their own 48.
     second_moments: bool = False
     moment_seqs: int = 16
     # Label draws per calibration sequence for the Fisher estimate: its relative noise per

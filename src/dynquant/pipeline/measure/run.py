@@ -17,7 +17,6 @@ that module's relative error: KL ~ s * ||dW||^2 / ||W||^2 holds for small pertur
 
 import json
 import os
-import shutil
 import sys
 import time
 from collections.abc import Callable, Iterator, Sequence
@@ -45,7 +44,11 @@ from dynquant.pipeline.allocate.allocation import (
 )
 from dynquant.pipeline.allocate.maps import MAPS_SCHEMA, maps_modules
 from dynquant.pipeline.calibrate.block_stream import BlockStream
-from dynquant.pipeline.calibrate.calibration_pass import run_calibration_pass
+from dynquant.pipeline.calibrate.calibration_pass import (
+    MomentsSink,
+    moments_files,
+    run_calibration_pass,
+)
 from dynquant.pipeline.calibrate.fisher import fisher_kl, head_input_moments
 from dynquant.pipeline.calibrate.priors import block_index, data_free_sensitivity
 from dynquant.pipeline.calibrate.statistics import save_stats
@@ -61,9 +64,14 @@ from dynquant.pipeline.codes.code_chooser import (
     CodeChooser,
     SecondMoments,
 )
-from dynquant.pipeline.execute.executor import Executor, LocalExecutor
-from dynquant.pipeline.execute.heap import return_freed_memory
-from dynquant.pipeline.measure.candidates import measure_modules
+from dynquant.pipeline.execute.executor import Executor, InOrder, LocalExecutor
+from dynquant.pipeline.execute.heap import heap_served, return_freed_memory
+from dynquant.pipeline.measure.candidates import (
+    CandidatesWork,
+    ModuleJob,
+    measure_modules,
+    ratios_job,
+)
 from dynquant.pipeline.measure.forecast_check import forecast_check
 from dynquant.pipeline.measure.options import (
     MeasureOptions,
@@ -110,11 +118,6 @@ def measure(source: ModelSource, opts: MeasureOptions, out: str | Path | None = 
             raise DynquantError("--quantizer gptq measures need an output path (for the "
                                 "second moments beside it)", field="quantizer")
         opts = replace(opts, second_moments=True)
-    # kept past the measure only where asked for (--second-moments, gptq pricing): for the
-    # ratios alone they are ~1.7 GB a 7B block of files that nothing reads afterwards
-    keep_moments = opts.second_moments
-    if gptq_ratios(opts) and out is not None:  # X^T X for each Linear's ratio
-        opts = replace(opts, second_moments=True)
     method = opts.method
     # fail on a missing or empty file before any work
     read_calibration(list(opts.calibration.texts))
@@ -132,15 +135,14 @@ def measure(source: ModelSource, opts: MeasureOptions, out: str | Path | None = 
                         "the measure's second moments (X^T X of each block Linear's inputs)")
     partial = None if out is None else PartialDir(out, measure_job(source, opts, random_init))
     widths_kl: dict[str, dict[str, float]] = {}
+    ratios: dict[str, dict[int, float]] = {}
     stats, probe_kl = _calibrate(source, weights, quantizable, opts, method, out, progress,
-                                 partial, executor, widths_kl)
-    ratio_moments = (moments_dir(out) if gptq_ratios(opts) and out is not None
-                     and moments_dir(out).is_dir() else None)
+                                 partial, executor, widths_kl, ratios)
     entries = measure_modules(quantizable, at, opts, _chooser(opts, stats, out), probe_kl,
                                partial, executor or LocalExecutor(), progress,
                                lambda spec: data_free_sensitivity(spec, blocks,
                                                                   bool(source.tied)),
-                               None if ratio_moments is None else SecondMoments(ratio_moments))
+                               ratios)
     for spec, entry in zip(quantizable, entries, strict=True):
         if spec.module in widths_kl:
             _price_by_width(entry, widths_kl[spec.module])
@@ -162,8 +164,6 @@ def measure(source: ModelSource, opts: MeasureOptions, out: str | Path | None = 
         tmp.write_text(json.dumps(doc, indent=1, sort_keys=False) + "\n")
         os.replace(tmp, out)
         partial.discard()
-        if not keep_moments:
-            shutil.rmtree(moments_dir(out), ignore_errors=True)
     return doc
 
 
@@ -227,14 +227,17 @@ def measure_job(source: ModelSource, opts: MeasureOptions, random_init: bool) ->
 def _calibrate(source: ModelSource, weights: WeightSource, quantizable: list[TensorSpec],
                opts: MeasureOptions, method: str, out: str | Path | None, progress: bool,
                partial: PartialDir | None = None, executor: Executor | None = None,
-               widths_kl: dict[str, dict[str, float]] | None = None
+               widths_kl: dict[str, dict[str, float]] | None = None,
+               ratios: dict[str, dict[int, float]] | None = None
                ) -> tuple[dict[str, torch.Tensor], Callable[[TensorSpec], float] | None]:
     """Input statistics (saved beside ``out``) and how to get a module's KL at the probe width:
     nothing without text or synthetic tokens; else one streamed pass for the statistics, then
     (with text) the Fisher pass over the same stream or the exact probe on the dense model. The
     statistics and Fisher KLs are kept in ``partial`` for a resumed run. ``widths_kl`` gets
-    the Fisher KL of the output head and input embedding at each candidate's codes."""
+    the Fisher KL of the output head and input embedding at each candidate's codes, ``ratios``
+    each block Linear's gptq ratios where the measure prices them (``gptq_ratios``)."""
     widths_kl = {} if widths_kl is None else widths_kl
+    ratios = {} if ratios is None else ratios
     if not opts.calibration.texts and not opts.synthetic:
         return {}, None
     if source.directory is None:
@@ -242,34 +245,22 @@ def _calibrate(source: ModelSource, weights: WeightSource, quantizable: list[Ten
                             file=source.name)
     kept = None if partial is None else partial.read_tensors("calibration.safetensors")
     if kept is not None and method == "fisher":
+        _read_kept(kept, widths_kl, ratios)
         kls = {k.removeprefix("kl:"): float(v) for k, v in kept.items() if k.startswith("kl:")}
-        for k, v in kept.items():
-            if k.startswith("kl@"):
-                module, _, name = k.removeprefix("kl@").partition("|")
-                widths_kl.setdefault(module, {})[name] = float(v)
-        return ({k: v for k, v in kept.items() if not k.startswith(("kl:", "kl@"))},
+        return ({k: v for k, v in kept.items() if not k.startswith(_KEPT)},
                 lambda spec: kls[spec.module])
     modules = {s.module for s in quantizable}
     return_freed_memory()
-    moments = moments_dir(out) if out is not None and opts.second_moments else None
+    files = moments_dir(out) if out is not None and opts.second_moments else None
     spill = None if partial is None else partial.dir
-    head_moments: dict[str, torch.Tensor] = {}
-    if moments is not None and opts.moment_seqs > opts.calibration.seqs:
-        # X^T X wants many more tokens than the statistics and the Fisher estimate: a
-        # forward-only pass of its own
-        stream = BlockStream(source, weights, _ids(source, opts, opts.moment_seqs), chunk=1,
-                             dtype=resolve_dtype(opts.dtype))
-        wide = run_calibration_pass(stream, modules, moments, progress, executor=executor,
-                                    activations_dir=spill)
-        try:  # the head's too, for its compensated width variants
-            head_moments = head_input_moments(wide, modules) if method == "fisher" else {}
-        finally:
-            wide.close()
-        moments = None
-        return_freed_memory()
+    # X^T X in a pass of their own (after the statistics, which price the ratios) where they
+    # want more windows than the statistics or a Linear's gptq ratio is taken from them
+    own_pass = gptq_ratios(opts) or (files is not None
+                                     and opts.moment_seqs > opts.calibration.seqs)
     ids = _ids(source, opts, opts.calibration.seqs)
     stream = BlockStream(source, weights, ids, chunk=1, dtype=resolve_dtype(opts.dtype))
-    cal = run_calibration_pass(stream, modules, moments, progress, executor=executor,
+    cal = run_calibration_pass(stream, modules, None if own_pass or files is None
+                               else moments_files(files), progress, executor=executor,
                                activations_dir=spill)
     try:
         stats = cal.stats
@@ -279,7 +270,18 @@ def _calibrate(source: ModelSource, weights: WeightSource, quantizable: list[Ten
             return stats, None
         bits, gs = probe_bits(opts)
 
-        chooser = _chooser(opts, stats, out)
+        head_moments: dict[str, torch.Tensor] = {}
+        if own_pass:  # (the ratios' chooser rounds to nearest: it reads no moments)
+            taker = _RatioSink(quantizable, WeightsAt.of(source, False),
+                               _chooser(opts, stats, out), opts, executor or LocalExecutor()
+                               ) if gptq_ratios(opts) else None
+            sinks = ([] if files is None else [moments_files(files)]) + (
+                [] if taker is None else [taker])  # (in this order: the taker pops them)
+            head_moments = _moments_pass(source, weights, modules, opts, sinks, method,
+                                         progress, executor, spill)
+            if taker is not None:
+                ratios.update(taker.collect())
+        chooser = _chooser(opts, stats, out)  # gptq pricing: reads the moments' files
 
         def probe_quantized(spec: TensorSpec, w: torch.Tensor) -> QuantizedTensor:
             return chooser.quantize(spec, w, bits, gs)
@@ -294,13 +296,89 @@ def _calibrate(source: ModelSource, weights: WeightSource, quantizable: list[Ten
                     **stats, **{f"kl:{m}": torch.tensor(v, dtype=torch.float64)
                                 for m, v in kls.items()},
                     **{f"kl@{m}|{name}": torch.tensor(v, dtype=torch.float64)
-                       for m, by in widths_kl.items() for name, v in by.items()}})
+                       for m, by in widths_kl.items() for name, v in by.items()},
+                    **{f"ratio@{m}|{b}": torch.tensor(r, dtype=torch.float64)
+                       for m, by in ratios.items() for b, r in by.items()}})
             return stats, lambda spec: kls[spec.module]
     finally:
         cal.close()
     probe = KLProbe(dense_model(source, opts.dtype), ids)
     return stats, lambda spec: probe.kl_with(  # the weight read again here, on the driver
         spec.module, probe_quantized(spec, weights.get(spec).float()).dequantize(torch.float32))
+
+
+_KEPT = ("kl:", "kl@", "ratio@")  # a kept calibration's entries that are not statistics
+
+
+def _read_kept(kept: dict[str, torch.Tensor], widths_kl: dict[str, dict[str, float]],
+               ratios: dict[str, dict[int, float]]) -> None:
+    """A killed measure's head / embedding KLs by codes and gptq ratios by width, as written."""
+    for k, v in kept.items():
+        if k.startswith(("kl@", "ratio@")):
+            module, _, name = k.partition("@")[2].partition("|")
+            if k.startswith("kl@"):
+                widths_kl.setdefault(module, {})[name] = float(v)
+            else:
+                ratios.setdefault(module, {})[int(name)] = float(v)
+
+
+def _moments_pass(source: ModelSource, weights: WeightSource, modules: set[str],
+                  opts: MeasureOptions, sinks: list[MomentsSink], method: str, progress: bool,
+                  executor: Executor | None, spill: Path | None) -> dict[str, torch.Tensor]:
+    """A forward-only pass over ``opts.moment_seqs`` windows handing each block's X^T X to
+    ``sinks`` in turn; returns the head's input moments (for its compensated width variants)."""
+    def sink(block: int, moments: dict[str, torch.Tensor], say: Callable[[str], None]) -> None:
+        for each in sinks:
+            each(block, moments, say)
+
+    stream = BlockStream(source, weights, _ids(source, opts, opts.moment_seqs), chunk=1,
+                         dtype=resolve_dtype(opts.dtype))
+    wide = run_calibration_pass(stream, modules, sink, progress, executor=executor,
+                                activations_dir=spill)
+    try:
+        return head_input_moments(wide, modules) if method == "fisher" else {}
+    finally:
+        wide.close()
+        return_freed_memory()
+
+
+class _RatioSink:
+    """A sink taking each block Linear's gptq ratios (``ratios_job``) from its moments as the
+    pass sums them, so that no X^T X outlives its block (48.8 GB of files at a 7B's shapes).
+    The jobs are submitted and taken back in order later (on a cluster they wait on no block)."""
+
+    def __init__(self, quantizable: list[TensorSpec], weights: WeightsAt, chooser: CodeChooser,
+                 opts: MeasureOptions, executor: Executor) -> None:
+        self.linears = {s.module: s for s in quantizable if len(s.shape) == 2}
+        self.work = CandidatesWork(weights, opts.widths, opts.group_sizes,
+                                   replace(chooser, moments=None), weighted=True,
+                                   threads=torch.get_num_threads(), probe=probe_bits(opts))
+        self.executor = executor
+        self.pending: InOrder[list[str], dict[int, float]] = InOrder(executor,
+                                                                     torch.get_num_threads())
+        self.ratios: dict[str, dict[int, float]] = {}
+
+    def __call__(self, block: int, moments: dict[str, torch.Tensor],
+                 say: Callable[[str], None]) -> None:
+        names = [m for m in moments if m in self.linears]
+        jobs = []
+        with heap_served():  # each ratio's error sums remake the same chunks of rows
+            for m in names:
+                say(f"{m}'s gptq ratio")
+                jobs.append(self.executor.submit(ratios_job, ModuleJob(self.linears[m],
+                                                                       moments.pop(m)),
+                                                 self.work, cpus=torch.get_num_threads()))
+        self.pending.add(names, jobs)
+        self._take()
+
+    def collect(self) -> dict[str, dict[int, float]]:
+        """Every block's ratios (module -> width -> ratio), once the pass is over."""
+        self._take(end=True)
+        return self.ratios
+
+    def _take(self, end: bool = False) -> None:
+        for names, results in self.pending.ready(end):
+            self.ratios.update(zip(names, results, strict=True))
 
 
 def _price_by_width(entry: dict, kls: dict[str, float]) -> None:
