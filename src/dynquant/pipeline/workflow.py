@@ -76,7 +76,10 @@ def _maps_for(source: ModelSource, req: QuantizeRequest, executor: Executor | No
                    # gptq pricing's time (BENCHMARKS.md, gptq_quality)
                    quantizer="gptq" if req.codes.quantizer == "gptq" else "rtn",
                    tuning=req.codes.tuning)
-    _room_for_the_checkpoint(source, req)  # before the measure's hours, not after them
+    size = _room_for_the_checkpoint(source, req)  # before the measure's hours, not after them
+    if req.run.progress:
+        print(f"dynquant: the checkpoint will take {size}; measuring the model first",
+              file=sys.stderr)
     folder = PartialDir(_measure_base(req.output), measure_job(source, opts, req.random_init))
     maps_path = folder.dir / "maps.json"
     if maps_path.is_file():  # (written last, atomically: a whole measure)
@@ -92,11 +95,11 @@ def _maps_for(source: ModelSource, req: QuantizeRequest, executor: Executor | No
     return maps, maps_path, alloc.budget
 
 
-def _room_for_the_checkpoint(source: ModelSource, req: QuantizeRequest) -> None:
+def _room_for_the_checkpoint(source: ModelSource, req: QuantizeRequest) -> str:
     """Free space for the checkpoint and its resume store at the size asked for, known before
     any measure: uniform widths give the packed bytes, a budget bounds them (at most budget x
     quantized weights / 8, which the allocation fills to within a module). ``quantize_model``
-    checks again for the allocated widths' exact bytes."""
+    checks again for the allocated widths' exact bytes. Returns the size, said in words."""
     alloc = req.allocation
     specs = source.tensor_specs()
     not_convert = tuple(req.measure.not_convert)
@@ -111,6 +114,10 @@ def _room_for_the_checkpoint(source: ModelSource, req: QuantizeRequest) -> None:
     need_free_space(Path(req.output).parent,
                     2 * total - folder_nbytes(PartialDir.folder(req.output)),
                     "the checkpoint and its resume store")
+    exact = alloc.uniform is not None or alloc.budget is None
+    return (f"{'' if exact else 'at most '}{total / 1e6:,.1f} MB "
+            f"({plan['quantized_elements'] / 1e6:,.1f} M weights quantized, "
+            f"{plan['dense_nbytes'] / 1e6:,.1f} MB dense)")
 
 
 def _measure_base(output: str | Path) -> Path:
