@@ -17,6 +17,7 @@ from dynquant.cli import main
 from dynquant.models.sources import resolve_model
 from dynquant.pipeline import workflow
 from dynquant.pipeline.codes.code_chooser import CodeChooser, GivenMoments
+from dynquant.pipeline.measure import forecast_check
 from dynquant.pipeline.measure.candidates import gptq_ratios
 from dynquant.pipeline.measure.options import moments_dir
 from dynquant.pipeline.measure.run import moments_nbytes
@@ -125,3 +126,26 @@ def test_the_room_asked_before_a_measure_bounds_the_checkpoint(tmp_path, monkeyp
             assert 2 * total <= asked[-1] <= 2 * (total + largest)
             said = f"dynquant: the checkpoint will take at most {asked[-1] / 2e6:,.1f} MB ("
             assert said in capsys.readouterr().err
+
+
+def test_a_failed_forecast_check_leaves_nothing_beside_the_maps(tmp_path, monkeypatch):
+    """The forecast check's checkpoints are made inside the measure's partial folder, which a
+    rerun resumes from and a finished measure removes: a check that dies leaves no folder of
+    its own beside maps.json."""
+    src = save_tiny_model("llama", tmp_path / "src")
+    save_tiny_tokenizer(src)
+    (tmp_path / "calib.txt").write_text(TOKENIZER_TEXT * 40)
+    made: list = []
+
+    def dies(_source, _widths, out, **_options):
+        made.append(out)
+        raise MemoryError("killed inside the check")
+
+    monkeypatch.setattr(forecast_check, "quantize_model", dies)
+    maps = tmp_path / "m" / "maps.json"
+    with pytest.raises(MemoryError):
+        main(["measure", str(src), "--calib", str(tmp_path / "calib.txt"), "--calib-seqs", "4",
+              "--calib-len", "32", "-o", str(maps), "--quiet"])
+    assert made and made[0].parent.parent == maps.with_name(".maps.json.partial")
+    assert sorted(p.name for p in maps.parent.iterdir()) == [".maps.json.partial",
+                                                             "maps.stats.safetensors"]

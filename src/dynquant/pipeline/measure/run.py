@@ -156,8 +156,8 @@ def measure(source: ModelSource, opts: MeasureOptions, out: str | Path | None = 
            "modules_to_not_convert": sorted(dense_out), "modules": modules}
     group_size = max(opts.group_sizes)
     if gptq_ratios(opts) and out is not None and opts.forecast_check:
-        doc["forecast_check"] = _forecast_check(source, doc, stats, opts, out, executor,
-                                                progress)
+        doc["forecast_check"] = _forecast_check(source, doc, stats, opts, partial.dir,
+                                                executor, progress)
     doc["allocations"] = allocations(maps_modules(doc), opts.budgets, group_size)
     if out is not None:
         tmp = Path(out).with_name(f".{Path(out).name}.tmp")
@@ -168,16 +168,17 @@ def measure(source: ModelSource, opts: MeasureOptions, out: str | Path | None = 
 
 
 def _forecast_check(source: ModelSource, doc: dict, stats: dict[str, torch.Tensor],
-                    opts: MeasureOptions, out: str | Path, executor: Executor | None,
+                    opts: MeasureOptions, work: Path, executor: Executor | None,
                     progress: bool) -> dict | None:
     """The measure's check of its own forecast (``measure/forecast_check.py``) on the text it
-    calibrated on (``gptq_ratios`` implies one), said in a line."""
+    calibrated on (``gptq_ratios`` implies one), said in a line. Its checkpoints are made in
+    ``work``, the measure's partial folder: a killed check leaves nothing beside maps.json."""
     bits, gs = probe_bits(opts)
     start = time.perf_counter()
     codes = opts.check_codes
     cal = opts.calibration
     check = forecast_check(source, doc, stats, list(cal.texts), cal.length, bits, gs,
-                           Path(out).parent, executor, progress, codes, opts.tuning)
+                           work, executor, progress, codes, opts.tuning)
     if progress:
         said = ("none made (too short a text for held-out windows, or no module at the probe "
                 "width): forecasts are sums over modules" if check is None else
