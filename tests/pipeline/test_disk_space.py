@@ -12,10 +12,10 @@ import pytest
 from safetensors import safe_open
 from safetensors.torch import load_file
 
+from dynquant.checkpoint import free_space
 from dynquant.checkpoint.free_space import folder_nbytes, need_free_space
 from dynquant.cli import main
 from dynquant.models.sources import resolve_model
-from dynquant.pipeline import workflow
 from dynquant.pipeline.codes.code_chooser import CodeChooser, GivenMoments
 from dynquant.pipeline.measure import forecast_check
 from dynquant.pipeline.measure.candidates import gptq_ratios
@@ -109,22 +109,25 @@ def test_the_room_asked_before_a_measure_bounds_the_checkpoint(tmp_path, monkeyp
     src, calib = _calibrated(tmp_path, "llama")
     asked: list[int] = []
     real = need_free_space
-    monkeypatch.setattr(workflow, "need_free_space",
+    # (the check before the measure, then quantize_model's for the allocated widths)
+    monkeypatch.setattr(free_space, "need_free_space",
                         lambda folder, nbytes, what: (asked.append(nbytes),
                                                       real(folder, nbytes, what)))
     for n, args in enumerate((["--uniform", "4"], ["--budget", "5.0"])):
+        asked.clear()
         out = tmp_path / f"q{n}"
         assert main(["quantize", str(src), "--calib", str(calib), *args, "-o", str(out),
                      *(["--quiet"] if n == 0 else []), "--e2e-steps", "0", "--calib-seqs", "2",
                      "--gptq-seqs", "2"]) == 0
         total = json.loads((out / "dynquant.json").read_text())["accounting"]["total_nbytes"]
+        assert len(asked) == 2 and asked[1] == 2 * total
         if n == 0:
-            assert asked[-1] == 2 * total
+            assert asked[0] == 2 * total
         else:
             largest = max(m["nbytes"] for m in
                           json.loads((out / "dynquant.json").read_text())["layers"].values())
-            assert 2 * total <= asked[-1] <= 2 * (total + largest)
-            said = f"dynquant: the checkpoint will take at most {asked[-1] / 2e6:,.1f} MB ("
+            assert 2 * total <= asked[0] <= 2 * (total + largest)
+            said = f"dynquant: the checkpoint will take at most {asked[0] / 2e6:,.1f} MB ("
             assert said in capsys.readouterr().err
 
 

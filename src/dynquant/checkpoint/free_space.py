@@ -6,6 +6,7 @@ from __future__ import annotations
 import shutil
 from pathlib import Path
 
+from dynquant.checkpoint.resume import PartialDir
 from dynquant.errors import DynquantError
 
 
@@ -24,6 +25,14 @@ def need_free_space(folder: str | Path, nbytes: int, what: str) -> None:
     if nbytes > free:
         raise DynquantError(f"{what} need {_gb(nbytes)} more on this disk, which has "
                             f"{_gb(free)} free", file=str(folder), field="disk space")
+
+
+def need_checkpoint_space(out: str | Path, total_nbytes: int) -> None:
+    """Raise unless a checkpoint of ``total_nbytes`` fits at ``out`` beside its resume store
+    (the store's tensors and the checkpoint made from them are on the disk at once), less what
+    the store already holds."""
+    need_free_space(Path(out).parent, 2 * total_nbytes - folder_nbytes(PartialDir.folder(out)),
+                    "the checkpoint and its resume store")
 
 
 def _gb(nbytes: int) -> str:

@@ -10,7 +10,7 @@ from pathlib import Path
 
 from safetensors.torch import load_file
 
-from dynquant.checkpoint.free_space import folder_nbytes, need_free_space
+from dynquant.checkpoint.free_space import need_checkpoint_space
 from dynquant.checkpoint.resume import PartialDir
 from dynquant.errors import DynquantError
 from dynquant.format.planner import excluded_modules, plan_document
@@ -109,12 +109,10 @@ def _room_for_the_checkpoint(source: ModelSource, req: QuantizeRequest) -> str:
                                  if s.quantizable and s.module not in dense},
                          model=source.name, group_size=alloc.group_size, tied=source.tied,
                          modules_to_not_convert=not_convert)["accounting"]
-    total = plan["total_nbytes"] if alloc.uniform is not None or alloc.budget is None else (
-        math.floor(alloc.budget * plan["quantized_elements"] / 8) + plan["dense_nbytes"])
-    need_free_space(Path(req.output).parent,
-                    2 * total - folder_nbytes(PartialDir.folder(req.output)),
-                    "the checkpoint and its resume store")
     exact = alloc.uniform is not None or alloc.budget is None
+    total = plan["total_nbytes"] if exact else (
+        math.floor(alloc.budget * plan["quantized_elements"] / 8) + plan["dense_nbytes"])
+    need_checkpoint_space(req.output, total)
     return (f"{'' if exact else 'at most '}{total / 1e6:,.1f} MB "
             f"({plan['quantized_elements'] / 1e6:,.1f} M weights quantized, "
             f"{plan['dense_nbytes'] / 1e6:,.1f} MB dense)")

@@ -12,8 +12,8 @@ from pathlib import Path
 import torch
 from rich.progress import BarColumn, MofNCompleteColumn, TextColumn, TimeElapsedColumn
 
-from dynquant.checkpoint.free_space import folder_nbytes, need_free_space
-from dynquant.checkpoint.resume import PartialDir, ResumeStore
+from dynquant.checkpoint.free_space import need_checkpoint_space
+from dynquant.checkpoint.resume import ResumeStore
 from dynquant.checkpoint.writer import SIDE_FILES, CheckpointWriter, dense_storage_dtype
 from dynquant.format import metadata as md
 from dynquant.format.layout import LayerLayout
@@ -96,9 +96,7 @@ def quantize_model(
     writer = CheckpointWriter(out, options=md.QuantizationOptions(
         group_size, qc["lm_head_quantized"], qc["modules_to_not_convert"]), overwrite=overwrite)
     chooser = chooser or CodeChooser(importance=importance or {})
-    # the store's tensors and the checkpoint made from them are on the disk at once
-    need_free_space(Path(out).parent, 2 * plan["accounting"]["total_nbytes"]
-                    - folder_nbytes(PartialDir.folder(out)), "the checkpoint and its resume store")
+    need_checkpoint_space(out, plan["accounting"]["total_nbytes"])
     store = ResumeStore(out, {"model": source.name, "widths": sorted(widths.items()),
                               "group_size": group_size,
                               "not_convert": sorted(modules_to_not_convert),
