@@ -25,9 +25,10 @@ Per decoder block, in order, as the pipeline runs it (docs/distributed.md):
   beside the pass (its steps and its two forwards on the check windows), and the run ends when the pass
   has ended and the last block's tuning is back (or when the workers have done every block's,
   if that is later: counted as if the pass's own jobs left them idle, which at 64 workers they
-  mostly do; on one worker one after the other). With ``--independent-blocks`` the pass is only
-  the float model's outputs (by shards) and each block's GPTQ and tuning a job of its own,
-  counted the same way.
+  mostly do; on one worker one after the other). With ``--chain-blocks K`` the pass is only
+  the float model's outputs (by shards) and each chain of K blocks a job of its own (each
+  block's GPTQ and tuning, and its tuned codes' output for the next but the chain's last),
+  counted the same way; ``--independent-blocks`` is K = 1.
 Then the output head once (its factor and its vocabulary-wide compensation), and for a model
 of at most ``AUTO_MAX_WEIGHTS`` quantized weights the end-to-end scales on the driver
 (``end_to_end_work``). Not counted: moving
@@ -52,6 +53,7 @@ from dynquant.pipeline.codes.tuned_scales import ScaleTuning, check_windows
 
 WINDOWS, MOMENT_WINDOWS, WINDOW, SHARD, STAT_WINDOWS = 48, 16, 256, 8, 8
 RATIO_ROWS = 256  # rows a gptq ratio compensates, at each of 4 widths
+CHAINS = (4, 2, 1)  # --chain-blocks columns (1: --independent-blocks)
 TUNING = "scale tuning (driver)"
 TARGETS = "the float model's outputs (workers)"
 JOBS = "jobs beside the pass, after it (workers)"
@@ -147,14 +149,14 @@ def head_work(s: Shape) -> dict[str, float]:
             "logits": STAT_WINDOWS * WINDOW * s.vocab * s.hidden}
 
 
-def project(s: Shape, workers: int, rate: dict[str, float], mode: str = "quantized"
-            ) -> dict[str, float]:
+def project(s: Shape, workers: int, rate: dict[str, float], mode: str = "quantized",
+            chain: int = 0) -> dict[str, float]:
     """Seconds of each part of the run on ``workers`` (rates in multiply-adds per second:
     ``pass``, ``stats``, ``fisher`` (forward multiply-adds of the backward's windows per s),
     ``fisher_head`` (logits per s), ``gptq``, ``factor``; ``tune``: the tuning steps',
     for tuned codes; ``e2e``: the end-to-end scales', run for tuned codes up to
     ``AUTO_MAX_WEIGHTS`` quantized weights where measured). ``mode``: the default
-    ("quantized"), ``--tune-on float`` ("float") or ``--independent-blocks`` ("independent")."""
+    ("quantized") or ``--tune-on float`` ("float"); ``chain`` K > 0: ``--chain-blocks K``."""
     big, small = block_work(s, WINDOWS * WINDOW), block_work(s, STAT_WINDOWS * WINDOW)
     measured = block_work(s, MOMENT_WINDOWS * WINDOW)
     head = head_work(s)
@@ -186,21 +188,24 @@ def project(s: Shape, workers: int, rate: dict[str, float], mode: str = "quantiz
     tune = (tuning_work(s) / rate["tune"] + 2 * checked * big["forward"] / rate["gptq"]
             if tuned else 0.0)
     targets = {TARGETS: outputs}  # the float model's, by shards
-    if mode == "independent":  # on the pass only the float model's outputs; a job per block
-        chain = targets  # (its GPTQ on one worker, its output not needed)
-        job = ((big["partial"] + big["moments"] + big["compensate"]) / rate["gptq"]
-               + big["factors"] / rate["factor"] + tune)
+    jobs = s.layers  # jobs beside the pass
+    if chain:  # on the pass only the float model's outputs; a job per chain of blocks
+        passed = targets  # (its GPTQ on one worker, the chain's last output not needed)
+        job = chain * ((big["partial"] + big["moments"] + big["compensate"]) / rate["gptq"]
+                       + big["factors"] / rate["factor"] + tune) + (chain - 1) * big[
+                           "forward"] / rate["gptq"]
+        jobs = -(-s.layers // chain)
     elif mode == "float":  # the pass and the targets; the tuning a job per block beside it
-        chain, job = {**gptq, **targets}, tune
+        passed, job = {**gptq, **targets}, tune
     else:  # the targets, the steps (each needs the one before), the tuned outputs by shards
-        chain = {**gptq, TUNING: 2 * outputs + tuning_work(s) / rate["tune"]} if tune else gptq
+        passed = {**gptq, TUNING: 2 * outputs + tuning_work(s) / rate["tune"]} if tune else gptq
         job = 0.0
     out = {"X^T X pass (workers)": xtx,
-           **{k: v * s.layers for k, v in {**measure, **chain}.items()}}
+           **{k: v * s.layers for k, v in {**measure, **passed}.items()}}
     if job and workers == 1:  # the one worker runs the pass's jobs too: one after the other
-        out[JOBS] = job * s.layers
-    elif job:  # what the last block's job, or all the jobs, add after the pass
-        out[JOBS] = max(0.0, job * s.layers / workers - sum(chain.values()) * s.layers) + job
+        out[JOBS] = job * jobs
+    elif job:  # what the last job, or all the jobs, add after the pass
+        out[JOBS] = max(0.0, job * jobs / workers - sum(passed.values()) * s.layers) + job
     # the ratios' jobs wait on no block: the whole model's spread over the workers
     out["gptq ratios (workers)"] = max(big["ratios"] * s.layers / workers,
                                        big["largest_ratio"]) / rate["pass"]
@@ -219,13 +224,15 @@ def _duration(seconds: float) -> str:
 
 def print_cost_model(rate: dict[str, float]) -> None:
     """The projection table: each part's hours and the whole, per model and worker count (and,
-    for tuned codes, the whole with ``--tune-on float``, with ``--independent-blocks``, without
+    for tuned codes, the whole with ``--tune-on float``, with ``--chain-blocks`` 4 and 2, with
+    ``--independent-blocks``, without
     the tuning or the end-to-end scales: ``--quantizer gptq``, and, where their rate is
     measured, with the end-to-end scales: ``--e2e-steps 40``)."""
     parts = list(dict.fromkeys(k for s in MODELS for k in project(s, 1, rate)))
     tuned = TUNING in parts
     asked = tuned and "e2e" in rate  # the end-to-end scales' rate: their column
-    extra = (" --tune-on float | --independent-blocks | --quantizer gptq |" if tuned else ""
+    extra = (" --tune-on float | --chain-blocks 4 | --chain-blocks 2 | --independent-blocks |"
+             " --quantizer gptq |" if tuned else ""
              ) + (" --e2e-steps 40 |" if asked else "")
     print("| model | workers | " + " | ".join(parts) + " | **projected wall** | on the driver |"
           + extra)
@@ -235,7 +242,8 @@ def print_cost_model(rate: dict[str, float]) -> None:
             p = project(s, w, rate)
             total = sum(p.values())
             driver = sum(v for k, v in p.items() if "driver" in k)
-            others = [sum(project(s, w, rate, m).values()) for m in ("float", "independent")]
+            others = [sum(project(s, w, rate, "float").values())] + [
+                sum(project(s, w, rate, chain=k).values()) for k in CHAINS]
             gptq = total - p[TUNING] - p.get(END_TO_END, 0.0)
             e2e = end_to_end_work(s) / rate["e2e"] if asked else 0.0
             print(f"| {s.name} | {w} | "

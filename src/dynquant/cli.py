@@ -92,7 +92,8 @@ def quantize_options(args: argparse.Namespace, report=None) -> dict:
             pins=args.pin or None, min_bits=args.min_bits, max_bits=args.max_bits)),
         "codes": api.CodeOptions(**_given(
             quantizer=args.quantizer, gptq_seqs=args.gptq_seqs, tuning=_tuning(args),
-            end_to_end=_end_to_end(args), independent_blocks=args.independent_blocks or None)),
+            end_to_end=_end_to_end(args), independent_blocks=args.independent_blocks or None,
+            chain_blocks=args.chain_blocks)),
         "run": api.RunOptions(**_executor(args), progress=not (args.quiet or args.json),
                               report=report),
         **_given(random_init=args.random_init or None, seed=args.seed,
@@ -437,7 +438,14 @@ def _add_quantize(sub) -> None:
                    help="gptq and tuned codes: every block's from the float model's hidden states "
                    "instead of the quantized model's (its scales tuned on them too), so that no "
                    "block waits for another: with --ray each block is a job of its own (a much "
-                   "shorter run on a cluster for a little more KL: docs/distributed.md)")
+                   "shorter run on a cluster for more KL: docs/distributed.md); "
+                   "--chain-blocks 1")
+    p.add_argument("--chain-blocks", type=int, metavar="K",
+                   help="gptq and tuned codes: the blocks in chains of K, each chain's from the "
+                   "float model's hidden states at its first block, so that no chain waits for "
+                   "another: with --ray each chain is a job of its own (between the default, "
+                   "one chain of every block, and --independent-blocks in time on a cluster and "
+                   "in KL: BENCHMARKS.md 'Tuned scales', docs/distributed.md)")
     p.add_argument("--e2e-steps", type=int,
                    help="gptq / tuned codes: then every group scale and offset tuned against "
                    "the float model's next-token distributions, one calibration window a step "

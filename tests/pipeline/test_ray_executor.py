@@ -64,7 +64,7 @@ def test_results_come_back_in_order_with_bounded_tasks_in_flight(cluster):
 @pytest.mark.parametrize(("family", "mode"), [
     ("qwen3_moe", ()), ("dynquant_hybrid", ("--tune-rounding", "0")),
     ("qwen3_moe", ("--tune-on", "float")),
-    ("dynquant_hybrid", ("--independent-blocks",))])
+    ("dynquant_hybrid", ("--chain-blocks", "2"))])
 def test_ray_run_is_byte_identical_to_a_local_run(cluster, tmp_path, family, mode):
     """measure (calibration shards and candidates on the workers) -> allocate -> quantize (the
     gptq pass's windows in two shards, 8 + 4, each group's X^T X and each block's outputs, each
@@ -72,8 +72,8 @@ def test_ray_run_is_byte_identical_to_a_local_run(cluster, tmp_path, family, mod
     on the driver with the codes' rounding, from the residuals the compensation jobs send back
     (the default codes), expert banks included; with ``--tune-rounding 0`` the scales alone
     (no residuals asked for); with ``--tune-on float``
-    each block's tuning a job on a worker beside the pass; with ``--independent-blocks`` each
-    block a job, its GPTQ codes and their tuning): the same files, byte for byte; the
+    each block's tuning a job on a worker beside the pass; with ``--chain-blocks 2`` each
+    chain of two blocks a job, their GPTQ codes and tuning): the same files, byte for byte; the
     moments folded from the shards are the local run's bits, or the codes would differ.
     (The data-free path: test_a_killed_worker_is_survived.)"""
     model = save_tiny_model(family, tmp_path / "src")

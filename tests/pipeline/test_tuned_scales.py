@@ -30,6 +30,7 @@ from dynquant.pipeline.codes import tuned_scales as tuned_module
 from dynquant.pipeline.codes.code_chooser import CodeChooser
 from dynquant.pipeline.codes.tuned_scales import ScaleTuning, TuneJob
 from dynquant.pipeline.codes.write import quantize_model
+from dynquant.pipeline.config import CodeOptions
 from dynquant.pipeline.execute.executor import LocalExecutor
 from shipped_models import LLAMA_REF, checkpoint_bytes
 from worker_executor import AsAWorker
@@ -578,8 +579,8 @@ def test_independent_blocks_depend_on_no_other_block(tmp_path):
     cal = _calibration(LLAMA_REF, 2, 64)
     three = _uniform(source, 3)
     wider = {m: 4 if m.startswith("model.layers.0.") else b for m, b in three.items()}
-    for name, widths, sequential in (("a", three, replace(cal, independent=True)),
-                                     ("b", wider, replace(cal, independent=True)),
+    for name, widths, sequential in (("a", three, replace(cal, chain=1)),
+                                     ("b", wider, replace(cal, chain=1)),
                                      ("seq", three, cal)):
         quantize_model(source, widths, tmp_path / name, progress=False,
                        chooser=CodeChooser("gptq", sequential=sequential))
@@ -590,6 +591,64 @@ def test_independent_blocks_depend_on_no_other_block(tmp_path):
     assert not _same(_block_tensors(a, 1), _block_tensors(seq_, 1))
 
 
+def test_a_chain_s_blocks_get_the_sequential_pass_s_codes_from_its_first_block_s_inputs(
+        tmp_path):
+    """``chain`` 2 on four blocks: two chains, each a job. The first chain starts where the
+    sequential pass does, so its blocks are the sequential pass's tuned codes bit for bit (its
+    second block's input is the first's output with its tuned codes, run in the job); the second
+    chain starts from the float model's hidden states, so its first block is the independent
+    blocks' own codes and its second neither theirs nor the sequential pass's. A chain as long
+    as the model gives every block the sequential pass's codes."""
+    source = resolve_model(str(LLAMA_REF))
+    widths = _uniform(source, 3)
+    cal = replace(_calibration(LLAMA_REF, 2, 64),
+                  tuning=ScaleTuning(steps=8, rounding=ROUNDING))
+    for name, chain in (("seq", 0), ("two", 2), ("one", 1), ("all", 4)):
+        quantize_model(source, widths, tmp_path / name, progress=False,
+                       chooser=CodeChooser("tuned", sequential=replace(cal, chain=chain)))
+    seq_, two, one, whole = ({k: _block_tensors(tmp_path / n, k) for k in range(4)}
+                             for n in ("seq", "two", "one", "all"))
+    assert all(_same(two[k], seq_[k]) and _same(whole[k], seq_[k]) for k in (0, 1))
+    assert all(_same(whole[k], seq_[k]) for k in (2, 3))
+    assert _same(two[2], one[2]) and not _same(two[2], seq_[2])
+    assert not _same(two[3], one[3]) and not _same(two[3], seq_[3])
+
+
+def test_a_chain_killed_in_its_job_resumes_there_to_the_same_bytes(tmp_path, monkeypatch):
+    """``chain`` 2, killed in the second chain's job: nothing written; the rerun skips the first
+    chain (stored) and gives the bytes of a run that was not killed."""
+    source = resolve_model(str(LLAMA_REF))
+    widths = _uniform(source, 3)
+    chooser = CodeChooser("gptq", sequential=replace(_calibration(LLAMA_REF, 2, 64), chain=2))
+    quantize_model(source, widths, tmp_path / "a", progress=False, chooser=chooser)
+    real, jobs = seq.chain_job, []
+
+    def dies_in_the_second_chain(job, shared):
+        jobs.append(job.block)
+        if jobs == [0, 2]:
+            raise KeyboardInterrupt
+        return real(job, shared)
+
+    monkeypatch.setattr(seq, "chain_job", dies_in_the_second_chain)
+    with pytest.raises(KeyboardInterrupt):
+        quantize_model(source, widths, tmp_path / "b", progress=False, chooser=chooser)
+    assert not (tmp_path / "b" / "dynquant.json").exists()
+    quantize_model(source, widths, tmp_path / "b", progress=False, chooser=chooser)
+    assert jobs == [0, 2, 2]
+    assert checkpoint_bytes(tmp_path / "b") == checkpoint_bytes(tmp_path / "a")
+
+
+def test_chains_are_asked_for_in_blocks():
+    """``--independent-blocks`` is chains of one block; a chain of another length with it, or a
+    negative one, is refused naming the field."""
+    assert CodeOptions().chain == 0 and CodeOptions(chain_blocks=3).chain == 3
+    assert CodeOptions(independent_blocks=True).chain == 1
+    for bad in ({"chain_blocks": -1}, {"chain_blocks": 2, "independent_blocks": True}):
+        with pytest.raises(DynquantError) as err:
+            CodeOptions(**bad)
+        assert err.value.field == "chain_blocks"
+
+
 def test_independent_blocks_tuned_rerun_and_resume_to_the_same_bytes(tmp_path, monkeypatch):
     """Tuned codes with ``independent``: each block a job (its GPTQ codes and their tuning on
     the float model's hidden states, which it is given); the codes within one of GPTQ's; two runs
@@ -597,18 +656,19 @@ def test_independent_blocks_tuned_rerun_and_resume_to_the_same_bytes(tmp_path, m
     not run again, to the same bytes."""
     source = resolve_model(str(LLAMA_REF))
     widths = _uniform(source, 3)
-    cal = replace(_calibration(LLAMA_REF, 2, 64), independent=True)
+    cal = replace(_calibration(LLAMA_REF, 2, 64), chain=1)
     chooser = CodeChooser("tuned", sequential=replace(cal, tuning=ScaleTuning(
         steps=8, rounding=ROUNDING)))
-    jobs: list[seq.BlockJob] = []
-    real_job = seq.block_job
-    monkeypatch.setattr(seq, "block_job", lambda job, shared: jobs.append(job) or real_job(
+    jobs: list[seq.ChainJob] = []
+    real_job = seq.chain_job
+    monkeypatch.setattr(seq, "chain_job", lambda job, shared: jobs.append(job) or real_job(
         job, shared))
     quantize_model(source, widths, tmp_path / "a", progress=False, chooser=chooser)
     quantize_model(source, widths, tmp_path / "gptq", progress=False,
                    chooser=CodeChooser("gptq", sequential=cal))
     assert [j.block for j in jobs] == [0, 1, 2, 3] * 2  # tuned, then gptq
-    assert all(torch.equal(h, t) for h, t in zip(jobs[1].hidden, jobs[0].targets, strict=True))
+    assert all(torch.equal(h, t) for h, t in zip(jobs[1].hidden, jobs[0].links[0].targets,
+                                                 strict=True))
     _codes_moved_by_one_at_most(tmp_path / "a", tmp_path / "gptq", 3)
     assert checkpoint_bytes(tmp_path / "a") != checkpoint_bytes(tmp_path / "gptq")
     quantize_model(source, widths, tmp_path / "b", progress=False, chooser=chooser)
@@ -616,7 +676,7 @@ def test_independent_blocks_tuned_rerun_and_resume_to_the_same_bytes(tmp_path, m
 
     jobs.clear()
 
-    _killed_in_block_two_and_resumed(monkeypatch, "block_job", real_job, jobs, lambda: (
+    _killed_in_block_two_and_resumed(monkeypatch, "chain_job", real_job, jobs, lambda: (
         quantize_model(source, widths, tmp_path / "c", progress=False, chooser=chooser)),
         tmp_path / "c")
     assert checkpoint_bytes(tmp_path / "c") == checkpoint_bytes(tmp_path / "a")
@@ -629,7 +689,7 @@ def test_an_independent_block_run_as_a_worker_runs_it_is_the_same_bits(tmp_path,
     bytes as the one computed here."""
     source = resolve_model(str(LLAMA_REF))
     widths = _uniform(source, 3)
-    cal = replace(_calibration(LLAMA_REF, 12, 32), independent=True)
+    cal = replace(_calibration(LLAMA_REF, 12, 32), chain=1)
     sizes: dict[str, list[int]] = {"here": [], "worker": []}
     real = seq.group_input_job
     for run, executor in (("here", LocalExecutor()), ("worker", AsAWorker())):

@@ -14,6 +14,7 @@ from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field, fields, replace
 from typing import Any
 
+from dynquant.errors import DynquantError
 from dynquant.pipeline.allocate.forecast import Forecast
 from dynquant.pipeline.codes.end_to_end import EndToEndTuning
 from dynquant.pipeline.codes.tuned_scales import ScaleTuning
@@ -60,14 +61,31 @@ class CodeOptions:
     ``end_to_end``: then every scale tuned against the whole float model (steps 0: off; by
     default 40 for tuned codes of a model of at most 2 G quantized weights,
     ``EndToEndTuning.resolved``);
-    ``independent_blocks``: every block's codes from the float model's hidden states (no block
-    waits for another: on a cluster each is a job of its own; a little more KL)."""
+    ``chain_blocks`` K: the blocks in chains of K, each chain's codes from the float model's
+    hidden states at its first block (no chain waits for another: on a cluster each is a job of
+    its own; more KL the shorter the chains); 0: the whole model one chain (the default);
+    ``independent_blocks``: chains of one block, every block's codes from the float model's
+    hidden states."""
 
     quantizer: str = "auto"
     gptq_seqs: int = 48
     independent_blocks: bool = False
+    chain_blocks: int = 0
     tuning: ScaleTuning = field(default_factory=ScaleTuning)
     end_to_end: EndToEndTuning = field(default_factory=EndToEndTuning)
+
+    def __post_init__(self) -> None:
+        if self.chain_blocks < 0:
+            raise DynquantError(f"--chain-blocks must be 0 (the whole model one chain) or more, "
+                                f"not {self.chain_blocks}", field="chain_blocks")
+        if self.independent_blocks and self.chain_blocks not in (0, 1):
+            raise DynquantError(f"--independent-blocks is chains of one block, not "
+                                f"{self.chain_blocks}", field="chain_blocks")
+
+    @property
+    def chain(self) -> int:
+        """Blocks a chain holds (0: every block)."""
+        return 1 if self.independent_blocks else self.chain_blocks
 
 
 @dataclass(frozen=True)

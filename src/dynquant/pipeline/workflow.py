@@ -247,7 +247,7 @@ def _run(source: ModelSource, req: QuantizeRequest, executor: Executor) -> dict:
     sequential = (gptq_calibration(source, texts, w.calibration, codes.gptq_seqs,
                                    req.measure.calibration.length, w.compensate_head,
                                    codes.tuning if quantizer == "tuned" else None,
-                                   end_to_end, codes.independent_blocks)
+                                   end_to_end, codes.chain)
                   if quantizer in SEQUENTIAL else None)
     chooser = CodeChooser(quantizer, w.importance or {}, sequential=sequential)
     if not w.forecast_for_codes and w.allocator == "sensitivity" and progress:

@@ -29,10 +29,13 @@ the block and puts the codes the driver has written for it so far in place. The 
 are folded in shard order and the outputs are each window's own, so the codes are the same bytes
 on any executor.
 
-With ``independent`` (``--independent-blocks``) every block's input is the float model's hidden
-states instead, so no block waits for another: the pass runs only the float model's forward, and
-each block's whole work (the same groups, then its tuning) is one job (``block_job``) that the
-executor runs while the forward goes on.
+With ``chain`` K (``--chain-blocks K``) the blocks are taken in chains of K, each starting from
+the float model's hidden states at its first block: inside a chain each block's input is the
+chain's quantized blocks' output, as above, and no chain waits for another. The pass runs only
+the float model's forward, and each chain's whole work (every block's groups, its tuning, its
+output for the next) is one job (``chain_job``) that the executor runs while the forward goes
+on. K = 1 (``--independent-blocks``): every block from the float model's hidden states; a chain
+as long as the model gives its blocks the codes of the sequential pass, bit for bit.
 """
 
 from __future__ import annotations
@@ -106,19 +109,23 @@ class SequentialCalibration:
     # then every quantized tensor's scales tuned against the float model's outputs
     # (``end_to_end.py``; written after the pass, ``write.py``)
     end_to_end: EndToEndTuning | None = None
-    # every block's codes from the float model's hidden states (``sequential_gptq``'s
-    # ``independent``)
-    independent: bool = False
+    # blocks a chain holds, each chain from the float model's hidden states at its first block
+    # (``sequential_gptq``'s ``chain``); 0: the whole model one chain (the sequential pass)
+    chain: int = 0
 
     def __post_init__(self) -> None:
         if self.end_to_end is not None and self.end_to_end.steps is None:
             raise ValueError("end_to_end: its steps decided first (EndToEndTuning.resolved)")
+        if self.chain < 0:
+            raise ValueError(f"chain: blocks a chain holds (0: every block), not {self.chain}")
 
     def digest(self) -> str:
         h = hashlib.sha256(self.ids.numpy().tobytes())
         h.update(repr(self.compensate_head).encode())
-        if self.independent:
+        if self.chain == 1:
             h.update(b"independent blocks")
+        elif self.chain:
+            h.update(f"chains of {self.chain} blocks".encode())
         if self.tuning is not None:
             h.update(repr(self.tuning).encode())
         if self.end_to_end is not None and self.end_to_end.steps > 0:
@@ -143,30 +150,34 @@ def sequential_gptq(stream: BlockStream, specs: list[TensorSpec], quantized: set
                     choice: Choice, rounder: Rounder, store: ResumeStore,
                     progress: bool = False, executor: Executor | None = None,
                     compensate_head: bool = True, tuning: ScaleTuning | None = None,
-                    independent: bool = False) -> list[torch.Tensor] | None:
+                    chain: int = 0) -> list[torch.Tensor] | None:
     """Quantize the ``quantized`` modules inside the decoder blocks, then the output head, into
     ``store`` (index = the tensor's position in ``specs``). Each group's matrices (a Linear,
     an expert of a bank) are compensated as jobs on ``executor`` (default: here); the head
     rounds to nearest unless ``compensate_head``. With ``tuning``, each block's scales are then
     tuned here, and its codes stored only once tuned (a killed run redoes that block).
-    ``independent``: every block from the float model's hidden states (its scales tuned on
-    them too), each block a job (``block_job``) submitted as the float model's outputs reach it
-    and collected later. Returns the float model's last block's outputs for every window where
-    the pass ran the float model (``tuning`` or ``independent``; a resumed pass runs it too),
-    else None: the end-to-end pass's teacher starts from them."""
+    ``chain`` K > 0: the blocks in chains of K, each from the float model's hidden states at its
+    first block (its scales tuned on the chain's too), each chain a job (``chain_job``)
+    submitted as the float model's outputs reach its last block and collected later. Returns
+    the float model's last block's outputs for every window where the pass ran the float model
+    (``tuning`` or ``chain``; a resumed pass runs it too), else None: the end-to-end pass's
+    teacher starts from them."""
     executor = executor or LocalExecutor()
     index = {s.module: i for i, s in enumerate(specs) if s.module in quantized}
     hidden = stream.record()
     # the float model's hidden states
-    floats = list(hidden) if tuning is not None or independent else []
+    floats = list(hidden) if tuning is not None or chain else []
     work = BlockWork(WeightsAt.of(stream.source, False), stream.dtype, frozenset(), False,
                      torch.get_num_threads())
     # tuning on the float model's inputs: the pass goes on with the GPTQ codes (kept apart, so
     # that a resumed pass runs on them), each block's tuning a job collected later
-    beside = tuning is not None and tuning.inputs == "float" and not independent
-    chain = store.inner("gptq") if beside else store
+    beside = tuning is not None and tuning.inputs == "float" and not chain
+    gptq_store = store.inner("gptq") if beside else store
     # blocks' jobs beside the pass (where their codes go: ``_placed``)
-    pending: InOrder[list[tuple[int, str, str]], dict] = InOrder(executor, work.threads)
+    pending: InOrder[list[tuple[int, str, object]], dict] = InOrder(executor, work.threads)
+    links: list[ChainLink] = []  # the chain's blocks so far, and where their codes go
+    chained: list[tuple[int, str, object]] = []
+    start: list[torch.Tensor] = []  # the float model's hidden states at the chain's first block
     with StageProgress(enabled=progress) as bar, serving(stream, work):
         task = bar.add_task("gptq, block by block", total=len(stream.blocks))
         for b, block in enumerate(stream.blocks):
@@ -183,17 +194,24 @@ def sequential_gptq(stream: BlockStream, specs: list[TensorSpec], quantized: set
                     floats = _outputs(replace(state, hidden=floats, replaced={}),
                                       _noter(bar, task, f"block {b + 1}: the float outputs"))
                 say = _noter(bar, task, f"block {b + 1}")
-                if independent:
-                    if not done:
-                        job = BlockJob(b, floats_in, floats, stream.calls[b], stream.chunk,
-                                       {index[s.module]: s for s in mine},
-                                       {s.module: choice(s.module) for s in mine}, tuning)
-                        with job_notes(say):
-                            pending.add(_placed(state, mine, index), [executor.submit(
-                                block_job, job, (work, rounder), cpus=work.threads)])
+                if chain:
+                    if not links:  # the chain's first block
+                        start = floats_in
+                    links.append(ChainLink(b, floats, stream.calls[b], done,
+                                           {index[s.module]: s for s in mine},
+                                           {s.module: choice(s.module) for s in mine}))
+                    chained += [(i, m, (len(links) - 1, name))
+                               for i, m, name in _placed(state, mine, index)]
+                    if len(links) == chain or b == len(stream.blocks) - 1:
+                        if not all(link.done for link in links):
+                            job = ChainJob(start, links, stream.chunk, tuning)
+                            with job_notes(lambda what: bar.note(task, what)):
+                                pending.add(chained, [executor.submit(
+                                    chain_job, job, (work, rounder), cpus=work.threads)])
+                        links, chained = [], []
                     hidden = floats
                 else:
-                    block_store = chain if beside else _HeldCodes() if tuned else store
+                    block_store = gptq_store if beside else _HeldCodes() if tuned else store
                     _compensate_block(state, specs, index, choice, rounder, block_store,
                                       lambda where, b=b: _noter(bar, task, f"block {b + 1}, {where}"))
                     if not tuned or beside:  # (tuned here: its outputs come with the tuning)
@@ -204,7 +222,7 @@ def sequential_gptq(stream: BlockStream, specs: list[TensorSpec], quantized: set
                     with job_notes(_noter(bar, task, f"block {b + 1}: tuning (float inputs)")):
                         pending.add(_placed(state, mine, index), [executor.submit(
                             tune_block_job, job, work, cpus=work.threads)])
-                elif tuned and not independent:
+                elif tuned and not chain:
                     hidden = _tuned(state, mine, index, floats, tuning, store, say)
             finally:
                 stream.release(block)
@@ -247,43 +265,75 @@ def _compensate_block(state: _Block, specs: list[TensorSpec] | dict[int, TensorS
 
 
 @dataclass
-class BlockJob:
-    """One block quantized on the float model's hidden states (``independent``): its windows'
-    inputs and (for the tuning) the float block's outputs, their recorded arguments and how many
-    sequences a chunk of them holds (the driver's stream's: shards group whole chunks), its
+class ChainLink:
+    """A block of a chain: the float block's outputs on the float model's hidden states (the
+    tuning's targets), its windows' recorded arguments, whether the store holds its codes, its
     tensors (store index -> spec) and their widths (module -> (bits, group size))."""
 
     block: int
-    hidden: list[torch.Tensor]
     targets: list[torch.Tensor]
     recorded: list[tuple]
-    chunk: int
+    done: bool
     specs: dict[int, TensorSpec]
     widths: dict[str, tuple[int, int]]
+
+
+@dataclass
+class ChainJob:
+    """A chain of blocks quantized one after the other (``chain``) from the float model's hidden
+    states at its first block: those states, its blocks, how many sequences a chunk of them
+    holds (the driver's stream's: shards group whole chunks) and the tuning."""
+
+    hidden: list[torch.Tensor]
+    links: list[ChainLink]
+    chunk: int
     tuning: ScaleTuning | None
 
+    @property
+    def block(self) -> int:
+        """The chain's first block."""
+        return self.links[0].block
 
-def block_job(job: BlockJob, shared: tuple[BlockWork, Rounder]) -> dict[str, QuantizedTensor]:
-    """The block's codes (parameter path inside the block -> codes): compensated group by group
-    as the sequential pass does, its jobs run in this process, then its scales tuned where
-    ``job.tuning``; on any executor the same bits (the driver's thread count)."""
+
+def chain_job(job: ChainJob, shared: tuple[BlockWork, Rounder]
+              ) -> dict[tuple[int, str], QuantizedTensor]:
+    """The chain's codes ((its block's place in the chain, parameter path inside the block) ->
+    codes): each block compensated group by group as the sequential pass does, its jobs run in
+    this process, then its scales tuned where ``job.tuning``, and its outputs with those codes
+    the next block's input; on any executor the same bits (the driver's thread count)."""
     work, rounder = shared
     use_threads(work.threads)
     stream = shard_stream(work)
     say = job_note()
-    with (_as_recorded(stream, job.block, job.recorded, job.chunk),
-          block_as_driven(stream, job.block, {})):
-        rounds = job.tuning is not None and job.tuning.rounding > 0
-        state = _Block(stream, job.block, job.hidden, work, LocalExecutor(),
-                       residuals={} if rounds else None)
-        index = {s.module: i for i, s in job.specs.items()}
-        _compensate_block(state, job.specs, index, job.widths.__getitem__, rounder, _HeldCodes(),
-                          lambda where: (lambda what: say(f"{where}: {what}")))
-        codes = dict(state.replaced)
-        if job.tuning is None:
-            return codes
-        return tune_block_job(TuneJob(job.block, job.hidden, job.targets, job.recorded, codes,
-                                      job.tuning, state.residuals or {}), work)
+    hidden, chained = job.hidden, {}
+    for k, link in enumerate(job.links):
+        with (_as_recorded(stream, link.block, link.recorded, job.chunk),
+              block_as_driven(stream, link.block, {}) as block):
+            codes = _block_codes(stream, link, hidden, job.tuning, work, rounder, say)
+            if k + 1 < len(job.links):  # in place for the next block's input
+                for name, qt in codes.items():
+                    put_codes(block.get_parameter(name), qt)
+                hidden = stream.run_block(link.block, hidden, link.recorded)
+        chained |= {(k, name): qt for name, qt in codes.items()}
+    return chained
+
+
+def _block_codes(stream: BlockStream, link: ChainLink, hidden: list[torch.Tensor],
+                 tuning: ScaleTuning | None, work: BlockWork, rounder: Rounder,
+                 say: Callable[[str], None]) -> dict[str, QuantizedTensor]:
+    """A chain's block's codes (parameter path inside the block -> codes) on ``hidden``."""
+    rounds = tuning is not None and tuning.rounding > 0
+    state = _Block(stream, link.block, hidden, work, LocalExecutor(),
+                   residuals={} if rounds else None)
+    index = {s.module: i for i, s in link.specs.items()}
+    where = f"block {link.block + 1}"
+    _compensate_block(state, link.specs, index, link.widths.__getitem__, rounder, _HeldCodes(),
+                      lambda group: (lambda what: say(f"{where}, {group}: {what}")))
+    codes = dict(state.replaced)
+    if tuning is None:
+        return codes
+    return tune_block_job(TuneJob(link.block, hidden, link.targets, link.recorded, codes,
+                                  tuning, state.residuals or {}), work)
 
 
 @contextlib.contextmanager
