@@ -332,8 +332,9 @@ def _block_codes(stream: BlockStream, link: ChainLink, hidden: list[torch.Tensor
     codes = dict(state.replaced)
     if tuning is None:
         return codes
-    return tune_block_job(TuneJob(link.block, hidden, link.targets, link.recorded, codes,
-                                  tuning, state.residuals or {}), work)
+    with job_notes(lambda what: say(f"{where}: {what}")):
+        return tune_block_job(TuneJob(link.block, hidden, link.targets, link.recorded, codes,
+                                      tuning, state.residuals or {}), work)
 
 
 @contextlib.contextmanager
