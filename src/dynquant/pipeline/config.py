@@ -70,9 +70,9 @@ class CodeOptions:
     quantizer: str = "auto"
     gptq_seqs: int = 48
     independent_blocks: bool = False
-    chain_blocks: int = 0
     tuning: ScaleTuning = field(default_factory=ScaleTuning)
     end_to_end: EndToEndTuning = field(default_factory=EndToEndTuning)
+    chain_blocks: int = 0
 
     def __post_init__(self) -> None:
         if self.chain_blocks < 0:

@@ -197,13 +197,13 @@ def sequential_gptq(stream: BlockStream, specs: list[TensorSpec], quantized: set
                 if chain:
                     if not links:  # the chain's first block
                         start = floats_in
-                    links.append(ChainLink(b, floats, stream.calls[b], done,
+                    links.append(ChainLink(b, floats, stream.calls[b],
                                            {index[s.module]: s for s in mine},
                                            {s.module: choice(s.module) for s in mine}))
                     chained += [(i, m, (len(links) - 1, name))
                                for i, m, name in _placed(state, mine, index)]
                     if len(links) == chain or b == len(stream.blocks) - 1:
-                        if not all(link.done for link in links):
+                        if not all(store.has(i) for i, _, _ in chained):
                             job = ChainJob(start, links, stream.chunk, tuning)
                             with job_notes(lambda what: bar.note(task, what)):
                                 pending.add(chained, [executor.submit(
@@ -267,13 +267,12 @@ def _compensate_block(state: _Block, specs: list[TensorSpec] | dict[int, TensorS
 @dataclass
 class ChainLink:
     """A block of a chain: the float block's outputs on the float model's hidden states (the
-    tuning's targets), its windows' recorded arguments, whether the store holds its codes, its
-    tensors (store index -> spec) and their widths (module -> (bits, group size))."""
+    tuning's targets), its windows' recorded arguments, its tensors (store index -> spec) and
+    their widths (module -> (bits, group size))."""
 
     block: int
     targets: list[torch.Tensor]
     recorded: list[tuple]
-    done: bool
     specs: dict[int, TensorSpec]
     widths: dict[str, tuple[int, int]]
 
