@@ -273,8 +273,11 @@ typedef struct {
 } q8_job;
 
 typedef struct {
-    const int16_t *xq; /* [m, padded_n], each block in q16_code's order */
+    /* [m, padded_n]: each block in q16_code's order, or where `split` each group's values as
+     * their high bytes (int8) then their low bytes (uint8), in order (q16_split_group) */
+    const int16_t *xq;
     const float *d, *xsum; /* [m, groups] each */
+    int split;
 } q16_tokens;
 
 typedef struct {
@@ -298,6 +301,6 @@ __attribute__((visibility("hidden"))) q8_tokens q8_quantize_tokens(const float *
 __attribute__((visibility("hidden"))) int q8_supported(int64_t gs, int bits);
 __attribute__((visibility("hidden"))) int q16_rows(const void *ctx, int64_t lo, int64_t hi);
 __attribute__((visibility("hidden"))) q16_tokens q16_quantize_tokens(const float *x, int64_t m, int64_t padded_n,
-                                                         int64_t gs, int bits);
+                                                         int64_t gs, int bits, int portable);
 __attribute__((visibility("hidden"))) int q16_supported(int64_t gs, int bits);
 #endif

@@ -54,7 +54,7 @@ int dq_matvec_integer_experts_mt(int wide, const uint32_t *qweight, const uint16
                                  int64_t padded_n, int64_t gs, int bits, const int64_t *experts,
                                  int64_t pairs, const float *x, float *y, int threads) {
     if (!(wide ? q16_supported(gs, bits) : q8_supported(gs, bits))) return -1;
-    const q16_tokens t16 = wide ? q16_quantize_tokens(x, pairs, padded_n, gs, bits)
+    const q16_tokens t16 = wide ? q16_quantize_tokens(x, pairs, padded_n, gs, bits, 0)
                                 : (q16_tokens){0};
     const q8_tokens t8 = wide ? (q8_tokens){0} : q8_quantize_tokens(x, pairs, padded_n, gs, bits);
     const float *owned = wide ? t16.d : t8.d;

@@ -12,7 +12,13 @@
  *   off[l] = off[l] + offset[g] * xsum[g]                          (mul, then add);
  *   y = sum8(acc) + sum8(off),  sum8(a) = ((a0+a4)+(a2+a6)) + ((a1+a5)+(a3+a7)),
  * xsum[g] = d[g] * float(the group's integer sum of xq); past the last group (groups not a
- * multiple of 8) the terms are +0. */
+ * multiple of 8) the terms are +0.
+ * With AVX-512 VBMI and VNNI the 2- and 3-bit products take the token split (q16_split_group):
+ * xq = 256 hi + lo, hi = xq >> 8 (int8), lo = xq & 255 (uint8), and a group's dot is
+ * 256 (q . hi) + q . lo, each from VNNI's byte products (vpdpbusd: q . hi with the codes as the
+ * unsigned bytes, q . lo with them as the signed ones, codes < 128): the same integers, 64 codes
+ * unpacked a byte each by one vpermb and one vpmultishiftqb where the 16-bit lanes take a shuffle
+ * and a mask for every 32 (q16_group_split). */
 #include "integer_dots.h"
 
 #define Q16_LEVELS 32767.0f
@@ -50,6 +56,34 @@ static void q16_group_sums(const int16_t *xq, const float *d, int64_t n, int64_t
     }
 }
 
+#if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512VBMI__) && \
+    defined(__AVX512VNNI__)
+#define Q16_SPLIT 1
+#endif
+
+/* Whether this build's products take int16 tokens of `bits`-bit codes split into bytes. */
+static int q16_splits(int bits, int portable) {
+#ifdef Q16_SPLIT
+    return !portable && (bits == 2 || bits == 3);
+#else
+    (void)bits, (void)portable;
+    return 0;
+#endif
+}
+
+/* A group's gs int16 values (natural order) in place as their gs high bytes (int8: v >> 8)
+ * then their gs low bytes (uint8: v & 255); v = 256 hi + lo. */
+static void q16_split_group(int16_t *v, int64_t gs) {
+    int16_t copy[MAX_GROUP];
+    memcpy(copy, v, (size_t)gs * sizeof *v);
+    int8_t *hi = (int8_t *)v;
+    uint8_t *lo = (uint8_t *)v + gs;
+    for (int64_t i = 0; i < gs; i++) {
+        hi[i] = (int8_t)(copy[i] >> 8);
+        lo[i] = (uint8_t)(copy[i] & 255);
+    }
+}
+
 /* Each block of 32 of q [n] (natural order) into q16_code's order for `bits` (out may be q). */
 static void q16_permute(const int16_t *q, int64_t n, int bits, int16_t *out) {
     int order[Q8_BLOCK];
@@ -58,7 +92,7 @@ static void q16_permute(const int16_t *q, int64_t n, int bits, int16_t *out) {
 }
 
 q16_tokens q16_quantize_tokens(const float *x, int64_t m, int64_t padded_n, int64_t gs,
-                                      int bits) {
+                                      int bits, int portable) {
     const int64_t groups = padded_n / gs;
     q16_tokens t = {0};
     float *d = malloc((size_t)(2 * m * groups + 8) * sizeof(float) +
@@ -72,8 +106,12 @@ q16_tokens q16_quantize_tokens(const float *x, int64_t m, int64_t padded_n, int6
         int16_t *q = xq + i * padded_n;
         dq_q16_quantize(x + i * padded_n, padded_n, gs, q, d + i * groups);
         q16_group_sums(q, d + i * groups, padded_n, gs, xsum + i * groups);
-        q16_permute(q, padded_n, bits, q);
+        if (q16_splits(bits, portable))
+            for (int64_t g = 0; g < groups; g++) q16_split_group(q + g * gs, gs);
+        else
+            q16_permute(q, padded_n, bits, q);
     }
+    t.split = q16_splits(bits, portable);
     t.xq = xq;
     t.d = d;
     t.xsum = xsum;
@@ -201,6 +239,56 @@ static inline __attribute__((always_inline)) __m256i q16_group_512(
 }
 #endif
 
+#ifdef Q16_SPLIT
+/* 64 codes of `bits` (2 or 3) bits at p, a byte each in order: unit j's bits bytes (8 codes)
+ * moved to qword j (vpermb), code i of it to byte i (vpmultishiftqb: the 8 bits from bit
+ * bits * i), masked. Reads 32 bytes from p (8 * bits are the codes'). */
+static inline __attribute__((always_inline)) __m512i split_codes64(const uint8_t *p, int bits) {
+    const __m512i v = _mm512_castsi256_si512(_mm256_loadu_si256((const __m256i *)p));
+    const int64_t first = 0x0706050403020100LL, unit = 0x0101010101010101LL * bits;
+    const __m512i index = _mm512_setr_epi64(first, first + unit, first + 2 * unit,
+                                            first + 3 * unit, first + 4 * unit, first + 5 * unit,
+                                            first + 6 * unit, first + 7 * unit);
+    const __m512i shifts = _mm512_set1_epi64(bits == 2 ? 0x0e0c0a0806040200LL
+                                                       : 0x15120f0c09060300LL);
+    return _mm512_and_si512(_mm512_multishift_epi64_epi8(shifts, _mm512_permutexvar_epi8(index, v)),
+                            _mm512_set1_epi8((char)((1 << bits) - 1)));
+}
+
+/* q16_group_avx2's lanes for tokens split into bytes (q16_split_group at x): each 64 codes' q .
+ * hi and q . lo summed in their own lanes (vpdpbusd), then 256 hi + lo, the 16 lanes folded to 8.
+ * A group's last 32 codes (gs = 32 (2k + 1)) with the token's bytes past them zero. Exact: a lane
+ * gains at most 4 * 7 * 128 (hi) or 4 * 7 * 255 (lo) a 64 codes, 16 of them (MAX_GROUP) times
+ * 256 < 2^31. */
+static inline __attribute__((always_inline)) __m256i q16_group_split(
+    const uint8_t *p0, const uint8_t *p1, int two, int bits, const int16_t *x, int64_t blocks,
+    __m256i *l1) {
+    const int64_t gs = blocks * Q8_BLOCK;
+    const int8_t *hi = (const int8_t *)x;
+    const uint8_t *lo = (const uint8_t *)x + gs;
+    __m512i h0 = _mm512_setzero_si512(), o0 = h0, h1 = h0, o1 = h0;
+    for (int64_t c = 0; c < gs; c += 64) {
+        const int whole = c + 64 <= gs;
+        const __m512i xh = whole ? _mm512_loadu_si512(hi + c)
+                                 : _mm512_zextsi256_si512(_mm256_loadu_si256((const __m256i *)(hi + c)));
+        const __m512i xl = whole ? _mm512_loadu_si512(lo + c)
+                                 : _mm512_zextsi256_si512(_mm256_loadu_si256((const __m256i *)(lo + c)));
+        const __m512i c0 = split_codes64(p0 + c * bits / 8, bits);
+        h0 = _mm512_dpbusd_epi32(h0, c0, xh);
+        o0 = _mm512_dpbusd_epi32(o0, xl, c0);
+        if (two) {
+            const __m512i c1 = split_codes64(p1 + c * bits / 8, bits);
+            h1 = _mm512_dpbusd_epi32(h1, c1, xh);
+            o1 = _mm512_dpbusd_epi32(o1, xl, c1);
+        }
+    }
+    h0 = _mm512_add_epi32(_mm512_slli_epi32(h0, 8), o0);
+    h1 = _mm512_add_epi32(_mm512_slli_epi32(h1, 8), o1);
+    *l1 = _mm256_add_epi32(_mm512_castsi512_si256(h1), _mm512_extracti64x4_epi64(h1, 1));
+    return _mm256_add_epi32(_mm512_castsi512_si256(h0), _mm512_extracti64x4_epi64(h0, 1));
+}
+#endif
+
 /* The 8 integer lanes of a group's `blocks` blocks at p0 (and at p1 where `two`, into *l1).
  * 2 and 3 bits: q16_masked2/3's sums, each code left where the unpacking finds it (code <<
  * shift, the shift the same for a 32-bit lane's two halves), then the shifts once a group on the
@@ -209,7 +297,11 @@ static inline __attribute__((always_inline)) __m256i q16_group_512(
  * most 2 * (7 << 7) * 32767 < 2^26 to a lane, 32 blocks < 2^31. */
 static inline __attribute__((always_inline)) __m256i q16_group_avx2(
     const uint8_t *p0, const uint8_t *p1, int two, int bits, const int16_t *x, int64_t blocks,
-    const q8_unpacker *u, __m256i *l1) {
+    const q8_unpacker *u, int split, __m256i *l1) {
+#ifdef Q16_SPLIT
+    if (split) return q16_group_split(p0, p1, two, bits, x, blocks, l1);
+#endif
+    (void)split;
 #ifdef Q16_AVX512
     if (bits == 2 || bits == 3) return q16_group_512(p0, p1, two, bits, x, blocks, u, l1);
 #endif
@@ -253,8 +345,9 @@ static inline void q16_group_lanes(const q16_job *j, const uint8_t *bytes, const
 #ifdef Q8_AVX2
     if (!j->portable) {
         __m256i unused;
-        _mm256_storeu_si256((__m256i *)lanes, q16_group_avx2(bytes, bytes, 0, j->bits, x, blocks,
-                                                             (const q8_unpacker *)u, &unused));
+        _mm256_storeu_si256((__m256i *)lanes,
+                            q16_group_avx2(bytes, bytes, 0, j->bits, x, blocks,
+                                           (const q8_unpacker *)u, j->x.split, &unused));
         return;
     }
 #endif
@@ -366,7 +459,8 @@ static inline __attribute__((always_inline)) void q16_float8(
  * last group is read from a padded copy. */
 static inline __attribute__((always_inline)) void q16_row_pair(
     const q16_job *j, const int16_t *xq, const float *d, const float *xsum, float *y, int64_t r,
-    int64_t hi, int two, int tail, int bits, int64_t blocks, const q8_unpacker *u, uint8_t *spare) {
+    int64_t hi, int two, int tail, int bits, int64_t blocks, const q8_unpacker *u, int split,
+    uint8_t *spare) {
     const int64_t groups = j->padded_n / j->gs;
     if (!blocks) blocks = j->gs / Q8_BLOCK;
     const int64_t group_nbytes = j->gs * bits / 8;
@@ -375,6 +469,9 @@ static inline __attribute__((always_inline)) void q16_row_pair(
     for (int64_t g0 = 0; g0 < groups; g0 += 8) {
         const int64_t n = groups - g0 < 8 ? groups - g0 : 8;
         __m256i v0[8], v1[8];
+        /* unrolled: the groups' lanes in registers, not in memory (3 bits, SmolLM2's and the
+         * 7B MLP's widths in cache: 1.1-1.2x on AMD Zen 5) */
+#pragma GCC unroll 8
         for (int64_t k = 0; k < 8; k++) {
             v0[k] = v1[k] = _mm256_setzero_si256();
             if (k >= n) continue;
@@ -382,7 +479,7 @@ static inline __attribute__((always_inline)) void q16_row_pair(
             const uint8_t *b0 = (const uint8_t *)j->qweight + (r * groups + g) * group_nbytes;
             const uint8_t *b1 = b0 + groups * group_nbytes;
             start_group_pair(&b0, &b1, two, tail && g == groups - 1, group_nbytes, spare, ahead);
-            v0[k] = q16_group_avx2(b0, b1, two, bits, xq + g * j->gs, blocks, u, &v1[k]);
+            v0[k] = q16_group_avx2(b0, b1, two, bits, xq + g * j->gs, blocks, u, split, &v1[k]);
         }
         q16_float8(&acc0, &off0, q16_dots8(v0), d, xsum, j->scales + r * groups,
                    j->offsets + r * groups, g0, n, !tail);
@@ -396,40 +493,47 @@ static inline __attribute__((always_inline)) void q16_row_pair(
 
 static inline __attribute__((always_inline)) void q16_rows_avx2_bits(
     const q16_job *j, const int16_t *xq, const float *d, const float *xsum, float *y,
-    int64_t lo, int64_t hi, int bits, int64_t blocks) {
+    int64_t lo, int64_t hi, int bits, int64_t blocks, int split) {
     const q8_unpacker u = make_q8_unpacker(bits);
     uint8_t spare[MAX_GROUP + 32];
     prefetch_part_start(j->qweight, lo, hi, j->padded_n * bits / 8);
     int64_t r = lo;
     for (; r + 2 < hi; r += 2)
-        q16_row_pair(j, xq, d, xsum, y, r, hi, 1, 0, bits, blocks, &u, spare);
+        q16_row_pair(j, xq, d, xsum, y, r, hi, 1, 0, bits, blocks, &u, split, spare);
     if (r + 2 == hi)
-        q16_row_pair(j, xq, d, xsum, y, r, hi, 1, 1, bits, blocks, &u, spare);
+        q16_row_pair(j, xq, d, xsum, y, r, hi, 1, 1, bits, blocks, &u, split, spare);
     else if (r < hi)
-        q16_row_pair(j, xq, d, xsum, y, r, hi, 0, 1, bits, blocks, &u, spare);
+        q16_row_pair(j, xq, d, xsum, y, r, hi, 0, 1, bits, blocks, &u, split, spare);
 }
 
 /* The widths `auto` gives int16 tokens (2 and 3 bits) with the format's group sizes as constants:
  * a group's blocks unrolled (3 bits, groups of 128: 1.1x, SPR). */
 static inline __attribute__((always_inline)) void q16_rows_avx2_groups(
     const q16_job *j, const int16_t *xq, const float *d, const float *xsum, float *y,
-    int64_t lo, int64_t hi, int bits) {
+    int64_t lo, int64_t hi, int bits, int split) {
     switch (j->gs) {
-    case 32: q16_rows_avx2_bits(j, xq, d, xsum, y, lo, hi, bits, 1); break;
-    case 64: q16_rows_avx2_bits(j, xq, d, xsum, y, lo, hi, bits, 2); break;
-    case 128: q16_rows_avx2_bits(j, xq, d, xsum, y, lo, hi, bits, 4); break;
-    default: q16_rows_avx2_bits(j, xq, d, xsum, y, lo, hi, bits, 0); break;
+    case 32: q16_rows_avx2_bits(j, xq, d, xsum, y, lo, hi, bits, 1, split); break;
+    case 64: q16_rows_avx2_bits(j, xq, d, xsum, y, lo, hi, bits, 2, split); break;
+    case 128: q16_rows_avx2_bits(j, xq, d, xsum, y, lo, hi, bits, 4, split); break;
+    default: q16_rows_avx2_bits(j, xq, d, xsum, y, lo, hi, bits, 0, split); break;
     }
 }
 
 static void q16_rows_avx2(const q16_job *j, const int16_t *xq, const float *d,
                           const float *xsum, float *y, int64_t lo, int64_t hi) {
+    const int split = j->x.split; /* a constant in each instance */
     switch (j->bits) {
-    case 2: q16_rows_avx2_groups(j, xq, d, xsum, y, lo, hi, 2); break;
-    case 3: q16_rows_avx2_groups(j, xq, d, xsum, y, lo, hi, 3); break;
-    case 4: q16_rows_avx2_bits(j, xq, d, xsum, y, lo, hi, 4, 0); break;
-    case 5: q16_rows_avx2_bits(j, xq, d, xsum, y, lo, hi, 5, 0); break;
-    default: q16_rows_avx2_bits(j, xq, d, xsum, y, lo, hi, 6, 0); break;
+    case 2:
+        if (split) q16_rows_avx2_groups(j, xq, d, xsum, y, lo, hi, 2, 1);
+        else q16_rows_avx2_groups(j, xq, d, xsum, y, lo, hi, 2, 0);
+        break;
+    case 3:
+        if (split) q16_rows_avx2_groups(j, xq, d, xsum, y, lo, hi, 3, 1);
+        else q16_rows_avx2_groups(j, xq, d, xsum, y, lo, hi, 3, 0);
+        break;
+    case 4: q16_rows_avx2_bits(j, xq, d, xsum, y, lo, hi, 4, 0, 0); break;
+    case 5: q16_rows_avx2_bits(j, xq, d, xsum, y, lo, hi, 5, 0, 0); break;
+    default: q16_rows_avx2_bits(j, xq, d, xsum, y, lo, hi, 6, 0, 0); break;
     }
 }
 #endif
@@ -465,11 +569,17 @@ int dq_q16_group_dots(const uint32_t *qweight, int64_t rows, int64_t padded_n, i
     int16_t *ordered = malloc((size_t)padded_n * sizeof(int16_t));
     int rc = -1;
     if (d && ordered) {
-        q16_permute(xq, padded_n, bits, ordered);
+        const int split = q16_splits(bits, portable);
+        if (split) {
+            memcpy(ordered, xq, (size_t)padded_n * sizeof *xq);
+            for (int64_t g = 0; g < padded_n / gs; g++) q16_split_group(ordered + g * gs, gs);
+        } else {
+            q16_permute(xq, padded_n, bits, ordered);
+        }
         const q16_job j = {.qweight = qweight, .padded_n = padded_n, .gs = gs, .bits = bits,
                            .portable = portable,
-                           .x = {.xq = ordered, .d = d, .xsum = d + padded_n / gs}, .m = 1,
-                           .dots = dots};
+                           .x = {.xq = ordered, .d = d, .xsum = d + padded_n / gs, .split = split},
+                           .m = 1, .dots = dots};
         rc = q16_rows(&j, 0, rows);
     }
     free(d);
@@ -482,7 +592,8 @@ int dq_matvec_q16_mt(const uint32_t *qweight, const uint16_t *scales, const uint
                      int64_t rows, int64_t padded_n, int64_t gs, int bits, const float *x,
                      int64_t m, float *y, int64_t y_stride, int portable, int threads) {
     q16_tokens tokens;
-    if (!q16_supported(gs, bits) || !(tokens = q16_quantize_tokens(x, m, padded_n, gs, bits)).d)
+    if (!q16_supported(gs, bits) ||
+        !(tokens = q16_quantize_tokens(x, m, padded_n, gs, bits, portable)).d)
         return -1;
     const q16_job j = {.qweight = qweight, .scales = scales, .offsets = offsets,
                        .padded_n = padded_n, .gs = gs, .bits = bits, .portable = portable,
