@@ -71,16 +71,31 @@ static int q16_splits(int bits, int portable) {
 #endif
 }
 
+/* Which value of a group's 64 (or, `half`, its last 32) sits at byte p of the split token: for
+ * 3 bits value p (split_codes64 puts the codes in order); for 2 bits qword j = p / 8, byte i =
+ * p % 8 holds code 32 (j % 2) + 4 i + j / 2 (half: 4 i + j, j < 4), where split_codes64's
+ * shifts leave it. */
+static inline int q16_split_value(int bits, int half, int p) {
+    const int j = p / 8, i = p % 8;
+    if (bits != 2) return p;
+    return half ? 4 * i + j : 32 * (j % 2) + 4 * i + j / 2;
+}
+
 /* A group's gs int16 values (natural order) in place as their gs high bytes (int8: v >> 8)
- * then their gs low bytes (uint8: v & 255); v = 256 hi + lo. */
-static void q16_split_group(int16_t *v, int64_t gs) {
+ * then their gs low bytes (uint8: v & 255), each 64 (and a last 32) in q16_split_value's
+ * order; v = 256 hi + lo. */
+static void q16_split_group(int16_t *v, int64_t gs, int bits) {
     int16_t copy[MAX_GROUP];
     memcpy(copy, v, (size_t)gs * sizeof *v);
     int8_t *hi = (int8_t *)v;
     uint8_t *lo = (uint8_t *)v + gs;
-    for (int64_t i = 0; i < gs; i++) {
-        hi[i] = (int8_t)(copy[i] >> 8);
-        lo[i] = (uint8_t)(copy[i] & 255);
+    for (int64_t c = 0; c < gs; c += 64) {
+        const int half = c + 64 > gs;
+        for (int p = 0; p < (half ? 32 : 64); p++) {
+            const int16_t x = copy[c + q16_split_value(bits, half, p)];
+            hi[c + p] = (int8_t)(x >> 8);
+            lo[c + p] = (uint8_t)(x & 255);
+        }
     }
 }
 
@@ -107,7 +122,7 @@ q16_tokens q16_quantize_tokens(const float *x, int64_t m, int64_t padded_n, int6
         dq_q16_quantize(x + i * padded_n, padded_n, gs, q, d + i * groups);
         q16_group_sums(q, d + i * groups, padded_n, gs, xsum + i * groups);
         if (q16_splits(bits, portable))
-            for (int64_t g = 0; g < groups; g++) q16_split_group(q + g * gs, gs);
+            for (int64_t g = 0; g < groups; g++) q16_split_group(q + g * gs, gs, bits);
         else
             q16_permute(q, padded_n, bits, q);
     }
@@ -240,10 +255,27 @@ static inline __attribute__((always_inline)) __m256i q16_group_512(
 #endif
 
 #ifdef Q16_SPLIT
-/* 64 codes of `bits` (2 or 3) bits at p, a byte each in order: unit j's bits bytes (8 codes)
- * moved to qword j (vpermb), code i of it to byte i (vpmultishiftqb: the 8 bits from bit
- * bits * i), masked. Reads 32 bytes from p (8 * bits are the codes'). */
-static inline __attribute__((always_inline)) __m512i split_codes64(const uint8_t *p, int bits) {
+/* 64 codes of `bits` (2 or 3) bits at p (`half`: 32, the upper qwords' bytes then any), a byte
+ * each in q16_split_value's order. 3 bits: unit j's 3 bytes (8 codes) moved to qword j (vpermb),
+ * code i of it to byte i (vpmultishiftqb: the 8 bits from bit 3 i), masked; reads 32 bytes from
+ * p. 2 bits: the 16 bytes (half: 8) in every pair of qwords (every qword), each shifted by 2 (j /
+ * 2) (half: 2 (j % 4)), masked: one shift where 3 bits take two shuffles (BENCHMARKS.md,
+ * "Memory bandwidth"); reads 16 (half: 8) bytes. */
+static inline __attribute__((always_inline)) __m512i split_codes64(const uint8_t *p, int bits,
+                                                                   int half) {
+    if (bits == 2) {
+        __m512i v, shifts;
+        if (half) {
+            int64_t w;
+            memcpy(&w, p, sizeof w);
+            v = _mm512_set1_epi64(w);
+            shifts = _mm512_setr_epi64(0, 2, 4, 6, 0, 2, 4, 6);
+        } else {
+            v = _mm512_broadcast_i32x4(_mm_loadu_si128((const __m128i *)p));
+            shifts = _mm512_setr_epi64(0, 0, 2, 2, 4, 4, 6, 6);
+        }
+        return _mm512_and_si512(_mm512_srlv_epi64(v, shifts), _mm512_set1_epi8(3));
+    }
     const __m512i v = _mm512_castsi256_si512(_mm256_loadu_si256((const __m256i *)p));
     const int64_t first = 0x0706050403020100LL, unit = 0x0101010101010101LL * bits;
     const __m512i index = _mm512_setr_epi64(first, first + unit, first + 2 * unit,
@@ -273,11 +305,11 @@ static inline __attribute__((always_inline)) __m256i q16_group_split(
                                  : _mm512_zextsi256_si512(_mm256_loadu_si256((const __m256i *)(hi + c)));
         const __m512i xl = whole ? _mm512_loadu_si512(lo + c)
                                  : _mm512_zextsi256_si512(_mm256_loadu_si256((const __m256i *)(lo + c)));
-        const __m512i c0 = split_codes64(p0 + c * bits / 8, bits);
+        const __m512i c0 = split_codes64(p0 + c * bits / 8, bits, !whole);
         h0 = _mm512_dpbusd_epi32(h0, c0, xh);
         o0 = _mm512_dpbusd_epi32(o0, xl, c0);
         if (two) {
-            const __m512i c1 = split_codes64(p1 + c * bits / 8, bits);
+            const __m512i c1 = split_codes64(p1 + c * bits / 8, bits, !whole);
             h1 = _mm512_dpbusd_epi32(h1, c1, xh);
             o1 = _mm512_dpbusd_epi32(o1, xl, c1);
         }
@@ -572,7 +604,7 @@ int dq_q16_group_dots(const uint32_t *qweight, int64_t rows, int64_t padded_n, i
         const int split = q16_splits(bits, portable);
         if (split) {
             memcpy(ordered, xq, (size_t)padded_n * sizeof *xq);
-            for (int64_t g = 0; g < padded_n / gs; g++) q16_split_group(ordered + g * gs, gs);
+            for (int64_t g = 0; g < padded_n / gs; g++) q16_split_group(ordered + g * gs, gs, bits);
         } else {
             q16_permute(xq, padded_n, bits, ordered);
         }
