@@ -17,8 +17,8 @@
  * xq = 256 hi + lo, hi = xq >> 8 (int8), lo = xq & 255 (uint8), and a group's dot is
  * 256 (q . hi) + q . lo, each from VNNI's byte products (vpdpbusd: q . hi with the codes as the
  * unsigned bytes, q . lo with them as the signed ones, codes < 128): the same integers, 64 codes
- * unpacked a byte each by one vpermb and one vpmultishiftqb where the 16-bit lanes take a shuffle
- * and a mask for every 32 (q16_group_split). */
+ * unpacked a byte each by one vpermb and one vpmultishiftqb (2 bits: one shift) and a mask where
+ * the 16-bit lanes take a shuffle and a mask for every 32 (q16_group_split). */
 #include "integer_dots.h"
 
 #define Q16_LEVELS 32767.0f
@@ -277,14 +277,14 @@ static inline __attribute__((always_inline)) __m512i split_codes64(const uint8_t
         return _mm512_and_si512(_mm512_srlv_epi64(v, shifts), _mm512_set1_epi8(3));
     }
     const __m512i v = _mm512_castsi256_si512(_mm256_loadu_si256((const __m256i *)p));
-    const int64_t first = 0x0706050403020100LL, unit = 0x0101010101010101LL * bits;
+    /* byte i of qword j <- byte 3 j + i; code i <- bits 3 i .. 3 i + 7 of the qword */
+    const int64_t first = 0x0706050403020100LL, unit = 0x0303030303030303LL;
     const __m512i index = _mm512_setr_epi64(first, first + unit, first + 2 * unit,
                                             first + 3 * unit, first + 4 * unit, first + 5 * unit,
                                             first + 6 * unit, first + 7 * unit);
-    const __m512i shifts = _mm512_set1_epi64(bits == 2 ? 0x0e0c0a0806040200LL
-                                                       : 0x15120f0c09060300LL);
+    const __m512i shifts = _mm512_set1_epi64(0x15120f0c09060300LL);
     return _mm512_and_si512(_mm512_multishift_epi64_epi8(shifts, _mm512_permutexvar_epi8(index, v)),
-                            _mm512_set1_epi8((char)((1 << bits) - 1)));
+                            _mm512_set1_epi8(7));
 }
 
 /* q16_group_avx2's lanes for tokens split into bytes (q16_split_group at x): each 64 codes' q .
