@@ -106,6 +106,18 @@ static void q16_permute(const int16_t *q, int64_t n, int bits, int16_t *out) {
     permute_blocks(q, n, order, (int)sizeof *q, out);
 }
 
+/* A token's n int16 values (natural order) as the products read them (out may be q): each
+ * group split into bytes where `split` (q16_split_group), else each block in q16_code's order. */
+static void q16_arrange(const int16_t *q, int64_t n, int64_t gs, int bits, int split,
+                        int16_t *out) {
+    if (!split) {
+        q16_permute(q, n, bits, out);
+        return;
+    }
+    if (out != q) memcpy(out, q, (size_t)n * sizeof *q);
+    for (int64_t g = 0; g < n / gs; g++) q16_split_group(out + g * gs, gs, bits);
+}
+
 q16_tokens q16_quantize_tokens(const float *x, int64_t m, int64_t padded_n, int64_t gs,
                                       int bits, int portable) {
     const int64_t groups = padded_n / gs;
@@ -117,16 +129,13 @@ q16_tokens q16_quantize_tokens(const float *x, int64_t m, int64_t padded_n, int6
     memset(d + 2 * m * groups, 0, 8 * sizeof(float));
     int16_t *xq = (int16_t *)(d + 2 * m * groups + 8);
     float *xsum = d + m * groups;
+    t.split = q16_splits(bits, portable);
     for (int64_t i = 0; i < m; i++) {
         int16_t *q = xq + i * padded_n;
         dq_q16_quantize(x + i * padded_n, padded_n, gs, q, d + i * groups);
         q16_group_sums(q, d + i * groups, padded_n, gs, xsum + i * groups);
-        if (q16_splits(bits, portable))
-            for (int64_t g = 0; g < groups; g++) q16_split_group(q + g * gs, gs, bits);
-        else
-            q16_permute(q, padded_n, bits, q);
+        q16_arrange(q, padded_n, gs, bits, t.split, q);
     }
-    t.split = q16_splits(bits, portable);
     t.xq = xq;
     t.d = d;
     t.xsum = xsum;
@@ -602,12 +611,7 @@ int dq_q16_group_dots(const uint32_t *qweight, int64_t rows, int64_t padded_n, i
     int rc = -1;
     if (d && ordered) {
         const int split = q16_splits(bits, portable);
-        if (split) {
-            memcpy(ordered, xq, (size_t)padded_n * sizeof *xq);
-            for (int64_t g = 0; g < padded_n / gs; g++) q16_split_group(ordered + g * gs, gs, bits);
-        } else {
-            q16_permute(xq, padded_n, bits, ordered);
-        }
+        q16_arrange(xq, padded_n, gs, bits, split, ordered);
         const q16_job j = {.qweight = qweight, .padded_n = padded_n, .gs = gs, .bits = bits,
                            .portable = portable,
                            .x = {.xq = ordered, .d = d, .xsum = d + padded_n / gs, .split = split},
