@@ -301,11 +301,12 @@ def _calibration_options(p: argparse.ArgumentParser) -> None:
                    "~0.9 GiB more at 7B shapes: BENCHMARKS.md \"Tuned scales\"); 0: GPTQ's "
                    "codes, only the scales and offsets tuned (less time and memory while a "
                    "block is tuned)")
-    p.add_argument("--tune-dtype", choices=("float32", "bfloat16"),
-                   help="tuned codes: the tuning steps' products in float32 (the default) or "
-                   "bfloat16 (where the CPU multiplies bf16 natively, e.g. AMX, about twice as "
-                   "fast at 7B shapes for ~2%% more KL: BENCHMARKS.md \"Scale\"; far slower "
-                   "on AVX2-only CPUs)")
+    p.add_argument("--tune-dtype", choices=("auto", "float32", "bfloat16"),
+                   help="tuned codes: the tuning steps' products in float32 or bfloat16 (where "
+                   "the CPU multiplies bf16 natively, e.g. AMX or AVX-512 BF16: 0.6-0.7x the "
+                   "time at 7B shapes for 2-3%% more KL, BENCHMARKS.md \"Scale\"; far slower "
+                   "on AVX2-only CPUs); auto (the default): bfloat16 for models past 2 G "
+                   "quantized weights on such a CPU, else float32")
     p.add_argument("--tune-error", choices=("gains", "plain"),
                    help="tuned codes: the block's output error fitted: gains (the default: each "
                    "channel times the gain of the norm that reads the block's output) or plain "
@@ -323,7 +324,8 @@ def _tuning(args: argparse.Namespace):
     """The tuned codes' settings asked for (None: the API's, unless --tune-steps / --tune-on /
     --tune-rounding / --tune-dtype / --tune-error)."""
     given = {"steps": args.tune_steps, "inputs": args.tune_on, "rounding": args.tune_rounding,
-             "dtype": args.tune_dtype, "error": args.tune_error}
+             "dtype": None if args.tune_dtype == "auto" else args.tune_dtype,
+             "error": args.tune_error}
     if all(v is None for v in given.values()):
         return None
     return _api().ScaleTuning(**{k: v for k, v in given.items() if v is not None})

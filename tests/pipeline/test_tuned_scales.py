@@ -28,7 +28,7 @@ from dynquant.pipeline.calibrate.weights import weight_source
 from dynquant.pipeline.codes import sequential_gptq as seq
 from dynquant.pipeline.codes import tuned_scales as tuned_module
 from dynquant.pipeline.codes.code_chooser import CodeChooser
-from dynquant.pipeline.codes.tuned_scales import ScaleTuning, TuneJob
+from dynquant.pipeline.codes.tuned_scales import AUTO_BF16_WEIGHTS, ScaleTuning, TuneJob
 from dynquant.pipeline.codes.write import quantize_model
 from dynquant.pipeline.config import CodeOptions
 from dynquant.pipeline.execute.executor import LocalExecutor
@@ -363,6 +363,20 @@ def test_a_bf16_tuning_s_weights_are_the_float32_ones_rounded_and_its_gradients_
 def test_a_tuning_dtype_other_than_float32_or_bfloat16_is_a_typed_error():
     with pytest.raises(DynquantError, match="float32, bfloat16"):
         ScaleTuning(dtype="float16")
+
+
+def test_the_default_tuning_dtype_is_bf16_only_for_large_models_on_native_bf16_cpus():
+    big, small = AUTO_BF16_WEIGHTS + 1, AUTO_BF16_WEIGHTS
+    avx512_bf16, amx, avx2 = {"avx512f", "avx512_bf16"}, {"amx_bf16"}, {"avx2", "fma"}
+    assert ScaleTuning().resolved(big, avx512_bf16).dtype == "bfloat16"
+    assert ScaleTuning().resolved(big, amx).dtype == "bfloat16"
+    assert ScaleTuning().resolved(big, avx2).dtype == "float32"  # emulated bf16: ~85x slower
+    assert ScaleTuning().resolved(small, avx512_bf16).dtype == "float32"
+    # asked for: kept, whatever the size and the CPU
+    assert ScaleTuning(dtype="float32").resolved(big, amx).dtype == "float32"
+    assert ScaleTuning(dtype="bfloat16").resolved(small, avx2).dtype == "bfloat16"
+    # the resolved dtype is part of the codes' identity (the resume digest reads the repr)
+    assert repr(ScaleTuning().resolved(big, amx)) != repr(ScaleTuning().resolved(big, avx2))
 
 
 def test_a_bf16_tuning_lowers_every_block_s_error(tmp_path, monkeypatch):

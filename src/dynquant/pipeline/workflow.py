@@ -29,6 +29,7 @@ from dynquant.pipeline.allocate.maps import (
 from dynquant.pipeline.codes import end_to_end as e2e
 from dynquant.pipeline.codes.code_chooser import SEQUENTIAL, CodeChooser
 from dynquant.pipeline.codes.policy import check_request, choose_quantizer, gptq_calibration
+from dynquant.pipeline.codes.tuned_scales import AUTO_BF16_WEIGHTS, ScaleTuning
 from dynquant.pipeline.codes.write import quantize_model
 from dynquant.pipeline.config import AllocationOptions, CodeOptions, RunOptions, sectioned
 from dynquant.pipeline.execute.executor import Executor
@@ -217,6 +218,17 @@ def _end_to_end(asked: e2e.EndToEndTuning, quantizer: str, weights: int, say: bo
     return tuning
 
 
+def _block_tuning(asked: ScaleTuning, weights: int, say: bool) -> ScaleTuning:
+    """The block tuning the codes get (``ScaleTuning.resolved``); with ``say``, a line where
+    the default runs its steps in bfloat16 for the model's size."""
+    tuning = asked.resolved(weights)
+    if say and asked.dtype is None and tuning.dtype == "bfloat16":
+        print(f"dynquant: tuning steps in bfloat16: {weights / 1e9:.1f} G quantized weights, "
+              f"past {AUTO_BF16_WEIGHTS / 1e9:.1f} G, on a CPU with native bf16 products "
+              "(--tune-dtype float32 keeps float32)", file=sys.stderr)
+    return tuning
+
+
 def _report(req: QuantizeRequest, f: Forecast) -> None:
     if req.run.report is not None:
         req.run.report(f)
@@ -242,11 +254,12 @@ def _run(source: ModelSource, req: QuantizeRequest, executor: Executor) -> dict:
     codes, texts, progress = req.codes, req.measure.calibration.texts, req.run.progress
     quantizer = choose_quantizer(codes.quantizer, source, req.random_init, texts, w.calibration,
                                  say=progress)
-    end_to_end = _end_to_end(codes.end_to_end, quantizer, quantized_weights(source, w.widths),
-                             progress)
+    weights = quantized_weights(source, w.widths)
+    end_to_end = _end_to_end(codes.end_to_end, quantizer, weights, progress)
     sequential = (gptq_calibration(source, texts, w.calibration, codes.gptq_seqs,
                                    req.measure.calibration.length, w.compensate_head,
-                                   codes.tuning if quantizer == "tuned" else None,
+                                   _block_tuning(codes.tuning, weights, progress)
+                                   if quantizer == "tuned" else None,
                                    end_to_end, codes.chain)
                   if quantizer in SEQUENTIAL else None)
     chooser = CodeChooser(quantizer, w.importance or {}, sequential=sequential)

@@ -23,7 +23,7 @@ and each block's tuning is a job (``tune_block_job``) that a worker runs while t
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass, replace
 
 import torch
@@ -31,6 +31,7 @@ from torch.func import functional_call
 
 from dynquant.errors import DynquantError
 from dynquant.freed_memory import reusing_freed_memory
+from dynquant.numerics.compute_dtype import bf16_native, cpu_flags
 from dynquant.numerics.quantizer import QuantizedTensor
 from dynquant.numerics.tuned_scales import TunableScales
 from dynquant.pipeline.calibrate.block_stream import BlockStream, first_output
@@ -52,6 +53,11 @@ from dynquant.pipeline.execute.progress import job_note
 TUNING_INPUTS = ("quantized", "float")
 TUNING_DTYPES = ("float32", "bfloat16")
 TUNING_ERRORS = ("gains", "plain")
+# Past this many quantized weights the steps run in bfloat16 where the CPU multiplies it
+# natively (``ScaleTuning.resolved``): on a 7B-shaped block the tuning takes 0.6-0.7x float32's
+# time, for 2-3% more KL on the real models at hand (within issue 42's 5%: BENCHMARKS.md
+# "Scale"), which models up to this size (the end-to-end scales' bound) keep.
+AUTO_BF16_WEIGHTS = 2_000_000_000
 
 
 @dataclass(frozen=True)
@@ -75,10 +81,11 @@ class ScaleTuning:
     # "Tuned scales")
     rounding: float = 3e-3
     # the steps' products: "float32", or "bfloat16" (the dequantized weights rounded to bf16 and
-    # the block under bf16 autocast: several times faster where the CPU multiplies bf16
-    # natively, e.g. AMX; the codes then depend on that arithmetic). The check of a tuning
-    # against GPTQ's codes runs in the stream's dtype either way.
-    dtype: str = "float32"
+    # the block under bf16 autocast: faster where the CPU multiplies bf16 natively, e.g. AMX;
+    # the codes then depend on that arithmetic); None: ``resolved`` decides by the model's
+    # size and the CPU (unresolved: float32). The check of a tuning against GPTQ's codes runs
+    # in the stream's dtype either way.
+    dtype: str | None = None
     # the block's output error fitted and compared: "gains" (each channel times the gain of the
     # norm that reads the block's output: ``output_error.py``) or "plain"
     error: str = "gains"
@@ -87,7 +94,7 @@ class ScaleTuning:
         if self.error not in TUNING_ERRORS:
             raise DynquantError(f"the tuning's error must be one of {', '.join(TUNING_ERRORS)}, "
                                 f"not {self.error!r}", field="tuning.error")
-        if self.dtype not in TUNING_DTYPES:
+        if self.dtype is not None and self.dtype not in TUNING_DTYPES:
             raise DynquantError(f"the tuning's dtype must be one of {', '.join(TUNING_DTYPES)}, "
                                 f"not {self.dtype!r}", field="tuning.dtype")
         if self.inputs not in TUNING_INPUTS:
@@ -96,6 +103,17 @@ class ScaleTuning:
         if not 0 <= self.rounding <= 0.5:
             raise DynquantError(f"the rounding step must be in [0, 0.5] codes, not "
                                 f"{self.rounding}", field="tuning.rounding")
+
+    def resolved(self, quantized_weights: int, flags: Iterable[str] | None = None
+                 ) -> ScaleTuning:
+        """These settings with ``dtype`` decided: as given, else bfloat16 for a model of more
+        than ``AUTO_BF16_WEIGHTS`` quantized weights on a CPU with native bf16 products
+        (``flags``: this CPU's by default), else float32."""
+        if self.dtype is not None:
+            return self
+        low = quantized_weights > AUTO_BF16_WEIGHTS and bf16_native(
+            cpu_flags() if flags is None else flags)
+        return replace(self, dtype="bfloat16" if low else "float32")
 
     @property
     def rounding_reach(self) -> float:
