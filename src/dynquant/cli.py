@@ -303,7 +303,7 @@ def _calibration_options(p: argparse.ArgumentParser) -> None:
                    "block is tuned)")
     p.add_argument("--tune-dtype", choices=("auto", "float32", "bfloat16"),
                    help="tuned codes: the tuning steps' products in float32 or bfloat16 (where "
-                   "the CPU multiplies bf16 natively, e.g. AMX or AVX-512 BF16: 0.6-0.7x the "
+                   "the CPU multiplies bf16 natively, e.g. AMX or AVX-512 BF16: 0.4-0.6x the "
                    "time at 7B shapes for 2-3%% more KL, BENCHMARKS.md \"Scale\"; far slower "
                    "on AVX2-only CPUs); auto (the default): bfloat16 for models past 2 G "
                    "quantized weights on such a CPU, else float32")

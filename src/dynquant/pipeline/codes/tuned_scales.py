@@ -54,7 +54,7 @@ TUNING_INPUTS = ("quantized", "float")
 TUNING_DTYPES = ("float32", "bfloat16")
 TUNING_ERRORS = ("gains", "plain")
 # Past this many quantized weights the steps run in bfloat16 where the CPU multiplies it
-# natively (``ScaleTuning.resolved``): on a 7B-shaped block the tuning takes 0.6-0.7x float32's
+# natively (``ScaleTuning.resolved``): on a 7B-shaped block the tuning takes 0.4-0.6x float32's
 # time, for 2-3% more KL on the real models at hand (within issue 42's 5%: BENCHMARKS.md
 # "Scale"), which models up to this size (the end-to-end scales' bound) keep.
 AUTO_BF16_WEIGHTS = 2_000_000_000
