@@ -87,6 +87,7 @@ def forecast_check(source: ModelSource, doc: dict, importance: dict[str, torch.T
     if windows is None:
         return None
     fit, held = windows
+    tuning = (tuning or ScaleTuning()).resolved(uniform.elements)
     probe_budget = uniform.packed_nbytes * 8 / uniform.elements
     points = []
     for step in STEPS:
@@ -98,7 +99,7 @@ def forecast_check(source: ModelSource, doc: dict, importance: dict[str, torch.T
             continue
         measured = _measured_kl(source, doc, importance, dict(alloc.widths), fit, held,
                                 group_size, work, executor, progress, codes,
-                                (tuning or ScaleTuning()).resolved(uniform.elements))
+                                tuning)
         points.append({"widths": f"allocated at uniform {bits}:{group_size}'s bytes"
                        + (f" + {step} bit per weight" if step else ""),
                        "predicted_kl": alloc.predicted_error, "measured_kl": measured})
