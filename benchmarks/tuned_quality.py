@@ -12,6 +12,7 @@ shown once), and mean KL against the float model on 16,384 held-out tokens.
 
     python -m benchmarks tuned_quality [--model smollm2|gemma3-270m] [--settings u3 a3.25 ...]
         [--steps 100] [--rounding 3e-3] [--e2e-steps 100] [--kinds rtn gptq scales tuned ...]
+        [--codes-dtype bfloat16]
 
 Targets: tuned <= 0.6x GPTQ's KL at 3.25 and 4.25 bits (SmolLM2; Gemma-3-270M at 4.25), no
 budget worse at 5.5; tuned's quantize (measure + codes) <= 3x GPTQ's.
@@ -70,10 +71,14 @@ def main() -> None:
                         default=[k for k in KINDS if k != "plain"],
                         help="the rows besides rtn, gptq and tuned (the default codes), which "
                         "always run: scales (alone), plain (tuned on the plain error), e2e")
+    parser.add_argument("--codes-dtype", choices=("float32", "bfloat16"), default="float32",
+                        help="the codes' pass's dtype (a model past 2 G weights gets bfloat16 "
+                        "on a CPU with native bf16 products)")
     args = parser.parse_args()
     model_dir = prepared_real_model(args.model)
     print(f"# {args.model}: {' / '.join(TITLES[k] for k in KINDS if k in args.kinds)} "
-          f"({args.steps} steps a block, rounding step {args.rounding}), same widths; "
+          f"({args.steps} steps a block, rounding step {args.rounding}, a {args.codes_dtype} "
+          f"pass), same widths; "
           f"{GPTQ_SEQS} x 256 calibration tokens of the bundled text, KL on {EVAL_TOKENS} "
           f"held-out tokens; {machine()}")
     source = resolve_model(str(model_dir))
@@ -89,7 +94,8 @@ def main() -> None:
         importance = load_file(out / maps["stats"])
         for setting in args.settings:
             widths = _widths(maps, setting)
-            cal = SequentialCalibration(ids, compensates_head(maps, widths))
+            cal = SequentialCalibration(ids, compensates_head(maps, widths),
+                                        dtype=args.codes_dtype)
             tuning = ScaleTuning(steps=args.steps, rounding=args.rounding)
             choosers = {"rtn": CodeChooser("rtn", importance),
                         "gptq": CodeChooser("gptq", importance, sequential=cal)}

@@ -93,7 +93,8 @@ def quantize_options(args: argparse.Namespace, report=None) -> dict:
         "codes": api.CodeOptions(**_given(
             quantizer=args.quantizer, gptq_seqs=args.gptq_seqs, tuning=_tuning(args),
             end_to_end=_end_to_end(args), independent_blocks=args.independent_blocks or None,
-            chain_blocks=args.chain_blocks)),
+            chain_blocks=args.chain_blocks,
+            dtype=None if args.codes_dtype == "auto" else args.codes_dtype)),
         "run": api.RunOptions(**_executor(args), progress=not (args.quiet or args.json),
                               report=report),
         **_given(random_init=args.random_init or None, seed=args.seed,
@@ -305,8 +306,8 @@ def _calibration_options(p: argparse.ArgumentParser) -> None:
                    help="tuned codes: the tuning steps' products in float32 or bfloat16 (where "
                    "the CPU multiplies bf16 natively, e.g. AMX or AVX-512 BF16: 0.4-0.6x the "
                    "time at 7B shapes for 2-3%% more KL, BENCHMARKS.md \"Scale\"; far slower "
-                   "on AVX2-only CPUs); auto (the default): bfloat16 for models past 2 G "
-                   "quantized weights on such a CPU, else float32")
+                   "on AVX2-only CPUs); auto (the default): the codes' pass's (--codes-dtype: "
+                   "on a bfloat16 pass the steps are bfloat16)")
     p.add_argument("--tune-error", choices=("gains", "plain"),
                    help="tuned codes: the block's output error fitted: gains (the default: each "
                    "channel times the gain of the norm that reads the block's output) or plain "
@@ -448,6 +449,12 @@ def _add_quantize(sub) -> None:
                    "another: with --ray each chain is a job of its own (between the default, "
                    "one chain of every block, and --independent-blocks in time on a cluster and "
                    "in KL: BENCHMARKS.md 'Tuned scales', docs/distributed.md)")
+    p.add_argument("--codes-dtype", choices=("auto", "float32", "bfloat16"), default="auto",
+                   help="gptq and tuned codes: the pass's compute dtype (its blocks' forwards, "
+                   "so the second moments' inputs, and the tuning steps): auto (the default) "
+                   "bfloat16 for models past 2 G quantized weights on a CPU with native bf16 "
+                   "products (AMX, AVX-512 BF16: about half the pass's time at 7B shapes, "
+                   "BENCHMARKS.md 'Scale'), else float32 (and under --tune-dtype float32)")
     p.add_argument("--e2e-steps", type=int,
                    help="gptq / tuned codes: then every group scale and offset tuned against "
                    "the float model's next-token distributions, one calibration window a step "

@@ -20,6 +20,7 @@ from dynquant.format.validate import validate_checkpoint
 from dynquant.models.sources import resolve_model
 from dynquant.numerics import native
 from dynquant.numerics import tuned_scales as tuned_scales_module
+from dynquant.numerics.compute_dtype import AUTO_BF16_WEIGHTS, size_dtype
 from dynquant.numerics.gptq import gptq_quantize, gptq_residual
 from dynquant.numerics.quantizer import quantize_tensor
 from dynquant.numerics.tuned_scales import TunableScales
@@ -28,7 +29,7 @@ from dynquant.pipeline.calibrate.weights import weight_source
 from dynquant.pipeline.codes import sequential_gptq as seq
 from dynquant.pipeline.codes import tuned_scales as tuned_module
 from dynquant.pipeline.codes.code_chooser import CodeChooser
-from dynquant.pipeline.codes.tuned_scales import AUTO_BF16_WEIGHTS, ScaleTuning, TuneJob
+from dynquant.pipeline.codes.tuned_scales import ScaleTuning, TuneJob, default_pass_dtype
 from dynquant.pipeline.codes.write import quantize_model
 from dynquant.pipeline.config import CodeOptions
 from dynquant.pipeline.execute.executor import LocalExecutor
@@ -365,36 +366,48 @@ def test_a_tuning_dtype_other_than_float32_or_bfloat16_is_a_typed_error():
         ScaleTuning(dtype="float16")
 
 
-def test_the_default_tuning_dtype_is_bf16_only_for_large_models_on_native_bf16_cpus():
+def test_the_default_codes_dtype_is_bf16_only_for_large_models_on_native_bf16_cpus():
     big, small = AUTO_BF16_WEIGHTS + 1, AUTO_BF16_WEIGHTS
     avx512_bf16, amx, avx2 = {"avx512f", "avx512_bf16"}, {"amx_bf16"}, {"avx2", "fma"}
-    assert ScaleTuning().resolved(big, avx512_bf16).dtype == "bfloat16"
-    assert ScaleTuning().resolved(big, amx).dtype == "bfloat16"
-    assert ScaleTuning().resolved(big, avx2).dtype == "float32"  # emulated bf16: ~85x slower
-    assert ScaleTuning().resolved(small, avx512_bf16).dtype == "float32"
-    # asked for: kept, whatever the size and the CPU
-    assert ScaleTuning(dtype="float32").resolved(big, amx).dtype == "float32"
-    assert ScaleTuning(dtype="bfloat16").resolved(small, avx2).dtype == "bfloat16"
-    # the resolved dtype is part of the codes' identity (the resume digest reads the repr)
-    assert repr(ScaleTuning().resolved(big, amx)) != repr(ScaleTuning().resolved(big, avx2))
+    assert size_dtype(big, avx512_bf16) == size_dtype(big, amx) == "bfloat16"
+    assert size_dtype(big, avx2) == "float32"  # emulated bf16: ~85x slower
+    assert size_dtype(small, avx512_bf16) == "float32"
+    # the tuning's steps: as asked, else the pass's
+    assert ScaleTuning().resolved("bfloat16").dtype == "bfloat16"
+    assert ScaleTuning().resolved("float32").dtype == "float32"
+    assert ScaleTuning(dtype="bfloat16").resolved("float32").dtype == "bfloat16"
+    # float32 steps keep the pass float32 (the block's weights are the pass's dtype) ...
+    assert default_pass_dtype(ScaleTuning(dtype="float32"), big) == "float32"
+    assert default_pass_dtype(ScaleTuning(), small) == "float32"
+    # ... and cannot run on a bfloat16 one
+    with pytest.raises(DynquantError, match="--codes-dtype float32"):
+        ScaleTuning(dtype="float32").resolved("bfloat16")
+    # the pass's dtype is part of the codes' identity (the resume digest)
+    cal = _calibration(LLAMA_REF, 2, 16)
+    assert cal.digest() != replace(cal, dtype="bfloat16").digest()
+    assert replace(cal, tuning=ScaleTuning()).digest() != replace(
+        cal, tuning=ScaleTuning().resolved("bfloat16")).digest()
 
 
-def test_a_bf16_tuning_lowers_every_block_s_error(tmp_path, monkeypatch):
-    """Tuned under bf16 autocast (``ScaleTuning(dtype="bfloat16")``), every block of the trained
-    reference model keeps codes whose error (checked in float32) is below its GPTQ codes', in
-    the format the reader validates."""
+@pytest.mark.parametrize("pass_dtype", ["float32", "bfloat16"])
+def test_a_bf16_tuning_lowers_every_block_s_error(tmp_path, monkeypatch, pass_dtype):
+    """Tuned under bf16 autocast (``ScaleTuning(dtype="bfloat16")``) in a float32 pass, or in a
+    bfloat16 pass (its blocks' weights and forwards bf16: a large model's default on a CPU with
+    native bf16), every block of the trained reference model keeps codes whose error (checked
+    in the pass's dtype) is below its GPTQ codes', in the format the reader validates."""
     source = resolve_model(str(LLAMA_REF))
     events: list[tuple[str, float]] = []
     real_error, real_tune = seq.block_error, seq.tune_block
     monkeypatch.setattr(seq, "block_error", lambda o, t, v=None: events.append(
         ("error", real_error(o, t, v))) or events[-1][1])
     monkeypatch.setattr(seq, "tune_block", lambda *a, **k: events.append(
-        ("tune", a[5].dtype)) or real_tune(*a, **k))
+        ("tune", (a[5].dtype, a[0].dtype))) or real_tune(*a, **k))
     cal = _calibration(LLAMA_REF, 4, 64)
     chooser = CodeChooser("tuned", sequential=replace(cal, tuning=ScaleTuning(
-        steps=20, dtype="bfloat16")))
+        steps=20, dtype="bfloat16"), dtype=pass_dtype))
     quantize_model(source, _uniform(source, 3), tmp_path / "t", progress=False, chooser=chooser)
-    assert {v for kind, v in events if kind == "tune"} == {"bfloat16"}
+    stream_dtype = getattr(torch, pass_dtype)
+    assert {v for kind, v in events if kind == "tune"} == {("bfloat16", stream_dtype)}
     blocks = _per_block(events)
     assert len(blocks) == 4 and all(min(a) < gptq for gptq, a in blocks), blocks
     validate_checkpoint(tmp_path / "t")

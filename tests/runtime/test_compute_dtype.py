@@ -98,6 +98,25 @@ def test_measure_probes_in_float32_unless_asked():
     assert quantize_options(default)["measure"] == MeasureOptions()
 
 
+def test_the_codes_dtype_is_the_api_s_unless_asked():
+    """``--codes-dtype``: auto leaves the API's default (decided by the model's size and the
+    CPU, ``size_dtype``); float32 / bfloat16 are passed on; anything else is refused."""
+    from dynquant.api import CodeOptions
+    from dynquant.cli import quantize_options
+    from dynquant.errors import DynquantError
+
+    parser = build_parser()
+    default = parser.parse_args(["quantize", "m", "-o", "x"])
+    assert quantize_options(default)["codes"].dtype is None is CodeOptions().dtype
+    for dtype in ("float32", "bfloat16"):
+        args = parser.parse_args(["quantize", "m", "-o", "x", "--codes-dtype", dtype])
+        assert quantize_options(args)["codes"].dtype == dtype
+    with pytest.raises(SystemExit):
+        parser.parse_args(["quantize", "m", "-o", "x", "--codes-dtype", "float16"])
+    with pytest.raises(DynquantError, match="codes.dtype"):
+        CodeOptions(dtype="float16")
+
+
 def test_load_and_from_pretrained_follow_the_decision(tiny_checkpoint, monkeypatch):
     from transformers import AutoModelForCausalLM
 

@@ -83,6 +83,22 @@ def auto_dtype(flags: Iterable[str] | None = None) -> torch.dtype:
     return torch.bfloat16 if bf16_native(cpu_flags() if flags is None else flags) else torch.float32
 
 
+# Past this many quantized weights the codes' pass (its block forwards, second moments and tuning
+# steps) runs in bfloat16 where the CPU multiplies it natively (``size_dtype``): on a 7B-shaped
+# block that pass takes about half float32's time, for a few percent more KL on the real models
+# at hand (BENCHMARKS.md "Scale"), which models up to this size keep.
+AUTO_BF16_WEIGHTS = 2_000_000_000
+
+
+def size_dtype(quantized_weights: int, flags: Iterable[str] | None = None) -> str:
+    """The codes' pass's dtype by default: "bfloat16" for a model of more than
+    ``AUTO_BF16_WEIGHTS`` quantized weights on a CPU with native bf16 products (``flags``: this
+    CPU's by default), else "float32"."""
+    low = quantized_weights > AUTO_BF16_WEIGHTS and bf16_native(
+        cpu_flags() if flags is None else flags)
+    return "bfloat16" if low else "float32"
+
+
 def resolve_dtype(dtype: str | torch.dtype | None = None,
                   flags: Iterable[str] | None = None) -> torch.dtype:
     """The compute dtype for a request: a torch dtype or name (``bfloat16``/``float32``) as
@@ -117,5 +133,5 @@ def describe(dtype: torch.dtype) -> str:
     return f"compute dtype {dtype_name(dtype)} ({why})"
 
 
-__all__ = ["CHOICES", "auto_dtype", "bf16_native", "cpu_class", "cpu_flags", "describe",
-           "dtype_name", "resolve_dtype"]
+__all__ = ["AUTO_BF16_WEIGHTS", "CHOICES", "auto_dtype", "bf16_native", "cpu_class", "cpu_flags",
+           "describe", "dtype_name", "resolve_dtype", "size_dtype"]

@@ -65,7 +65,9 @@ class CodeOptions:
     hidden states at its first block (no chain waits for another: on a cluster each is a job of
     its own; more KL the shorter the chains); 0: the whole model one chain (the default);
     ``independent_blocks``: chains of one block, every block's codes from the float model's
-    hidden states."""
+    hidden states; ``dtype``: the sequential pass's compute dtype, "float32" or "bfloat16"
+    (None: bfloat16 for a model of more than 2 G quantized weights on a CPU with native bf16
+    products, else float32: ``size_dtype``)."""
 
     quantizer: str = "auto"
     gptq_seqs: int = 48
@@ -73,8 +75,12 @@ class CodeOptions:
     tuning: ScaleTuning = field(default_factory=ScaleTuning)
     end_to_end: EndToEndTuning = field(default_factory=EndToEndTuning)
     chain_blocks: int = 0
+    dtype: str | None = None
 
     def __post_init__(self) -> None:
+        if self.dtype not in (None, "float32", "bfloat16"):
+            raise DynquantError(f"the codes' dtype must be float32 or bfloat16, not "
+                                f"{self.dtype!r}", field="codes.dtype")
         if self.chain_blocks < 0:
             raise DynquantError(f"--chain-blocks must be 0 (the whole model one chain) or more, "
                                 f"not {self.chain_blocks}", field="chain_blocks")

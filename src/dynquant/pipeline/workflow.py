@@ -16,6 +16,7 @@ from dynquant.errors import DynquantError
 from dynquant.format.planner import excluded_modules, plan_document
 from dynquant.format.widths_file import load_widths
 from dynquant.models.sources import ModelSource
+from dynquant.numerics.compute_dtype import AUTO_BF16_WEIGHTS
 from dynquant.pipeline.allocate.allocation import Constraints, allocate_widths, parse_pins
 from dynquant.pipeline.allocate.allocation import uniform_widths as uniform
 from dynquant.pipeline.allocate.forecast import Forecast, forecast
@@ -29,7 +30,7 @@ from dynquant.pipeline.allocate.maps import (
 from dynquant.pipeline.codes import end_to_end as e2e
 from dynquant.pipeline.codes.code_chooser import SEQUENTIAL, CodeChooser
 from dynquant.pipeline.codes.policy import check_request, choose_quantizer, gptq_calibration
-from dynquant.pipeline.codes.tuned_scales import AUTO_BF16_WEIGHTS, ScaleTuning
+from dynquant.pipeline.codes.tuned_scales import default_pass_dtype
 from dynquant.pipeline.codes.write import quantize_model
 from dynquant.pipeline.config import AllocationOptions, CodeOptions, RunOptions, sectioned
 from dynquant.pipeline.execute.executor import Executor
@@ -218,15 +219,16 @@ def _end_to_end(asked: e2e.EndToEndTuning, quantizer: str, weights: int, say: bo
     return tuning
 
 
-def _block_tuning(asked: ScaleTuning, weights: int, say: bool) -> ScaleTuning:
-    """The block tuning the codes get (``ScaleTuning.resolved``); with ``say``, a line where
-    the default runs its steps in bfloat16 for the model's size."""
-    tuning = asked.resolved(weights)
-    if say and asked.dtype is None and tuning.dtype == "bfloat16":
-        print(f"dynquant: tuning steps in bfloat16: {weights / 1e9:.1f} G quantized weights, "
-              f"past {AUTO_BF16_WEIGHTS / 1e9:.1f} G, on a CPU with native bf16 products "
-              "(--tune-dtype float32 keeps float32)", file=sys.stderr)
-    return tuning
+def _pass_dtype(codes: CodeOptions, quantizer: str, weights: int, say: bool) -> str:
+    """The codes' pass's compute dtype: as asked, else ``default_pass_dtype``'s; with ``say``,
+    a line where the default takes bfloat16 for the model's size."""
+    tuning = codes.tuning if quantizer == "tuned" else None
+    dtype = codes.dtype or default_pass_dtype(tuning, weights)
+    if say and codes.dtype is None and dtype == "bfloat16" and quantizer in SEQUENTIAL:
+        print(f"dynquant: {quantizer} codes' pass in bfloat16: {weights / 1e9:.1f} G quantized "
+              f"weights, past {AUTO_BF16_WEIGHTS / 1e9:.1f} G, on a CPU with native bf16 "
+              "products (--codes-dtype float32 keeps float32)", file=sys.stderr)
+    return dtype
 
 
 def _report(req: QuantizeRequest, f: Forecast) -> None:
@@ -256,11 +258,11 @@ def _run(source: ModelSource, req: QuantizeRequest, executor: Executor) -> dict:
                                  say=progress)
     weights = quantized_weights(source, w.widths)
     end_to_end = _end_to_end(codes.end_to_end, quantizer, weights, progress)
+    dtype = _pass_dtype(codes, quantizer, weights, progress)
     sequential = (gptq_calibration(source, texts, w.calibration, codes.gptq_seqs,
                                    req.measure.calibration.length, w.compensate_head,
-                                   _block_tuning(codes.tuning, weights, progress)
-                                   if quantizer == "tuned" else None,
-                                   end_to_end, codes.chain)
+                                   codes.tuning.resolved(dtype) if quantizer == "tuned" else None,
+                                   end_to_end, codes.chain, dtype)
                   if quantizer in SEQUENTIAL else None)
     chooser = CodeChooser(quantizer, w.importance or {}, sequential=sequential)
     if not w.forecast_for_codes and w.allocator == "sensitivity" and progress:

@@ -79,6 +79,7 @@ from dynquant.pipeline.calibrate.weights import WeightsAt
 from dynquant.pipeline.codes.end_to_end import EndToEndTuning
 from dynquant.pipeline.codes.output_error import block_error
 from dynquant.pipeline.codes.tuned_scales import (
+    TUNING_DTYPES,
     ScaleTuning,
     TuneJob,
     check_windows,
@@ -112,8 +113,16 @@ class SequentialCalibration:
     # blocks a chain holds, each chain from the float model's hidden states at its first block
     # (``sequential_gptq``'s ``chain``); 0: the whole model one chain (the sequential pass)
     chain: int = 0
+    # the pass's compute dtype: its blocks' weights and forwards, so the second moments' inputs
+    # and the tuning's steps ("float32" or "bfloat16": at 7B shapes on a CPU with native bf16
+    # products about half the time, BENCHMARKS.md "Scale"; the codes then follow that arithmetic)
+    dtype: str = "float32"
 
     def __post_init__(self) -> None:
+        if self.dtype not in TUNING_DTYPES:
+            raise ValueError(f"dtype: one of {', '.join(TUNING_DTYPES)}, not {self.dtype!r}")
+        if self.tuning is not None:
+            self.tuning.resolved(self.dtype)  # (a float32 tuning needs a float32 pass)
         if self.end_to_end is not None and self.end_to_end.steps is None:
             raise ValueError("end_to_end: its steps decided first (EndToEndTuning.resolved)")
         if self.chain < 0:
@@ -122,6 +131,8 @@ class SequentialCalibration:
     def digest(self) -> str:
         h = hashlib.sha256(self.ids.numpy().tobytes())
         h.update(repr(self.compensate_head).encode())
+        if self.dtype != "float32":
+            h.update(f"a {self.dtype} pass".encode())
         if self.chain == 1:
             h.update(b"independent blocks")
         elif self.chain:

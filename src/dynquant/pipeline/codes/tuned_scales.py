@@ -23,7 +23,7 @@ and each block's tuning is a job (``tune_block_job``) that a worker runs while t
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterable
+from collections.abc import Callable
 from dataclasses import dataclass, replace
 
 import torch
@@ -31,7 +31,7 @@ from torch.func import functional_call
 
 from dynquant.errors import DynquantError
 from dynquant.freed_memory import reusing_freed_memory
-from dynquant.numerics.compute_dtype import bf16_native, cpu_flags
+from dynquant.numerics.compute_dtype import size_dtype
 from dynquant.numerics.quantizer import QuantizedTensor
 from dynquant.numerics.tuned_scales import TunableScales
 from dynquant.pipeline.calibrate.block_stream import BlockStream, first_output
@@ -53,11 +53,6 @@ from dynquant.pipeline.execute.progress import job_note
 TUNING_INPUTS = ("quantized", "float")
 TUNING_DTYPES = ("float32", "bfloat16")
 TUNING_ERRORS = ("gains", "plain")
-# Past this many quantized weights the steps run in bfloat16 where the CPU multiplies it
-# natively (``ScaleTuning.resolved``): on a 7B-shaped block the tuning takes 0.4-0.6x float32's
-# time, for 2-3% more KL on the real models at hand (within issue 42's 5%: BENCHMARKS.md
-# "Scale"), which models up to this size (the end-to-end scales' bound) keep.
-AUTO_BF16_WEIGHTS = 2_000_000_000
 
 
 @dataclass(frozen=True)
@@ -82,9 +77,9 @@ class ScaleTuning:
     rounding: float = 3e-3
     # the steps' products: "float32", or "bfloat16" (the dequantized weights rounded to bf16 and
     # the block under bf16 autocast: faster where the CPU multiplies bf16 natively, e.g. AMX;
-    # the codes then depend on that arithmetic); None: ``resolved`` decides by the model's
-    # size and the CPU (unresolved: float32). The check of a tuning against GPTQ's codes runs
-    # in the stream's dtype either way.
+    # the codes then depend on that arithmetic); None: the codes' pass's dtype (``resolved``;
+    # unresolved: float32). On a bfloat16 pass the steps are bfloat16 (the block's weights
+    # are). The check of a tuning against GPTQ's codes runs in the pass's dtype either way.
     dtype: str | None = None
     # the block's output error fitted and compared: "gains" (each channel times the gain of the
     # norm that reads the block's output: ``output_error.py``) or "plain"
@@ -104,16 +99,14 @@ class ScaleTuning:
             raise DynquantError(f"the rounding step must be in [0, 0.5] codes, not "
                                 f"{self.rounding}", field="tuning.rounding")
 
-    def resolved(self, quantized_weights: int, flags: Iterable[str] | None = None
-                 ) -> ScaleTuning:
-        """These settings with ``dtype`` decided: as given, else bfloat16 for a model of more
-        than ``AUTO_BF16_WEIGHTS`` quantized weights on a CPU with native bf16 products
-        (``flags``: this CPU's by default), else float32."""
-        if self.dtype is not None:
-            return self
-        low = quantized_weights > AUTO_BF16_WEIGHTS and bf16_native(
-            cpu_flags() if flags is None else flags)
-        return replace(self, dtype="bfloat16" if low else "float32")
+    def resolved(self, pass_dtype: str) -> ScaleTuning:
+        """These settings with ``dtype`` decided: as given, else the codes' pass's
+        (``SequentialCalibration.dtype``)."""
+        if pass_dtype == "bfloat16" and self.dtype == "float32":
+            raise DynquantError("float32 tuning steps need a float32 codes' pass (the block's "
+                                "weights are bf16 on a bfloat16 one): --codes-dtype float32",
+                                field="tuning.dtype")
+        return self if self.dtype is not None else replace(self, dtype=pass_dtype)
 
     @property
     def rounding_reach(self) -> float:
@@ -124,6 +117,14 @@ class ScaleTuning:
     def rounding_step(self, step: int) -> float:
         """The rounding's step size at ``step`` (falling linearly to zero, as the scales')."""
         return self.rounding * (1 - step / self.steps)
+
+
+def default_pass_dtype(tuning: ScaleTuning | None, quantized_weights: int) -> str:
+    """The codes' pass's dtype where none is asked: float32 under float32 tuning steps (which
+    need the block's float32 weights), else ``size_dtype``'s for the model's size."""
+    if tuning is not None and tuning.dtype == "float32":
+        return "float32"
+    return size_dtype(quantized_weights)
 
 
 # windows a tuning's error is compared on (evenly spaced; every window where there are fewer):

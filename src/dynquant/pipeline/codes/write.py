@@ -21,6 +21,7 @@ from dynquant.format.planner import TensorSpec, WidthChoice, plan_document, spli
 from dynquant.format.safetensors_header import TensorInfo
 from dynquant.format.safetensors_writer import TORCH_DTYPES
 from dynquant.models.sources import ModelSource
+from dynquant.numerics.compute_dtype import resolve_dtype
 from dynquant.numerics.quantizer import QuantizedTensor
 from dynquant.pipeline.calibrate.block_stream import BlockStream
 from dynquant.pipeline.calibrate.weights import WeightsAt, WeightSource
@@ -194,7 +195,8 @@ def _sequential(source: ModelSource, weights: WeightSource, specs: list, plan: d
     """The decoder blocks' tensors, compensated block by block into ``store``; the float
     model's last block's outputs where the pass ran the float model (``sequential_gptq``)."""
     assert chooser.sequential is not None
-    stream = BlockStream(source, weights, chooser.sequential.ids, chunk=1)
+    stream = BlockStream(source, weights, chooser.sequential.ids, chunk=1,
+                         dtype=resolve_dtype(chooser.sequential.dtype))
     return sequential_gptq(stream, specs, set(plan["layers"]),
                            lambda m: split_choice(widths[m], group_size), chooser.quantize,
                            store, progress, executor, chooser.sequential.compensate_head,

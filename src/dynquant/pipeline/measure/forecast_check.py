@@ -44,7 +44,7 @@ from dynquant.pipeline.calibrate.text import calibration_tokens, spread_windows
 from dynquant.pipeline.calibrate.weights import weight_source
 from dynquant.pipeline.codes.code_chooser import CodeChooser
 from dynquant.pipeline.codes.sequential_gptq import SequentialCalibration
-from dynquant.pipeline.codes.tuned_scales import ScaleTuning
+from dynquant.pipeline.codes.tuned_scales import ScaleTuning, default_pass_dtype
 from dynquant.pipeline.codes.write import quantize_model
 from dynquant.pipeline.execute.executor import Executor
 from dynquant.pipeline.measure.streamed_kl import streamed_kl
@@ -87,7 +87,8 @@ def forecast_check(source: ModelSource, doc: dict, importance: dict[str, torch.T
     if windows is None:
         return None
     fit, held = windows
-    tuning = (tuning or ScaleTuning()).resolved(uniform.elements)
+    dtype = default_pass_dtype(tuning, uniform.elements)
+    tuning = (tuning or ScaleTuning()).resolved(dtype)
     probe_budget = uniform.packed_nbytes * 8 / uniform.elements
     points = []
     for step in STEPS:
@@ -99,7 +100,7 @@ def forecast_check(source: ModelSource, doc: dict, importance: dict[str, torch.T
             continue
         measured = _measured_kl(source, doc, importance, dict(alloc.widths), fit, held,
                                 group_size, work, executor, progress, codes,
-                                tuning)
+                                tuning, dtype)
         points.append({"widths": f"allocated at uniform {bits}:{group_size}'s bytes"
                        + (f" + {step} bit per weight" if step else ""),
                        "predicted_kl": alloc.predicted_error, "measured_kl": measured})
@@ -111,11 +112,11 @@ def forecast_check(source: ModelSource, doc: dict, importance: dict[str, torch.T
 def _measured_kl(source: ModelSource, doc: dict, importance: dict[str, torch.Tensor],
                  widths: dict, fit: torch.Tensor, held: torch.Tensor, group_size: int,
                  work: Path, executor: Executor | None, progress: bool, codes: str,
-                 tuning: ScaleTuning) -> float:
+                 tuning: ScaleTuning, dtype: str) -> float:
     """The KL on ``held`` of ``source`` quantized at ``widths`` with ``codes`` fitted to
-    ``fit``."""
+    ``fit`` (the pass in ``dtype``)."""
     chooser = CodeChooser(codes, importance, sequential=SequentialCalibration(
-        fit, compensates_head(doc, widths), tuning if codes == "tuned" else None))
+        fit, compensates_head(doc, widths), tuning if codes == "tuned" else None, dtype=dtype))
     with tempfile.TemporaryDirectory(prefix=".forecast-check-", dir=work) as tmp:
         quantize_model(source, widths, Path(tmp) / "check", group_size=group_size,
                        modules_to_not_convert=tuple(doc["modules_to_not_convert"]),
