@@ -12,7 +12,7 @@ shown once), and mean KL against the float model on 16,384 held-out tokens.
 
     python -m benchmarks tuned_quality [--model smollm2|gemma3-270m] [--settings u3 a3.25 ...]
         [--steps 100] [--rounding 3e-3] [--e2e-steps 100] [--kinds rtn gptq scales tuned ...]
-        [--codes-dtype bfloat16]
+        [--codes-dtype bfloat16] [--measure-dtype bfloat16]
 
 Targets: tuned <= 0.6x GPTQ's KL at 3.25 and 4.25 bits (SmolLM2; Gemma-3-270M at 4.25), no
 budget worse at 5.5; tuned's quantize (measure + codes) <= 3x GPTQ's.
@@ -74,11 +74,13 @@ def main() -> None:
     parser.add_argument("--codes-dtype", choices=("float32", "bfloat16"), default="float32",
                         help="the codes' pass's dtype (a model past 2 G weights gets bfloat16 "
                         "on a CPU with native bf16 products)")
+    parser.add_argument("--measure-dtype", choices=("float32", "bfloat16"), default="float32",
+                        help="the measure's passes' dtype (quantize's --dtype)")
     args = parser.parse_args()
     model_dir = prepared_real_model(args.model)
     print(f"# {args.model}: {' / '.join(TITLES[k] for k in KINDS if k in args.kinds)} "
           f"({args.steps} steps a block, rounding step {args.rounding}, a {args.codes_dtype} "
-          f"pass), same widths; "
+          f"pass, a {args.measure_dtype} measure), same widths; "
           f"{GPTQ_SEQS} x 256 calibration tokens of the bundled text, KL on {EVAL_TOKENS} "
           f"held-out tokens; {machine()}")
     source = resolve_model(str(model_dir))
@@ -88,7 +90,8 @@ def main() -> None:
     with tempfile.TemporaryDirectory(prefix="dynquant-tuned-") as tmp:
         out = Path(tmp)
         start = time.perf_counter()
-        maps = measure(source, MeasureOptions(budgets=[]), out / "maps.json", progress=False)
+        maps = measure(source, MeasureOptions(budgets=[], dtype=args.measure_dtype),
+                       out / "maps.json", progress=False)
         measured = time.perf_counter() - start
         figure(f"{args.model}: calibrated measure", measured, "s")
         importance = load_file(out / maps["stats"])

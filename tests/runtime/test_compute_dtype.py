@@ -113,7 +113,7 @@ def test_the_codes_dtype_is_the_api_s_unless_asked():
         assert quantize_options(args)["codes"].dtype == dtype
     with pytest.raises(SystemExit):
         parser.parse_args(["quantize", "m", "-o", "x", "--codes-dtype", "float16"])
-    with pytest.raises(DynquantError, match="codes.dtype"):
+    with pytest.raises(DynquantError, match=r"codes\.dtype"):
         CodeOptions(dtype="float16")
 
 

@@ -231,10 +231,11 @@ class BlockStream:
     def head_logits(self, final: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
         """The model's logits given the last block's outputs ``final`` for ``ids``: whatever the
         model does after its blocks (final norm, lm_head, soft-capping) runs as written; the
-        embedding and the blocks are stood in for. Head weights must be materialized."""
+        embedding and the blocks are stood in for (``final`` taken in the stream's dtype). Head
+        weights must be materialized."""
         embed = self.model.get_input_embeddings()
         stands = self._stand_in()
-        stands[-1].output = final
+        stands[-1].output = final.to(self.dtype)
         self.model.set_input_embeddings(_ZeroEmbedding(final.shape[-1]))
         try:
             return self.model(input_ids=ids, use_cache=False).logits

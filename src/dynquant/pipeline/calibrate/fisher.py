@@ -130,7 +130,7 @@ class ModuleError:
         """sum(grad * error): at once for a small module, else a chunk of rows at a time."""
         g = grad.reshape(self.weight.shape)
         if self.dense is not None:
-            return torch.dot(g.reshape(-1), self.dense_float().reshape(-1)).double()
+            return torch.dot(g.reshape(-1).float(), self.dense_float().reshape(-1)).double()
         step = max(1, ROWS_CHUNK // self.weight.shape[1])
         total = torch.zeros((), dtype=torch.float64)
         for r in range(0, g.shape[0], step):
@@ -608,14 +608,14 @@ def _block_backward(stream: BlockStream, index: int, inputs: list[torch.Tensor],
     out = []
     try:
         for s, (x, (a, kw)) in enumerate(zip(_sequences(inputs), args, strict=True)):
-            x = x.clone().requires_grad_(True)
+            x = x.to(stream.dtype, copy=True).requires_grad_(True)
             y = first_output(block(x, *a, **kw))
             moved = {m: t.times_error(acc.errors[m]) for m, t in taps.items()}
             per_draw, grads[s] = grads[s], []  # dropped as used: one level of them alive
             below = []
             for d, g in enumerate(per_draw):
                 acc.at = (s, d)
-                y.backward(g, retain_graph=d < len(per_draw) - 1)
+                y.backward(g.to(y.dtype), retain_graph=d < len(per_draw) - 1)
                 for m, t in taps.items():
                     acc.add(m, (t.grad * moved[m]).sum())
                 below.append(x.grad)
@@ -661,6 +661,6 @@ def _embedding_backward(stream: BlockStream, grads: list[list[torch.Tensor]],
         at = torch.searchsorted(read, rows)
         for d, g in enumerate(per_draw):
             acc.at = (s, d)
-            summed = torch.zeros(len(rows), g.shape[-1]).index_add_(0, inverse, g[0])
+            summed = torch.zeros(len(rows), g.shape[-1]).index_add_(0, inverse, g[0].float())
             for key in keys:
                 acc.add(key, factor * (summed * acc.errors[key].rows(at)).sum())
