@@ -166,8 +166,10 @@ def _executor(args: argparse.Namespace) -> dict:
 
 def _work_options(p: argparse.ArgumentParser) -> None:
     """How measure's and quantize's work runs: the calibration passes' dtype, and where."""
-    _dtype_option(p, None, "the calibration passes", "default float32: bf16 noise is of the "
-                  "size of the sensitivities")
+    _dtype_option(p, None, "the measure's calibration passes", "default float32, except "
+                  "bfloat16 for models past 2 G quantized weights on a CPU with native bf16 "
+                  "products (not for --method kl-exact: bf16 noise is of the size of its "
+                  "sensitivities); the codes' pass: --codes-dtype")
     p.add_argument("--ray", nargs="?", const="local", metavar="ADDRESS",
                    help="run the per-module work as Ray tasks: on the cluster at ADDRESS (auto, "
                    "ray://HOST:10001), or without one on a Ray instance started on this "

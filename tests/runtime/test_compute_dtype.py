@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from dataclasses import replace
 from pathlib import Path
 
 import pytest
@@ -84,18 +85,43 @@ def test_the_cli_takes_dtype_and_defaults_to_auto(command):
         parser.parse_args([*command, "--dtype", "float16"])
 
 
-def test_measure_probes_in_float32_unless_asked():
+def test_measure_dtype_is_the_api_s_unless_asked():
     """The default is the API's (the CLI passes only what it is given)."""
     from dynquant.api import MeasureOptions, QuantizeRequest
     from dynquant.cli import measure_options, quantize_options
 
     parser = build_parser()
     assert "dtype" not in measure_options(parser.parse_args(["measure", "m", "-o", "x"]))
-    assert MeasureOptions().dtype == QuantizeRequest("x").measure.dtype == "float32"
+    # (None: float32, or bfloat16 past 2 G quantized weights on a CPU with native bf16)
+    assert MeasureOptions().dtype is QuantizeRequest("x").measure.dtype is None
     args = parser.parse_args(["quantize", "m", "-o", "x", "--dtype", "auto"])
     assert quantize_options(args)["measure"].dtype == "auto"
     default = parser.parse_args(["quantize", "m", "-o", "x"])
     assert quantize_options(default)["measure"] == MeasureOptions()
+
+
+def test_the_measure_passes_take_bf16_only_past_2g_weights_on_native_bf16_cpus(monkeypatch,
+                                                                              capsys):
+    """``MeasureOptions.dtype`` None: float32 for a model of up to 2 G quantized weights, on a
+    CPU without native bf16 products, and for the exact probe; else bfloat16, said in a line."""
+    from types import SimpleNamespace
+
+    from dynquant.pipeline.measure.options import MeasureOptions
+    from dynquant.pipeline.measure.run import _passes_dtype
+
+    big = [SimpleNamespace(shape=(50_000, 40_001))]  # 2.00005 G
+    small = [SimpleNamespace(shape=(50_000, 40_000))]
+    fisher = MeasureOptions(method="fisher")
+    for flags, want in (({"amx_bf16"}, "bfloat16"), ({"avx512_bf16"}, "bfloat16"),
+                        ({"avx2", "fma"}, "float32")):
+        monkeypatch.setattr(cd, "cpu_flags", lambda flags=flags: frozenset(flags))
+        assert _passes_dtype(fisher, big, False).dtype == want
+        assert _passes_dtype(fisher, small, False).dtype == "float32"
+        assert _passes_dtype(MeasureOptions(method="kl-exact"), big, False).dtype == "float32"
+        assert _passes_dtype(replace(fisher, dtype="float32"), big, False).dtype == "float32"
+    monkeypatch.setattr(cd, "cpu_flags", lambda: frozenset({"amx_bf16"}))
+    _passes_dtype(fisher, big, True)
+    assert "calibration passes in bfloat16: 2.0 G quantized weights" in capsys.readouterr().err
 
 
 def test_the_codes_dtype_is_the_api_s_unless_asked():

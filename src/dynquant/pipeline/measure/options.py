@@ -39,9 +39,14 @@ class MeasureOptions:
     # the text (none: the bundled data/calibration_default.txt) and its windows
     calibration: Calibration = field(default_factory=Calibration)
     not_convert: Sequence[str] = ()
-    # The kl probe's compute dtype. float32 by default on every CPU: sensitivities are
-    # differences of small KLs, and bf16 rounding of activations would be noise of their size.
-    dtype: str = "float32"
+    # The calibration passes' compute dtype (and the kl probe's). None: float32, except
+    # bfloat16 for a model of more than 2 G quantized weights on a CPU with native bf16
+    # products (``size_dtype``, decided by ``measure``; not for the exact probe): its Fisher
+    # estimates rank the modules as float32's do and move them less than the label draws do
+    # (tests/pipeline/test_streaming.py), and the real models at hand measured in bf16 end
+    # within 1% of float32's KL at the same budget (BENCHMARKS.md "Scale"). The exact probe's
+    # sensitivities are differences of small KLs, of the size of bf16 rounding's noise.
+    dtype: str | None = None
     # Also write each Linear's input second moments X^T X / tokens beside maps.json
     # (``NAME.moments/block_NNN.safetensors``), for error-compensating quantizers, from
     # ``moment_seqs`` windows (a forward pass of their own when more than ``calib_seqs``, or

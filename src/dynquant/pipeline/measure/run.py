@@ -16,6 +16,7 @@ that module's relative error: KL ~ s * ||dW||^2 / ||W||^2 holds for small pertur
 
 
 import json
+import math
 import os
 import sys
 import time
@@ -32,7 +33,7 @@ from dynquant.format.metadata import core_version
 from dynquant.format.planner import TensorSpec, excluded_modules
 from dynquant.models.sources import ModelSource
 from dynquant.models.tokenizer import load_tokenizer
-from dynquant.numerics.compute_dtype import resolve_dtype
+from dynquant.numerics.compute_dtype import AUTO_BF16_WEIGHTS, resolve_dtype, size_dtype
 from dynquant.numerics.gptq import concat_rows, gptq_quantize, ordered_factor
 from dynquant.numerics.quantizer import QuantizedTensor
 from dynquant.pipeline.allocate.allocation import (
@@ -126,6 +127,7 @@ def measure(source: ModelSource, opts: MeasureOptions, out: str | Path | None = 
     specs = source.tensor_specs()
     dense_out = set(excluded_modules(specs, opts.not_convert))
     quantizable = [s for s in specs if s.quantizable and s.module not in dense_out]
+    opts = _passes_dtype(opts, quantizable, progress)
     blocks = 1 + max((block_index(s.module) or 0 for s in quantizable), default=0)
     at = WeightsAt.of(source, random_init)  # this process's source, the one jobs run here use
     weights = at.open()
@@ -195,6 +197,22 @@ def _record(opts: MeasureOptions) -> dict | None:
     if cal.texts:
         return calibration_record(list(cal.texts), cal.seqs, cal.length)
     return synthetic_record(cal.seqs, cal.length) if opts.synthetic else None
+
+
+def _passes_dtype(opts: MeasureOptions, quantizable: list[TensorSpec], progress: bool
+                  ) -> MeasureOptions:
+    """``opts`` with the calibration passes' dtype decided (``MeasureOptions.dtype``); with
+    ``progress``, a line where the default takes bfloat16 for the model's size."""
+    if opts.dtype is not None:
+        return opts
+    weights = sum(math.prod(s.shape) for s in quantizable)
+    exact = opts.method in ("kl", "kl-exact")  # (differences of small KLs: float32)
+    dtype = "float32" if exact else size_dtype(weights)
+    if progress and dtype == "bfloat16":
+        print(f"dynquant: calibration passes in bfloat16: {weights / 1e9:.1f} G quantized "
+              f"weights, past {AUTO_BF16_WEIGHTS / 1e9:.1f} G, on a CPU with native bf16 "
+              "products (--dtype float32 keeps float32)", file=sys.stderr)
+    return replace(opts, dtype=dtype)
 
 
 def moments_nbytes(quantizable: list[TensorSpec]) -> int:
