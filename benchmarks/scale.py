@@ -1,14 +1,15 @@
 """The calibrated default at a 7 B model's layer shapes: `dynquant quantize --budget 4.25` (the
 bundled text, the default codes of a 7 B model: GPTQ's with each block's scales tuned, the
-codes' pass (its forwards and the tuning's steps) in bfloat16 where this CPU multiplies it
-natively; no end-to-end scales, which a
+measure's passes and the codes' pass (its forwards and the tuning's steps) in bfloat16 where
+this CPU multiplies it natively; no end-to-end scales, which a
 7 B model's default leaves out: ``--e2e-steps 40`` measures them) of
 the scale model (``benchmarks/scale_model.py``, N
 decoder layers), each stage's seconds and the work it does against this machine's float32 GEMM
 peak, and the whole run's wall time and peak RSS.
 
     python -m benchmarks scale [--layers N] [--budget B] [--dense-head] [--no-llama-cpp]
-        [--tune-rounding STEP] [--codes-dtype float32] [--tune-dtype bfloat16] [--e2e-steps N]
+        [--tune-rounding STEP] [--codes-dtype float32] [--measure-dtype float32]
+        [--tune-dtype bfloat16] [--e2e-steps N]
 
 Stage seconds come from the progress lines (a stage's "done" line; the tuning's share of the
 gptq stage from the first block's "tuning scales, step N" lines, which a log says every 10 s);
@@ -233,9 +234,10 @@ def llama_cpp(model: Path, work: Path, threads: int) -> list[tuple[str, float, i
     return [(name, *timed(cmd, env)) for name, cmd, env in steps]
 
 
-def seven_b_codes_dtype() -> str:
-    """The codes' pass's dtype quantize gives a 7 B model on this CPU (``size_dtype``): the
-    one-layer model is below the size where the default takes bfloat16."""
+def seven_b_dtype() -> str:
+    """The dtype of the measure's passes and of the codes' pass that quantize gives a 7 B model
+    on this CPU (``size_dtype``): the one-layer model is below the size where the default takes
+    bfloat16."""
     return size_dtype(quantized_weights(replace(SEVEN_B, layers=SEVEN_B_LAYERS)))
 
 
@@ -251,6 +253,9 @@ def main() -> None:
     parser.add_argument("--codes-dtype", choices=("float32", "bfloat16"),
                         help="quantize's --codes-dtype (default: a 7 B model's default on this "
                         "CPU, bfloat16 where it multiplies bf16 natively)")
+    parser.add_argument("--measure-dtype", choices=("float32", "bfloat16"),
+                        help="quantize's --dtype, the measure's passes' (default: a 7 B "
+                        "model's default on this CPU)")
     parser.add_argument("--tune-dtype", choices=("float32", "bfloat16"),
                         help="quantize's --tune-dtype (default: the codes' pass's)")
     parser.add_argument("--e2e-steps", metavar="N", default="0",
@@ -266,7 +271,8 @@ def main() -> None:
         extra = (["--not-convert", "lm_head"] if args.dense_head else []) + (
             [] if args.tune_rounding is None else ["--tune-rounding", args.tune_rounding]) + (
             [] if args.tune_dtype is None else ["--tune-dtype", args.tune_dtype]) + [
-            "--codes-dtype", args.codes_dtype or seven_b_codes_dtype(),
+            "--codes-dtype", args.codes_dtype or seven_b_dtype(),
+            "--dtype", args.measure_dtype or seven_b_dtype(),
             "--e2e-steps", args.e2e_steps]
         wall, rss, stages = run(model, Path(tmp) / "q", args.budget, extra)
         dense = sum(p.stat().st_size for p in model.glob("*.safetensors"))

@@ -83,10 +83,11 @@ def auto_dtype(flags: Iterable[str] | None = None) -> torch.dtype:
     return torch.bfloat16 if bf16_native(cpu_flags() if flags is None else flags) else torch.float32
 
 
-# Past this many quantized weights the codes' pass (its block forwards, second moments and tuning
-# steps) runs in bfloat16 where the CPU multiplies it natively (``size_dtype``): on a 7B-shaped
-# block that pass takes about half float32's time, for a few percent more KL on the real models
-# at hand (BENCHMARKS.md "Scale"), which models up to this size keep.
+# Past this many quantized weights the measure's calibration passes and the codes' pass (its
+# block forwards, second moments' inputs and tuning steps) run in bfloat16 where the CPU
+# multiplies it natively (``size_dtype``): on a 7B-shaped block the quantize takes 0.73x
+# float32's time (bf16 tuning alone), for KL within about 1% on the real models at hand
+# (BENCHMARKS.md "Scale"); models up to this size keep float32, and CPU-independent codes.
 AUTO_BF16_WEIGHTS = 2_000_000_000
 
 
