@@ -121,14 +121,20 @@ def test_reruns_and_resumes_are_byte_identical(tmp_path, monkeypatch):
 def test_window_shards_run_by_a_worker_give_the_driver_s_bytes(tmp_path):
     """12 windows: two shards (8 + 4) per group's moments, folded in order, and a window a job
     for each block's outputs; run as a worker runs them (weights from the files, earlier groups' codes sent
-    with the job), the checkpoint is the one-process checkpoint, byte for byte."""
+    with the job), the checkpoint is the one-process checkpoint, byte for byte; in a bfloat16
+    pass too (the workers' blocks bf16 as the driver's), whose codes are its own."""
     source = resolve_model(str(LLAMA_REF))
     widths = {**_uniform(source, 3), "model.layers.1.mlp.down_proj": 4}
-    chooser = CodeChooser("gptq", sequential=_calibration(LLAMA_REF, 12, 32))
-    for run, executor in (("here", LocalExecutor()), ("worker", AsAWorker())):
-        quantize_model(source, widths, tmp_path / run, progress=False, chooser=chooser,
-                       executor=executor)
-    assert checkpoint_bytes(tmp_path / "here") == checkpoint_bytes(tmp_path / "worker")
+    written = {}
+    for dtype in ("float32", "bfloat16"):
+        chooser = CodeChooser("gptq", sequential=replace(_calibration(LLAMA_REF, 12, 32),
+                                                         dtype=dtype))
+        for run, executor in (("here", LocalExecutor()), ("worker", AsAWorker())):
+            quantize_model(source, widths, tmp_path / dtype / run, progress=False,
+                           chooser=chooser, executor=executor)
+            written[dtype, run] = checkpoint_bytes(tmp_path / dtype / run)
+        assert written[dtype, "here"] == written[dtype, "worker"]
+    assert written["float32", "here"] != written["bfloat16", "here"]
 
 
 def test_gptq_needs_text_it_can_find(tmp_path, capsys):
