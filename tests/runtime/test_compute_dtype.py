@@ -127,7 +127,7 @@ def test_the_measure_passes_take_bf16_only_past_2g_weights_on_native_bf16_cpus(m
 def test_the_codes_dtype_is_the_api_s_unless_asked():
     """``--codes-dtype``: auto leaves the API's default (decided by the model's size and the
     CPU, ``size_dtype``); float32 / bfloat16 are passed on; anything else is refused."""
-    from dynquant.api import CodeOptions
+    from dynquant.api import CodeOptions, ScaleTuning
     from dynquant.cli import quantize_options
     from dynquant.errors import DynquantError
 
@@ -141,6 +141,8 @@ def test_the_codes_dtype_is_the_api_s_unless_asked():
         parser.parse_args(["quantize", "m", "-o", "x", "--codes-dtype", "float16"])
     with pytest.raises(DynquantError, match=r"codes\.dtype"):
         CodeOptions(dtype="float16")
+    with pytest.raises(DynquantError, match="--codes-dtype float32"):  # before any work
+        CodeOptions(dtype="bfloat16", tuning=ScaleTuning(dtype="float32"))
 
 
 def test_load_and_from_pretrained_follow_the_decision(tiny_checkpoint, monkeypatch):

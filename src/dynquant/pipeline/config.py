@@ -81,6 +81,8 @@ class CodeOptions:
         if self.dtype not in (None, "float32", "bfloat16"):
             raise DynquantError(f"the codes' dtype must be float32 or bfloat16, not "
                                 f"{self.dtype!r}", field="codes.dtype")
+        if self.dtype is not None:  # (before any measuring: float32 steps need a float32 pass)
+            self.tuning.resolved(self.dtype)
         if self.chain_blocks < 0:
             raise DynquantError(f"--chain-blocks must be 0 (the whole model one chain) or more, "
                                 f"not {self.chain_blocks}", field="chain_blocks")
