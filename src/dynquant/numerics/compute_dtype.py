@@ -100,6 +100,12 @@ def size_dtype(quantized_weights: int, flags: Iterable[str] | None = None) -> st
     return "bfloat16" if low else "float32"
 
 
+def size_dtype_reason(quantized_weights: int) -> str:
+    """Why ``size_dtype`` answered bfloat16, for the line that says so."""
+    return (f"{quantized_weights / 1e9:.1f} G quantized weights, past "
+            f"{AUTO_BF16_WEIGHTS / 1e9:.1f} G, on a CPU with native bf16 products")
+
+
 def resolve_dtype(dtype: str | torch.dtype | None = None,
                   flags: Iterable[str] | None = None) -> torch.dtype:
     """The compute dtype for a request: a torch dtype or name (``bfloat16``/``float32``) as
@@ -135,4 +141,5 @@ def describe(dtype: torch.dtype) -> str:
 
 
 __all__ = ["AUTO_BF16_WEIGHTS", "CHOICES", "auto_dtype", "bf16_native", "cpu_class", "cpu_flags",
-           "describe", "dtype_name", "resolve_dtype", "size_dtype"]
+           "describe", "dtype_name", "resolve_dtype", "size_dtype",
+           "size_dtype_reason"]

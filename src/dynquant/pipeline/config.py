@@ -17,7 +17,7 @@ from typing import Any
 from dynquant.errors import DynquantError
 from dynquant.pipeline.allocate.forecast import Forecast
 from dynquant.pipeline.codes.end_to_end import EndToEndTuning
-from dynquant.pipeline.codes.tuned_scales import ScaleTuning
+from dynquant.pipeline.codes.tuned_scales import TUNING_DTYPES, ScaleTuning
 from dynquant.pipeline.execute.executor import Executor
 
 
@@ -78,9 +78,9 @@ class CodeOptions:
     dtype: str | None = None
 
     def __post_init__(self) -> None:
-        if self.dtype not in (None, "float32", "bfloat16"):
-            raise DynquantError(f"the codes' dtype must be float32 or bfloat16, not "
-                                f"{self.dtype!r}", field="codes.dtype")
+        if self.dtype is not None and self.dtype not in TUNING_DTYPES:
+            raise DynquantError(f"the codes' dtype must be one of {', '.join(TUNING_DTYPES)}, "
+                                f"not {self.dtype!r}", field="codes.dtype")
         if self.dtype is not None:  # (before any measuring: float32 steps need a float32 pass)
             self.tuning.resolved(self.dtype)
         if self.chain_blocks < 0:

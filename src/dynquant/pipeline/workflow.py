@@ -16,7 +16,7 @@ from dynquant.errors import DynquantError
 from dynquant.format.planner import excluded_modules, plan_document
 from dynquant.format.widths_file import load_widths
 from dynquant.models.sources import ModelSource
-from dynquant.numerics.compute_dtype import AUTO_BF16_WEIGHTS
+from dynquant.numerics.compute_dtype import size_dtype_reason
 from dynquant.pipeline.allocate.allocation import Constraints, allocate_widths, parse_pins
 from dynquant.pipeline.allocate.allocation import uniform_widths as uniform
 from dynquant.pipeline.allocate.forecast import Forecast, forecast
@@ -225,9 +225,8 @@ def _pass_dtype(codes: CodeOptions, quantizer: str, weights: int, say: bool) -> 
     tuning = codes.tuning if quantizer == "tuned" else None
     dtype = codes.dtype or default_pass_dtype(tuning, weights)
     if say and codes.dtype is None and dtype == "bfloat16" and quantizer in SEQUENTIAL:
-        print(f"dynquant: {quantizer} codes' pass in bfloat16: {weights / 1e9:.1f} G quantized "
-              f"weights, past {AUTO_BF16_WEIGHTS / 1e9:.1f} G, on a CPU with native bf16 "
-              "products (--codes-dtype float32 keeps float32)", file=sys.stderr)
+        print(f"dynquant: {quantizer} codes' pass in bfloat16: {size_dtype_reason(weights)} "
+              "(--codes-dtype float32 keeps float32)", file=sys.stderr)
     return dtype
 
 

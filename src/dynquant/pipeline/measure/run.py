@@ -33,7 +33,7 @@ from dynquant.format.metadata import core_version
 from dynquant.format.planner import TensorSpec, excluded_modules
 from dynquant.models.sources import ModelSource
 from dynquant.models.tokenizer import load_tokenizer
-from dynquant.numerics.compute_dtype import AUTO_BF16_WEIGHTS, resolve_dtype, size_dtype
+from dynquant.numerics.compute_dtype import resolve_dtype, size_dtype, size_dtype_reason
 from dynquant.numerics.gptq import concat_rows, gptq_quantize, ordered_factor
 from dynquant.numerics.quantizer import QuantizedTensor
 from dynquant.pipeline.allocate.allocation import (
@@ -209,9 +209,8 @@ def _passes_dtype(opts: MeasureOptions, quantizable: list[TensorSpec], progress:
     exact = opts.method in ("kl", "kl-exact")  # (differences of small KLs: float32)
     dtype = "float32" if exact else size_dtype(weights)
     if progress and dtype == "bfloat16":
-        print(f"dynquant: calibration passes in bfloat16: {weights / 1e9:.1f} G quantized "
-              f"weights, past {AUTO_BF16_WEIGHTS / 1e9:.1f} G, on a CPU with native bf16 "
-              "products (--dtype float32 keeps float32)", file=sys.stderr)
+        print(f"dynquant: calibration passes in bfloat16: {size_dtype_reason(weights)} "
+              "(--dtype float32 keeps float32)", file=sys.stderr)
     return replace(opts, dtype=dtype)
 
 
