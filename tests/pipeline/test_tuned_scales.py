@@ -96,6 +96,11 @@ def test_the_group_sums_are_their_fixed_order_s():
             assert torch.equal(times, ref[0]) and torch.equal(plain, ref[1])
             assert torch.equal(torch.stack([times[0, 0], plain[0, 0]]), torch.zeros(2))
             assert not torch.signbit(times[0, 0]) and not torch.signbit(plain[0, 0])
+            low = grad.to(torch.bfloat16)  # a bf16 pass's gradient, read as it is
+            low_times, low_plain = torch.empty(50, 3), torch.empty(50, 3)
+            tuned_scales_module.group_sums(low, q, low_times, low_plain)
+            low_ref = tuned_scales_module.group_sums_torch(low.float(), q)
+            assert torch.equal(low_times, low_ref[0]) and torch.equal(low_plain, low_ref[1])
             exact = (grad.double() * q.double()).sum(-1)
             assert torch.allclose(times.double(), exact, rtol=1e-5, atol=1e-6 * exact.abs().max())
             if exact_sums:
@@ -207,9 +212,11 @@ def test_the_chunked_rounded_dequantize_and_its_adam_step_are_the_plain_ones(mon
     assert not torch.equal(q, q0)
 
 
-def test_the_native_rounding_step_is_the_torch_one(monkeypatch):
+@pytest.mark.parametrize("grad_dtype", [torch.float32, torch.bfloat16])
+def test_the_native_rounding_step_is_the_torch_one(monkeypatch, grad_dtype):
     """The rounding's step in the native kernel and in torch (its reference): the same offsets,
-    moments, codes and moved codes after every step, bit for bit."""
+    moments, codes and moved codes after every step, bit for bit; a bf16 gradient (a bf16
+    pass's, which the kernel reads as it is) as its float32 values."""
     gen = torch.Generator().manual_seed(4)
     start = quantize_tensor(torch.randn(40, 256, generator=gen), 3, 64)
     r = (torch.rand(40, 4, 64, generator=gen) * 0.998 - 0.499).half()
@@ -217,11 +224,11 @@ def test_the_native_rounding_step_is_the_torch_one(monkeypatch):
     plain = tuned_scales_module.RoundingOffsets(TunableScales(start).unpacked(), r, 7, reach=0.4)
     assert native.available()
     for _ in range(6):
-        grad = torch.randn(40, 4, 64, generator=gen)
+        grad = torch.randn(40, 4, 64, generator=gen).to(grad_dtype)
         for rounding in (fast, plain):
             rounding.next_step(0.1)
         fast.step(0, grad)
-        plain.step_torch(0, grad)
+        plain.step_torch(0, grad.float())
         for name in ("u", "m", "s2"):
             assert torch.equal(getattr(fast, name)[0], getattr(plain, name)[0]), name
         assert torch.equal(fast.q, plain.q)

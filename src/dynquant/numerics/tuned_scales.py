@@ -87,8 +87,10 @@ def group_gradients(grad: torch.Tensor, q: torch.Tensor,
     at a time: the torch path's temporaries (a float copy of the codes, the product) stay a
     chunk's, not the block's."""
     grad, grad_s, grad_o = _grouped(grad, q.shape)
+    # the native kernels read a bf16 gradient as it is (the same values: widened exactly)
+    keep = native.library() is not None and grad.dtype == torch.bfloat16
     for i, rs in enumerate(row_chunks(q.shape)):
-        g = grad[rs].float()
+        g = grad[rs] if keep else grad[rs].float()
         group_sums(g, q[rs], grad_s[rs], grad_o[rs])
         if rounding is not None:
             rounding.step(i, g)
@@ -132,15 +134,15 @@ def _grouped(grad: torch.Tensor, shape: tuple[int, int, int]
 def group_sums(grad: torch.Tensor, q: torch.Tensor, times_out: torch.Tensor,
                plain_out: torch.Tensor) -> None:
     """Into ``times_out`` and ``plain_out`` [rows, groups]: the sums over each group of
-    ``grad`` * ``q`` and of ``grad`` (float32 and uint8 [rows, groups, group_size], contiguous),
-    in ``group_sums_torch``'s order: the native kernel where it runs
+    ``grad`` * ``q`` and of ``grad`` (float32 or bf16, and uint8 [rows, groups, group_size],
+    contiguous), in ``group_sums_torch``'s order: the native kernel where it runs
     (``native/tunable_dequantize.c``, one pass), else that."""
     lib = native.library()
     rows, groups, size = q.shape
     if lib is None or size % GROUP_LANES or lib.dq_tunable_backward(
-            grad.data_ptr(), q.data_ptr(), rows, groups, size, times_out.data_ptr(),
-            plain_out.data_ptr(), native.kernel_threads()) != 0:
-        times, plain = group_sums_torch(grad, q)
+            grad.data_ptr(), grad.dtype == torch.bfloat16, q.data_ptr(), rows, groups, size,
+            times_out.data_ptr(), plain_out.data_ptr(), native.kernel_threads()) != 0:
+        times, plain = group_sums_torch(grad.float(), q)
         times_out.copy_(times)
         plain_out.copy_(plain)
 
@@ -238,12 +240,13 @@ class RoundingOffsets:
             return
         lib = native.library()
         if lib is None:
-            self.step_torch(i, grad)
+            self.step_torch(i, grad.float())
             return
         grad = grad.contiguous()
-        tensors = (grad, self.mask[i], self.first[i], None, self.u[i], self.m[i], self.s2[i],
+        tensors = (self.mask[i], self.first[i], None, self.u[i], self.m[i], self.s2[i],
                    self.q0[i], self.q[self.chunks[i]], self.constants)
-        lib.dq_rounding_step(*(len(self.mask[i]) if x is None else x.data_ptr()
+        lib.dq_rounding_step(grad.data_ptr(), grad.dtype == torch.bfloat16,
+                             *(len(self.mask[i]) if x is None else x.data_ptr()
                                for x in tensors), self.max_code, native.kernel_threads())
 
     def step_torch(self, i: int, grad: torch.Tensor) -> None:

@@ -297,23 +297,25 @@ int dq_decode_step(const dq_decode_program *program, float *h, int64_t pos, floa
  * bit p of mask (words uint64, low bit first) set where weight p (of grad and codes) has one,
  * their state (u, m, s2, q0) in the order of p; first[s] the count of them before segment s
  * (DQ_ROUNDING_SEGMENT weights a segment). k: b1, 1 - b1, b2, 1 - b2, sqrt(1 - b2^t), eps,
- * 1 / (1 - b1^t), lr. Codes that change are written, on `threads` threads. Returns how many
- * changed. */
+ * 1 / (1 - b1^t), lr. grad float32, or bf16 where grad_bf16. Codes that change are written, on
+ * `threads` threads. Returns how many changed. */
 #define DQ_ROUNDING_SEGMENT 4096
-int64_t dq_rounding_step(const float *grad, const uint64_t *mask, const int64_t *first,
-                         int64_t words, float *u, uint16_t *m, uint16_t *s2, const uint8_t *q0,
-                         uint8_t *codes, const float *k, int max_code, int threads);
+int64_t dq_rounding_step(const void *grad, int grad_bf16, const uint64_t *mask,
+                         const int64_t *first, int64_t words, float *u, uint16_t *m,
+                         uint16_t *s2, const uint8_t *q0, uint8_t *codes, const float *k,
+                         int max_code, int threads);
 
 /* tunable_dequantize.c: codes q (uint8 [rows, groups, gs]) with float32 scales s and offsets o
  * [rows, groups]: forward w = q * s + o (float32 [rows, groups * gs], stored past the caches
  * where w is aligned; _bf16: each rounded to nearest bf16, ties to even); backward
- * the group sums of grad * q and of grad (its fixed order there). gs a multiple of 16, else -1. */
+ * the group sums of grad * q and of grad (its fixed order there; grad float32, or bf16 where
+ * grad_bf16). gs a multiple of 16, else -1. */
 int dq_tunable_forward(const uint8_t *q, const float *s, const float *o, int64_t rows,
                        int64_t groups, int64_t gs, float *w, int threads);
 int dq_tunable_forward_bf16(const uint8_t *q, const float *s, const float *o, int64_t rows,
                             int64_t groups, int64_t gs, uint16_t *w, int threads);
-int dq_tunable_backward(const float *grad, const uint8_t *q, int64_t rows, int64_t groups,
-                        int64_t gs, float *grad_s, float *grad_o, int threads);
+int dq_tunable_backward(const void *grad, int grad_bf16, const uint8_t *q, int64_t rows,
+                        int64_t groups, int64_t gs, float *grad_s, float *grad_o, int threads);
 /* The same backward from the packed codes (the format's: qweight [rows, groups * bits * gs / 32]
  * words), each group unpacked where it is summed: the same sums, bit for bit. gs a multiple of
  * 32 up to 1024, else -1. */

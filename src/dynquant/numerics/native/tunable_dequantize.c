@@ -2,7 +2,8 @@
  * (uint8 [rows, groups, gs]) with float32 group scales s and offsets o [rows, groups], each step
  * of a block's tuning:
  *   forward   w[r, g, j] = q * s[r, g] + o[r, g]          (multiply, then add: the format's);
- *   backward  gs[r, g] = sum_j grad[r, g, j] * q[r, g, j],  go[r, g] = sum_j grad[r, g, j],
+ *   backward  gs[r, g] = sum_j grad[r, g, j] * q[r, g, j],  go[r, g] = sum_j grad[r, g, j]
+ *             (grad float32 or bf16, which is read as it is: a block's bf16 pass's gradients),
  * each sum in a fixed order: 16 lanes from +0, lane l adding values l, l + 16, l + 32, ... in
  * order, then lane l + 8 added to lane l, l + 4 to l, l + 2 to l, l + 1 to l (gs a multiple of
  * 16). The torch path (tuned_scales.group_sums_torch) takes the same float32 operations in the
@@ -22,6 +23,7 @@
 typedef struct {
     const uint8_t *q;
     const float *s, *o, *grad;
+    const uint16_t *grad16; /* the backward's gradient in bf16 instead of grad */
     float *w, *grad_s, *grad_o;
     uint16_t *w16; /* the forward's output in bf16 instead of w */
     int64_t groups, gs;
@@ -72,15 +74,25 @@ static inline float fold_lanes(float *a) {
     return a[0];
 }
 
-/* One group's two sums into a[LANES] (times) and b[LANES] (plain), lanes not yet folded. AVX2:
- * the 16 lanes in two registers each (GCC 12 turns a vector-extension byte-to-float conversion
- * into scalar code); the same adds in the same order as the plain loop. */
-static inline void group_lanes(const float *g, const uint8_t *q, int64_t gs, float *a,
-                               float *b) {
+/* One group's two sums into a[LANES] (times) and b[LANES] (plain), lanes not yet folded, of a
+ * gradient in float32 (g) or bf16 (g16: each value widened exactly, so the same sums bit for
+ * bit). AVX2: the 16 lanes in two registers each (GCC 12 turns a vector-extension
+ * byte-to-float conversion into scalar code); the same adds in the same order as the plain
+ * loop. */
+#if defined(__AVX2__)
+static inline __m256 load_gradient(const float *g, const uint16_t *g16, int64_t k) {
+    if (!g16) return _mm256_loadu_ps(g + k);
+    const __m256i h = _mm256_cvtepu16_epi32(_mm_loadu_si128((const __m128i *)(g16 + k)));
+    return _mm256_castsi256_ps(_mm256_slli_epi32(h, 16));
+}
+#endif
+
+static inline void group_lanes(const float *g, const uint16_t *g16, const uint8_t *q,
+                               int64_t gs, float *a, float *b) {
 #if defined(__AVX2__)
     __m256 t0 = _mm256_setzero_ps(), t1 = t0, p0 = t0, p1 = t0;
     for (int64_t k = 0; k < gs; k += LANES) {
-        const __m256 x0 = _mm256_loadu_ps(g + k), x1 = _mm256_loadu_ps(g + k + 8);
+        const __m256 x0 = load_gradient(g, g16, k), x1 = load_gradient(g, g16, k + 8);
         const __m256 c0 = _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(
             _mm_loadl_epi64((const __m128i *)(q + k))));
         const __m256 c1 = _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(
@@ -98,8 +110,9 @@ static inline void group_lanes(const float *g, const uint8_t *q, int64_t gs, flo
     for (int l = 0; l < LANES; l++) a[l] = b[l] = 0.0f;
     for (int64_t k = 0; k < gs; k += LANES)
         for (int l = 0; l < LANES; l++) {
-            a[l] += g[k + l] * (float)q[k + l];
-            b[l] += g[k + l];
+            const float x = g16 ? bf16_value(g16[k + l]) : g[k + l];
+            a[l] += x * (float)q[k + l];
+            b[l] += x;
         }
 #endif
 }
@@ -108,7 +121,8 @@ static int backward_part(const void *ctx, int64_t lo, int64_t hi) {
     const tunable_job *j = ctx;
     for (int64_t k = lo * j->groups; k < hi * j->groups; k++) {
         float a[LANES], b[LANES];
-        group_lanes(j->grad + k * j->gs, j->q + k * j->gs, j->gs, a, b);
+        group_lanes(j->grad16 ? NULL : j->grad + k * j->gs,
+                    j->grad16 ? j->grad16 + k * j->gs : NULL, j->q + k * j->gs, j->gs, a, b);
         j->grad_s[k] = fold_lanes(a);
         j->grad_o[k] = fold_lanes(b);
     }
@@ -175,10 +189,11 @@ int dq_tunable_forward_bf16(const uint8_t *q, const float *s, const float *o, in
     return dq_parallel(forward_part, &j, rows, threads);
 }
 
-int dq_tunable_backward(const float *grad, const uint8_t *q, int64_t rows, int64_t groups,
-                        int64_t gs, float *grad_s, float *grad_o, int threads) {
+int dq_tunable_backward(const void *grad, int grad_bf16, const uint8_t *q, int64_t rows,
+                        int64_t groups, int64_t gs, float *grad_s, float *grad_o, int threads) {
     if (gs % LANES) return -1;
-    const tunable_job j = {.q = q, .grad = grad, .grad_s = grad_s, .grad_o = grad_o,
-                           .groups = groups, .gs = gs};
+    const tunable_job j = {.q = q, .grad = grad_bf16 ? NULL : grad,
+                           .grad16 = grad_bf16 ? grad : NULL, .grad_s = grad_s,
+                           .grad_o = grad_o, .groups = groups, .gs = gs};
     return dq_parallel(backward_part, &j, rows, threads);
 }

@@ -11,7 +11,9 @@
  * kept), then stepped through the vector units, then the few codes that changed written one by
  * one. Segments split over the threads (the pass is bound by the ~9 bytes a weight it reads
  * from memory, which one core does not drain); `first[s]` is the count of tunable weights
- * before segment s, so any cut gives the same.
+ * before segment s, so any cut gives the same. A bf16 gradient (a bf16 pass's) is widened a
+ * segment at a time into a float buffer the step gathers from (the same values: widening is
+ * exact), where gathering its 16-bit values one by one would keep the step from the vector units.
  */
 #include <math.h>
 #include <pthread.h>
@@ -38,8 +40,8 @@ static void make_byte_places(void) {
     }
 }
 
-/* The n tunable weights at places place[0..n) (of grad and codes), their state from u, m, s2,
- * q0 on. */
+/* The n tunable weights at places place[0..n) (of grad and codes, from the segment's start),
+ * their state from u, m, s2, q0 on. */
 static int64_t rounding_step(const float *restrict grad, const int32_t *restrict place,
                              int64_t n, float *restrict u, uint16_t *restrict m,
                              uint16_t *restrict s2, const uint8_t *restrict q0,
@@ -70,6 +72,7 @@ static int64_t rounding_step(const float *restrict grad, const int32_t *restrict
 
 typedef struct {
     const float *grad;
+    const uint16_t *grad16;
     const uint64_t *mask;
     const int64_t *first;
     int64_t words;
@@ -87,6 +90,7 @@ typedef struct {
 static int rounding_part(const void *ctx, int64_t first, int64_t last) {
     rounding_job *j = (rounding_job *)ctx; /* (its counter is the one shared field written) */
     int32_t place[DQ_ROUNDING_SEGMENT + 8];
+    float widened[DQ_ROUNDING_SEGMENT];
     int64_t moved = 0;
     for (int64_t s = first; s < last; s++) {
         const int64_t w0 = s * SEGMENT_WORDS;
@@ -94,7 +98,7 @@ static int rounding_part(const void *ctx, int64_t first, int64_t last) {
         int64_t n = 0;
         const uint8_t *bytes = (const uint8_t *)(j->mask + w0);
         for (int64_t b = 0; b < (w1 - w0) * 8; b++) { /* 8 places written, count(byte) kept */
-            const int32_t base = (int32_t)((w0 * 8 + b) * 8);
+            const int32_t base = (int32_t)(b * 8); /* from the segment's first weight */
             const uint8_t *at = byte_places[bytes[b]];
             for (int e = 0; e < 8; e++) {
                 place[n + e] = base + at[e];
@@ -102,18 +106,24 @@ static int rounding_part(const void *ctx, int64_t first, int64_t last) {
             n += __builtin_popcount(bytes[b]);
         }
         const int64_t at = j->first[s];
-        moved += rounding_step(j->grad, place, n, j->u + at, j->m + at, j->s2 + at, j->q0 + at,
-                               j->codes, j->k, j->max_code);
+        const float *grad = j->grad ? j->grad + w0 * 64 : widened;
+        if (j->grad16 && n > 0) /* up to the last place: the mask's padding has no gradient */
+            for (int32_t i = 0; i <= place[n - 1]; i++)
+                widened[i] = bf16_value(j->grad16[w0 * 64 + i]);
+        moved += rounding_step(grad, place, n, j->u + at, j->m + at, j->s2 + at, j->q0 + at,
+                               j->codes + w0 * 64, j->k, j->max_code);
     }
     atomic_fetch_add_explicit(&j->moved, moved, memory_order_relaxed);
     return 0;
 }
 
-int64_t dq_rounding_step(const float *grad, const uint64_t *mask, const int64_t *first,
-                         int64_t words, float *u, uint16_t *m, uint16_t *s2, const uint8_t *q0,
-                         uint8_t *codes, const float *k, int max_code, int threads) {
+int64_t dq_rounding_step(const void *grad, int grad_bf16, const uint64_t *mask,
+                         const int64_t *first, int64_t words, float *u, uint16_t *m,
+                         uint16_t *s2, const uint8_t *q0, uint8_t *codes, const float *k,
+                         int max_code, int threads) {
     pthread_once(&byte_places_made, make_byte_places);
-    rounding_job j = {.grad = grad, .mask = mask, .first = first, .words = words, .u = u,
+    rounding_job j = {.grad = grad_bf16 ? NULL : grad, .grad16 = grad_bf16 ? grad : NULL,
+                      .mask = mask, .first = first, .words = words, .u = u,
                       .m = m, .s2 = s2, .q0 = q0, .codes = codes, .k = k, .max_code = max_code};
     atomic_init(&j.moved, 0);
     dq_parallel(rounding_part, &j, (words + SEGMENT_WORDS - 1) / SEGMENT_WORDS, threads);
