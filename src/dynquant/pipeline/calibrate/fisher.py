@@ -274,21 +274,26 @@ class _LinearTaps:
     def __init__(self, linear: nn.Module) -> None:
         self.linear = linear
         self.x: torch.Tensor | None = None
+        # a bf16 pass's taps multiply its inputs and the error at bf16's rate
+        self.product_dtype = torch.float32
         self.grad: torch.Tensor | None = None
         self.hook = linear.register_forward_hook(self._forward)
 
     def _forward(self, _module, inputs, output) -> None:
-        self.x = inputs[0].detach().reshape(-1, inputs[0].shape[-1]).float()
+        x = inputs[0].detach().reshape(-1, inputs[0].shape[-1])
+        self.product_dtype = torch.bfloat16 if x.dtype == torch.bfloat16 else torch.float32
+        self.x = x.float()
         output.register_hook(self._backward)
 
     def _backward(self, grad: torch.Tensor) -> None:
         self.grad = grad.reshape(-1, grad.shape[-1]).float()
 
     def times_error(self, error: ModuleError) -> torch.Tensor:
-        """x @ dW^T, [positions, out], a chunk of output rows at a time."""
-        rows = error.weight.shape[0]
+        """x @ dW^T, [positions, out] in float32, a chunk of output rows at a time (in a bf16
+        pass the product of x and dW rounded to bf16, as the pass's own products are)."""
+        rows, x = error.weight.shape[0], self.x.to(self.product_dtype)
         step = max(1, TAP_CHUNK // error.weight.shape[1])
-        return torch.cat([self.x @ error.rows(slice(r, min(r + step, rows))).T
+        return torch.cat([(x @ error.rows(slice(r, min(r + step, rows))).to(x.dtype).T).float()
                           for r in range(0, rows, step)], dim=1)
 
 
