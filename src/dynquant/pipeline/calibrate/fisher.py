@@ -273,16 +273,12 @@ class _LinearTaps:
 
     def __init__(self, linear: nn.Module) -> None:
         self.linear = linear
-        self.x: torch.Tensor | None = None
-        # a bf16 pass's taps multiply its inputs and the error at bf16's rate
-        self.product_dtype = torch.float32
+        self.x: torch.Tensor | None = None  # in the pass's dtype
         self.grad: torch.Tensor | None = None
         self.hook = linear.register_forward_hook(self._forward)
 
     def _forward(self, _module, inputs, output) -> None:
-        x = inputs[0].detach().reshape(-1, inputs[0].shape[-1])
-        self.product_dtype = torch.bfloat16 if x.dtype == torch.bfloat16 else torch.float32
-        self.x = x.float()
+        self.x = inputs[0].detach().reshape(-1, inputs[0].shape[-1])
         output.register_hook(self._backward)
 
     def _backward(self, grad: torch.Tensor) -> None:
@@ -291,7 +287,9 @@ class _LinearTaps:
     def times_error(self, error: ModuleError) -> torch.Tensor:
         """x @ dW^T, [positions, out] in float32, a chunk of output rows at a time (in a bf16
         pass the product of x and dW rounded to bf16, as the pass's own products are)."""
-        rows, x = error.weight.shape[0], self.x.to(self.product_dtype)
+        # a bf16 pass's inputs multiply the error at bf16's rate
+        x = self.x if self.x.dtype == torch.bfloat16 else self.x.float()
+        rows = error.weight.shape[0]
         step = max(1, TAP_CHUNK // error.weight.shape[1])
         return torch.cat([(x @ error.rows(slice(r, min(r + step, rows))).to(x.dtype).T).float()
                           for r in range(0, rows, step)], dim=1)
@@ -341,7 +339,7 @@ def _head_backward(stream: BlockStream, cal: CalibrationPass, modules: set[str],
                 logp = torch.log_softmax(logits.float()[0], -1)
                 sampled = logp.detach()
                 for m, t in list(terms.items()):
-                    if not t.add_positions(taps[m].x, logits.detach().float()[0]):
+                    if not t.add_positions(taps[m].x.float(), logits.detach().float()[0]):
                         del terms[m]  # logits not the Linear's own: the taps measure it
                         for key in keys[m][1:]:  # and no variants
                             del acc.errors[key]
