@@ -64,7 +64,7 @@ def main() -> None:
     parser.add_argument("--settings", nargs="+", default=["u3", "a3.25", "a4.25", "a5.5"])
     parser.add_argument("--steps", type=int, default=ScaleTuning.steps)
     parser.add_argument("--e2e-steps", type=int, default=100, help="0: no end-to-end row")
-    parser.add_argument("--rounding", type=float, default=ScaleTuning.rounding,
+    parser.add_argument("--rounding", type=float, default=ScaleTuning().rounding_size,
                         help="the rounding's step of the tuned rows (0: the scales alone, and "
                         "no scales-alone row)")
     parser.add_argument("--kinds", nargs="+", choices=KINDS,

@@ -298,12 +298,11 @@ def _calibration_options(p: argparse.ArgumentParser) -> None:
                    "writes")
     p.add_argument("--tune-rounding", type=float, metavar="STEP",
                    help="tuned codes: Adam's step in codes on each weight's rounding, tuned "
-                   "with the scales (a code moves by one at most from GPTQ's; default 3e-3: "
-                   "e.g. SmolLM2 at 3.25 bits KL 0.65 -> 0.58 against the scales alone; 6e-3 "
-                   "gave SmolLM2 3-6%% and Gemma-3-270M 3%% less KL for the same time, but holds "
-                   "~0.9 GiB more at 7B shapes: BENCHMARKS.md \"Tuned scales\"); 0: GPTQ's "
-                   "codes, only the scales and offsets tuned (less time and memory while a "
-                   "block is tuned)")
+                   "with the scales (a code moves by one at most from GPTQ's); default 6e-3 for "
+                   "a model of up to 2 G quantized weights (SmolLM2-135M 2-4%% less KL than "
+                   "3e-3, the same time), 3e-3 past it (6e-3 holds ~0.9 GiB more at 7B shapes: "
+                   "BENCHMARKS.md \"Tuned scales\"); 0: GPTQ's codes, only the scales and "
+                   "offsets tuned (less time and memory while a block is tuned)")
     p.add_argument("--tune-dtype", choices=("auto", "float32", "bfloat16"),
                    help="tuned codes: the tuning steps' products in float32 or bfloat16 (where "
                    "the CPU multiplies bf16 natively, e.g. AMX or AVX-512 BF16: 0.4-0.6x the "

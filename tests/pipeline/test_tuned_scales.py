@@ -280,7 +280,9 @@ def test_tuned_scales_lower_a_linear_s_output_error_from_gptq():
         assert after < 0.97 * before, (bits, after / before)
 
 
-ROUNDING = ScaleTuning.rounding  # the rounding's step the tests tune with (the default's)
+# the rounding's step the tests tune with: a large model's (at a small model's, 8 steps of the
+# tiny first block's rounding end above its GPTQ error, and its scales are tuned alone)
+ROUNDING = tuned_module.ROUNDING
 
 
 def _tuned(cal, steps: int, rounding: float = ROUNDING):
@@ -733,3 +735,43 @@ def test_an_independent_block_run_as_a_worker_runs_it_is_the_same_bits(tmp_path,
                        chooser=CodeChooser("gptq", sequential=cal))
     assert sizes["here"][:2] == [8, 4] and sizes["worker"] == sizes["here"]
     assert checkpoint_bytes(tmp_path / "worker") == checkpoint_bytes(tmp_path / "here")
+
+
+def test_the_rounding_s_default_step_is_wider_for_small_models():
+    """Unasked, the rounding steps by 6e-3 for a model of up to ``SMALL_MODEL_WEIGHTS``
+    quantized weights and by 3e-3 past it; asked, as asked (0 included); unresolved, as for a
+    small model."""
+    bound = tuned_module.SMALL_MODEL_WEIGHTS
+    assert ScaleTuning().resolved("float32", bound).rounding == 6e-3
+    assert ScaleTuning().resolved("bfloat16", bound + 1).rounding == 3e-3
+    assert ScaleTuning(rounding=6e-3).resolved("bfloat16", bound + 1).rounding == 6e-3
+    assert ScaleTuning(rounding=0.0).resolved("float32", 1).rounding == 0.0
+    assert ScaleTuning().resolved("float32").rounding is None
+    assert ScaleTuning().rounding_size == 6e-3
+    assert ScaleTuning().resolved("float32", bound + 1).rounding_reach == pytest.approx(
+        sum(3e-3 * (1 - s / 100) for s in range(100)))
+
+
+@pytest.mark.parametrize("small", [True, False])
+def test_a_default_quantize_steps_the_rounding_by_the_model_s_quantized_weights(
+        tmp_path, monkeypatch, small):
+    """``api.quantize`` hands the codes' pass the rounding's step for the count of weights it
+    quantizes."""
+    from dynquant import api
+    from dynquant.pipeline import workflow
+
+    source = resolve_model(str(LLAMA_REF))
+    weights = workflow.quantized_weights(source, _uniform(source, 4))
+    monkeypatch.setattr(tuned_module, "SMALL_MODEL_WEIGHTS", weights if small else weights - 1)
+    handed: list[ScaleTuning] = []
+    real = workflow.gptq_calibration
+
+    def calibration(source, texts, record, seqs, length, head, tuning, *rest):
+        handed.append(tuning)
+        return real(source, texts, record, seqs, length, head, tuning, *rest)
+
+    monkeypatch.setattr(workflow, "gptq_calibration", calibration)
+    api.quantize(LLAMA_REF, tmp_path / "q", uniform=4, calib_seqs=2, gptq_seqs=2, calib_len=32,
+                 tuning=api.ScaleTuning(steps=2), end_to_end=api.EndToEndTuning(steps=0),
+                 progress=False)
+    assert [t.rounding for t in handed] == [6e-3 if small else 3e-3]

@@ -260,7 +260,8 @@ def _run(source: ModelSource, req: QuantizeRequest, executor: Executor) -> dict:
     dtype = _pass_dtype(codes, quantizer, weights, progress)
     sequential = (gptq_calibration(source, texts, w.calibration, codes.gptq_seqs,
                                    req.measure.calibration.length, w.compensate_head,
-                                   codes.tuning.resolved(dtype) if quantizer == "tuned" else None,
+                                   codes.tuning.resolved(dtype, weights) if quantizer == "tuned"
+                                   else None,
                                    end_to_end, codes.chain, dtype)
                   if quantizer in SEQUENTIAL else None)
     chooser = CodeChooser(quantizer, w.importance or {}, sequential=sequential)

@@ -198,7 +198,7 @@ def sequential_gptq(stream: BlockStream, specs: list[TensorSpec], quantized: set
             try:
                 done = all(store.has(index[s.module]) for s in mine)
                 tuned = tuning is not None and not done
-                if tuned and tuning.rounding:
+                if tuned and tuning.rounding_size:
                     state.residuals = {}
                 floats_in = floats
                 if floats:  # before any codes are in place
@@ -332,7 +332,7 @@ def _block_codes(stream: BlockStream, link: ChainLink, hidden: list[torch.Tensor
                  tuning: ScaleTuning | None, work: BlockWork, rounder: Rounder,
                  say: Callable[[str], None]) -> dict[str, QuantizedTensor]:
     """A chain's block's codes (parameter path inside the block -> codes) on ``hidden``."""
-    rounds = tuning is not None and tuning.rounding > 0
+    rounds = tuning is not None and tuning.rounding_size > 0
     state = _Block(stream, link.block, hidden, work, LocalExecutor(),
                    residuals={} if rounds else None)
     index = {s.module: i for i, s in link.specs.items()}

@@ -55,6 +55,17 @@ TUNING_DTYPES = ("float32", "bfloat16")
 TUNING_ERRORS = ("gains", "plain")
 
 
+# The rounding's step by default (``default_rounding``): 6e-3 for a model of at most
+# ``SMALL_MODEL_WEIGHTS`` quantized weights, where it lowers SmolLM2-135M's KL by 2-4% against
+# 3e-3 beyond the spread of three tuning seeds each, and leaves Gemma-3-270M's (BENCHMARKS.md
+# "Tuned scales"); 3e-3 past it: at 6e-3 the 7B-shaped random block's rounding ended above its
+# GPTQ codes' error, so its scales were tuned again alone (twice the tuning), and the rounding's
+# state holds ~0.9 GiB more there (60% of the weights can flip against 30%).
+ROUNDING = 3e-3
+SMALL_MODEL_ROUNDING = 6e-3
+SMALL_MODEL_WEIGHTS = 2_000_000_000
+
+
 @dataclass(frozen=True)
 class ScaleTuning:
     """How a block's scales are tuned (part of the codes' identity: the resume digest)."""
@@ -70,11 +81,9 @@ class ScaleTuning:
     # every block's tuning independent, a job beside the GPTQ pass)
     inputs: str = "quantized"
     # Adam's step on each weight's rounding (in codes, at every width), where GPTQ's rounding
-    # residual is known; 0: GPTQ's codes kept, only the scales tuned. 6e-3 gives the real
-    # models at hand 3-6% less KL, but on the 7B-shaped random block its rounding ends above
-    # GPTQ's error, and the scales are tuned again alone: twice the tuning (BENCHMARKS.md
-    # "Tuned scales")
-    rounding: float = 3e-3
+    # residual is known; 0: GPTQ's codes kept, only the scales tuned; None: the default for the
+    # model's size (``resolved``: ``default_rounding``), unresolved as for a small model
+    rounding: float | None = None
     # the steps' products: "float32", or "bfloat16" (the dequantized weights rounded to bf16 and
     # the block under bf16 autocast: faster where the CPU multiplies bf16 natively, e.g. AMX;
     # the codes then depend on that arithmetic); None: the codes' pass's dtype (``resolved``;
@@ -95,18 +104,28 @@ class ScaleTuning:
         if self.inputs not in TUNING_INPUTS:
             raise DynquantError(f"tuning inputs must be one of {', '.join(TUNING_INPUTS)}, "
                                 f"not {self.inputs!r}", field="tuning.inputs")
-        if not 0 <= self.rounding <= 0.5:
+        if self.rounding is not None and not 0 <= self.rounding <= 0.5:
             raise DynquantError(f"the rounding step must be in [0, 0.5] codes, not "
                                 f"{self.rounding}", field="tuning.rounding")
 
-    def resolved(self, pass_dtype: str) -> ScaleTuning:
+    def resolved(self, pass_dtype: str, quantized_weights: int | None = None) -> ScaleTuning:
         """These settings with ``dtype`` decided: as given, else the codes' pass's
-        (``SequentialCalibration.dtype``)."""
+        (``SequentialCalibration.dtype``); and, given the model's ``quantized_weights``,
+        ``rounding``: as given, else ``default_rounding``'s."""
         if pass_dtype == "bfloat16" and self.dtype == "float32":
             raise DynquantError("float32 tuning steps need a float32 codes' pass (the block's "
                                 "weights are bf16 on a bfloat16 one): --codes-dtype float32",
                                 field="tuning.dtype")
-        return self if self.dtype is not None else replace(self, dtype=pass_dtype)
+        out = self if self.dtype is not None else replace(self, dtype=pass_dtype)
+        if out.rounding is None and quantized_weights is not None:
+            out = replace(out, rounding=default_rounding(quantized_weights))
+        return out
+
+    @property
+    def rounding_size(self) -> float:
+        """The rounding's step (its first: it falls to zero): as given or resolved, else a
+        small model's default."""
+        return SMALL_MODEL_ROUNDING if self.rounding is None else self.rounding
 
     @property
     def rounding_reach(self) -> float:
@@ -116,7 +135,13 @@ class ScaleTuning:
 
     def rounding_step(self, step: int) -> float:
         """The rounding's step size at ``step`` (falling linearly to zero, as the scales')."""
-        return self.rounding * (1 - step / self.steps)
+        return self.rounding_size * (1 - step / self.steps)
+
+
+def default_rounding(quantized_weights: int) -> float:
+    """The rounding's step for a model of ``quantized_weights`` (``ROUNDING`` past
+    ``SMALL_MODEL_WEIGHTS``, else ``SMALL_MODEL_ROUNDING``)."""
+    return SMALL_MODEL_ROUNDING if quantized_weights <= SMALL_MODEL_WEIGHTS else ROUNDING
 
 
 def default_pass_dtype(tuning: ScaleTuning | None, quantized_weights: int) -> str:
@@ -159,7 +184,7 @@ def tune_block(stream: BlockStream, index: int, codes: dict[str, QuantizedTensor
         param.data = torch.zeros((), dtype=param.dtype).expand(param.shape)
     # each residual released once its rounding holds what it needs (a block's are 2 bytes a
     # weight; the scales-alone attempt after this one does not need them)
-    residuals = residuals if residuals is not None and tuning.rounding else {}
+    residuals = residuals if residuals is not None and tuning.rounding_size else {}
     tunables = {name: TunableScales(qt, residuals.pop(name, None), tuning.rounding_reach)
                 for name, qt in codes.items()}
     opt = torch.optim.Adam([{"params": t.scale_parameters(), "width": 7 / t.max_code}
@@ -249,7 +274,8 @@ def first_lowering(tuning: ScaleTuning, before: float,
     lower the error) the scales alone. The rounding follows a gradient through a rounding step,
     which a block can mislead: a tiny trained model's first block at 2 bits ended above its
     GPTQ codes' error with it, below without it."""
-    attempts = [tuning, replace(tuning, rounding=0.0)] if tuning.rounding else [tuning]
+    attempts = ([tuning, replace(tuning, rounding=0.0)] if tuning.rounding_size
+                else [tuning])
     for attempt in attempts:
         codes = tune(attempt)
         outputs = run(codes)

@@ -88,7 +88,7 @@ def forecast_check(source: ModelSource, doc: dict, importance: dict[str, torch.T
         return None
     fit, held = windows
     dtype = default_pass_dtype(tuning, uniform.elements)
-    tuning = (tuning or ScaleTuning()).resolved(dtype)
+    tuning = (tuning or ScaleTuning()).resolved(dtype, uniform.elements)
     probe_budget = uniform.packed_nbytes * 8 / uniform.elements
     points = []
     for step in STEPS:
