@@ -501,3 +501,24 @@ def test_the_streamed_kl_is_the_whole_models_kl(family, tmp_path):
     rows = torch.tensor([5, 0, 383, 5])
     assert torch.equal(itself.get_rows(table, rows), itself.get(table, torch.float32)[rows])
     assert streamed_kl(source, itself, out, windows) == pytest.approx(0.0, abs=1e-9)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_a_tap_multiplies_the_error_as_its_rows_dequantized_would(dtype, monkeypatch):
+    """A block Linear's tap: x @ dW^T with dW each chunk of rows dequantized (float32), rounded
+    to the pass's dtype: in a bf16 pass from the error rounded to bf16 once (``bf16``, made a
+    chunk of rows at a time), the same bits."""
+    monkeypatch.setattr(fisher_module, "ROWS_CHUNK", 3 * 40)  # chunks of 3 rows (and a last one)
+    monkeypatch.setattr(fisher_module, "TAP_CHUNK", 5 * 40)
+    monkeypatch.setattr(fisher_module, "DENSE_ERROR_MAX", 0)
+    torch.manual_seed(0)
+    linear = torch.nn.Linear(40, 23, bias=False)
+    weight = linear.weight.detach()
+    error = fisher_module.ModuleError(quantize_tensor(weight, 3, 32), weight, "float32")
+    assert torch.equal(error.bf16(), error.rows(slice(None)).to(torch.bfloat16))
+    tap = fisher_module._LinearTaps(linear.to(dtype))
+    linear(torch.randn(2, 7, 40).to(dtype))
+    reference = torch.cat([(tap.x @ error.rows(slice(r, min(r + 5, 23))).to(dtype).T).float()
+                           for r in range(0, 23, 5)], dim=1)
+    assert torch.equal(tap.times_error(error), reference)
+    tap.hook.remove()
