@@ -1,7 +1,7 @@
 """The calibrated default at a 7 B model's layer shapes: `dynquant quantize --budget 4.25` (the
 bundled text, the default codes of a 7 B model: GPTQ's with each block's scales tuned, the
 measure's passes and the codes' pass (its forwards and the tuning's steps) in bfloat16 where
-this CPU multiplies it natively; no end-to-end scales, which a
+this CPU multiplies it natively, the rounding's step 3e-3; no end-to-end scales, which a
 7 B model's default leaves out: ``--e2e-steps 40`` measures them) of
 the scale model (``benchmarks/scale_model.py``, N
 decoder layers), each stage's seconds and the work it does against this machine's float32 GEMM
@@ -55,7 +55,7 @@ from benchmarks.scale_model import save_scale_model
 from dynquant.numerics.compute_dtype import size_dtype
 from dynquant.numerics.gptq import ordered_factor
 from dynquant.pipeline.calibrate.text import default_calibration
-from dynquant.pipeline.codes.tuned_scales import ScaleTuning, check_windows
+from dynquant.pipeline.codes.tuned_scales import ScaleTuning, check_windows, default_rounding
 from scripts.install_llama_cpp import install_tools
 from scripts.prepare_real_model import real_model
 
@@ -241,6 +241,12 @@ def seven_b_dtype() -> str:
     return size_dtype(quantized_weights(replace(SEVEN_B, layers=SEVEN_B_LAYERS)))
 
 
+def seven_b_rounding() -> str:
+    """The rounding's step that quantize's tuned codes take for a 7 B model
+    (``default_rounding``), which the one-layer model's own size would not."""
+    return str(default_rounding(quantized_weights(replace(SEVEN_B, layers=SEVEN_B_LAYERS))))
+
+
 def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--layers", type=int, default=1)
@@ -249,7 +255,7 @@ def main() -> None:
     parser.add_argument("--dense-head", action="store_true",
                         help="keep the output head dense (--not-convert lm_head)")
     parser.add_argument("--tune-rounding", metavar="STEP",
-                        help="quantize's --tune-rounding (the default's otherwise)")
+                        help="quantize's --tune-rounding (default: a 7 B model's default)")
     parser.add_argument("--codes-dtype", choices=("float32", "bfloat16"),
                         help="quantize's --codes-dtype (default: a 7 B model's default on this "
                         "CPU, bfloat16 where it multiplies bf16 natively)")
@@ -268,8 +274,9 @@ def main() -> None:
     figure("float32 GEMM peak", peak / 1e9, "GMAC/s")
     with tempfile.TemporaryDirectory(prefix="dynquant-scale-") as tmp:
         model = save_scale_model(Path(tmp) / "model", args.layers)
-        extra = (["--not-convert", "lm_head"] if args.dense_head else []) + (
-            [] if args.tune_rounding is None else ["--tune-rounding", args.tune_rounding]) + (
+        args.tune_rounding = args.tune_rounding or seven_b_rounding()
+        extra = (["--not-convert", "lm_head"] if args.dense_head else []) + [
+            "--tune-rounding", args.tune_rounding] + (
             [] if args.tune_dtype is None else ["--tune-dtype", args.tune_dtype]) + [
             "--codes-dtype", args.codes_dtype or seven_b_dtype(),
             "--dtype", args.measure_dtype or seven_b_dtype(),
@@ -311,8 +318,7 @@ def main() -> None:
             took[key] = took.get(key, 0) + seconds
         if key == "gptq" and tune_s:
             mac_t = args.layers * tuning_work(SEVEN_B)
-            what = ("scales" if args.tune_rounding is not None and not float(args.tune_rounding)
-                    else "scales and rounding")
+            what = "scales" if not float(args.tune_rounding) else "scales and rounding"
             print(f"| tuning the block's {what} ({ScaleTuning().steps} steps of "
                   f"{WINDOW} tokens, forward + backward) | {tune_s:.0f} | {mac_t / 1e9:,.0f} | "
                   f"{mac_t / tune_s / 1e9:.0f} | {mac_t / tune_s / peak:.0%} | {held} |")
