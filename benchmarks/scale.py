@@ -1,7 +1,7 @@
 """The calibrated default at a 7 B model's layer shapes: `dynquant quantize --budget 4.25` (the
 bundled text, the default codes of a 7 B model: GPTQ's with each block's scales tuned, the
 measure's passes and the codes' pass (its forwards and the tuning's steps) in bfloat16 where
-this CPU multiplies it natively, the rounding's step 3e-3; no end-to-end scales, which a
+this CPU multiplies it natively, the rounding's step 3e-3, groups of 128; no end-to-end scales, which a
 7 B model's default leaves out: ``--e2e-steps 40`` measures them) of
 the scale model (``benchmarks/scale_model.py``, N
 decoder layers), each stage's seconds and the work it does against this machine's float32 GEMM
@@ -56,6 +56,7 @@ from dynquant.numerics.compute_dtype import size_dtype
 from dynquant.numerics.gptq import ordered_factor
 from dynquant.pipeline.calibrate.text import default_calibration
 from dynquant.pipeline.codes.tuned_scales import ScaleTuning, check_windows, default_rounding
+from dynquant.pipeline.measure.options import default_group_sizes
 from scripts.install_llama_cpp import install_tools
 from scripts.prepare_real_model import real_model
 
@@ -241,6 +242,13 @@ def seven_b_dtype() -> str:
     return size_dtype(quantized_weights(replace(SEVEN_B, layers=SEVEN_B_LAYERS)))
 
 
+def seven_b_group_sizes() -> str:
+    """The group sizes a 7 B model's measure prices (``default_group_sizes``), which the
+    one-layer model's size would not: quantize's ``--group-sizes`` argument."""
+    sizes = default_group_sizes(quantized_weights(replace(SEVEN_B, layers=SEVEN_B_LAYERS)))
+    return ",".join(str(g) for g in sizes)
+
+
 def seven_b_rounding() -> str:
     """The rounding's step that quantize's tuned codes take for a 7 B model
     (``default_rounding``), which the one-layer model's own size would not."""
@@ -276,7 +284,7 @@ def main() -> None:
         model = save_scale_model(Path(tmp) / "model", args.layers)
         args.tune_rounding = args.tune_rounding or seven_b_rounding()
         extra = (["--not-convert", "lm_head"] if args.dense_head else []) + [
-            "--tune-rounding", args.tune_rounding] + (
+            "--tune-rounding", args.tune_rounding, "--group-sizes", seven_b_group_sizes()] + (
             [] if args.tune_dtype is None else ["--tune-dtype", args.tune_dtype]) + [
             "--codes-dtype", args.codes_dtype or seven_b_dtype(),
             "--dtype", args.measure_dtype or seven_b_dtype(),

@@ -29,7 +29,7 @@ import torch
 import dynquant
 from benchmarks.common import figure, machine
 from benchmarks.context_decode import best_taking_turns, llama_bench
-from benchmarks.scale import convert_command, llama_tools, with_libraries
+from benchmarks.scale import convert_command, llama_tools, seven_b_group_sizes, with_libraries
 from benchmarks.scale_model import save_scale_model
 from benchmarks.vs_llamacpp import Decode
 from dynquant.format.safetensors_header import read_header
@@ -94,7 +94,8 @@ def main() -> None:
         for budget in BUDGETS:
             out = work / f"q{budget}"
             subprocess.run([sys.executable, "-m", "dynquant", "quantize", str(model), "--budget",
-                            str(budget), "--no-calib", "-o", str(out), "--quiet"], check=True)
+                            str(budget), "--no-calib", "--group-sizes", seven_b_group_sizes(),
+                            "-o", str(out), "--quiet"], check=True)
             size = sum(p.stat().st_size for p in out.glob("*.safetensors"))
             runs[f"dynquant {budget}"] = (Decode(dynquant.load(out)), size, token_bytes(out))
         runs["llama.cpp Q4_0"] = (None, q40.stat().st_size, token_bytes(q40))

@@ -369,7 +369,8 @@ def _add_measure(sub) -> None:
     _calibration_options(p)
     p.add_argument("--widths", help="candidate widths per module (default 2,3,4,8)")
     p.add_argument("--group-sizes",
-                   help="candidate group sizes (default 128; each one more set of candidates)")
+                   help="candidate group sizes (default 64,128 for a model of up to 2 G quantized "
+                   "weights, 128 past it; each one more set of candidates)")
     p.add_argument("--budgets", help="budgets (average bits) pre-allocated into maps.json "
                    "(default 2.5,3,3.25,3.5,4.25)")
     _model_options(p)
@@ -423,8 +424,10 @@ def _add_quantize(sub) -> None:
     p.add_argument("--uniform", type=int, help="every module at this width (for comparison)")
     _calibration_options(p)
     p.add_argument("--group-size", type=int,
-                   help="weights per scale/offset pair (default 128; smaller: more accurate, "
-                   "0.25 bits per weight more per halving)")
+                   help="weights per scale/offset pair, one for every module (smaller: more "
+                   "accurate, 0.25 bits per weight more per halving); default: at a budget the "
+                   "allocator's choice among the measure's sizes (64 and 128 for a model of up "
+                   "to 2 G quantized weights, else 128), uniform widths 128")
     p.add_argument("--group-sizes", help="allocate group sizes too, e.g. 32,64,128")
     p.add_argument("--quantizer", choices=("auto", "rtn", "gptq", "tuned"),
                    help="how codes are chosen: gptq (error-compensating, block by block over "

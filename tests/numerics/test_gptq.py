@@ -179,7 +179,8 @@ def test_measure_prices_candidates_with_the_compensated_codes(tmp_path):
     name = "model.layers.1.mlp.down_proj"
     hessian = load_file(tmp_path / "m" / "maps.moments" / "block_001.safetensors")[name]
     weight = load_file(src / "model.safetensors")[f"{name}.weight"].float()
-    cand = next(c for c in maps["modules"][name]["candidates"] if c["bits"] == 3)
+    cand = next(c for c in maps["modules"][name]["candidates"]
+                if (c["bits"], c["group_size"]) == (3, 128))
     expected = output_error(weight, gptq_quantize(weight, hessian, 3, 128), hessian)
     assert cand["error"] == pytest.approx(expected, rel=1e-6)
     rtn = output_error(weight, quantize_tensor(weight, 3, 128,

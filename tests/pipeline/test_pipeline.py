@@ -32,8 +32,8 @@ def hybrid_dir(tmp_path_factory):
 
 def test_weight_method_maps_every_module(tmp_path):
     source = resolve_model("tiny")
-    doc = measure(source, MeasureOptions(budgets=[1.0, 6.0]), tmp_path / "maps.json",
-                  progress=False, random_init=True)
+    doc = measure(source, MeasureOptions(budgets=[1.0, 6.0], group_sizes=(128,)),
+                  tmp_path / "maps.json", progress=False, random_init=True)
     quantizable = {s.module for s in source.tensor_specs() if s.quantizable}
     assert set(doc["modules"]) == quantizable
     for m in doc["modules"].values():
@@ -78,8 +78,8 @@ def test_quantize_with_budget_end_to_end(hybrid_dir, tmp_path):
     # the shipped maps reproduce the same widths through `allocate`
     assert main(["allocate", str(out / "maps.json"), "--budget", "5.0", "-o",
                  str(tmp_path / "w.json")]) == 0
-    widths = json.loads((tmp_path / "w.json").read_text())
-    assert widths == {n: e["bits"] for n, e in doc["layers"].items()}
+    widths = _choices(json.loads((tmp_path / "w.json").read_text()))
+    assert widths == _layer_choices(doc)
     # and quantizing again from those maps with their text gives the same widths and tuned
     # codes; without the text the widths were measured on, the codes round to nearest (auto),
     # allocated for those codes (each Linear's error without its gptq ratio)
@@ -88,7 +88,7 @@ def test_quantize_with_budget_end_to_end(hybrid_dir, tmp_path):
     assert main(["quantize", str(hybrid_dir / "src"), "-o", str(tmp_path / "q2"), "--widths",
                  maps_arg, "--calib", str(hybrid_dir / "calib.txt"), "--quiet", *short]) == 0
     doc2 = json.loads((tmp_path / "q2" / "dynquant.json").read_text())
-    assert {n: e["bits"] for n, e in doc2["layers"].items()} == widths
+    assert _layer_choices(doc2) == widths
     assert doc2["provenance"]["quantizer"] == "tuned"
     assert main(["quantize", str(hybrid_dir / "src"), "-o", str(tmp_path / "q3"), "--widths",
                  maps_arg, "--quiet", *short]) == 0
@@ -96,8 +96,17 @@ def test_quantize_with_budget_end_to_end(hybrid_dir, tmp_path):
     assert "quantizer" not in doc3["provenance"] and doc3["accounting"]["average_bits"] <= 5.0
     maps = json.loads((out / "maps.json").read_text())
     rtn = allocate_widths(maps_modules(maps, "rtn"), 5.0)
-    assert {n: e["bits"] for n, e in doc3["layers"].items()} == {
-        n: b for n, (b, _gs) in rtn.widths.items()}
+    assert _layer_choices(doc3) == dict(rtn.widths)
+
+
+def _choices(widths: dict, group_size: int = 128) -> dict[str, tuple[int, int]]:
+    """A widths JSON's (bits, group size) per module (bare bits: the largest group size)."""
+    return {n: (w["bits"], w["group_size"]) if isinstance(w, dict) else (w, group_size)
+            for n, w in widths.items()}
+
+
+def _layer_choices(doc: dict) -> dict[str, tuple[int, int]]:
+    return {n: (e["bits"], e["group_size"]) for n, e in doc["layers"].items()}
 
 
 def test_uniform_pins_and_unreachable_budget(tmp_path, capsys):
@@ -216,7 +225,7 @@ def test_calibrated_maps_price_the_codes_quantize_writes(tmp_path):
     embedding is priced at every width by the Fisher KL of its own codes, rounded and
     compensated (both uses), and quantize compensates it only where that measured better."""
     model = Path(__file__).parents[2] / "models" / "llama-ref"
-    opts = MeasureOptions.of(calib_seqs=4, calib_len=128, budgets=[3.25])
+    opts = MeasureOptions.of(calib_seqs=4, calib_len=128, budgets=[3.25], group_sizes=(128,))
     doc = measure(resolve_model(str(model)), opts, tmp_path / "maps.json", progress=False)
     linears = {n: m for n, m in doc["modules"].items() if n.startswith("model.layers.")}
     assert linears and all(0 < m["gptq_ratio"] < 1 for m in linears.values())
@@ -322,3 +331,22 @@ def test_the_forecast_checks_kl_stage_says_its_progress(capsys, tmp_path):
     blocks = source.config.num_hidden_layers
     assert (f"forecast check: KL on held-out windows: done, {blocks + 1}/{blocks + 1}"
             in capsys.readouterr().err)
+
+
+def test_a_default_measure_prices_two_group_sizes_up_to_its_size_bound(tmp_path, monkeypatch):
+    """Unasked, a measure prices groups of 64 and 128 for a model of up to
+    ``SMALL_MODEL_GROUPS_WEIGHTS`` quantized weights (the allocator picks among them), 128 past it."""
+    from dynquant.pipeline.measure import options as options_module
+
+    assert options_module.default_group_sizes(2_000_000_000) == (64, 128)
+    assert options_module.default_group_sizes(2_000_000_001) == (128,)
+    source = resolve_model("tiny")
+    doc = measure(source, MeasureOptions(budgets=[4.0]), tmp_path / "a.json", progress=False,
+                  random_init=True)
+    assert doc["group_sizes"] == [64, 128]
+    assert all({c["group_size"] for c in m["candidates"]} == {64, 128}
+               for m in doc["modules"].values())
+    monkeypatch.setattr(options_module, "SMALL_MODEL_GROUPS_WEIGHTS", 0)
+    doc = measure(source, MeasureOptions(budgets=[4.0]), tmp_path / "b.json", progress=False,
+                  random_init=True)
+    assert doc["group_sizes"] == [128]

@@ -45,7 +45,8 @@ class AllocationOptions:
     widths: str | None = None
     budget: float | None = None
     uniform: int | None = None
-    group_size: int = 128
+    # None: 128 for uniform widths and bare widths; a budget's measure prices its default sizes
+    group_size: int | None = None
     group_sizes: Sequence[int] | None = None
     pins: Sequence[str] = ()
     min_bits: int | None = None

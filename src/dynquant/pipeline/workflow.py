@@ -14,6 +14,7 @@ from dynquant.checkpoint.free_space import need_checkpoint_space
 from dynquant.checkpoint.resume import PartialDir
 from dynquant.errors import DynquantError
 from dynquant.format.planner import excluded_modules, plan_document
+from dynquant.format.widths import DEFAULT_GROUP_SIZE
 from dynquant.format.widths_file import load_widths
 from dynquant.models.sources import ModelSource
 from dynquant.numerics.compute_dtype import size_dtype_reason
@@ -72,7 +73,10 @@ def _maps_for(source: ModelSource, req: QuantizeRequest, executor: Executor | No
     if alloc.widths is not None:
         path, budget = split_maps_arg(alloc.widths)
         return load_maps(path), Path(path), budget if budget is not None else alloc.budget
-    opts = replace(req.measure, group_sizes=alloc.group_sizes or (alloc.group_size,),
+    # group sizes: as asked (--group-sizes, or the one --group-size), else the measure's
+    # default for the model's size
+    asked = alloc.group_sizes or ((alloc.group_size,) if alloc.group_size else None)
+    opts = replace(req.measure, group_sizes=asked or req.measure.group_sizes,
                    budgets=[alloc.budget] if alloc.budget else [],
                    # auto: rtn-priced candidates with each Linear's gptq ratio, a fraction of
                    # gptq pricing's time (BENCHMARKS.md, gptq_quality)
@@ -109,7 +113,8 @@ def _room_for_the_checkpoint(source: ModelSource, req: QuantizeRequest) -> str:
     bits = alloc.uniform if alloc.uniform is not None else 8
     plan = plan_document(specs, {s.module: bits for s in specs
                                  if s.quantizable and s.module not in dense},
-                         model=source.name, group_size=alloc.group_size, tied=source.tied,
+                         model=source.name, group_size=alloc.group_size or DEFAULT_GROUP_SIZE,
+                         tied=source.tied,
                          modules_to_not_convert=not_convert)["accounting"]
     exact = alloc.uniform is not None or alloc.budget is None
     total = plan["total_nbytes"] if exact else (
@@ -183,7 +188,7 @@ def _allocate(req: QuantizeRequest, maps: dict, maps_path: Path, budget: float |
                        max_bits=asked.max_bits, group_sizes=asked.group_sizes)
     modules = maps_modules(maps, codes)
     if asked.uniform is not None:
-        alloc = uniform(modules, asked.uniform, asked.group_size, cons)
+        alloc = uniform(modules, asked.uniform, asked.group_size or DEFAULT_GROUP_SIZE, cons)
         return dict(alloc.widths), "uniform", f"uniform {asked.uniform}"
     if budget is None:
         raise DynquantError("maps.json needs a budget (PATH:BUDGET or --budget)",
@@ -269,7 +274,7 @@ def _run(source: ModelSource, req: QuantizeRequest, executor: Executor) -> dict:
         print("dynquant: gptq codes; the predicted KL is for round-to-nearest codes (these "
               "maps have no gptq ratios: a measure on text records them)", file=sys.stderr)
     return quantize_model(
-        source, w.widths, req.output, group_size=req.allocation.group_size,
+        source, w.widths, req.output, group_size=req.allocation.group_size or DEFAULT_GROUP_SIZE,
         random_init=req.random_init, seed=req.seed, overwrite=req.overwrite,
         allocator=w.allocator, widths_from=w.widths_from,
         modules_to_not_convert=tuple(req.measure.not_convert),

@@ -24,6 +24,15 @@ ALIASES = {"kl": "kl-exact"}
 DEFAULT_WIDTHS = (2, 3, 4, 8)
 DEFAULT_BUDGETS = (2.5, 3.0, 3.25, 3.5, 4.25)
 PROBE_BITS = 3
+# The group sizes a measure prices by default (``default_group_sizes``): 64 and 128 for a model of
+# up to ``SMALL_MODEL_GROUPS_WEIGHTS`` quantized weights, so that the allocator can buy smaller
+# groups with narrower codes (SmolLM2-135M at equal bytes: -33% / -24% KL at 4.25 / 3.25 bits
+# calibrated, -40% data-free at 4.25; Gemma-3-270M unchanged: BENCHMARKS.md "Tuned scales"); 128
+# alone past it, where every size more doubles the candidates and a head's compensated variants
+# (unmeasured at 7B shapes)
+SMALL_MODEL_GROUP_SIZES = (64, 128)
+GROUP_SIZES = (128,)
+SMALL_MODEL_GROUPS_WEIGHTS = 2_000_000_000
 CHECK_CODES = ("gptq", "tuned")  # the codes a forecast check can write
 
 
@@ -33,7 +42,8 @@ class MeasureOptions:
     the sensitivity method and its calibration, and what it writes beside the maps."""
 
     widths: Sequence[int] = DEFAULT_WIDTHS
-    group_sizes: Sequence[int] = (128,)
+    # None: ``default_group_sizes`` for the model's size (decided by ``measure``)
+    group_sizes: Sequence[int] | None = None
     budgets: Sequence[float] = DEFAULT_BUDGETS
     method: str | None = None  # None: fisher (on the bundled text without calib), else weight
     # the text (none: the bundled data/calibration_default.txt) and its windows
@@ -126,6 +136,13 @@ def calibration_plan(source: ModelSource, opts: MeasureOptions, random_init: boo
     return (replace(opts, method="weight", synthetic=runnable),
             f"data-free sensitivities{why}: priors by module role and depth{stats}; "
             "no loss prediction")
+
+
+def default_group_sizes(quantized_weights: int) -> tuple[int, ...]:
+    """The group sizes a measure prices for a model of ``quantized_weights`` when none are
+    asked for."""
+    return (SMALL_MODEL_GROUP_SIZES if quantized_weights <= SMALL_MODEL_GROUPS_WEIGHTS
+            else GROUP_SIZES)
 
 
 def probe_bits(opts: MeasureOptions) -> tuple[int, int]:

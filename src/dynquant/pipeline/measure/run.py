@@ -77,6 +77,7 @@ from dynquant.pipeline.measure.forecast_check import forecast_check
 from dynquant.pipeline.measure.options import (
     MeasureOptions,
     calibration_plan,
+    default_group_sizes,
     gptq_ratios,
     moments_dir,
     probe_bits,
@@ -128,6 +129,9 @@ def measure(source: ModelSource, opts: MeasureOptions, out: str | Path | None = 
     dense_out = set(excluded_modules(specs, opts.not_convert))
     quantizable = [s for s in specs if s.quantizable and s.module not in dense_out]
     opts = _passes_dtype(opts, quantizable, progress)
+    if opts.group_sizes is None:
+        opts = replace(opts, group_sizes=default_group_sizes(
+            sum(math.prod(s.shape) for s in quantizable)))
     blocks = 1 + max((block_index(s.module) or 0 for s in quantizable), default=0)
     at = WeightsAt.of(source, random_init)  # this process's source, the one jobs run here use
     weights = at.open()
