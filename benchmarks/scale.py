@@ -235,24 +235,28 @@ def llama_cpp(model: Path, work: Path, threads: int) -> list[tuple[str, float, i
     return [(name, *timed(cmd, env)) for name, cmd, env in steps]
 
 
+def seven_b_weights() -> int:
+    """A 7 B model's quantized weights: what its size-dependent defaults are decided by."""
+    return quantized_weights(replace(SEVEN_B, layers=SEVEN_B_LAYERS))
+
+
 def seven_b_dtype() -> str:
     """The dtype of the measure's passes and of the codes' pass that quantize gives a 7 B model
     on this CPU (``size_dtype``): the one-layer model is below the size where the default takes
     bfloat16."""
-    return size_dtype(quantized_weights(replace(SEVEN_B, layers=SEVEN_B_LAYERS)))
+    return size_dtype(seven_b_weights())
 
 
 def seven_b_group_sizes() -> str:
     """The group sizes a 7 B model's measure prices (``default_group_sizes``), which the
     one-layer model's size would not: quantize's ``--group-sizes`` argument."""
-    sizes = default_group_sizes(quantized_weights(replace(SEVEN_B, layers=SEVEN_B_LAYERS)))
-    return ",".join(str(g) for g in sizes)
+    return ",".join(str(g) for g in default_group_sizes(seven_b_weights()))
 
 
 def seven_b_rounding() -> str:
     """The rounding's step that quantize's tuned codes take for a 7 B model
     (``default_rounding``), which the one-layer model's own size would not."""
-    return str(default_rounding(quantized_weights(replace(SEVEN_B, layers=SEVEN_B_LAYERS))))
+    return str(default_rounding(seven_b_weights()))
 
 
 def main() -> None:
@@ -262,7 +266,7 @@ def main() -> None:
     parser.add_argument("--no-llama-cpp", action="store_true")
     parser.add_argument("--dense-head", action="store_true",
                         help="keep the output head dense (--not-convert lm_head)")
-    parser.add_argument("--tune-rounding", metavar="STEP",
+    parser.add_argument("--tune-rounding", metavar="STEP", default=seven_b_rounding(),
                         help="quantize's --tune-rounding (default: a 7 B model's default)")
     parser.add_argument("--codes-dtype", choices=("float32", "bfloat16"),
                         help="quantize's --codes-dtype (default: a 7 B model's default on this "
@@ -282,7 +286,6 @@ def main() -> None:
     figure("float32 GEMM peak", peak / 1e9, "GMAC/s")
     with tempfile.TemporaryDirectory(prefix="dynquant-scale-") as tmp:
         model = save_scale_model(Path(tmp) / "model", args.layers)
-        args.tune_rounding = args.tune_rounding or seven_b_rounding()
         extra = (["--not-convert", "lm_head"] if args.dense_head else []) + [
             "--tune-rounding", args.tune_rounding, "--group-sizes", seven_b_group_sizes()] + (
             [] if args.tune_dtype is None else ["--tune-dtype", args.tune_dtype]) + [

@@ -335,7 +335,7 @@ def test_the_forecast_checks_kl_stage_says_its_progress(capsys, tmp_path):
 
 def test_a_default_measure_prices_two_group_sizes_up_to_its_size_bound(tmp_path, monkeypatch):
     """Unasked, a measure prices groups of 64 and 128 for a model of up to
-    ``SMALL_MODEL_GROUPS_WEIGHTS`` quantized weights (the allocator picks among them), 128 past it."""
+    ``SMALL_MODEL_WEIGHTS`` quantized weights (the allocator picks among them), 128 past it."""
     from dynquant.pipeline.measure import options as options_module
 
     assert options_module.default_group_sizes(2_000_000_000) == (64, 128)
@@ -346,7 +346,7 @@ def test_a_default_measure_prices_two_group_sizes_up_to_its_size_bound(tmp_path,
     assert doc["group_sizes"] == [64, 128]
     assert all({c["group_size"] for c in m["candidates"]} == {64, 128}
                for m in doc["modules"].values())
-    monkeypatch.setattr(options_module, "SMALL_MODEL_GROUPS_WEIGHTS", 0)
+    monkeypatch.setattr(options_module, "SMALL_MODEL_WEIGHTS", 0)
     doc = measure(source, MeasureOptions(budgets=[4.0]), tmp_path / "b.json", progress=False,
                   random_init=True)
     assert doc["group_sizes"] == [128]

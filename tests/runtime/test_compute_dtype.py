@@ -104,13 +104,11 @@ def test_the_measure_passes_take_bf16_only_past_2g_weights_on_native_bf16_cpus(m
                                                                               capsys):
     """``MeasureOptions.dtype`` None: float32 for a model of up to 2 G quantized weights, on a
     CPU without native bf16 products, and for the exact probe; else bfloat16, said in a line."""
-    from types import SimpleNamespace
-
     from dynquant.pipeline.measure.options import MeasureOptions
     from dynquant.pipeline.measure.run import _passes_dtype
 
-    big = [SimpleNamespace(shape=(50_000, 40_001))]  # 2.00005 G
-    small = [SimpleNamespace(shape=(50_000, 40_000))]
+    big = 50_000 * 40_001  # 2.00005 G quantized weights
+    small = 50_000 * 40_000
     fisher = MeasureOptions(method="fisher")
     for flags, want in (({"amx_bf16"}, "bfloat16"), ({"avx512_bf16"}, "bfloat16"),
                         ({"avx2", "fma"}, "float32")):

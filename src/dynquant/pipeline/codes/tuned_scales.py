@@ -63,6 +63,8 @@ TUNING_ERRORS = ("gains", "plain")
 # state holds ~0.9 GiB more there (60% of the weights can flip against 30%).
 ROUNDING = 3e-3
 SMALL_MODEL_ROUNDING = 6e-3
+# Quantized weights up to which a model takes the defaults that spend time for quality: this
+# rounding step and the measure's group sizes (``measure/options.py``, ``default_group_sizes``)
 SMALL_MODEL_WEIGHTS = 2_000_000_000
 
 

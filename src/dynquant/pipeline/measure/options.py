@@ -16,7 +16,7 @@ from dynquant.pipeline.calibrate.text import (
 from dynquant.pipeline.codes.code_chooser import (
     check_quantizer,
 )
-from dynquant.pipeline.codes.tuned_scales import ScaleTuning
+from dynquant.pipeline.codes.tuned_scales import SMALL_MODEL_WEIGHTS, ScaleTuning
 from dynquant.pipeline.config import Calibration, sectioned
 
 METHODS = ("weight", "fisher", "kl-exact")
@@ -25,14 +25,13 @@ DEFAULT_WIDTHS = (2, 3, 4, 8)
 DEFAULT_BUDGETS = (2.5, 3.0, 3.25, 3.5, 4.25)
 PROBE_BITS = 3
 # The group sizes a measure prices by default (``default_group_sizes``): 64 and 128 for a model of
-# up to ``SMALL_MODEL_GROUPS_WEIGHTS`` quantized weights, so that the allocator can buy smaller
+# up to ``SMALL_MODEL_WEIGHTS`` quantized weights, so that the allocator can buy smaller
 # groups with narrower codes (SmolLM2-135M at equal bytes: -33% / -24% KL at 4.25 / 3.25 bits
 # calibrated, -40% data-free at 4.25; Gemma-3-270M unchanged: BENCHMARKS.md "Tuned scales"); 128
 # alone past it, where every size more doubles the candidates and a head's compensated variants
 # (unmeasured at 7B shapes)
 SMALL_MODEL_GROUP_SIZES = (64, 128)
 GROUP_SIZES = (128,)
-SMALL_MODEL_GROUPS_WEIGHTS = 2_000_000_000
 CHECK_CODES = ("gptq", "tuned")  # the codes a forecast check can write
 
 
@@ -141,7 +140,7 @@ def calibration_plan(source: ModelSource, opts: MeasureOptions, random_init: boo
 def default_group_sizes(quantized_weights: int) -> tuple[int, ...]:
     """The group sizes a measure prices for a model of ``quantized_weights`` when none are
     asked for."""
-    return (SMALL_MODEL_GROUP_SIZES if quantized_weights <= SMALL_MODEL_GROUPS_WEIGHTS
+    return (SMALL_MODEL_GROUP_SIZES if quantized_weights <= SMALL_MODEL_WEIGHTS
             else GROUP_SIZES)
 
 

@@ -128,10 +128,10 @@ def measure(source: ModelSource, opts: MeasureOptions, out: str | Path | None = 
     specs = source.tensor_specs()
     dense_out = set(excluded_modules(specs, opts.not_convert))
     quantizable = [s for s in specs if s.quantizable and s.module not in dense_out]
-    opts = _passes_dtype(opts, quantizable, progress)
+    size = sum(math.prod(s.shape) for s in quantizable)
+    opts = _passes_dtype(opts, size, progress)
     if opts.group_sizes is None:
-        opts = replace(opts, group_sizes=default_group_sizes(
-            sum(math.prod(s.shape) for s in quantizable)))
+        opts = replace(opts, group_sizes=default_group_sizes(size))
     blocks = 1 + max((block_index(s.module) or 0 for s in quantizable), default=0)
     at = WeightsAt.of(source, random_init)  # this process's source, the one jobs run here use
     weights = at.open()
@@ -203,13 +203,12 @@ def _record(opts: MeasureOptions) -> dict | None:
     return synthetic_record(cal.seqs, cal.length) if opts.synthetic else None
 
 
-def _passes_dtype(opts: MeasureOptions, quantizable: list[TensorSpec], progress: bool
+def _passes_dtype(opts: MeasureOptions, weights: int, progress: bool
                   ) -> MeasureOptions:
     """``opts`` with the calibration passes' dtype decided (``MeasureOptions.dtype``); with
     ``progress``, a line where the default takes bfloat16 for the model's size."""
     if opts.dtype is not None:
         return opts
-    weights = sum(math.prod(s.shape) for s in quantizable)
     exact = opts.method in ("kl", "kl-exact")  # (differences of small KLs: float32)
     dtype = "float32" if exact else size_dtype(weights)
     if progress and dtype == "bfloat16":
