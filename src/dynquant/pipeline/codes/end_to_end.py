@@ -62,11 +62,10 @@ HELD_WEIGHTS_BYTES = 1 << 30
 # docs/distributed.md); past the bound it is opt-in.
 AUTO_STEPS = 40
 AUTO_MAX_WEIGHTS = 2_000_000_000
-# Adam's step (3-bit codes): the largest that lowers both real models' held-out KL. Its first
-# steps move every group at once and lift the KL before it falls: from SmolLM2-135M's tuned codes
-# (groups of 64 and 128) 1e-3 never came back below its start (3.25 bits: 0.167 -> 0.187 on the
-# held-out windows), 5e-4 -> 0.162 and 3e-4 -> 0.160; Gemma-3-270M's fell 0.29 -> 0.232 / 0.235 /
-# 0.254 at 1e-3 / 5e-4 / 3e-4 (BENCHMARKS.md "Tuned scales").
+# Adam's step (3-bit codes). Its first steps move every group at once and lift the KL before it
+# falls; at twice this step SmolLM2-135M's held-out KL never came back below its start, while
+# Gemma-3-270M gains a little more there: this is the step that lowers both (BENCHMARKS.md
+# "Tuned scales").
 LR = 5e-4
 
 
