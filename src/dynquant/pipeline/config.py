@@ -15,6 +15,7 @@ from dataclasses import dataclass, field, fields, replace
 from typing import Any
 
 from dynquant.errors import DynquantError
+from dynquant.format.widths import DEFAULT_GROUP_SIZE
 from dynquant.pipeline.allocate.forecast import Forecast
 from dynquant.pipeline.codes.end_to_end import EndToEndTuning
 from dynquant.pipeline.codes.tuned_scales import TUNING_DTYPES, ScaleTuning
@@ -45,12 +46,18 @@ class AllocationOptions:
     widths: str | None = None
     budget: float | None = None
     uniform: int | None = None
-    # None: 128 for uniform widths and bare widths; a budget's measure prices its default sizes
+    # None: ``written_group_size``'s default; a budget's measure prices its default sizes
     group_size: int | None = None
     group_sizes: Sequence[int] | None = None
     pins: Sequence[str] = ()
     min_bits: int | None = None
     max_bits: int | None = None
+
+    @property
+    def written_group_size(self) -> int:
+        """The group size of widths that carry none (uniform widths, bare widths files, the
+        checkpoint's planned size): as asked, else the format's default."""
+        return self.group_size or DEFAULT_GROUP_SIZE
 
 
 @dataclass(frozen=True)

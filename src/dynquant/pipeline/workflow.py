@@ -14,7 +14,6 @@ from dynquant.checkpoint.free_space import need_checkpoint_space
 from dynquant.checkpoint.resume import PartialDir
 from dynquant.errors import DynquantError
 from dynquant.format.planner import excluded_modules, plan_document
-from dynquant.format.widths import DEFAULT_GROUP_SIZE
 from dynquant.format.widths_file import load_widths
 from dynquant.models.sources import ModelSource
 from dynquant.numerics.compute_dtype import size_dtype_reason
@@ -113,7 +112,7 @@ def _room_for_the_checkpoint(source: ModelSource, req: QuantizeRequest) -> str:
     bits = alloc.uniform if alloc.uniform is not None else 8
     plan = plan_document(specs, {s.module: bits for s in specs
                                  if s.quantizable and s.module not in dense},
-                         model=source.name, group_size=alloc.group_size or DEFAULT_GROUP_SIZE,
+                         model=source.name, group_size=alloc.written_group_size,
                          tied=source.tied,
                          modules_to_not_convert=not_convert)["accounting"]
     exact = alloc.uniform is not None or alloc.budget is None
@@ -188,7 +187,7 @@ def _allocate(req: QuantizeRequest, maps: dict, maps_path: Path, budget: float |
                        max_bits=asked.max_bits, group_sizes=asked.group_sizes)
     modules = maps_modules(maps, codes)
     if asked.uniform is not None:
-        alloc = uniform(modules, asked.uniform, asked.group_size or DEFAULT_GROUP_SIZE, cons)
+        alloc = uniform(modules, asked.uniform, asked.written_group_size, cons)
         return dict(alloc.widths), "uniform", f"uniform {asked.uniform}"
     if budget is None:
         raise DynquantError("maps.json needs a budget (PATH:BUDGET or --budget)",
@@ -274,7 +273,7 @@ def _run(source: ModelSource, req: QuantizeRequest, executor: Executor) -> dict:
         print("dynquant: gptq codes; the predicted KL is for round-to-nearest codes (these "
               "maps have no gptq ratios: a measure on text records them)", file=sys.stderr)
     return quantize_model(
-        source, w.widths, req.output, group_size=req.allocation.group_size or DEFAULT_GROUP_SIZE,
+        source, w.widths, req.output, group_size=req.allocation.written_group_size,
         random_init=req.random_init, seed=req.seed, overwrite=req.overwrite,
         allocator=w.allocator, widths_from=w.widths_from,
         modules_to_not_convert=tuple(req.measure.not_convert),
