@@ -1,8 +1,9 @@
 """The size/quality frontier: one measurement, many budgets, each against uniform widths.
 
-Measure a model once (KL sensitivities on calibration text), allocate at every budget, quantize,
-and evaluate each checkpoint against the unquantized model on held-out text; uniform widths at
-the same or the next larger size are evaluated beside it. Used by the demo and the benchmarks.
+Measure a model once (KL sensitivities on calibration text), allocate at every budget with the
+widths priced for round-to-nearest codes, write those codes, and evaluate each checkpoint
+against the unquantized model on held-out text; uniform widths at the same or the next larger
+size are evaluated beside it. Used by the demo and the benchmarks.
 """
 
 from __future__ import annotations
@@ -71,7 +72,9 @@ def size_quality_frontier(model_dir: str | Path, calib: str | Path | None, heldo
                        maps_path, progress=False)
     else:
         maps_path, maps = Path(maps_path), load_maps(maps_path)
-    modules = maps_modules(maps)
+    # the checkpoints below are round-to-nearest codes (``quantize_model``'s default), so the
+    # widths are priced for them, not for the compensated codes a calibrated maps defaults to
+    modules = maps_modules(maps, "rtn")
     importance = load_file(maps_path.parent / maps["stats"]) if maps["stats"] else None
     docs, allocs = {}, {}
     for budget in budgets:
