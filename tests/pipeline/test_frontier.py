@@ -39,5 +39,5 @@ def test_frontier_prices_widths_for_the_round_to_nearest_codes_it_writes(tmp_pat
                                      uniform=False)
     assert point.predicted_kl == rtn.predicted_error
     written = json.loads((point.checkpoint / "dynquant.json").read_text())
-    assert written["accounting"]["total_nbytes"] == point.total_nbytes
+    assert written["accounting"]["packed_nbytes"] == rtn.packed_nbytes
     assert {m: (w["bits"], w["group_size"]) for m, w in written["layers"].items()} == rtn.widths
