@@ -15,7 +15,7 @@ from pathlib import Path
 
 from safetensors.torch import load_file
 
-from dynquant.format.widths import width
+from dynquant.format.widths import DEFAULT_GROUP_SIZE, width
 from dynquant.models.sources import resolve_model
 from dynquant.models.tokenizer import load_tokenizer
 from dynquant.pipeline.allocate.allocation import allocate_widths, uniform_widths
@@ -45,7 +45,7 @@ class FrontierPoint:
     uniform_result: EvalResult | None = None
 
 
-def uniform_bits_for(budget: float, group_size: int = 128) -> int:
+def uniform_bits_for(budget: float, group_size: int = DEFAULT_GROUP_SIZE) -> int:
     """The smallest uniform width at least as large as ``budget`` (scale overhead counted)."""
     return next(b for b in (2, 3, 4, 8) if width(b, group_size).bits_per_weight >= budget)
 
@@ -86,7 +86,7 @@ def size_quality_frontier(model_dir: str | Path, calib: str | Path | None, heldo
             stats=maps["stats"], progress=False)
     for ubits in sorted({uniform_bits_for(b) for b in budgets}) if uniform else ():
         note(f"uniform {ubits}-bit: quantize")
-        u = uniform_widths(modules, ubits, 128)
+        u = uniform_widths(modules, ubits, DEFAULT_GROUP_SIZE)
         docs[f"uniform-{ubits}"] = quantize_model(
             source, u.widths, out / f"uniform-{ubits}", importance=importance, overwrite=True,
             allocator="uniform", progress=False)
