@@ -39,7 +39,7 @@ lint: $(STAMP)
 clean:
 	rm -rf $(VENV) out
 
-BENCHMARKS := vs_llamacpp context_decode large_vocabulary scale scale_decode memory_bandwidth one_token_products packed_products gemm_peak int4_gemv quantizer_vs_hqq seed_scale quantize_memory decode reference_models allocation_quality quality_vs_hqq sensitivity_methods data_free gptq_quality distributed_quantize demo_under_load
+BENCHMARKS := vs_llamacpp context_decode large_vocabulary scale scale_decode memory_bandwidth one_token_products packed_products gemm_peak int4_gemv quantizer_vs_hqq seed_scale quantize_memory decode reference_models allocation_quality quality_vs_hqq sensitivity_methods data_free gptq_quality float_targets distributed_quantize demo_under_load
 
 .PHONY: bench
 # each benchmark writes its section as markdown to out/bench/NAME[-ARGS].md (benchmarks/__main__.py)

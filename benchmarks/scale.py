@@ -9,7 +9,7 @@ peak, and the whole run's wall time and peak RSS.
 
     python -m benchmarks scale [--layers N] [--budget B] [--dense-head] [--no-llama-cpp]
         [--tune-rounding STEP] [--codes-dtype float32] [--measure-dtype float32]
-        [--tune-dtype bfloat16] [--e2e-steps N]
+        [--tune-dtype bfloat16] [--e2e-steps N] [--quantizer gptq]
 
 Stage seconds come from the progress lines (a stage's "done" line; the tuning's share of the
 gptq stage from the first block's "tuning scales, step N" lines, which a log says every 10 s);
@@ -276,6 +276,9 @@ def main() -> None:
                         "model's default on this CPU)")
     parser.add_argument("--tune-dtype", choices=("float32", "bfloat16"),
                         help="quantize's --tune-dtype (default: the codes' pass's)")
+    parser.add_argument("--quantizer", choices=("auto", "gptq"), default="auto",
+                        help="quantize's --quantizer (default auto: tuned codes; gptq leaves "
+                        "the tuning out)")
     parser.add_argument("--e2e-steps", metavar="N", default="0",
                         help="quantize's --e2e-steps (default 0: a 7 B model's default, past "
                         "the end-to-end pass's weights; 40 gives the cost model its rate)")
@@ -286,12 +289,13 @@ def main() -> None:
     figure("float32 GEMM peak", peak / 1e9, "GMAC/s")
     with tempfile.TemporaryDirectory(prefix="dynquant-scale-") as tmp:
         model = save_scale_model(Path(tmp) / "model", args.layers)
+        tuning = [] if args.quantizer == "gptq" else [
+            "--tune-rounding", args.tune_rounding, "--e2e-steps", args.e2e_steps] + (
+            [] if args.tune_dtype is None else ["--tune-dtype", args.tune_dtype])
         extra = (["--not-convert", "lm_head"] if args.dense_head else []) + [
-            "--tune-rounding", args.tune_rounding, "--group-sizes", seven_b_group_sizes()] + (
-            [] if args.tune_dtype is None else ["--tune-dtype", args.tune_dtype]) + [
+            "--quantizer", args.quantizer, "--group-sizes", seven_b_group_sizes(), *tuning,
             "--codes-dtype", args.codes_dtype or seven_b_dtype(),
-            "--dtype", args.measure_dtype or seven_b_dtype(),
-            "--e2e-steps", args.e2e_steps]
+            "--dtype", args.measure_dtype or seven_b_dtype()]
         wall, rss, stages = run(model, Path(tmp) / "q", args.budget, extra)
         dense = sum(p.stat().st_size for p in model.glob("*.safetensors"))
         theirs = [] if args.no_llama_cpp else llama_cpp(model, Path(tmp),

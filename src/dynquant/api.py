@@ -134,8 +134,9 @@ def quantize(model_name: str | Path, output: str | Path, **options) -> dict:
     ``tuning=ScaleTuning(steps=...)``, ``end_to_end=EndToEndTuning(steps=...)``,
     ``independent_blocks=True`` (every block's codes from the float model's hidden states: one
     job a block on a cluster), ``chain_blocks=K`` (chains of K blocks, each from the float
-    model's hidden states at its first block: one job a chain), ``executor="ray"`` (the
-    checkpoint is byte-identical on any executor), ``report`` (told the
+    model's hidden states at its first block: one job a chain), ``float_targets=1.0`` (GPTAQ,
+    GPTQModel's ``v2``: each Linear's codes fitted to the float model's outputs),
+    ``executor="ray"`` (the checkpoint is byte-identical on any executor), ``report`` (told the
     forecast before anything is written). An untied output head is quantized like any Linear;
     ``not_convert=["lm_head"]`` keeps it dense."""
     request = QuantizeRequest.of(str(output), **_as_text(options))

@@ -93,7 +93,7 @@ def quantize_options(args: argparse.Namespace, report=None) -> dict:
         "codes": api.CodeOptions(**_given(
             quantizer=args.quantizer, gptq_seqs=args.gptq_seqs, tuning=_tuning(args),
             end_to_end=_end_to_end(args), independent_blocks=args.independent_blocks or None,
-            chain_blocks=args.chain_blocks,
+            chain_blocks=args.chain_blocks, float_targets=args.float_targets,
             dtype=None if args.codes_dtype == "auto" else args.codes_dtype)),
         "run": api.RunOptions(**_executor(args), progress=not (args.quiet or args.json),
                               report=report),
@@ -381,10 +381,11 @@ def _add_measure(sub) -> None:
                    help="also write each Linear's X^T X / tokens (of the float model) to "
                    "OUTPUT_STEM.moments/ (what measure --quantizer gptq prices with)")
     p.add_argument("--quantizer", choices=("rtn", "gptq"),
-                   help="the quantizer the candidates are priced with: rtn (default; what "
-                   "quantize --quantizer auto uses), gptq (each candidate width compensated "
-                   "on the float model's inputs: a slower measure, BENCHMARKS.md "
-                   "'Error-compensating codes'; implies --second-moments)")
+                   help="the quantizer the candidates are priced with: rtn (default, with each "
+                   "Linear's gptq ratio; what quantize uses with any --quantizer), gptq (each "
+                   "candidate width compensated on the float model's inputs: a slower measure "
+                   "whose allocations measure the same, BENCHMARKS.md 'Error-compensating "
+                   "codes'; implies --second-moments)")
     p.add_argument("--moment-seqs", type=int,
                    help="calibration sequences for the measure's second moments (default 16: "
                    "the gptq ratios price as well as from 48; a forward-only pass of its own)")
@@ -453,6 +454,14 @@ def _add_quantize(sub) -> None:
                    "another: with --ray each chain is a job of its own (between the default, "
                    "one chain of every block, and --independent-blocks in time on a cluster and "
                    "in KL: BENCHMARKS.md 'Tuned scales', docs/distributed.md)")
+    p.add_argument("--float-targets", type=float, nargs="?", const=0.5, metavar="FRACTION",
+                   help="gptq and tuned codes: GPTAQ (GPTQModel's v2), each Linear's codes "
+                   "fitted to the float model's outputs from the quantized model's inputs, "
+                   "the shift taken by FRACTION (GPTQModel's alpha: 0.5 when none is given, "
+                   "the best of 0.25 / 0.5 / 1 on SmolLM2 and Gemma-3; 1: the whole way): "
+                   "lower KL for --quantizer gptq (0.73-0.92x), none for the tuned codes, for "
+                   "a float forward of every block and a product of each weight with the "
+                   "windows more (BENCHMARKS.md 'Error-compensating codes')")
     p.add_argument("--codes-dtype", choices=("auto", "float32", "bfloat16"), default="auto",
                    help="gptq and tuned codes: the pass's compute dtype (its blocks' forwards, "
                    "so the second moments' inputs, and the tuning steps): auto (the default) "

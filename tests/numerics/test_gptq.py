@@ -146,7 +146,8 @@ def test_quantize_with_gptq_end_to_end(tmp_path):
     docs = {q: json.loads((tmp_path / q / "dynquant.json").read_text()) for q in ("rtn", "gptq")}
     assert docs["gptq"]["provenance"]["quantizer"] == "gptq"
     assert "quantizer" not in docs["rtn"]["provenance"]
-    assert docs["gptq"]["accounting"] == docs["rtn"]["accounting"]  # same widths, same bytes
+    # one measure's maps, each allocation priced for its own codes and filling the budget
+    assert all(4.45 < docs[q]["accounting"]["average_bits"] <= 4.5 for q in ("rtn", "gptq"))
     rtn, gptq = load(tmp_path / "rtn"), load(tmp_path / "gptq")
     ids = torch.arange(16)[None]
     with torch.no_grad():

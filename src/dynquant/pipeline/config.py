@@ -75,7 +75,10 @@ class CodeOptions:
     ``independent_blocks``: chains of one block, every block's codes from the float model's
     hidden states; ``dtype``: the sequential pass's compute dtype, "float32" or "bfloat16"
     (None: bfloat16 for a model of more than 2 G quantized weights on a CPU with native bf16
-    products, else float32: ``size_dtype``)."""
+    products, else float32: ``size_dtype``); ``float_targets``: GPTAQ (GPTQModel's ``v2``), each
+    Linear's codes fitted to the float model's outputs from the quantized model's inputs by
+    this fraction (0, the default: plain GPTQ; 1: the whole way; BENCHMARKS.md
+    "Error-compensating codes")."""
 
     quantizer: str = "auto"
     gptq_seqs: int = 48
@@ -84,6 +87,7 @@ class CodeOptions:
     end_to_end: EndToEndTuning = field(default_factory=EndToEndTuning)
     chain_blocks: int = 0
     dtype: str | None = None
+    float_targets: float = 0.0
 
     def __post_init__(self) -> None:
         if self.dtype is not None and self.dtype not in TUNING_DTYPES:
@@ -97,6 +101,12 @@ class CodeOptions:
         if self.independent_blocks and self.chain_blocks not in (0, 1):
             raise DynquantError(f"--independent-blocks is chains of one block, not "
                                 f"{self.chain_blocks}", field="chain_blocks")
+        if not 0 <= self.float_targets <= 1:
+            raise DynquantError(f"--float-targets must be a fraction in [0, 1], not "
+                                f"{self.float_targets}", field="float_targets")
+        if self.float_targets and self.chain:
+            raise DynquantError("--float-targets fits the sequential pass's codes: not with "
+                                "--chain-blocks or --independent-blocks", field="float_targets")
 
     @property
     def chain(self) -> int:

@@ -66,8 +66,8 @@ class QuantizeRequest:
 
 def _maps_for(source: ModelSource, req: QuantizeRequest, executor: Executor | None = None
               ) -> tuple[dict, Path, float | None]:
-    """The maps document to allocate from (given, or measured now, candidates priced with
-    round-to-nearest unless ``--quantizer gptq``), its path, and the budget."""
+    """The maps document to allocate from (given, or measured now: candidates priced with
+    round-to-nearest, each Linear's gptq ratio beside them), its path, and the budget."""
     alloc = req.allocation
     if alloc.widths is not None:
         path, budget = split_maps_arg(alloc.widths)
@@ -77,10 +77,10 @@ def _maps_for(source: ModelSource, req: QuantizeRequest, executor: Executor | No
     asked = alloc.group_sizes or ((alloc.group_size,) if alloc.group_size else None)
     opts = replace(req.measure, group_sizes=asked or req.measure.group_sizes,
                    budgets=[alloc.budget] if alloc.budget else [],
-                   # auto: rtn-priced candidates with each Linear's gptq ratio, a fraction of
-                   # gptq pricing's time (BENCHMARKS.md, gptq_quality)
-                   quantizer="gptq" if req.codes.quantizer == "gptq" else "rtn",
-                   tuning=req.codes.tuning)
+                   # rtn-priced candidates with each Linear's gptq ratio, whatever the codes:
+                   # the allocations of gptq codes they give measure as well as gptq pricing's,
+                   # in a fraction of its time (BENCHMARKS.md, gptq_quality)
+                   quantizer="rtn", tuning=req.codes.tuning)
     size = _room_for_the_checkpoint(source, req)  # before the measure's hours, not after them
     if req.run.progress:
         print(f"dynquant: the checkpoint will take {size}; measuring the model first",
@@ -94,8 +94,7 @@ def _maps_for(source: ModelSource, req: QuantizeRequest, executor: Executor | No
         maps = load_maps(maps_path)
     else:
         maps = measure(source, opts, maps_path, req.run.progress, req.random_init, executor)
-    # a gptq-priced measure's X^T X (files: its candidates read them); the codes' pass makes
-    # its own
+    # X^T X a measure was asked to write (``second_moments``): the codes' pass makes its own
     shutil.rmtree(moments_dir(maps_path), ignore_errors=True)
     return maps, maps_path, alloc.budget
 
@@ -126,9 +125,8 @@ def _room_for_the_checkpoint(source: ModelSource, req: QuantizeRequest) -> str:
 
 def _measure_base(output: str | Path) -> Path:
     """``OUT.measure``: what a quantize's own measure's ``PartialDir`` is named after (its
-    folder ``.OUT.measure.partial/``, beside the output): its spilled activations (and a
-    gptq-priced measure's second moments, 1.7 GB a 7B-shaped block) go to the disk the
-    checkpoint goes to, a killed run's measure is found by its rerun (reused whole, or resumed
+    folder ``.OUT.measure.partial/``, beside the output): its spilled activations go to the disk
+    the checkpoint goes to, a killed run's measure is found by its rerun (reused whole, or resumed
     from its partial), and the folder goes once the checkpoint is written."""
     output = Path(output)
     return output.with_name(f"{output.name}.measure")
@@ -266,7 +264,7 @@ def _run(source: ModelSource, req: QuantizeRequest, executor: Executor) -> dict:
                                    req.measure.calibration.length, w.compensate_head,
                                    codes.tuning.resolved(dtype, weights) if quantizer == "tuned"
                                    else None,
-                                   end_to_end, codes.chain, dtype)
+                                   end_to_end, codes.chain, dtype, codes.float_targets)
                   if quantizer in SEQUENTIAL else None)
     chooser = CodeChooser(quantizer, w.importance or {}, sequential=sequential)
     if not w.forecast_for_codes and w.allocator == "sensitivity" and progress:

@@ -58,7 +58,8 @@ def gptq_calibration(source: ModelSource, calib: Sequence[str], record: dict | N
                      seqs: int, length: int, compensate_head: bool = True,
                      tuning: ScaleTuning | None = None,
                      end_to_end: EndToEndTuning | None = None,
-                     chain: int = 0, dtype: str = "float32") -> SequentialCalibration:
+                     chain: int = 0, dtype: str = "float32", float_targets: float = 0.0
+                     ) -> SequentialCalibration:
     """The ``seqs`` windows of ``length`` tokens the sequential gptq pass streams: of
     ``calib``, else of the text the widths were measured on when that is dynquant's bundled
     text (or nothing was measured). The model can run them (``check_request`` /
@@ -72,4 +73,5 @@ def gptq_calibration(source: ModelSource, calib: Sequence[str], record: dict | N
                                 field="calib")
         texts = [str(default_calibration())]
     ids = calibration_ids(load_tokenizer(source.directory), texts, seqs, length)
-    return SequentialCalibration(ids, compensate_head, tuning, end_to_end, chain, dtype)
+    return SequentialCalibration(ids, compensate_head, tuning, end_to_end, chain, dtype,
+                                 float_targets)

@@ -52,6 +52,7 @@ from torch import nn
 from dynquant.checkpoint.resume import ResumeStore
 from dynquant.format.planner import TensorSpec
 from dynquant.numerics.gptq import (
+    act_order,
     concat_rows,
     gptq_quantize,
     gptq_quantize_rows,
@@ -117,6 +118,10 @@ class SequentialCalibration:
     # and the tuning's steps ("float32" or "bfloat16": at 7B shapes on a CPU with native bf16
     # products about half the time, BENCHMARKS.md "Scale"; the codes then follow that arithmetic)
     dtype: str = "float32"
+    # GPTAQ (GPTQModel's ``v2``): each Linear's codes fitted to its float model's outputs, not
+    # to its own on the quantized model's inputs, by this fraction (0: plain GPTQ; 1: the
+    # whole way; ``float_target_shift``)
+    float_targets: float = 0.0
 
     def __post_init__(self) -> None:
         if self.dtype not in TUNING_DTYPES:
@@ -127,6 +132,10 @@ class SequentialCalibration:
             raise ValueError("end_to_end: its steps decided first (EndToEndTuning.resolved)")
         if self.chain < 0:
             raise ValueError(f"chain: blocks a chain holds (0: every block), not {self.chain}")
+        if not 0 <= self.float_targets <= 1:
+            raise ValueError(f"float_targets: a fraction in [0, 1], not {self.float_targets}")
+        if self.float_targets and self.chain:
+            raise ValueError("float_targets: the sequential pass's (no chains of blocks)")
 
     def digest(self) -> str:
         h = hashlib.sha256(self.ids.numpy().tobytes())
@@ -139,6 +148,8 @@ class SequentialCalibration:
             h.update(f"chains of {self.chain} blocks".encode())
         if self.tuning is not None:
             h.update(repr(self.tuning).encode())
+        if self.float_targets:
+            h.update(f"float targets {self.float_targets!r}".encode())
         if self.end_to_end is not None and self.end_to_end.steps > 0:
             h.update(repr(self.end_to_end).encode())
         return h.hexdigest()
@@ -161,7 +172,7 @@ def sequential_gptq(stream: BlockStream, specs: list[TensorSpec], quantized: set
                     choice: Choice, rounder: Rounder, store: ResumeStore,
                     progress: bool = False, executor: Executor | None = None,
                     compensate_head: bool = True, tuning: ScaleTuning | None = None,
-                    chain: int = 0) -> list[torch.Tensor] | None:
+                    chain: int = 0, float_targets: float = 0.0) -> list[torch.Tensor] | None:
     """Quantize the ``quantized`` modules inside the decoder blocks, then the output head, into
     ``store`` (index = the tensor's position in ``specs``). Each group's matrices (a Linear,
     an expert of a bank) are compensated as jobs on ``executor`` (default: here); the head
@@ -177,7 +188,7 @@ def sequential_gptq(stream: BlockStream, specs: list[TensorSpec], quantized: set
     index = {s.module: i for i, s in enumerate(specs) if s.module in quantized}
     hidden = stream.record()
     # the float model's hidden states
-    floats = list(hidden) if tuning is not None or chain else []
+    floats = list(hidden) if tuning is not None or chain or float_targets else []
     work = BlockWork(WeightsAt.of(stream.source, False), stream.dtype, frozenset(), False,
                      torch.get_num_threads())
     # tuning on the float model's inputs: the pass goes on with the GPTQ codes (kept apart, so
@@ -192,7 +203,7 @@ def sequential_gptq(stream: BlockStream, specs: list[TensorSpec], quantized: set
     with StageProgress(enabled=progress) as bar, serving(stream, work):
         task = bar.add_task("gptq, block by block", total=len(stream.blocks))
         for b, block in enumerate(stream.blocks):
-            state = _Block(stream, b, hidden, work, executor)
+            state = _Block(stream, b, hidden, work, executor, float_targets=float_targets)
             mine = [s for s in specs if s.module in index and s.module.startswith(state.prefix)]
             stream.materialize(block, state.prefix[:-1])
             try:
@@ -202,8 +213,12 @@ def sequential_gptq(stream: BlockStream, specs: list[TensorSpec], quantized: set
                     state.residuals = {}
                 floats_in = floats
                 if floats:  # before any codes are in place
-                    floats = _outputs(replace(state, hidden=floats, replaced={}),
-                                      _noter(bar, task, f"block {b + 1}: the float outputs"))
+                    float_block = replace(state, hidden=floats, replaced={})
+                    say = _noter(bar, task, f"block {b + 1}: the float outputs")
+                    if float_targets and not done:  # (and the float inputs of its Linears)
+                        floats, state.float_inputs = _float_pass(float_block, mine, say)
+                    else:
+                        floats = _outputs(float_block, say)
                 say = _noter(bar, task, f"block {b + 1}")
                 if chain:
                     if not links:  # the chain's first block
@@ -439,6 +454,10 @@ class _Block:
     # GPTQ's rounding residuals of the codes in ``replaced`` (None: not kept; the tuning's
     # rounding needs them)
     residuals: dict[str, torch.Tensor] | None = None
+    # GPTAQ's fraction (``SequentialCalibration.float_targets``), and each dense Linear's input
+    # (module -> a tensor a window) in the float model, where it is > 0
+    float_targets: float = 0.0
+    float_inputs: dict[str, list[torch.Tensor]] | None = None
 
     @cached_property
     def prefix(self) -> str:  # a search of the model's modules: once per block
@@ -456,21 +475,63 @@ class _Block:
         return self.executor.map(fn, jobs, self.work, cpus=self.work.threads)
 
 
-def _outputs(state: _Block, say: Callable[[str], None], windows: list[int] | None = None
-             ) -> list[torch.Tensor]:
+def _outputs(state: _Block, say: Callable[[str], None], windows: list[int] | None = None,
+             inputs: dict[str, list[torch.Tensor]] | None = None) -> list[torch.Tensor]:
     """The block's outputs for every window (its quantized weights in place), or for the
     ``windows`` given (chunk indices), a window a job: each window's outputs are its own
     (nothing is folded), so they are the same bits however the windows are split, and a cluster
-    spreads the block the widest."""
+    spreads the block the widest. ``inputs`` (module -> []): each module's input on each
+    window appended too."""
     out: list[torch.Tensor] = []
     shards = state.shards(OUTPUT_SHARD_SEQS)
     if windows is not None:  # (a shard a chunk: OUTPUT_SHARD_SEQS is one sequence)
         shards = [shards[k] for k in windows]
     say(f"0/{len(shards)} shards of the windows")
-    for k, (part, _) in enumerate(state.map(block_shard_job, shards)):
+    parts = (state.map(block_shard_job, shards) if inputs is None else
+             state.map(float_pass_job, [FloatPass(s, list(inputs)) for s in shards]))
+    for k, (part, seen) in enumerate(parts):
         out.extend(part)
+        for m in inputs or {}:
+            inputs[m].extend(seen[m])
         say(f"{k + 1}/{len(shards)} shards of the windows")
     return out
+
+
+@dataclass
+class FloatPass:
+    """One job: a shard of the windows through the block, the inputs of its ``modules`` (the
+    model's module names) kept."""
+
+    shard: BlockShard
+    modules: list[str]
+
+
+def float_pass_job(job: FloatPass, work: BlockWork
+                   ) -> tuple[list[torch.Tensor], dict[str, list[torch.Tensor]]]:
+    """The shard's outputs of the block and each of ``modules``' inputs, a tensor a window (the
+    same tensor for Linears that read one input)."""
+    use_threads(work.threads)
+    stream = shard_stream(work)
+    seen: dict[str, list[torch.Tensor]] = {m: [] for m in job.modules}
+    hooks = [stream.model.get_submodule(m).register_forward_pre_hook(
+        lambda _m, inputs, m=m: seen[m].append(inputs[0].detach())) for m in job.modules]
+    try:
+        with block_as_driven(stream, job.shard.block, job.shard.replaced):
+            out = stream.run_block(job.shard.block, job.shard.hidden, job.shard.recorded)
+    finally:
+        for h in hooks:
+            h.remove()
+    return out, seen
+
+
+def _float_pass(state: _Block, mine: list[TensorSpec], say: Callable[[str], None]
+                ) -> tuple[list[torch.Tensor], dict[str, list[torch.Tensor]]]:
+    """``_outputs`` of the float block (``state``: its float hidden states, no codes), and the
+    inputs of its quantized Linears on every window (GPTAQ's targets: ``float_target_shift``)."""
+    block = state.stream.blocks[state.index]
+    inputs: dict[str, list[torch.Tensor]] = {s.module: [] for s in mine if isinstance(
+        block.get_submodule(s.module[len(state.prefix):]), nn.Linear)}
+    return _outputs(state, say, inputs=inputs), inputs
 
 
 def _noter(bar: StageProgress, task: int, where: str) -> Callable[[str], None]:
@@ -560,13 +621,17 @@ def _quantize_group(state: _Block, group: list[str], targets: dict[str, _Target]
                     say: Callable[[str], None]) -> None:
     done = {m: store.quantized(index[m]) for m in group}
     todo = [m for m in group if done[m] is None]
-    moments = _group_moments(state, group, targets, say) if todo else None
+    moments, shifts = _group_moments(state, group, targets, todo, say) if todo else (None, {})
     say(f"compensating {len(todo)} {'matrix' if len(todo) == 1 else 'matrices'}")
     # the group shares its input, so its moments and their factor (one per expert for banks);
     # its matrices are compensated independently
     factors = _Factors()
     kept = state.residuals  # the residuals too, where the tuning rounds
-    jobs = {m: _jobs(targets[m], moments, *choice(m), factors, kept is not None) for m in todo}
+    weights = float_target_shift(
+        {m: targets[m].param.data.float() for m in shifts}, moments, factors.of(moments),
+        shifts, state.float_targets) if shifts else {}
+    jobs = {m: _jobs(targets[m], moments, *choice(m), factors, kept is not None, weights.get(m))
+            for m in todo}
     results = state.executor.map(compensate_job, [j for m in todo for j in jobs[m]], None)
     for m in group:  # each kept (in the store) as soon as its matrices are back
         t, name, i = targets[m], state.relative(specs[index[m]]), index[m]
@@ -580,6 +645,8 @@ def _quantize_group(state: _Block, group: list[str], targets: dict[str, _Target]
         elif kept is not None:
             kept[name] = store.read_tensors(_residual_file(i))["r"]
         _keep(store, i, specs[i], done[m], t.param, state)
+    for m in group if state.float_inputs is not None else []:  # (the group's last use)
+        state.float_inputs.pop(m, None)
 
 
 def _residual_file(i: int) -> str:
@@ -601,11 +668,12 @@ class _Factors:
         return self.known[id(hessian)][1]
 
 
-def _jobs(t: _Target, moments, bits: int, group_size: int, factors: _Factors, residual: bool
-          ) -> list[CompensateJob]:
-    """A Linear's one job, or a bank's one per expert (with that expert's moments; an expert
-    with too few routed tokens rounds to nearest: identity moments)."""
-    w = t.param.data.float()
+def _jobs(t: _Target, moments, bits: int, group_size: int, factors: _Factors, residual: bool,
+          weight: torch.Tensor | None = None) -> list[CompensateJob]:
+    """A Linear's one job (its ``weight`` as GPTQ sees it where given, else its own), or a
+    bank's one per expert (with that expert's moments; an expert with too few routed tokens
+    rounds to nearest: identity moments)."""
+    w = t.param.data.float() if weight is None else weight
     if not t.bank:
         return [CompensateJob(w, moments, factors.of(moments), bits, group_size,
                               residual=residual)]
@@ -616,6 +684,38 @@ def _jobs(t: _Target, moments, bits: int, group_size: int, factors: _Factors, re
         jobs.append(CompensateJob(w[e].contiguous(), h, factors.of(h), bits,
                                   group_size, t.rows, residual))
     return jobs
+
+
+def float_target_shift(weights: dict[str, torch.Tensor], moments: torch.Tensor,
+                       factor: torch.Tensor, shifts: dict[str, torch.Tensor], fraction: float
+                       ) -> dict[str, torch.Tensor]:
+    """GPTAQ's weights: GPTQ on ``W + fraction * S H^-1`` (H: ``moments`` X^T X / tokens damped
+    as GPTQ damps it; S: ``shifts``' ((X_float - X) W^T)^T X / tokens) minimises
+    ``|X Q^T - X_float W^T|^2`` at ``fraction`` 1, the codes on the quantized model's inputs
+    ``X`` fitted to the float model's outputs (its own inputs ``X_float``): the unconstrained
+    optimum of that is the shifted W, and the error of any Q differs from ``|X (Q - W')^T|^2``
+    by a constant. H^-1 from GPTQ's own ``factor`` (``ordered_factor(moments)``: U^T U is H^-1
+    in act order), so no second factor of H is held (1.4 GB at 18,944 inputs)."""
+    order = act_order(moments)
+    shifted = {}
+    for m, w in weights.items():
+        taken = _times_upper(_times_upper(shifts[m][:, order], factor, transposed=True), factor)
+        solved = torch.empty_like(taken)
+        solved[:, order] = taken
+        shifted[m] = w.add(solved, alpha=fraction)
+    return shifted
+
+
+def _times_upper(x: torch.Tensor, upper: torch.Tensor, transposed: bool = False,
+                 block: int = 1024) -> torch.Tensor:
+    """``x @ upper`` (or ``x @ upper.T``) for an upper triangular ``upper``, a block of its
+    columns (rows) at a time with only the blocks that are not zero: half a full product."""
+    n = upper.shape[0]
+    out = torch.empty(x.shape[0], n)
+    for j in range(0, n, block):
+        e = min(j + block, n)
+        out[:, j:e] = x[:, j:] @ upper[j:e, j:].T if transposed else x[:, :e] @ upper[:e, j:e]
+    return out
 
 
 def _keep(store: ResumeStore, i: int, spec: TensorSpec, qt: QuantizedTensor,
@@ -668,11 +768,19 @@ class GroupInput:
     shard: BlockShard
     lead: str
     bank: bool
+    # GPTAQ: the group's input in the float model (a tensor a window of the shard), and the
+    # group's modules still to compensate, or (``members`` empty) the group's sum of
+    # (X_float - X)^T X, which each module's weight then multiplies (``_sums_once``)
+    floats: list[torch.Tensor] | None = None
+    members: list[str] = field(default_factory=list)
 
 
-def group_input_job(job: GroupInput, work: BlockWork) -> InputMoments | dict[str, dict]:
-    """The shard's X^T X of the group's input (a bank's raw per-expert sums: ``InputStatistics
-    .partial``), with the block as the driver has it."""
+def group_input_job(job: GroupInput, work: BlockWork
+                    ) -> tuple[InputMoments, dict[str, torch.Tensor]] | dict[str, dict]:
+    """The shard's X^T X of the group's input, and with ``floats`` each member's sum of
+    ((X_float - X) W^T)^T X (``float_target_shift``'s; float32 [out, in]), or the group's sum
+    of (X_float - X)^T X (under the key ""), with the block as the driver has it; a bank's raw
+    per-expert sums (``InputStatistics.partial``)."""
     use_threads(work.threads)
     stream = shard_stream(work)
     with block_as_driven(stream, job.shard.block, job.shard.replaced):
@@ -685,35 +793,79 @@ def group_input_job(job: GroupInput, work: BlockWork) -> InputMoments | dict[str
             return stats.partial()
         linear = stream.model.get_submodule(job.lead)
         moments = InputMoments(linear.in_features)
-        handle = linear.register_forward_pre_hook(moments.hook)
+        shifts: dict[str, torch.Tensor] = {}
+        handles = []
+        if job.floats is not None:  # (before the moments' hook, which stops the forward)
+            weights = {m: stream.model.get_submodule(m).weight.float() for m in job.members}
+            shifts = {m: torch.zeros(w.shape) for m, w in weights.items()} or {
+                "": torch.zeros(linear.in_features, linear.in_features)}
+            floats = iter(job.floats)
+
+            def shift(_module: nn.Module, inputs: tuple) -> None:
+                x = inputs[0].reshape(-1, linear.in_features).float()
+                gap = next(floats).reshape(x.shape).float() - x
+                if not weights:
+                    shifts[""].addmm_(gap.T, x)
+                for m, w in weights.items():
+                    shifts[m].addmm_((gap @ w.T).T, x)
+
+            handles.append(linear.register_forward_pre_hook(shift))
+        handles.append(linear.register_forward_pre_hook(moments.hook))
         try:
             _run(stream, job.shard)
         finally:
-            handle.remove()
-        return moments
+            for h in handles:
+                h.remove()
+        return moments, shifts
 
 
 def _group_moments(state: _Block, group: list[str], targets: dict[str, _Target],
-                   say: Callable[[str], None]):
+                   todo: list[str], say: Callable[[str], None]):
     """The second moments X^T X / tokens of the input the modules of ``group`` share, over
     every calibration window, a shard of windows a job, folded in shard order: one matrix for
     Linears (the block run only as far as that input), per expert for banks (None where an
-    expert saw too few tokens)."""
+    expert saw too few tokens); and GPTAQ's sums / tokens for the Linears in ``todo`` where
+    the pass fits them to the float model's outputs (else none)."""
     lead = targets[group[0]]
     shards = state.shards()
     say(f"inputs' moments, 0/{len(shards)} shards of the windows")
-    parts = state.map(group_input_job, [GroupInput(s, group[0], lead.bank) for s in shards])
+    # (GPTQ's own objective where the float inputs are none: a bank, a Linear of another kind)
+    floats = None if lead.bank or state.float_inputs is None else state.float_inputs.get(
+        group[0])
+    members = [] if floats is None or _sums_once(targets, todo, floats) else todo
+    taken = iter(floats or [])
+    jobs = [GroupInput(s, group[0], lead.bank) if floats is None else GroupInput(
+        s, group[0], False, [next(taken) for _ in s.hidden], members) for s in shards]
+    parts = state.map(group_input_job, jobs)
     if lead.bank:
-        return _expert_moments(state.stream, group[0], lead, parts)
+        return _expert_moments(state.stream, group[0], lead, parts), {}
     total: GramAccumulator | None = None
-    for k, part in enumerate(parts):
+    shifts: dict[str, torch.Tensor] = {}
+    for k, (part, shift) in enumerate(parts):
         if total is None:
-            total = part  # 0 + x is x: one shard's sum is the one-process sum, bit for bit
+            # 0 + x is x: one shard's sum is the one-process sum, bit for bit
+            total, shifts = part, shift
         else:
             total.add_sum(part)
+            for m, r in shift.items():
+                shifts[m].add_(r)
         say(f"inputs' moments, {k + 1}/{len(shards)} shards of the windows")
     assert total is not None
-    return total.mean(consume=True)
+    rows = max(total.rows, 1)
+    if "" in shifts:  # each module's weight times the group's (X_float - X)^T X
+        shifts = {m: targets[m].param.data.float() @ shifts[""] for m in todo}
+    return total.mean(consume=True), {m: r.div_(rows) for m, r in shifts.items()}
+
+
+def _sums_once(targets: dict[str, _Target], todo: list[str], floats: list[torch.Tensor]
+               ) -> bool:
+    """Whether GPTAQ's sums cost fewer multiply-adds as the group's (X_float - X)^T X times each
+    weight (tokens x in^2 + outs x in^2: at 7B shapes q/k/v, o, gate/up) than as each
+    module's ((X_float - X) W^T)^T X (2 x tokens x in x outs: the down projection)."""
+    tokens = sum(x.numel() // x.shape[-1] for x in floats)
+    width = floats[0].shape[-1]
+    outs = sum(targets[m].param.shape[0] for m in todo)
+    return width * (tokens + outs) < 2 * tokens * outs
 
 
 def _expert_moments(stream: BlockStream, name: str, bank: _Target, parts: Iterator[dict]

@@ -200,4 +200,5 @@ def _sequential(source: ModelSource, weights: WeightSource, specs: list, plan: d
     return sequential_gptq(stream, specs, set(plan["layers"]),
                            lambda m: split_choice(widths[m], group_size), chooser.quantize,
                            store, progress, executor, chooser.sequential.compensate_head,
-                           chooser.sequential.tuning, chooser.sequential.chain)
+                           chooser.sequential.tuning, chooser.sequential.chain,
+                           chooser.sequential.float_targets)
