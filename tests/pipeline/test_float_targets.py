@@ -1,7 +1,8 @@
 """GPTAQ (``--float-targets``): each Linear's GPTQ codes fitted to the float model's outputs from
 the quantized model's inputs, by GPTQ on a shifted weight: the least-squares shift, closer
-outputs on held-out tokens than GPTQ's own codes; the same bytes on a worker, on a rerun and
-after a resume. (Its KL on real models: BENCHMARKS.md "Error-compensating codes".)"""
+outputs on held-out tokens than GPTQ's own codes; the same bytes on a worker and on a rerun
+(after a resume: ``test_sequential_gptq``). Its KL on real models: BENCHMARKS.md
+"Error-compensating codes"."""
 
 from __future__ import annotations
 
@@ -97,30 +98,6 @@ def test_float_targets_give_the_same_bytes_on_a_worker_and_again(tmp_path):
     assert checkpoint_bytes(tmp_path / "v2_worker") == v2
     assert checkpoint_bytes(tmp_path / "v2_again") == v2
     assert checkpoint_bytes(tmp_path / "gptq") != v2
-
-
-def test_a_killed_float_targets_pass_resumes_to_the_same_bytes(tmp_path, monkeypatch):
-    """Killed in block 1's first group, the rerun takes block 0's codes from the store, runs
-    the float model again for the float inputs, and writes the uninterrupted run's bytes."""
-    source = resolve_model(str(LLAMA_REF))
-    widths = _uniform(source, 3)
-    chooser = CodeChooser("gptq", sequential=replace(_calibration(LLAMA_REF, 2, 64),
-                                                     float_targets=1.0))
-    quantize_model(source, widths, tmp_path / "a", progress=False, chooser=chooser)
-    real, calls = seq.gptq_quantize, {"n": 0}
-
-    def dies_on_the_ninth(*args, **kwargs):
-        calls["n"] += 1
-        if calls["n"] == 9:
-            raise KeyboardInterrupt
-        return real(*args, **kwargs)
-
-    monkeypatch.setattr(seq, "gptq_quantize", dies_on_the_ninth)
-    with pytest.raises(KeyboardInterrupt):
-        quantize_model(source, widths, tmp_path / "b", progress=False, chooser=chooser)
-    monkeypatch.setattr(seq, "gptq_quantize", real)
-    quantize_model(source, widths, tmp_path / "b", progress=False, chooser=chooser)
-    assert checkpoint_bytes(tmp_path / "b") == checkpoint_bytes(tmp_path / "a")
 
 
 @pytest.mark.parametrize("options", [{"float_targets": 1.5}, {"float_targets": -0.1},

@@ -85,10 +85,13 @@ def test_sequential_gptq_beats_round_to_nearest_at_every_width(tmp_path):
         assert ratio < 0.7, (bits, ratio)  # measured 0.38-0.49 (1,024 calibration tokens)
 
 
-def test_reruns_and_resumes_are_byte_identical(tmp_path, monkeypatch):
+@pytest.mark.parametrize("float_targets", [0.0, 1.0])
+def test_reruns_and_resumes_are_byte_identical(tmp_path, monkeypatch, float_targets):
+    """GPTQ's own codes, and GPTAQ's (``float_targets``: a resumed pass runs the float model
+    again for the float inputs of the blocks it has left)."""
     source = resolve_model(str(LLAMA_REF))
     widths = {**_uniform(source, 3), "model.layers.1.mlp.down_proj": 4}
-    cal = _calibration(LLAMA_REF, 2, 64)
+    cal = replace(_calibration(LLAMA_REF, 2, 64), float_targets=float_targets)
     for run in ("a", "b"):
         quantize_model(source, widths, tmp_path / run, progress=False,
                        chooser=CodeChooser("gptq", sequential=cal))
