@@ -3,7 +3,8 @@ quality of the allocations they lead to.
 
 On each reference model and on the real pretrained model (``scripts/prepare_real_model.py``,
 skipped with a note when it is not prepared): ``dynquant measure --calib`` with ``--method
-fisher`` and ``--method kl-exact`` in child processes (wall time, peak RSS), beside one plain
+fisher`` and ``--method kl-exact`` (``--no-forecast-check``: the sensitivities alone) in child
+processes (wall time, peak RSS), beside one plain
 float32 forward+backward of the dense model over the same calibration tokens; the rank
 correlation of the modules' 3-bit KLs (estimated vs probed); then each method's allocations at
 every budget quantized and evaluated on held-out text (mean KL against the base), and the rank
@@ -72,7 +73,9 @@ def compare(name: str, model_dir: Path, tmp: Path) -> None:
         out = tmp / f"{name}-{method}" / "maps.json"
         wall, rss = run_child(["-m", "dynquant", "measure", str(model_dir), "-o", str(out),
                                "--calib", str(CALIB), "--calib-seqs", str(SEQS),
-                               "--calib-len", str(LENGTH), "--method", method])
+                               "--calib-len", str(LENGTH), "--method", method,
+                               # (the forecast's check quantizes twice for either method)
+                               "--no-forecast-check"])
         maps[method], seconds[method] = json.loads(out.read_text()), wall
         figure(f"{name} measure --method {method}: wall", wall, "s")
         figure(f"{name} measure --method {method}: peak RSS", rss / 2**20, "MiB")
