@@ -6,6 +6,7 @@ outputs on held-out tokens than GPTQ's own codes; the same bytes on a worker and
 
 from __future__ import annotations
 
+import json
 from dataclasses import replace
 
 import pytest
@@ -98,6 +99,9 @@ def test_float_targets_give_the_same_bytes_on_a_worker_and_again(tmp_path):
     assert checkpoint_bytes(tmp_path / "v2_worker") == v2
     assert checkpoint_bytes(tmp_path / "v2_again") == v2
     assert checkpoint_bytes(tmp_path / "gptq") != v2
+    provenance = {name: json.loads((tmp_path / name / "dynquant.json").read_text())[
+        "provenance"] for name in ("gptq", "v2")}
+    assert provenance["v2"]["float_targets"] == 1.0 and "float_targets" not in provenance["gptq"]
 
 
 @pytest.mark.parametrize("options", [{"float_targets": 1.5}, {"float_targets": -0.1},

@@ -37,6 +37,8 @@ class Provenance:
     # what the sensitivities were calibrated on (maps.json's ``calibration``); None: data-free
     calibration: dict | None = None
     quantizer: str | None = None  # how codes were chosen when not round-to-nearest ("gptq")
+    # GPTAQ's fraction where the codes were fitted to the float model's outputs
+    float_targets: float | None = None
 
     def to_dict(self) -> dict:
         doc = {
@@ -51,6 +53,8 @@ class Provenance:
             doc["calibration"] = self.calibration
         if self.quantizer is not None:
             doc["quantizer"] = self.quantizer
+        if self.float_targets is not None:
+            doc["float_targets"] = self.float_targets
         return doc
 
 

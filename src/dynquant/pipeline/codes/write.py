@@ -139,7 +139,9 @@ def quantize_model(
     provenance = md.Provenance(model=source.name, allocator=allocator, widths_from=widths_from,
                                stats=stats, predicted_nbytes=plan["accounting"]["total_nbytes"],
                                calibration=calibration,
-                               quantizer=None if chooser.quantizer == "rtn" else chooser.quantizer)
+                               quantizer=None if chooser.quantizer == "rtn" else chooser.quantizer,
+                               float_targets=(chooser.sequential.float_targets or None)
+                               if chooser.sequential is not None else None)
     doc = writer.finish(provenance, config=source.config.to_dict(), tied=source.tied,
                         side_files=[*side, *extra_files])
     store.discard()
