@@ -15,8 +15,13 @@ from test_sequential_gptq import _calibration, _uniform
 
 from dynquant.errors import DynquantError
 from dynquant.models.sources import resolve_model
-from dynquant.numerics.gptq import DAMP, gptq_quantize, ordered_factor
-from dynquant.pipeline.codes import sequential_gptq as seq
+from dynquant.numerics.gptq import (
+    DAMP,
+    float_target_shift,
+    gptq_quantize,
+    ordered_factor,
+    times_upper,
+)
 from dynquant.pipeline.codes.code_chooser import CodeChooser
 from dynquant.pipeline.codes.write import quantize_model
 from dynquant.pipeline.config import CodeOptions
@@ -38,7 +43,7 @@ def test_the_shifted_weight_is_the_least_squares_fit_to_the_float_outputs(fracti
     h = x.T @ x / tokens
     shift = ((x_float - x) @ w.T).T @ x / tokens
     factor = ordered_factor(h.float())
-    got = seq.float_target_shift({"m": w.float()}, h.float(), factor, {"m": shift.float()},
+    got = float_target_shift({"m": w.float()}, h.float(), factor, {"m": shift.float()},
                                  fraction)["m"].double()
     damped = h + DAMP * h.diagonal().mean() * torch.eye(inputs, dtype=torch.float64)
     want = w + fraction * torch.linalg.solve(damped, shift.T).T
@@ -47,7 +52,7 @@ def test_the_shifted_weight_is_the_least_squares_fit_to_the_float_outputs(fracti
         ridge = tokens * DAMP * h.diagonal().mean() * torch.eye(inputs, dtype=torch.float64)
         fit = torch.linalg.solve(x.T @ x + ridge, x.T @ x_float @ w.T + ridge @ w.T).T
         assert torch.allclose(got, fit, atol=1e-4)
-    same = seq.float_target_shift({"m": w.float()}, h.float(), factor,
+    same = float_target_shift({"m": w.float()}, h.float(), factor,
                                   {"m": torch.zeros(outputs, inputs)}, fraction)["m"]
     assert torch.equal(same, w.float())
 
@@ -74,7 +79,7 @@ def test_gptq_on_the_shifted_weight_fits_the_float_outputs_on_held_out_tokens(bi
     held, held_float = drawn()
     errors = []
     for fraction in (0.0, 0.5, 1.0):
-        shifted = seq.float_target_shift({"m": w}, h, factor, {"m": shift}, fraction)["m"]
+        shifted = float_target_shift({"m": w}, h, factor, {"m": shift}, fraction)["m"]
         q = gptq_quantize(shifted, h, bits, 32, factor=factor).dequantize(torch.float32)
         errors.append(float(((held @ q.reshape(w.shape).T - held_float @ w.T) ** 2).mean()))
     assert errors[2] < errors[1] < 0.9 * errors[0], errors
@@ -130,6 +135,6 @@ def test_the_triangular_products_are_the_plain_ones(block):
     gen = torch.Generator().manual_seed(1)
     upper = torch.randn(48, 48, generator=gen).triu()
     x = torch.randn(5, 48, generator=gen)
-    assert torch.allclose(seq._times_upper(x, upper, block=block), x @ upper, atol=1e-5)
-    assert torch.allclose(seq._times_upper(x, upper, transposed=True, block=block), x @ upper.T,
+    assert torch.allclose(times_upper(x, upper, block=block), x @ upper, atol=1e-5)
+    assert torch.allclose(times_upper(x, upper, transposed=True, block=block), x @ upper.T,
                           atol=1e-5)

@@ -52,8 +52,8 @@ from torch import nn
 from dynquant.checkpoint.resume import ResumeStore
 from dynquant.format.planner import TensorSpec
 from dynquant.numerics.gptq import (
-    act_order,
     concat_rows,
+    float_target_shift,
     gptq_quantize,
     gptq_quantize_rows,
     gptq_residual,
@@ -684,38 +684,6 @@ def _jobs(t: _Target, moments, bits: int, group_size: int, factors: _Factors, re
         jobs.append(CompensateJob(w[e].contiguous(), h, factors.of(h), bits,
                                   group_size, t.rows, residual))
     return jobs
-
-
-def float_target_shift(weights: dict[str, torch.Tensor], moments: torch.Tensor,
-                       factor: torch.Tensor, shifts: dict[str, torch.Tensor], fraction: float
-                       ) -> dict[str, torch.Tensor]:
-    """GPTAQ's weights: GPTQ on ``W + fraction * S H^-1`` (H: ``moments`` X^T X / tokens damped
-    as GPTQ damps it; S: ``shifts``' ((X_float - X) W^T)^T X / tokens) minimises
-    ``|X Q^T - X_float W^T|^2`` at ``fraction`` 1, the codes on the quantized model's inputs
-    ``X`` fitted to the float model's outputs (its own inputs ``X_float``): the unconstrained
-    optimum of that is the shifted W, and the error of any Q differs from ``|X (Q - W')^T|^2``
-    by a constant. H^-1 from GPTQ's own ``factor`` (``ordered_factor(moments)``: U^T U is H^-1
-    in act order), so no second factor of H is held (1.4 GB at 18,944 inputs)."""
-    order = act_order(moments)
-    shifted = {}
-    for m, w in weights.items():
-        taken = _times_upper(_times_upper(shifts[m][:, order], factor, transposed=True), factor)
-        solved = torch.empty_like(taken)
-        solved[:, order] = taken
-        shifted[m] = w.add(solved, alpha=fraction)
-    return shifted
-
-
-def _times_upper(x: torch.Tensor, upper: torch.Tensor, transposed: bool = False,
-                 block: int = 1024) -> torch.Tensor:
-    """``x @ upper`` (or ``x @ upper.T``) for an upper triangular ``upper``, a block of its
-    columns (rows) at a time with only the blocks that are not zero: half a full product."""
-    n = upper.shape[0]
-    out = torch.empty(x.shape[0], n)
-    for j in range(0, n, block):
-        e = min(j + block, n)
-        out[:, j:e] = x[:, j:] @ upper[j:e, j:].T if transposed else x[:, :e] @ upper[:e, j:e]
-    return out
 
 
 def _keep(store: ResumeStore, i: int, spec: TensorSpec, qt: QuantizedTensor,
