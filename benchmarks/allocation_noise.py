@@ -22,13 +22,11 @@ from pathlib import Path
 from safetensors.torch import load_file
 
 from benchmarks.common import figure, machine, prepared_real_model
-from benchmarks.gptq_quality import GPTQ_SEQS, HELDOUT
+from benchmarks.gptq_quality import GPTQ_SEQS, HELDOUT, gptq_windows
 from benchmarks.gptq_quality import _widths as widths_of
 from dynquant.models.sources import resolve_model
-from dynquant.models.tokenizer import load_tokenizer
 from dynquant.numerics.compute_dtype import resolve_dtype
 from dynquant.pipeline.allocate.maps import compensates_head
-from dynquant.pipeline.calibrate.text import calibration_ids, default_calibration
 from dynquant.pipeline.codes.code_chooser import CodeChooser
 from dynquant.pipeline.codes.sequential_gptq import SequentialCalibration
 from dynquant.pipeline.codes.write import quantize_model
@@ -71,8 +69,7 @@ def main() -> None:
           f"codes ({GPTQ_SEQS} x 256 tokens of the bundled text); KL as `dynquant eval "
           f"--max-tokens {EVAL_TOKENS} --spread`; {machine()}")
     source = resolve_model(str(model_dir))
-    ids = calibration_ids(load_tokenizer(model_dir), [str(default_calibration())], GPTQ_SEQS,
-                          256)
+    ids = gptq_windows(model_dir)
     rows = []
     with tempfile.TemporaryDirectory(prefix="dynquant-noise-") as tmp:
         out = Path(tmp)

@@ -19,12 +19,10 @@ from pathlib import Path
 from safetensors.torch import load_file
 
 from benchmarks.common import figure, machine, prepared_real_model
-from benchmarks.gptq_quality import EVAL_TOKENS, GPTQ_SEQS, HELDOUT
+from benchmarks.gptq_quality import EVAL_TOKENS, GPTQ_SEQS, HELDOUT, gptq_windows
 from benchmarks.tuned_quality import _widths
 from dynquant.models.sources import resolve_model
-from dynquant.models.tokenizer import load_tokenizer
 from dynquant.pipeline.allocate.maps import compensates_head
-from dynquant.pipeline.calibrate.text import calibration_ids, default_calibration
 from dynquant.pipeline.codes.code_chooser import CodeChooser
 from dynquant.pipeline.codes.sequential_gptq import SequentialCalibration
 from dynquant.pipeline.codes.write import quantize_model
@@ -44,8 +42,7 @@ def main() -> None:
           f"{GPTQ_SEQS} x 256 calibration tokens of the bundled text, KL on {EVAL_TOKENS} "
           f"held-out tokens; {machine()}")
     source = resolve_model(str(model_dir))
-    ids = calibration_ids(load_tokenizer(model_dir), [str(default_calibration())], GPTQ_SEQS,
-                          256)
+    ids = gptq_windows(model_dir)
     fractions = [0.0, *args.fractions]
     rows = {}
     with tempfile.TemporaryDirectory(prefix="dynquant-float-targets-") as tmp:

@@ -46,6 +46,13 @@ UNIFORM = (2, 3, 4)
 GPTQ_SEQS = 48  # quantize --gptq-seqs's default
 
 
+def gptq_windows(model_dir: Path):
+    """The windows a default quantize's sequential pass streams: ``GPTQ_SEQS`` x 256 tokens of
+    the bundled text."""
+    return calibration_ids(load_tokenizer(model_dir), [str(default_calibration())], GPTQ_SEQS,
+                           256)
+
+
 def _widths(maps: dict, kind: str, value: float) -> dict:
     modules = maps_modules(maps)
     if kind == "uniform":
@@ -60,8 +67,7 @@ def model_table(name: str, model_dir: Path, out: Path) -> list[dict]:
     maps = measure(source, MeasureOptions(budgets=[]), out / "maps.json", progress=False)
     figure(f"{name}: calibrated measure (rtn-priced)", time.perf_counter() - start, "s")
     importance = load_file(out / maps["stats"])
-    ids = calibration_ids(load_tokenizer(model_dir), [str(default_calibration())], GPTQ_SEQS,
-                          256)
+    ids = gptq_windows(model_dir)
     start = time.perf_counter()
     priced = measure(source, MeasureOptions(budgets=[], quantizer="gptq"), out / "gptq.json",
                      progress=False)

@@ -27,11 +27,12 @@ from safetensors.torch import load_file
 from scipy.stats import spearmanr
 
 from benchmarks.common import figure, machine, run_child
+from benchmarks.gptq_quality import gptq_windows
 from dynquant.models.sources import resolve_model
 from dynquant.models.tokenizer import load_tokenizer
 from dynquant.pipeline.allocate.allocation import allocate_widths
 from dynquant.pipeline.allocate.maps import maps_modules
-from dynquant.pipeline.calibrate.text import calibration_ids, default_calibration
+from dynquant.pipeline.calibrate.text import calibration_ids
 from dynquant.pipeline.codes.code_chooser import CodeChooser
 from dynquant.pipeline.codes.sequential_gptq import SequentialCalibration
 from dynquant.pipeline.codes.write import quantize_model
@@ -46,7 +47,6 @@ HELDOUT = ROOT / "data" / "heldout.txt"
 SEQS, LENGTH = 8, 256
 EVAL_TOKENS = 16384
 DEFAULT_CODES_BUDGETS = (3.25,)
-GPTQ_SEQS = 48  # quantize --gptq-seqs's default
 
 
 def forward_backward_seconds(model_dir: Path) -> float:
@@ -110,8 +110,7 @@ def compare(name: str, model_dir: Path, tmp: Path) -> None:
 def default_codes(name: str, model_dir: Path, tmp: Path) -> None:
     """Both methods' allocations written with the default calibrated codes (sequential GPTQ)."""
     source = resolve_model(str(model_dir))
-    ids = calibration_ids(load_tokenizer(model_dir), [str(default_calibration())], GPTQ_SEQS,
-                          256)
+    ids = gptq_windows(model_dir)
     tags = []
     for budget in DEFAULT_CODES_BUDGETS:
         for method in ("fisher", "kl-exact"):

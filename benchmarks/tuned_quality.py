@@ -29,12 +29,10 @@ from pathlib import Path
 from safetensors.torch import load_file
 
 from benchmarks.common import figure, machine, prepared_real_model
-from benchmarks.gptq_quality import EVAL_TOKENS, GPTQ_SEQS, HELDOUT
+from benchmarks.gptq_quality import EVAL_TOKENS, GPTQ_SEQS, HELDOUT, gptq_windows
 from benchmarks.gptq_quality import _widths as widths_of
 from dynquant.models.sources import resolve_model
-from dynquant.models.tokenizer import load_tokenizer
 from dynquant.pipeline.allocate.maps import compensates_head
-from dynquant.pipeline.calibrate.text import calibration_ids, default_calibration
 from dynquant.pipeline.codes.code_chooser import CodeChooser
 from dynquant.pipeline.codes.end_to_end import EndToEndTuning
 from dynquant.pipeline.codes.sequential_gptq import SequentialCalibration
@@ -84,8 +82,7 @@ def main() -> None:
           f"{GPTQ_SEQS} x 256 calibration tokens of the bundled text, KL on {EVAL_TOKENS} "
           f"held-out tokens; {machine()}")
     source = resolve_model(str(model_dir))
-    ids = calibration_ids(load_tokenizer(model_dir), [str(default_calibration())], GPTQ_SEQS,
-                          256)
+    ids = gptq_windows(model_dir)
     rows, names = [], []
     with tempfile.TemporaryDirectory(prefix="dynquant-tuned-") as tmp:
         out = Path(tmp)
