@@ -55,7 +55,12 @@ from benchmarks.scale_model import save_scale_model
 from dynquant.numerics.compute_dtype import size_dtype
 from dynquant.numerics.gptq import ordered_factor
 from dynquant.pipeline.calibrate.text import default_calibration
-from dynquant.pipeline.codes.tuned_scales import ScaleTuning, check_windows, default_rounding
+from dynquant.pipeline.codes.tuned_scales import (
+    ScaleTuning,
+    check_windows,
+    default_float_targets,
+    default_rounding,
+)
 from dynquant.pipeline.measure.options import default_group_sizes
 from scripts.install_llama_cpp import install_tools
 from scripts.prepare_real_model import real_model
@@ -259,6 +264,12 @@ def seven_b_rounding() -> str:
     return str(default_rounding(seven_b_weights()))
 
 
+def seven_b_float_targets() -> str:
+    """GPTAQ's fraction that quantize's tuned codes take for a 7 B model
+    (``default_float_targets``: none), which the one-layer model's own size would not."""
+    return str(default_float_targets("tuned", seven_b_weights(), 0))
+
+
 def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--layers", type=int, default=1)
@@ -290,7 +301,8 @@ def main() -> None:
     with tempfile.TemporaryDirectory(prefix="dynquant-scale-") as tmp:
         model = save_scale_model(Path(tmp) / "model", args.layers)
         tuning = [] if args.quantizer == "gptq" else [
-            "--tune-rounding", args.tune_rounding, "--e2e-steps", args.e2e_steps] + (
+            "--tune-rounding", args.tune_rounding, "--e2e-steps", args.e2e_steps,
+            "--float-targets", seven_b_float_targets()] + (
             [] if args.tune_dtype is None else ["--tune-dtype", args.tune_dtype])
         extra = (["--not-convert", "lm_head"] if args.dense_head else []) + [
             "--quantizer", args.quantizer, "--group-sizes", seven_b_group_sizes(), *tuning,

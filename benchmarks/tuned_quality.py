@@ -1,6 +1,7 @@
 """Codes against codes in the same format and bytes: round-to-nearest, sequential GPTQ, GPTQ
 with each block's scales and offsets tuned against the float block (``--tune-rounding 0``), the
-same with each weight's rounding tuned too (``--quantizer tuned``, the default codes), the same
+same with each weight's rounding tuned too (``--quantizer tuned``, the default codes; the
+tuned rows start from GPTAQ's codes at a small model's default fraction, ``--float-targets``), the same
 fitted on the block's plain squared error (``--tune-error plain``; the default weighs each
 channel by the gain of the norm that reads it), and those with their scales then tuned end to
 end against the float model's distributions (``--e2e-steps``).
@@ -12,7 +13,7 @@ shown once), and mean KL against the float model on 16,384 held-out tokens.
 
     python -m benchmarks tuned_quality [--model smollm2|gemma3-270m] [--settings u3 a3.25 ...]
         [--steps 100] [--rounding 3e-3] [--e2e-steps 100] [--kinds rtn gptq scales tuned ...]
-        [--codes-dtype bfloat16] [--measure-dtype bfloat16]
+        [--float-targets 0.5] [--codes-dtype bfloat16] [--measure-dtype bfloat16]
 
 Targets: tuned <= 0.6x GPTQ's KL at 3.25 and 4.25 bits (SmolLM2; Gemma-3-270M at 4.25), no
 budget worse at 5.5; tuned's quantize (measure + codes) <= 3x GPTQ's.
@@ -36,7 +37,7 @@ from dynquant.pipeline.allocate.maps import compensates_head
 from dynquant.pipeline.codes.code_chooser import CodeChooser
 from dynquant.pipeline.codes.end_to_end import EndToEndTuning
 from dynquant.pipeline.codes.sequential_gptq import SequentialCalibration
-from dynquant.pipeline.codes.tuned_scales import ScaleTuning
+from dynquant.pipeline.codes.tuned_scales import TUNED_FLOAT_TARGETS, ScaleTuning
 from dynquant.pipeline.codes.write import quantize_model
 from dynquant.pipeline.measure.options import MeasureOptions
 from dynquant.pipeline.measure.run import measure
@@ -69,6 +70,9 @@ def main() -> None:
                         default=[k for k in KINDS if k != "plain"],
                         help="the rows besides rtn, gptq and tuned (the default codes), which "
                         "always run: scales (alone), plain (tuned on the plain error), e2e")
+    parser.add_argument("--float-targets", type=float, default=TUNED_FLOAT_TARGETS,
+                        help="GPTAQ's fraction the tuned rows start from (default: a small "
+                        "model's; 0: GPTQ's codes); the gptq row is GPTQ's own")
     parser.add_argument("--codes-dtype", choices=("float32", "bfloat16"), default="float32",
                         help="the codes' pass's dtype (a model past 2 G weights gets bfloat16 "
                         "on a CPU with native bf16 products)")
@@ -77,7 +81,8 @@ def main() -> None:
     args = parser.parse_args()
     model_dir = prepared_real_model(args.model)
     print(f"# {args.model}: {' / '.join(TITLES[k] for k in KINDS if k in args.kinds)} "
-          f"({args.steps} steps a block, rounding step {args.rounding}, a {args.codes_dtype} "
+          f"({args.steps} steps a block, rounding step {args.rounding}, from GPTAQ at "
+          f"{args.float_targets}, a {args.codes_dtype} "
           f"pass, a {args.measure_dtype} measure), same widths; "
           f"{GPTQ_SEQS} x 256 calibration tokens of the bundled text, KL on {EVAL_TOKENS} "
           f"held-out tokens; {machine()}")
@@ -99,6 +104,7 @@ def main() -> None:
             tuning = ScaleTuning(steps=args.steps, rounding=args.rounding)
             choosers = {"rtn": CodeChooser("rtn", importance),
                         "gptq": CodeChooser("gptq", importance, sequential=cal)}
+            cal = replace(cal, float_targets=args.float_targets)  # the tuned rows' start
             if args.rounding and "scales" in args.kinds:
                 choosers["scales"] = CodeChooser("tuned", importance, sequential=replace(
                     cal, tuning=replace(tuning, rounding=0.0)))

@@ -458,10 +458,12 @@ def _add_quantize(sub) -> None:
                    help="gptq and tuned codes: GPTAQ (GPTQModel's v2), each Linear's codes "
                    "fitted to the float model's outputs from the quantized model's inputs, "
                    "the shift taken by FRACTION (GPTQModel's alpha: 0.5 when none is given, "
-                   "the best of 0.25 / 0.5 / 1 on SmolLM2 and Gemma-3; 1: the whole way): "
-                   "lower KL for --quantizer gptq (0.73-0.92x), none for the tuned codes, for "
-                   "a float forward of every block and a product of each weight with the "
-                   "windows more (BENCHMARKS.md 'Error-compensating codes')")
+                   "the best of 0.25 / 0.5 / 1 on SmolLM2 and Gemma-3; 1: the whole way; 0: "
+                   "plain GPTQ): lower KL for --quantizer gptq (0.73-0.92x), 1-4%% lower for "
+                   "the tuned codes, for a float forward of every block and a product of each "
+                   "weight with the windows more. Default: 0.5 for the tuned codes of a model "
+                   "of at most 2 G quantized weights, else 0 (BENCHMARKS.md 'Error-compensating "
+                   "codes', 'Tuned scales')")
     p.add_argument("--codes-dtype", choices=("auto", "float32", "bfloat16"), default="auto",
                    help="gptq and tuned codes: the pass's compute dtype (its blocks' forwards, "
                    "so the second moments' inputs, and the tuning steps): auto (the default) "

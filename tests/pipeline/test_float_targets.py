@@ -23,6 +23,11 @@ from dynquant.numerics.gptq import (
     times_upper,
 )
 from dynquant.pipeline.codes.code_chooser import CodeChooser
+from dynquant.pipeline.codes.tuned_scales import (
+    SMALL_MODEL_WEIGHTS,
+    TUNED_FLOAT_TARGETS,
+    default_float_targets,
+)
 from dynquant.pipeline.codes.write import quantize_model
 from dynquant.pipeline.config import CodeOptions
 from dynquant.pipeline.execute.executor import LocalExecutor
@@ -125,9 +130,21 @@ def test_the_cli_s_float_targets_take_half_the_shift_when_given_no_fraction():
     def codes(*flags: str) -> CodeOptions:
         return quantize_options(parser.parse_args(["quantize", "m", "-o", "x", *flags]))["codes"]
 
-    assert codes().float_targets == 0.0
+    assert codes().float_targets is None  # the default's: default_float_targets
     assert codes("--float-targets").float_targets == 0.5
     assert codes("--float-targets", "1").float_targets == 1.0
+    assert codes("--float-targets", "0").float_targets == 0.0
+
+
+@pytest.mark.parametrize(("quantizer", "weights", "chain", "expected"), [
+    ("tuned", SMALL_MODEL_WEIGHTS, 0, TUNED_FLOAT_TARGETS),
+    ("tuned", SMALL_MODEL_WEIGHTS + 1, 0, 0.0),  # opt-in past 2 G weights: its time
+    ("tuned", 1_000, 2, 0.0),  # chains start from the float model's states already
+    ("gptq", 1_000, 0, 0.0),  # GPTQ's own codes unless asked
+    ("rtn", 1_000, 0, 0.0)])
+def test_the_tuned_codes_of_a_small_model_start_from_half_gptaq_s_shift(quantizer, weights,
+                                                                         chain, expected):
+    assert default_float_targets(quantizer, weights, chain) == expected
 
 
 @pytest.mark.parametrize("block", [16, 17, 1024])

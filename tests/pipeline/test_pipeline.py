@@ -16,6 +16,7 @@ from dynquant.cli import main
 from dynquant.models.sources import resolve_model
 from dynquant.pipeline.allocate.allocation import allocate_widths
 from dynquant.pipeline.allocate.maps import compensates_head, linear_ratio, maps_modules
+from dynquant.pipeline.codes.tuned_scales import TUNED_FLOAT_TARGETS
 from dynquant.pipeline.measure.options import MeasureOptions
 from dynquant.pipeline.measure.run import measure
 from model_zoo import TOKENIZER_TEXT, save_tiny_model, save_tiny_tokenizer
@@ -84,6 +85,7 @@ def test_quantize_with_budget_end_to_end(hybrid_dir, tmp_path):
     # codes; without the text the widths were measured on, the codes round to nearest (auto),
     # allocated for those codes (each Linear's error without its gptq ratio)
     assert prov["quantizer"] == "tuned"
+    assert prov["float_targets"] == TUNED_FLOAT_TARGETS  # a small model's tuned codes' start
     maps_arg = f"{out / 'maps.json'}:5.0"
     assert main(["quantize", str(hybrid_dir / "src"), "-o", str(tmp_path / "q2"), "--widths",
                  maps_arg, "--calib", str(hybrid_dir / "calib.txt"), "--quiet", *short]) == 0

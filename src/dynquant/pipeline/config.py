@@ -77,8 +77,9 @@ class CodeOptions:
     (None: bfloat16 for a model of more than 2 G quantized weights on a CPU with native bf16
     products, else float32: ``size_dtype``); ``float_targets``: GPTAQ (GPTQModel's ``v2``), each
     Linear's codes fitted to the float model's outputs from the quantized model's inputs by
-    this fraction (0, the default: plain GPTQ; 1: the whole way; BENCHMARKS.md
-    "Error-compensating codes")."""
+    this fraction (0: plain GPTQ; 1: the whole way; None: 0.5 for the tuned codes' start in a
+    model of at most 2 G quantized weights in one chain, else 0, ``default_float_targets``;
+    BENCHMARKS.md "Error-compensating codes", "Tuned scales")."""
 
     quantizer: str = "auto"
     gptq_seqs: int = 48
@@ -87,7 +88,7 @@ class CodeOptions:
     end_to_end: EndToEndTuning = field(default_factory=EndToEndTuning)
     chain_blocks: int = 0
     dtype: str | None = None
-    float_targets: float = 0.0
+    float_targets: float | None = None
 
     def __post_init__(self) -> None:
         if self.dtype is not None and self.dtype not in TUNING_DTYPES:
@@ -101,7 +102,7 @@ class CodeOptions:
         if self.independent_blocks and self.chain_blocks not in (0, 1):
             raise DynquantError(f"--independent-blocks is chains of one block, not "
                                 f"{self.chain_blocks}", field="chain_blocks")
-        if not 0 <= self.float_targets <= 1:
+        if self.float_targets is not None and not 0 <= self.float_targets <= 1:
             raise DynquantError(f"--float-targets must be a fraction in [0, 1], not "
                                 f"{self.float_targets}", field="float_targets")
         if self.float_targets and self.chain:

@@ -30,7 +30,7 @@ from dynquant.pipeline.allocate.maps import (
 from dynquant.pipeline.codes import end_to_end as e2e
 from dynquant.pipeline.codes.code_chooser import SEQUENTIAL, CodeChooser
 from dynquant.pipeline.codes.policy import check_request, choose_quantizer, gptq_calibration
-from dynquant.pipeline.codes.tuned_scales import default_pass_dtype
+from dynquant.pipeline.codes.tuned_scales import default_float_targets, default_pass_dtype
 from dynquant.pipeline.codes.write import quantize_model
 from dynquant.pipeline.config import AllocationOptions, CodeOptions, RunOptions, sectioned
 from dynquant.pipeline.execute.executor import Executor
@@ -260,11 +260,13 @@ def _run(source: ModelSource, req: QuantizeRequest, executor: Executor) -> dict:
     weights = quantized_weights(source, w.widths)
     end_to_end = _end_to_end(codes.end_to_end, quantizer, weights, progress)
     dtype = _pass_dtype(codes, quantizer, weights, progress)
+    float_targets = (codes.float_targets if codes.float_targets is not None
+                     else default_float_targets(quantizer, weights, codes.chain))
     sequential = (gptq_calibration(source, texts, w.calibration, codes.gptq_seqs,
                                    req.measure.calibration.length, w.compensate_head,
                                    codes.tuning.resolved(dtype, weights) if quantizer == "tuned"
                                    else None,
-                                   end_to_end, codes.chain, dtype, codes.float_targets)
+                                   end_to_end, codes.chain, dtype, float_targets)
                   if quantizer in SEQUENTIAL else None)
     chooser = CodeChooser(quantizer, w.importance or {}, sequential=sequential)
     if not w.forecast_for_codes and w.allocator == "sensitivity" and progress:

@@ -529,9 +529,18 @@ def _float_pass(state: _Block, mine: list[TensorSpec], say: Callable[[str], None
     """``_outputs`` of the float block (``state``: its float hidden states, no codes), and the
     inputs of its quantized Linears on every window (GPTAQ's targets: ``float_target_shift``)."""
     block = state.stream.blocks[state.index]
-    inputs: dict[str, list[torch.Tensor]] = {s.module: [] for s in mine if isinstance(
-        block.get_submodule(s.module[len(state.prefix):]), nn.Linear)}
+    inputs: dict[str, list[torch.Tensor]] = {
+        s.module: [] for s in mine if _dense_linear(block, s.module[len(state.prefix):])}
     return _outputs(state, say, inputs=inputs), inputs
+
+
+def _dense_linear(block: nn.Module, path: str) -> bool:
+    """Whether ``path`` in ``block`` is a Linear (not a bank: an expert bank's tensor is a
+    parameter of its module, which keeps GPTQ's own objective)."""
+    try:
+        return isinstance(block.get_submodule(path), nn.Linear)
+    except AttributeError:
+        return False
 
 
 def _noter(bar: StageProgress, task: int, where: str) -> Callable[[str], None]:

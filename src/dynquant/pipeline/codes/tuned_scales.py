@@ -146,6 +146,22 @@ def default_rounding(quantized_weights: int) -> float:
     return SMALL_MODEL_ROUNDING if quantized_weights <= SMALL_MODEL_WEIGHTS else ROUNDING
 
 
+# GPTAQ's fraction the tuned codes start from by default (``default_float_targets``): at
+# SmolLM2-135M's 3.25 and 4.25 bits and Gemma-3-270M's 4.25, three tuning seeds each, it lowers
+# the tuned codes' mean KL by 1-4% against GPTQ's start (BENCHMARKS.md "Tuned scales") for ~5%
+# more of the codes' time; past ``SMALL_MODEL_WEIGHTS`` it is opt-in: at 7B shapes the gptq
+# stage takes 1.7x the time and its peak 1.5 GiB more (a block's float inputs held).
+TUNED_FLOAT_TARGETS = 0.5
+
+
+def default_float_targets(quantizer: str, quantized_weights: int, chain: int) -> float:
+    """GPTAQ's fraction where none is asked: ``TUNED_FLOAT_TARGETS`` for tuned codes of a model
+    of at most ``SMALL_MODEL_WEIGHTS`` quantized weights in one chain (chains start each from
+    the float model's states), else 0 (gptq's codes are GPTQ's unless asked)."""
+    small = quantized_weights <= SMALL_MODEL_WEIGHTS
+    return TUNED_FLOAT_TARGETS if quantizer == "tuned" and small and not chain else 0.0
+
+
 def default_pass_dtype(tuning: ScaleTuning | None, quantized_weights: int) -> str:
     """The codes' pass's dtype where none is asked: float32 under float32 tuning steps (which
     need the block's float32 weights), else ``size_dtype``'s for the model's size."""
