@@ -26,7 +26,6 @@ from benchmarks.gptq_quality import GPTQ_SEQS, HELDOUT, gptq_windows
 from benchmarks.gptq_quality import _widths as widths_of
 from dynquant.models.sources import resolve_model
 from dynquant.numerics.compute_dtype import resolve_dtype
-from dynquant.pipeline.allocate.maps import compensates_head
 from dynquant.pipeline.codes.code_chooser import CodeChooser
 from dynquant.pipeline.codes.sequential_gptq import SequentialCalibration
 from dynquant.pipeline.codes.write import quantize_model
@@ -83,8 +82,7 @@ def main() -> None:
                 importance = load_file(maps_path.parent / maps["stats"])
                 for budget in args.budgets:
                     widths = widths_of(maps, "allocated", budget)
-                    chooser = CodeChooser("gptq", importance, sequential=SequentialCalibration(
-                        ids, compensates_head(maps, widths)))
+                    chooser = CodeChooser("gptq", importance, sequential=SequentialCalibration(ids))
                     tag = f"d{draws}-s{seed}-{budget}"
                     quantize_model(source, widths, out / tag, progress=False, chooser=chooser)
                     kl = evaluate(out / tag, model_dir, HELDOUT, 512, EVAL_TOKENS,

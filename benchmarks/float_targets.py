@@ -22,7 +22,6 @@ from benchmarks.common import figure, machine, prepared_real_model
 from benchmarks.gptq_quality import EVAL_TOKENS, GPTQ_SEQS, HELDOUT, gptq_windows
 from benchmarks.tuned_quality import _widths
 from dynquant.models.sources import resolve_model
-from dynquant.pipeline.allocate.maps import compensates_head
 from dynquant.pipeline.codes.code_chooser import CodeChooser
 from dynquant.pipeline.codes.sequential_gptq import SequentialCalibration
 from dynquant.pipeline.codes.write import quantize_model
@@ -53,7 +52,7 @@ def main() -> None:
         importance = load_file(out / maps["stats"])
         for setting in args.settings:
             widths = _widths(maps, setting)
-            cal = SequentialCalibration(ids, compensates_head(maps, widths))
+            cal = SequentialCalibration(ids)
             for fraction in fractions:
                 chooser = CodeChooser("gptq", importance,
                                       sequential=replace(cal, float_targets=fraction))

@@ -33,7 +33,6 @@ from benchmarks.common import figure, machine, prepared_real_model
 from benchmarks.gptq_quality import EVAL_TOKENS, GPTQ_SEQS, HELDOUT, gptq_windows
 from benchmarks.gptq_quality import _widths as widths_of
 from dynquant.models.sources import resolve_model
-from dynquant.pipeline.allocate.maps import compensates_head
 from dynquant.pipeline.codes.code_chooser import CodeChooser
 from dynquant.pipeline.codes.end_to_end import EndToEndTuning
 from dynquant.pipeline.codes.sequential_gptq import SequentialCalibration
@@ -99,8 +98,7 @@ def main() -> None:
         importance = load_file(out / maps["stats"])
         for setting in args.settings:
             widths = _widths(maps, setting)
-            cal = SequentialCalibration(ids, compensates_head(maps, widths),
-                                        dtype=args.codes_dtype)
+            cal = SequentialCalibration(ids, dtype=args.codes_dtype)
             tuning = ScaleTuning(steps=args.steps, rounding=args.rounding)
             choosers = {"rtn": CodeChooser("rtn", importance),
                         "gptq": CodeChooser("gptq", importance, sequential=cal)}

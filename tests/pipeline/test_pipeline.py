@@ -10,12 +10,13 @@ from pathlib import Path
 import pytest
 import torch
 from killed_run import killed_quantize, quantize_argv
+from safetensors.torch import load_file
 
-from dynquant import validate_checkpoint
+from dynquant import api, validate_checkpoint
 from dynquant.cli import main
 from dynquant.models.sources import resolve_model
 from dynquant.pipeline.allocate.allocation import allocate_widths
-from dynquant.pipeline.allocate.maps import compensates_head, linear_ratio, maps_modules
+from dynquant.pipeline.allocate.maps import linear_ratio, maps_modules
 from dynquant.pipeline.codes.tuned_scales import TUNED_FLOAT_TARGETS
 from dynquant.pipeline.measure.options import MeasureOptions
 from dynquant.pipeline.measure.run import measure
@@ -225,7 +226,7 @@ def test_calibrated_maps_price_the_codes_quantize_writes(tmp_path):
     records, for the gptq codes quantize writes by default, each Linear's ratio of the two
     codes' output errors (gptq's smaller; pooled with their median to price it); the tied
     embedding is priced at every width by the Fisher KL of its own codes, rounded and
-    compensated (both uses), and quantize compensates it only where that measured better."""
+    compensated (both uses); quantize compensates it at any measured ratio."""
     model = Path(__file__).parents[2] / "models" / "llama-ref"
     opts = MeasureOptions.of(calib_seqs=4, calib_len=128, budgets=[3.25], group_sizes=(128,))
     doc = measure(resolve_model(str(model)), opts, tmp_path / "maps.json", progress=False)
@@ -254,9 +255,20 @@ def test_calibrated_maps_price_the_codes_quantize_writes(tmp_path):
     # the embedding's measured KL grows as its width shrinks
     errors = sorted((c["bits"], c["error"]) for c in embed["candidates"])
     assert [e for _, e in errors] == sorted((e for _, e in errors), reverse=True)
-    at3 = {n: (3, 128) for n in doc["modules"]}
-    ratio3 = next(c["gptq_ratio"] for c in embed["candidates"] if c["bits"] == 3)
-    assert compensates_head(doc, at3) == (ratio3 < 1)
+    # quantize compensates the tied embedding whatever its measured ratio (a noisy estimate
+    # for a large vocabulary, docs/pipeline.md): priced as rounded here, written compensated
+    for c in embed["candidates"]:
+        if "gptq_ratio" in c:
+            c["gptq_ratio"] = 2.0
+    (tmp_path / "maps.json").write_text(json.dumps(doc))
+    codes = {}
+    for kind in ("gptq", "rtn"):
+        api.quantize(model, tmp_path / kind, widths=f"{tmp_path / 'maps.json'}:3.25",
+                     quantizer=kind, gptq_seqs=4, progress=False)
+        codes[kind] = load_file(tmp_path / kind / "model.safetensors")[
+            "model.embed_tokens.qweight"]
+    assert codes["gptq"].shape == codes["rtn"].shape
+    assert not torch.equal(codes["gptq"], codes["rtn"])
 
 
 def test_forecasts_for_the_written_codes_hold_on_the_reference_model(tmp_path):

@@ -9,7 +9,6 @@ from dataclasses import replace
 from pathlib import Path
 
 import pytest
-import torch
 
 from dynquant.models.sources import resolve_model
 from dynquant.models.tokenizer import load_tokenizer
@@ -189,25 +188,3 @@ def test_transformers_expert_banks_are_compensated_per_expert(tmp_path):
     rtn, gptq = (load_file(tmp_path / k / "model.safetensors") for k in ("rtn", "gptq"))
     name = "model.layers.0.mlp.experts.down_proj.qweight"
     assert rtn[name].shape == gptq[name].shape and not rtn[name].equal(gptq[name])
-
-
-def test_a_tied_embedding_is_rounded_where_compensation_does_not_pay(tmp_path):
-    """llama-ref's tied embedding at 3 bits: compensated as the head by default; rounded to
-    nearest (the codes round-to-nearest writes) when the measure found its compensated codes
-    cost more KL, the lookup's share included (``compensate_head`` False)."""
-    from safetensors.torch import load_file
-
-    source = resolve_model(str(LLAMA_REF))
-    cal = _calibration(LLAMA_REF, seqs=4)
-    widths = _uniform(source, 3)
-    embed = "model.embed_tokens.qweight"
-    codes = {}
-    for compensate in (False, True):
-        ck = tmp_path / f"compensate-{compensate}"
-        quantize_model(source, widths, ck, progress=False, chooser=CodeChooser(
-            "gptq", sequential=replace(cal, compensate_head=compensate)))
-        codes[compensate] = load_file(ck / "model.safetensors")[embed]
-    quantize_model(source, widths, tmp_path / "rtn", progress=False, chooser=CodeChooser())
-    rounded = load_file(tmp_path / "rtn" / "model.safetensors")[embed]
-    assert torch.equal(codes[False], rounded)
-    assert not torch.equal(codes[True], rounded)

@@ -766,9 +766,9 @@ def test_a_default_quantize_steps_the_rounding_by_the_model_s_quantized_weights(
     handed: list[ScaleTuning] = []
     real = workflow.gptq_calibration
 
-    def calibration(source, texts, record, seqs, length, head, tuning, *rest):
+    def calibration(source, texts, record, seqs, length, tuning, *rest):
         handed.append(tuning)
-        return real(source, texts, record, seqs, length, head, tuning, *rest)
+        return real(source, texts, record, seqs, length, tuning, *rest)
 
     monkeypatch.setattr(workflow, "gptq_calibration", calibration)
     api.quantize(LLAMA_REF, tmp_path / "q", uniform=4, calib_seqs=2, gptq_seqs=2, calib_len=32,

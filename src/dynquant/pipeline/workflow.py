@@ -21,7 +21,6 @@ from dynquant.pipeline.allocate.allocation import Constraints, allocate_widths, 
 from dynquant.pipeline.allocate.allocation import uniform_widths as uniform
 from dynquant.pipeline.allocate.forecast import Forecast, forecast
 from dynquant.pipeline.allocate.maps import (
-    compensates_head,
     is_maps,
     load_maps,
     maps_modules,
@@ -143,7 +142,6 @@ class Widths:
     files: list[Path] = field(default_factory=list)  # shipped inside the checkpoint
     calibration: dict | None = None  # the maps' record of the calibration text
     forecast_for_codes: bool = True  # the forecast is for the codes written (else for rtn's)
-    compensate_head: bool = True  # gptq codes compensate the output head (compensates_head)
 
 
 def resolve_widths(source: ModelSource, req: QuantizeRequest,
@@ -165,8 +163,7 @@ def resolve_widths(source: ModelSource, req: QuantizeRequest,
     where = maps_path.name if measured_now else str(maps_path)
     return Widths(widths, allocator, f"{where} [{tag}]", importance, files,
                   calibration=maps.get("calibration"),
-                  forecast_for_codes=_for_codes(maps, codes),
-                  compensate_head=compensates_head(maps, widths))
+                  forecast_for_codes=_for_codes(maps, codes))
 
 
 def _for_codes(maps: dict, codes: str) -> bool:
@@ -263,7 +260,7 @@ def _run(source: ModelSource, req: QuantizeRequest, executor: Executor) -> dict:
     float_targets = (codes.float_targets if codes.float_targets is not None
                      else default_float_targets(quantizer, weights, codes.chain))
     sequential = (gptq_calibration(source, texts, w.calibration, codes.gptq_seqs,
-                                   req.measure.calibration.length, w.compensate_head,
+                                   req.measure.calibration.length,
                                    codes.tuning.resolved(dtype, weights) if quantizer == "tuned"
                                    else None,
                                    end_to_end, codes.chain, dtype, float_targets)

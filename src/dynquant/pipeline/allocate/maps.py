@@ -36,7 +36,7 @@ def maps_modules(maps: dict, codes: str | None = None) -> list[ModuleChoices]:
     def factor(m: dict, c: dict) -> float:
         if codes not in COMPENSATED:
             return 1.0
-        if "gptq_ratio" in c:  # a head: compensated only where that measured better
+        if "gptq_ratio" in c:  # a head: its compensated codes' KL, capped at its rounded codes'
             return min(1.0, c["gptq_ratio"])
         return pooled_ratio(m, median) * (trend.get(c["bits"], 1.0) if "gptq_ratio" in m
                                           else 1.0)
@@ -74,21 +74,6 @@ def width_trend(maps: dict) -> dict[int, float]:
     widths = {int(b) for m in rows for b in m["gptq_width_ratios"]}
     return {b: statistics.median(m["gptq_width_ratios"][str(b)] / m["gptq_ratio"] for m in rows
                                  if str(b) in m["gptq_width_ratios"]) for b in sorted(widths)}
-
-
-def compensates_head(maps: dict, widths: dict) -> bool:
-    """Whether gptq codes compensate the output head (a tied embedding included) at the
-    widths chosen: unless its measured compensated codes cost more KL than rounded ones."""
-    for name, m in maps["modules"].items():
-        if name not in widths:
-            continue
-        choice = widths[name]
-        bits, gs = choice if isinstance(choice, tuple) else (choice, None)
-        for c in m["candidates"]:
-            if c["bits"] == bits and gs in (None, c["group_size"]) and c.get(
-                    "gptq_ratio", 0.0) >= 1.0:
-                return False
-    return True
 
 
 def load_maps(path: str | Path) -> dict:

@@ -55,7 +55,7 @@ def choose_quantizer(requested: str, source: ModelSource, random_init: bool,
 
 
 def gptq_calibration(source: ModelSource, calib: Sequence[str], record: dict | None,
-                     seqs: int, length: int, compensate_head: bool = True,
+                     seqs: int, length: int,
                      tuning: ScaleTuning | None = None,
                      end_to_end: EndToEndTuning | None = None,
                      chain: int = 0, dtype: str = "float32", float_targets: float = 0.0
@@ -73,5 +73,4 @@ def gptq_calibration(source: ModelSource, calib: Sequence[str], record: dict | N
                                 field="calib")
         texts = [str(default_calibration())]
     ids = calibration_ids(load_tokenizer(source.directory), texts, seqs, length)
-    return SequentialCalibration(ids, compensate_head, tuning, end_to_end, chain, dtype,
-                                 float_targets)
+    return SequentialCalibration(ids, tuning, end_to_end, chain, dtype, float_targets)

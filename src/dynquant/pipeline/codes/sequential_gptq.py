@@ -103,9 +103,6 @@ class SequentialCalibration:
     """The token windows the sequential pass streams (the calibration text's, tokenized)."""
 
     ids: torch.Tensor  # [sequences, length]
-    # the output head (a tied embedding included) compensated; False: rounded to nearest (the
-    # measure found its compensated codes cost more KL, the lookup's share included)
-    compensate_head: bool = True
     # each block's scales and offsets then tuned against the float block (``tuned_scales.py``)
     tuning: ScaleTuning | None = None
     # then every quantized tensor's scales tuned against the float model's outputs
@@ -139,7 +136,6 @@ class SequentialCalibration:
 
     def digest(self) -> str:
         h = hashlib.sha256(self.ids.numpy().tobytes())
-        h.update(repr(self.compensate_head).encode())
         if self.dtype != "float32":
             h.update(f"a {self.dtype} pass".encode())
         if self.chain == 1:
@@ -171,12 +167,12 @@ class _Target:
 def sequential_gptq(stream: BlockStream, specs: list[TensorSpec], quantized: set[str],
                     choice: Choice, rounder: Rounder, store: ResumeStore,
                     progress: bool = False, executor: Executor | None = None,
-                    compensate_head: bool = True, tuning: ScaleTuning | None = None,
+                    tuning: ScaleTuning | None = None,
                     chain: int = 0, float_targets: float = 0.0) -> list[torch.Tensor] | None:
     """Quantize the ``quantized`` modules inside the decoder blocks, then the output head, into
     ``store`` (index = the tensor's position in ``specs``). Each group's matrices (a Linear,
-    an expert of a bank) are compensated as jobs on ``executor`` (default: here); the head
-    rounds to nearest unless ``compensate_head``. With ``tuning``, each block's scales are then
+    an expert of a bank) are compensated as jobs on ``executor`` (default: here), then the
+    head. With ``tuning``, each block's scales are then
     tuned here, and its codes stored only once tuned (a killed run redoes that block).
     ``chain`` K > 0: the blocks in chains of K, each from the float model's hidden states at its
     first block (its scales tuned on the chain's too), each chain a job (``chain_job``)
@@ -258,8 +254,7 @@ def sequential_gptq(stream: BlockStream, specs: list[TensorSpec], quantized: set
                 for i, module, name in placed:
                     store.save_quantized(i, module, codes[name])
             bar.advance(task)
-        _head(stream, hidden, index, choice, store,
-              None if compensate_head else (specs, rounder), bar)
+        _head(stream, hidden, index, choice, store, bar)
     return floats or None
 
 
@@ -549,24 +544,16 @@ def _noter(bar: StageProgress, task: int, where: str) -> Callable[[str], None]:
 
 
 def _head(stream: BlockStream, final: list[torch.Tensor], index: dict, choice: Choice,
-          store: ResumeStore, rounding: tuple[list[TensorSpec], Rounder] | None = None,
-          bar: StageProgress | None = None) -> None:
+          store: ResumeStore, bar: StageProgress | None = None) -> None:
     """The output head, when quantized (a tied embedding is: its codes serve both uses),
-    compensated on the quantized blocks' final hidden states after the model's final norm, or
-    rounded to nearest by ``rounding``'s rounder. Progress on ``bar``: a step per calibration
-    window, one for the codes."""
+    compensated on the quantized blocks' final hidden states after the model's final norm.
+    Progress on ``bar``: a step per calibration window, one for the codes."""
     head = stream.model.get_output_embeddings()
     if not isinstance(head, nn.Linear):
         return
     name = stream.module_name(head)
     module = stream.source.tied.get(name, name)
     if module not in index or store.load(index[module]) is not None:
-        return
-    if rounding is not None:
-        specs, rounder = rounding
-        spec = next(s for s in specs if s.module == module)
-        weight = stream.weights.get(spec).float()
-        store.save_quantized(index[module], module, rounder(spec, weight, *choice(module)))
         return
     moments = GramAccumulator(head.in_features)
     bar = bar or StageProgress(enabled=False)

@@ -201,6 +201,6 @@ def _sequential(source: ModelSource, weights: WeightSource, specs: list, plan: d
                          dtype=resolve_dtype(chooser.sequential.dtype))
     return sequential_gptq(stream, specs, set(plan["layers"]),
                            lambda m: split_choice(widths[m], group_size), chooser.quantize,
-                           store, progress, executor, chooser.sequential.compensate_head,
-                           chooser.sequential.tuning, chooser.sequential.chain,
+                           store, progress, executor, chooser.sequential.tuning,
+                           chooser.sequential.chain,
                            chooser.sequential.float_targets)

@@ -39,7 +39,7 @@ from dynquant.pipeline.allocate.allocation import (
     allocate_widths,
     uniform_widths,
 )
-from dynquant.pipeline.allocate.maps import compensates_head, maps_modules
+from dynquant.pipeline.allocate.maps import maps_modules
 from dynquant.pipeline.calibrate.text import calibration_tokens, spread_windows
 from dynquant.pipeline.calibrate.weights import weight_source
 from dynquant.pipeline.codes.code_chooser import CodeChooser
@@ -116,7 +116,7 @@ def _measured_kl(source: ModelSource, doc: dict, importance: dict[str, torch.Ten
     """The KL on ``held`` of ``source`` quantized at ``widths`` with ``codes`` fitted to
     ``fit`` (the pass in ``dtype``)."""
     chooser = CodeChooser(codes, importance, sequential=SequentialCalibration(
-        fit, compensates_head(doc, widths), tuning if codes == "tuned" else None, dtype=dtype))
+        fit, tuning if codes == "tuned" else None, dtype=dtype))
     with tempfile.TemporaryDirectory(prefix=".forecast-check-", dir=work) as tmp:
         quantize_model(source, widths, Path(tmp) / "check", group_size=group_size,
                        modules_to_not_convert=tuple(doc["modules_to_not_convert"]),
