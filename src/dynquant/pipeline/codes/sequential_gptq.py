@@ -172,8 +172,8 @@ def sequential_gptq(stream: BlockStream, specs: list[TensorSpec], quantized: set
     """Quantize the ``quantized`` modules inside the decoder blocks, then the output head, into
     ``store`` (index = the tensor's position in ``specs``). Each group's matrices (a Linear,
     an expert of a bank) are compensated as jobs on ``executor`` (default: here), then the
-    head. With ``tuning``, each block's scales are then
-    tuned here, and its codes stored only once tuned (a killed run redoes that block).
+    head. With ``tuning``, each block's scales are then tuned here, and its codes stored only
+    once tuned (a killed run redoes that block).
     ``chain`` K > 0: the blocks in chains of K, each from the float model's hidden states at its
     first block (its scales tuned on the chain's too), each chain a job (``chain_job``)
     submitted as the float model's outputs reach its last block and collected later. Returns
