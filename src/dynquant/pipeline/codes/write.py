@@ -202,5 +202,4 @@ def _sequential(source: ModelSource, weights: WeightSource, specs: list, plan: d
     return sequential_gptq(stream, specs, set(plan["layers"]),
                            lambda m: split_choice(widths[m], group_size), chooser.quantize,
                            store, progress, executor, chooser.sequential.tuning,
-                           chooser.sequential.chain,
-                           chooser.sequential.float_targets)
+                           chooser.sequential.chain, chooser.sequential.float_targets)
