@@ -12,10 +12,11 @@ from dynquant.numerics.gram import GramAccumulator, gram_ref
 
 @settings(max_examples=25, deadline=None)
 @given(width=st.integers(1, 70), block=st.integers(1, 32), chunks=st.integers(1, 3),
-       seed=st.integers(0, 2**16))
-def test_the_block_triangle_sums_to_the_whole_gram(width, block, chunks, seed):
+       seed=st.integers(0, 2**16), bf16=st.booleans())
+def test_the_block_triangle_sums_to_the_whole_gram(width, block, chunks, seed, bf16):
     g = torch.Generator().manual_seed(seed)
-    xs = [torch.randn(5, width, generator=g) for _ in range(chunks)]
+    dtype = torch.bfloat16 if bf16 else torch.float32
+    xs = [torch.randn(5, width, generator=g).to(dtype) for _ in range(chunks)]
     old, gram_mod.GRAM_BLOCK = gram_mod.GRAM_BLOCK, block
     try:
         acc = GramAccumulator(width)
@@ -28,7 +29,6 @@ def test_the_block_triangle_sums_to_the_whole_gram(width, block, chunks, seed):
     torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
     assert torch.equal(got, got.T)  # the lower blocks are the upper ones, exactly
     assert acc.rows == 5 * chunks
-
 
 
 def test_the_sum_is_held_as_strips_above_the_diagonal_and_consumed_by_its_read():

@@ -5,12 +5,15 @@ model's MLP down projection (18,944 inputs) that is the largest product of the c
 passes. ``GramAccumulator`` sums it in place a block of columns at a time, only the blocks on and
 above the diagonal (BLAS's syrk, written with the compute library's GEMM so that it runs on
 torch's threads and kernels: BENCHMARKS.md "Scale"), and fills the lower blocks from the upper
-ones once, when the sum is read. ``gram_ref`` is the plain product it is held to.
+ones once, when the sum is read; bf16 inputs are multiplied as bf16 and summed in float32
+(``add_product``). ``gram_ref`` is the plain product it is held to.
 """
 
 from __future__ import annotations
 
 import torch
+
+from dynquant.numerics.float32_sums import add_product
 
 # Columns per block: at 1,024 the diagonal blocks (computed whole) add 1,024 / n of the full
 # product's work, and each product is still large enough for the GEMM to run at its peak.
@@ -35,10 +38,11 @@ class GramAccumulator:
         self.rows = 0
 
     def add(self, x: torch.Tensor) -> None:
-        """Add ``x`` [..., width]'s X^T X (its rows flattened)."""
-        x = x.detach().reshape(-1, self.width).float()
+        """Add ``x`` [..., width]'s X^T X (its rows flattened; bf16 stays bf16)."""
+        x = x.detach().reshape(-1, self.width)
+        x = x.contiguous() if x.dtype == torch.bfloat16 else x.float()
         for strip, (start, end) in zip(self.strips, _strips(self.width), strict=True):
-            strip.addmm_(x[:, :end].T, x[:, start:end])
+            add_product(strip, x[:, :end].T, x[:, start:end])
         self.rows += x.shape[0]
 
     def add_sum(self, other: GramAccumulator) -> None:

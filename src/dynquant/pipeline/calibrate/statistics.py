@@ -13,6 +13,7 @@ import torch
 from safetensors.torch import save_file
 from torch import nn
 
+from dynquant.numerics.float32_sums import add_product
 from dynquant.numerics.gram import GramAccumulator
 from dynquant.pipeline.calibrate.bank_products import BankProducts
 
@@ -87,7 +88,8 @@ class InputStatistics:
 
     def _expert(self, bank: str, expert: int, x: torch.Tensor, rows: bool) -> None:
         """One expert's product: its routed tokens ``x`` [tokens, in]."""
-        x = x.detach().float().reshape(-1, x.shape[-1])
+        x = x.detach().reshape(-1, x.shape[-1])
+        x = x.contiguous() if x.dtype == torch.bfloat16 else x.float()
         tokens = f"{bank}.routed_tokens"
         if tokens not in self.routed:
             experts = self._active[-1].banks[bank].shape[0]
@@ -96,9 +98,9 @@ class InputStatistics:
             if self.second:
                 self.moments[bank] = torch.zeros(experts, x.shape[1], x.shape[1])
         self.routed[tokens][expert] += x.shape[0]
-        self.sums[_expert_key(bank, rows)][expert] += x.square().sum(0)
+        self.sums[_expert_key(bank, rows)][expert] += x.float().square().sum(0)
         if self.second:  # summed into in place, as sequential GPTQ's moments always were
-            self.moments[bank][expert].addmm_(x.T, x)
+            add_product(self.moments[bank][expert], x.T, x)
 
     def remove(self) -> None:
         for h in self.hooks:
