@@ -16,7 +16,7 @@ from dynquant import api, validate_checkpoint
 from dynquant.cli import main
 from dynquant.models.sources import resolve_model
 from dynquant.pipeline.allocate.allocation import allocate_widths
-from dynquant.pipeline.allocate.maps import linear_ratio, maps_modules
+from dynquant.pipeline.allocate.maps import linear_ratio, maps_modules, width_trend
 from dynquant.pipeline.codes.tuned_scales import TUNED_FLOAT_TARGETS
 from dynquant.pipeline.measure.options import MeasureOptions
 from dynquant.pipeline.measure.run import measure
@@ -269,6 +269,31 @@ def test_calibrated_maps_price_the_codes_quantize_writes(tmp_path):
             "model.embed_tokens.qweight"]
     assert codes["gptq"].shape == codes["rtn"].shape
     assert not torch.equal(codes["gptq"], codes["rtn"])
+
+
+def test_an_untied_head_is_priced_as_a_block_linear(tmp_path):
+    """An untied head's compensated codes change only its output: the measure takes its gptq
+    ratio from its inputs' moments as a block Linear's (no vocabulary-wide compensated codes
+    at each width), and the allocator prices it by that ratio pooled with the median, times
+    the width trend; its rounded codes' KL is still measured at every width."""
+    src = save_tiny_model("llama", tmp_path / "src")  # untied lm_head
+    save_tiny_tokenizer(src)
+    (tmp_path / "calib.txt").write_text(TOKENIZER_TEXT * 3)
+    opts = MeasureOptions.of(calib=[str(tmp_path / "calib.txt")], calib_seqs=2, calib_len=32,
+                             budgets=[4.25])
+    doc = measure(resolve_model(str(src)), opts, tmp_path / "maps.json", progress=False)
+    head = doc["modules"]["lm_head"]
+    assert 0 < head["gptq_ratio"] < 1
+    assert set(head["gptq_width_ratios"]) == {"2", "3", "4", "8"}
+    assert not any("gptq_ratio" in c for c in head["candidates"])
+    errors = sorted((c["bits"], c["error"]) for c in head["candidates"]
+                    if c["group_size"] == head["candidates"][0]["group_size"])
+    assert [e for _, e in errors] == sorted((e for _, e in errors), reverse=True)
+    median, trend = linear_ratio(doc), width_trend(doc)
+    [choices] = [c for c in maps_modules(doc, "gptq") if c.name == "lm_head"]
+    pooled = math.sqrt(head["gptq_ratio"] * median)
+    assert [c.error for c in choices.candidates] == [
+        c["error"] * (pooled * trend[c["bits"]]) for c in head["candidates"]]
 
 
 def test_forecasts_for_the_written_codes_hold_on_the_reference_model(tmp_path):

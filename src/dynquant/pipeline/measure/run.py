@@ -271,6 +271,7 @@ def _calibrate(source: ModelSource, weights: WeightSource, quantizable: list[Ten
         return ({k: v for k, v in kept.items() if not k.startswith(_KEPT)},
                 lambda spec: kls[spec.module])
     modules = {s.module for s in quantizable}
+    tied = set(source.tied.values())
     return_freed_memory()
     files = moments_dir(out) if out is not None and opts.second_moments else None
     spill = None if partial is None else partial.dir
@@ -300,7 +301,9 @@ def _calibrate(source: ModelSource, weights: WeightSource, quantizable: list[Ten
                 [] if taker is None else [taker])  # (in this order: the taker pops them)
             head_moments = _moments_pass(source, weights, modules, opts, sinks, method,
                                          progress, executor, spill)
-            if taker is not None:
+            if taker is not None:  # an untied head's ratio as a block Linear's, from its moments
+                taker(len(stream.blocks), {m: h for m, h in head_moments.items()
+                                           if m not in tied}, lambda _: None)
                 ratios.update(taker.collect())
         chooser = _chooser(opts, stats, out)  # gptq pricing: reads the moments' files
 
@@ -309,7 +312,8 @@ def _calibrate(source: ModelSource, weights: WeightSource, quantizable: list[Ten
 
         if method == "fisher":
             kls = fisher_kl(cal, modules, probe_quantized, draws=opts.fisher_draws,
-                            progress=progress, variants=_width_variants(chooser, opts),
+                            progress=progress,
+                            variants=_width_variants(chooser, opts, compensated=tied),
                             variant_kls=widths_kl, head_moments=head_moments,
                             executor=executor)
             if partial is not None:
@@ -405,8 +409,9 @@ class _RatioSink:
 def _price_by_width(entry: dict, kls: dict[str, float]) -> None:
     """A head's or input embedding's candidates priced by the Fisher KL measured at each of
     their codes (both uses of a tied embedding; no extrapolation from the probe width), and,
-    where its compensated codes were measured too, their ratio to the rounded ones' KL
-    (``gptq_ratio`` per candidate: quantize compensates only where it is below 1)."""
+    where its compensated codes were measured too (a tied embedding), their ratio to the
+    rounded ones' KL (``gptq_ratio`` per candidate: quantize compensates a head at every width,
+    and the allocator prices its candidates by the ratio where it is below 1)."""
     s = entry["sensitivity"]
     for c in entry["candidates"]:
         at = f"{c['bits']}:{c['group_size']}"
@@ -418,16 +423,20 @@ def _price_by_width(entry: dict, kls: dict[str, float]) -> None:
             c["gptq_ratio"] = compensated / rounded if rounded > 0 else 1.0
 
 
-def _width_variants(chooser: CodeChooser, opts: MeasureOptions):
+def _width_variants(chooser: CodeChooser, opts: MeasureOptions, compensated: set[str]):
     """The codes a head or input embedding is measured at besides the probe: rounded at every
-    candidate width, and (for gptq codes, given the head's input moments) compensated."""
+    candidate width, and (for gptq codes, given the head's input moments) compensated where
+    the module is in ``compensated``: a tied embedding, whose compensated codes change its
+    lookup too. An untied head's compensated codes are priced as a block Linear's are (its
+    gptq ratio, ``_calibrate``), without a vocabulary-wide GPTQ at each width."""
     def variants(spec: TensorSpec, weight: torch.Tensor, hessian: torch.Tensor | None
                  ) -> Iterator[tuple[str, QuantizedTensor | None]]:
         factor = None
+        compensate = hessian is not None and gptq_ratios(opts) and spec.module in compensated
         for gs in opts.group_sizes:
             for bits in opts.widths:
                 yield f"rtn:{bits}:{gs}", chooser.quantize(spec, weight, bits, gs)
-                if hessian is not None and gptq_ratios(opts) and bits < 8:
+                if compensate and bits < 8:
                     factor = ordered_factor(hessian, dtype=torch.float64) if factor is None else factor
                     # a vocabulary-sized matrix a block of rows at a time (the rows are
                     # compensated independently), with a heartbeat for the progress line
