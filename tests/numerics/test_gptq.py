@@ -327,3 +327,17 @@ def test_the_residual_is_what_each_code_was_rounded_from(monkeypatch, rows, chun
     expand = lambda t: t.float().repeat_interleave(32, dim=1)[:, :cols]  # noqa: E731
     want = ((w - expand(qt.offsets)) / expand(qt.scales) - codes).clamp(-1, 1)
     assert torch.allclose(r.float(), want, atol=1e-3, rtol=0)
+
+
+@pytest.mark.parametrize("bits", [2, 4])
+def test_output_error_on_a_bf16_hessian_is_the_float32_one_to_bf16_rounding(bits):
+    """A bf16 measure's ratios price output errors on H and dW rounded to bf16 (products
+    summed in float32): within bf16's rounding of the float32 figure, for rounded and
+    compensated codes alike."""
+    from dynquant.numerics.gptq import output_squared_error
+
+    w, h = _problem(24, 256, seed=bits)
+    for qt in (quantize_tensor(w, bits, 64), gptq_quantize(w, h, bits, 64)):
+        exact = output_squared_error(w, qt, h)
+        rounded = output_squared_error(w, qt, h.bfloat16())
+        assert exact > 0 and abs(rounded - exact) <= 4e-3 * exact

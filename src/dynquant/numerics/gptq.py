@@ -33,6 +33,7 @@ from dynquant.errors import QuantizationError
 from dynquant.format.layout import LayerLayout
 from dynquant.format.packing import pack_codes, unpack_codes
 from dynquant.numerics import native
+from dynquant.numerics.float32_sums import add_product
 from dynquant.numerics.lapack_threads import lapack_threads
 from dynquant.numerics.quantizer import QuantizedTensor, quantize_tensor
 
@@ -315,9 +316,15 @@ def output_error(weight: torch.Tensor, qt: QuantizedTensor, hessian: torch.Tenso
 def output_squared_error(weight: torch.Tensor, qt: QuantizedTensor, hessian: torch.Tensor
                          ) -> float:
     """tr(dW H dW^T): ``output_error``'s numerator (a ratio of two codes' errors on the same
-    weight needs no more)."""
+    weight needs no more). A bf16 ``hessian`` (a bf16 measure's ratios) is multiplied with dW
+    rounded to bf16, summed in float32 (~3x float32's rate where the CPU multiplies bf16)."""
     d = qt.dequantize(torch.float32) - weight.detach().to(torch.float32)
-    return float(((d @ hessian.to(torch.float32)) * d).sum(dtype=torch.float64))
+    if hessian.dtype == torch.bfloat16:
+        dh = torch.zeros_like(d)
+        add_product(dh, d.bfloat16(), hessian)
+    else:
+        dh = d @ hessian.to(torch.float32)
+    return float((dh * d).sum(dtype=torch.float64))
 
 
 def _inverse_factor_ref(hessian: np.ndarray, damp: float) -> np.ndarray:

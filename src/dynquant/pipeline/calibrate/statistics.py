@@ -58,18 +58,19 @@ class InputStatistics:
         self.sums[name] = self.sums.get(name, 0) + x.square().sum(0)
         self.counts[name] = self.counts.get(name, 0) + x.shape[0]
         if self.second and second:
-            self._gram(name, source, x)
+            self._gram(name, source)
 
-    def _gram(self, name: str, source: torch.Tensor, x: torch.Tensor) -> None:
-        """Add x^T x to ``name``'s moments; Linears that read the same input (q/k/v, gate/up)
-        share one accumulator (summed once, by the first of them)."""
+    def _gram(self, name: str, source: torch.Tensor) -> None:
+        """Add x^T x to ``name``'s moments (``source`` as it is: a bf16 pass's inputs are
+        multiplied as bf16); Linears that read the same input (q/k/v, gate/up) share one
+        accumulator (summed once, by the first of them)."""
         if self._last is not None and self._last[0] is source:
             self.moments[name] = self.moments[self._last[1]]
             return
         self._last = (source, name)
         if name not in self.moments:
-            self.moments[name] = GramAccumulator(x.shape[1])
-        self.moments[name].add(x)
+            self.moments[name] = GramAccumulator(source.shape[-1])
+        self.moments[name].add(source)
 
     def _watch(self, module: nn.Module, name: str, banks: list[str]) -> None:
         """The banks' products seen for the duration of ``module``'s forward (the banks looked

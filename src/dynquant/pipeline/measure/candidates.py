@@ -52,6 +52,8 @@ class CandidatesWork:
     # errors are the same bits on any number)
     threads: int | None = None
     probe: tuple[int, int] | None = None  # (bits, group size) a gptq ratio is quoted at
+    # a gptq ratio's output errors multiplied in bf16 (a bf16 measure's), else in float32
+    bf16_errors: bool = False
 
 
 @dataclass
@@ -83,7 +85,7 @@ def ratios_job(job: ModuleJob, work: CandidatesWork) -> dict[int, float]:
     chooser = replace(work.chooser, moments=GivenMoments(job.spec.module, job.hessian))
     weight = work.weights.open().get(job.spec)
     return gptq_ratios(job.spec, weight, job.hessian, chooser, sorted({*work.widths, bits}),
-                       group_size)
+                       group_size, work.bf16_errors)
 
 
 RATIO_ROWS = 256  # rows a Linear's gptq ratio is measured on
@@ -97,23 +99,25 @@ def ratio_rows(rows: int) -> torch.Tensor:
 
 
 def gptq_ratios(spec: TensorSpec, weight: torch.Tensor, hessian: torch.Tensor,
-                chooser: CodeChooser, widths: Sequence[int], group_size: int
-                ) -> dict[int, float]:
+                chooser: CodeChooser, widths: Sequence[int], group_size: int,
+                bf16_errors: bool = False) -> dict[int, float]:
     """Per width, the output error over the calibration inputs (H = X^T X / n) of the
     compensated codes over that of the codes ``chooser`` rounds to nearest, on
     :func:`ratio_rows`: the factor that turns a forecast for round-to-nearest codes into one
     for the gptq codes ``quantize`` writes (maps.py's :func:`width_trend` prices the widths by
-    it). One row sample and one inverse factor serve every width."""
+    it). One row sample and one inverse factor serve every width; with ``bf16_errors`` the
+    output errors are products of bf16 H and errors (summed in float32)."""
     sample = weight[ratio_rows(weight.shape[0])].float()
     spec = replace(spec, shape=tuple(sample.shape))
     gptq = replace(chooser, quantizer="gptq", moments=GivenMoments(spec.module, hessian),
                    _cached=None)
     ratios = {}
+    priced = hessian.bfloat16() if bf16_errors else hessian
     for bits in widths:
         base = output_squared_error(sample, chooser.quantize(spec, sample, bits, group_size),
-                                    hessian)
+                                    priced)
         compensated = output_squared_error(sample, gptq.quantize(spec, sample, bits, group_size),
-                                           hessian)
+                                           priced)
         ratios[bits] = compensated / base if base > 0 else 1.0
     return ratios
 

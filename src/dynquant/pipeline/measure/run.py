@@ -377,7 +377,8 @@ class _RatioSink:
         self.linears = {s.module: s for s in quantizable if len(s.shape) == 2}
         self.work = CandidatesWork(weights, opts.widths, opts.group_sizes,
                                    replace(chooser, moments=None), weighted=True,
-                                   threads=torch.get_num_threads(), probe=probe_bits(opts))
+                                   threads=torch.get_num_threads(), probe=probe_bits(opts),
+                                   bf16_errors=resolve_dtype(opts.dtype) == torch.bfloat16)
         self.executor = executor
         self.pending: InOrder[list[str], dict[int, float]] = InOrder(executor,
                                                                      torch.get_num_threads())
