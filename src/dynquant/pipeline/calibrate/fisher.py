@@ -156,9 +156,17 @@ class ModuleError:
         return total
 
 
+# A product's key plus this: the input embedding's lookup use, squared apart from a tied
+# embedding's head use. Their cross term is small in the KL it prices (Gemma-3-270M's
+# embedding at 4 bits, only it quantized: the two uses' KLs sum to within 2-3% of both's),
+# and with a few sequences and draws its estimate is the noisiest part of the product
+# (BENCHMARKS.md "Tuned scales").
+LOOKUP_USE = "#lookup"
+
+
 class _Accumulator:
-    """Per module, G . dW for every (sequence, label draw), fed by gradient hooks: a tied
-    embedding's two uses add into one product before it is squared."""
+    """Per module, G . dW for every (sequence, label draw), fed by gradient hooks; an input
+    embedding's lookup use under its own key (``LOOKUP_USE``), its KL added to the head use's."""
 
     def __init__(self, sequences: int, draws: int) -> None:
         self.shape = (sequences, draws)
@@ -186,10 +194,10 @@ class _Accumulator:
             self.products[key][first : first + rows.shape[0]] = rows
 
     def kl(self, key: str, tokens: int) -> float:
-        """0.5 E[(G . dW)^2] per token of a product (0 when nothing was added)."""
-        if key not in self.products:
-            return 0.0
-        return float(0.5 * self.products[key].square().mean(1).sum() / tokens)
+        """0.5 E[(G . dW)^2] per token of a product and of its lookup use's (0 when nothing
+        was added)."""
+        return sum(float(0.5 * self.products[k].square().mean(1).sum() / tokens)
+                   for k in (key, key + LOOKUP_USE) if k in self.products)
 
     def unwatch(self) -> None:
         for h in self.hooks:
@@ -237,7 +245,7 @@ def fisher_kl(cal: CalibrationPass, modules: set[str], probe_weight: ProbeWeight
     _embedding_backward(stream, grads, modules, probe_weight, acc, variants)
     tokens = stream.ids.numel()
     if variant_kls is not None:
-        for key in sorted(acc.products):
+        for key in sorted({k.removesuffix(LOOKUP_USE) for k in acc.products}):
             module, _, name = key.partition("|")
             if name:
                 variant_kls.setdefault(module, {})[name] = acc.kl(key, tokens)
@@ -686,4 +694,4 @@ def _embedding_backward(stream: BlockStream, grads: list[list[torch.Tensor]],
             acc.at = (s, d)
             summed = torch.zeros(len(rows), g.shape[-1]).index_add_(0, inverse, g[0].float())
             for key in keys:
-                acc.add(key, factor * (summed * acc.errors[key].rows(at)).sum())
+                acc.add(key + LOOKUP_USE, factor * (summed * acc.errors[key].rows(at)).sum())
