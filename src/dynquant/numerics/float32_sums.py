@@ -2,9 +2,9 @@
 
 A bfloat16 pass's activations are bf16, and their second moments X^T X must still be summed in
 float32 (a bf16 result would round every partial sum). torch's CPU build has no bf16 x bf16 ->
-float32 product, so the inputs were widened and multiplied at the float32 rate; MKL, which that
-build carries, has one (``cblas_gemm_bf16bf16f32``: bf16 products summed in float32, on the
-CPU's bf16 instructions where it has them). ``add_product`` uses it where torch carries it and
+float32 product (widened first, the inputs multiply at the float32 rate); MKL, which that build
+carries, has one (``cblas_gemm_bf16bf16f32``: bf16 products summed in float32, on the CPU's
+bf16 instructions where it has them). ``add_product`` uses it where torch carries it and
 widens otherwise; ``add_product_ref`` is the plain product it is held to.
 
 Measured (BENCHMARKS.md "Scale"): a 256-row X^T X at 18,944 inputs, 2 threads, Intel with
