@@ -300,9 +300,10 @@ def test_forecasts_for_the_written_codes_hold_on_the_reference_model(tmp_path):
     """llama-ref, the calibrated measure with its default check (gptq codes at its two points;
     16 windows for the second moments and the written codes' sequential pass instead of 48):
     the forecast of gptq codes, scaled by the check, against the KL measured on 4,096 held-out
-    tokens is within 30% at every budget; for the default tuned codes (25 steps a block here)
-    the same forecast is a bound from above: at least 0.9x their measured KL (noise), at most
-    2x (Zen 3: gptq 1.01x, 0.95x, 1.17x; tuned 1.05x, 1.11x, 1.30x at 3.25, 4.25, 5.5 bits)."""
+    tokens is within 30% at the budgets' two ends; for the tuned codes (25 steps a block here,
+    and no end-to-end scales, which only lower the KL further and are tested on their own) the
+    same forecast is a bound from above: at least 0.9x their measured KL (noise), at most 2x
+    (Zen 3: gptq 0.89x, 1.05x; tuned 1.05x, 1.37x at 3.25 and 5.5 bits)."""
     from dynquant.pipeline.allocate.forecast import forecast
     from dynquant.pipeline.report.frontier import evaluate_checkpoints
 
@@ -313,8 +314,8 @@ def test_forecasts_for_the_written_codes_hold_on_the_reference_model(tmp_path):
     doc = json.loads(maps.read_text())
     assert doc["forecast_check"]["codes"] == "gptq"
     assert [p["measured_kl"] > 0 for p in doc["forecast_check"]["points"]] == [True, True]
-    budgets = (3.25, 4.25, 5.5)
-    codes = {"gptq": ["--quantizer", "gptq"], "tuned": ["--tune-steps", "25"]}
+    budgets = (3.25, 5.5)
+    codes = {"gptq": ["--quantizer", "gptq"], "tuned": ["--tune-steps", "25", "--e2e-steps", "0"]}
     names = []
     for budget in budgets:
         for kind, flags in codes.items():
