@@ -242,9 +242,10 @@ def print_cost_model(rate: dict[str, float]) -> None:
             p = project(s, w, rate)
             total = sum(p.values())
             driver = sum(v for k, v in p.items() if "driver" in k)
+            # the tuned codes' other schedules; a gptq run has no tuning to move or leave out
             others = [sum(project(s, w, rate, "float").values())] + [
-                sum(project(s, w, rate, chain=k).values()) for k in CHAINS]
-            gptq = total - p[TUNING] - p.get(END_TO_END, 0.0)
+                sum(project(s, w, rate, chain=k).values()) for k in CHAINS] if tuned else []
+            gptq = total - p.get(TUNING, 0.0) - p.get(END_TO_END, 0.0)
             e2e = end_to_end_work(s) / rate["e2e"] if asked else 0.0
             print(f"| {s.name} | {w} | "
                   + " | ".join(_duration(p[k]) if k in p else "-" for k in parts)
