@@ -50,6 +50,7 @@ from dynquant.pipeline.codes.end_to_end import (
 )
 from dynquant.pipeline.codes.sequential_gptq import OUTPUT_SHARD_SEQS
 from dynquant.pipeline.codes.tuned_scales import ScaleTuning, check_windows
+from dynquant.pipeline.measure.options import MeasureOptions
 
 WINDOWS, MOMENT_WINDOWS, WINDOW, SHARD, STAT_WINDOWS = 48, 16, 256, 8, 8
 RATIO_ROWS = 256  # rows a gptq ratio compensates, at each of 4 widths
@@ -58,6 +59,9 @@ TUNING = "scale tuning (driver)"
 TARGETS = "the float model's outputs (workers)"
 JOBS = "jobs beside the pass, after it (workers)"
 END_TO_END = "end-to-end scales (driver)"
+# a block's Fisher pass in forwards' multiply-adds: its forward, its taps' x dW^T (a forward's
+# products), and an input-gradient backward (a forward's) for each label draw
+FISHER_FORWARDS = 2 + MeasureOptions().fisher_draws
 
 
 @dataclass(frozen=True)
@@ -152,7 +156,7 @@ def head_work(s: Shape) -> dict[str, float]:
 def project(s: Shape, workers: int, rate: dict[str, float], mode: str = "quantized",
             chain: int = 0) -> dict[str, float]:
     """Seconds of each part of the run on ``workers`` (rates in multiply-adds per second:
-    ``pass``, ``stats``, ``fisher`` (forward multiply-adds of the backward's windows per s),
+    ``pass``, ``stats``, ``fisher`` (``FISHER_FORWARDS`` forwards of the backward's windows),
     ``fisher_head`` (logits per s), ``gptq``, ``factor``; ``tune``: the tuning steps',
     for tuned codes; ``e2e``: the end-to-end scales', run for tuned codes up to
     ``AUTO_MAX_WEIGHTS`` quantized weights where measured). ``mode``: the default
@@ -174,7 +178,7 @@ def project(s: Shape, workers: int, rate: dict[str, float], mode: str = "quantiz
             moments * s.layers / workers) + moments / (MOMENT_WINDOWS // SHARD))
     measure = {  # per block, but the X^T X pass's whole
         "statistics (workers)": small["forward"] / rate["stats"] / min(workers, STAT_WINDOWS),
-        "Fisher backward (workers)": small["forward"] / rate["fisher"]
+        "Fisher backward (workers)": FISHER_FORWARDS * small["forward"] / rate["fisher"]
         / min(workers, STAT_WINDOWS // CLUSTER_SHARD_SEQS),
     }
     gptq = {  # the sequential pass, one block after the other

@@ -38,6 +38,7 @@ from pathlib import Path
 import torch
 
 from benchmarks.calibrated_cost import (
+    FISHER_FORWARDS,
     MOMENT_WINDOWS,
     SEVEN_B,
     STAT_WINDOWS,
@@ -323,7 +324,7 @@ def main() -> None:
     # outputs twice on every window (the float block's targets, the tuned codes' outputs)
     outputs = (2 + len(check_windows(WINDOWS)) / WINDOWS) if tune_s else 1
     work = {"pass": measured["forward"] + measured["moments"] + big["ratios"],
-            "stats": small["forward"], "fisher": small["forward"],
+            "stats": small["forward"], "fisher": FISHER_FORWARDS * small["forward"],
             "gptq": sum(big[k] for k in ("partial", "moments", "factors", "compensate"))
             + outputs * big["forward"],
             # (the whole model's, not a layer's: the head's products are in every step)
