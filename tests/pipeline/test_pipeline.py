@@ -67,7 +67,8 @@ def test_calibrated_methods_measure_every_expert_bank(hybrid_dir, tmp_path, meth
 
 def test_quantize_with_budget_end_to_end(hybrid_dir, tmp_path):
     out = tmp_path / "q"
-    short = ["--calib-len", "64", "--gptq-seqs", "8", "--tune-steps", "10"]  # the path, not quality
+    # the path, not quality (the end-to-end scales: tests/pipeline/test_end_to_end.py)
+    short = ["--calib-len", "64", "--gptq-seqs", "8", "--tune-steps", "10", "--e2e-steps", "0"]
     assert main(["quantize", str(hybrid_dir / "src"), "-o", str(out), "--budget", "5.0",
                  "--calib", str(hybrid_dir / "calib.txt"), "--quiet", *short]) == 0
     assert validate_checkpoint(str(out)) == []
