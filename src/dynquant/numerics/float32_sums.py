@@ -46,6 +46,12 @@ def _operand(t: torch.Tensor) -> tuple[int, int] | None:
     return None
 
 
+def product_input(x: torch.Tensor) -> torch.Tensor:
+    """``x`` as ``add_product`` multiplies it best: bf16 kept bf16 (contiguous, so that MKL's
+    product takes its views), any other dtype widened to float32."""
+    return x.contiguous() if x.dtype == torch.bfloat16 else x.float()
+
+
 def add_product_ref(c: torch.Tensor, a: torch.Tensor, b: torch.Tensor) -> None:
     """``c += a @ b`` in float32, the inputs widened."""
     c.addmm_(a.float(), b.float())
@@ -70,4 +76,4 @@ def add_product(c: torch.Tensor, a: torch.Tensor, b: torch.Tensor) -> None:
          b.data_ptr(), layout_b[1], 1.0, c.data_ptr(), max(n, 1))
 
 
-__all__ = ["add_product", "add_product_ref"]
+__all__ = ["add_product", "add_product_ref", "product_input"]

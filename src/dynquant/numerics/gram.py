@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import torch
 
-from dynquant.numerics.float32_sums import add_product
+from dynquant.numerics.float32_sums import add_product, product_input
 
 # Columns per block: at 1,024 the diagonal blocks (computed whole) add 1,024 / n of the full
 # product's work, and each product is still large enough for the GEMM to run at its peak.
@@ -39,8 +39,7 @@ class GramAccumulator:
 
     def add(self, x: torch.Tensor) -> None:
         """Add ``x`` [..., width]'s X^T X (its rows flattened; bf16 stays bf16)."""
-        x = x.detach().reshape(-1, self.width)
-        x = x.contiguous() if x.dtype == torch.bfloat16 else x.float()
+        x = product_input(x.detach().reshape(-1, self.width))
         for strip, (start, end) in zip(self.strips, _strips(self.width), strict=True):
             add_product(strip, x[:, :end].T, x[:, start:end])
         self.rows += x.shape[0]

@@ -13,7 +13,7 @@ import torch
 from safetensors.torch import save_file
 from torch import nn
 
-from dynquant.numerics.float32_sums import add_product
+from dynquant.numerics.float32_sums import add_product, product_input
 from dynquant.numerics.gram import GramAccumulator
 from dynquant.pipeline.calibrate.bank_products import BankProducts
 
@@ -89,8 +89,7 @@ class InputStatistics:
 
     def _expert(self, bank: str, expert: int, x: torch.Tensor, rows: bool) -> None:
         """One expert's product: its routed tokens ``x`` [tokens, in]."""
-        x = x.detach().reshape(-1, x.shape[-1])
-        x = x.contiguous() if x.dtype == torch.bfloat16 else x.float()
+        x = product_input(x.detach().reshape(-1, x.shape[-1]))
         tokens = f"{bank}.routed_tokens"
         if tokens not in self.routed:
             experts = self._active[-1].banks[bank].shape[0]
