@@ -301,9 +301,8 @@ def _calibrate(source: ModelSource, weights: WeightSource, quantizable: list[Ten
                 [] if taker is None else [taker])  # (in this order: the taker pops them)
             head_moments = _moments_pass(source, weights, modules, opts, sinks, method,
                                          progress, executor, spill)
-            if taker is not None:  # an untied head's ratio as a block Linear's, from its moments
-                taker(len(stream.blocks), {m: h for m, h in head_moments.items()
-                                           if m not in tied}, lambda _: None)
+            if taker is not None:
+                taker.head({m: h for m, h in head_moments.items() if m not in tied})
                 ratios.update(taker.collect())
         chooser = _chooser(opts, stats, out)  # gptq pricing: reads the moments' files
 
@@ -386,6 +385,14 @@ class _RatioSink:
 
     def __call__(self, block: int, moments: dict[str, torch.Tensor],
                  say: Callable[[str], None]) -> None:
+        """The moments pass's sink: block ``block``'s Linears' moments."""
+        self._submit(moments, say)
+
+    def head(self, moments: dict[str, torch.Tensor]) -> None:
+        """An untied head's moments (from the pass's end): its ratios as a block Linear's."""
+        self._submit(moments, lambda _: None)
+
+    def _submit(self, moments: dict[str, torch.Tensor], say: Callable[[str], None]) -> None:
         names = [m for m in moments if m in self.linears]
         jobs = []
         with heap_served():  # each ratio's error sums remake the same chunks of rows
